@@ -1,0 +1,3 @@
+from selfspec.cache.kv import KVCache
+
+__all__ = ["KVCache"]

@@ -1,0 +1,32 @@
+"""One KV cache shared by every mode: draft writes into it, verify overwrites the same positions.
+
+Rows past `length` are stale scratch (rejected drafts); attention never reads them because a query at
+position p reads keys 0..p only, and every key it reads was written in the current or an earlier pass.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0  # positions 0..length-1 hold committed tokens' KV
+
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, Hkv, T, D] at positions pos [T]; return this layer's keys/values 0..max(pos)."""
+        self.k[layer].index_copy_(2, pos, k.to(self.k.dtype))
+        self.v[layer].index_copy_(2, pos, v.to(self.v.dtype))
+        end = int(pos[-1]) + 1
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def commit(self, length: int) -> None:
+        """Keep positions 0..length-1; anything after is discarded (rollback of rejected drafts)."""
+        self.length = length
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2

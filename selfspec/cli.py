@@ -1,0 +1,77 @@
+"""Command line: `selfspec generate`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from selfspec.errors import SelfspecError
+from selfspec.quant.modes import MODES
+from selfspec.spec.recipes import PRESETS
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="named model, HF directory or .gguf file (default: smollm2-135m)")
+    p.add_argument("--recipe", default=None, choices=list(PRESETS), help="stored format + draft + verify (default: planes)")
+    p.add_argument("--draft", default=None, metavar="MODE", help=f"draft mode, one of: {', '.join(MODES)}")
+    p.add_argument("--verify", default=None, metavar="MODE", help="verify mode (the output's precision)")
+    p.add_argument("--gamma", type=int, default=4, help="drafted tokens per round (0: autoregressive)")
+    p.add_argument("--group-size", type=int, default=128, help="quantization group size along K")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="selfspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text, streamed to stdout; stats to stderr")
+    add_model_args(g)
+    g.add_argument("--prompt", default=None, help="prompt text (default: read stdin)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text + stats) instead of streaming")
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    import selfspec
+    from selfspec.spec.sampling import SamplingParams
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens, args.stop)
+    if not prompt.strip():
+        raise SelfspecError("the prompt is empty; give some text with --prompt or on stdin")
+    llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device)
+    out = None
+    for text, _, out in llm.stream(prompt, params, chat=args.chat):
+        if not args.json:
+            print(text, end="", flush=True)
+    r = llm.recipe
+    info = {"model": llm.description, "recipe": r.name, "storage": r.storage, "draft": r.draft,
+            "verify": r.verify, "gamma": llm.gamma}
+    if args.json:
+        print(json.dumps({"text": out.text, "finish_reason": out.finish_reason, **info, "stats": out.stats.to_dict()}))
+    else:
+        print()
+        print(f"[{info['model']} | recipe {r.name}: {r.storage} weights, draft {r.draft}, verify {r.verify}, "
+              f"gamma {llm.gamma}] {out.stats.summary()}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        {"generate": cmd_generate}[args.command](args)
+    except SelfspecError as e:
+        print(f"selfspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

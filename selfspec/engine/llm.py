@@ -1,0 +1,129 @@
+"""The Python API: load a model once under a recipe, then generate (whole or streamed)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from selfspec.engine.stats import GenerationStats
+from selfspec.errors import SelfspecError
+from selfspec.model import Transformer
+from selfspec.quant.modes import get_mode
+from selfspec.spec.decode import decode
+from selfspec.spec.recipes import Recipe, resolve_recipe
+from selfspec.spec.sampling import SamplingParams
+
+MAX_GAMMA = 32
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class LLM:
+    def __init__(self, model: Transformer, tokenizer, recipe: Recipe, gamma: int = 4, description: str = ""):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.recipe = recipe
+        self.gamma = gamma
+        self.description = description
+        self.verify_mode = get_mode(recipe.verify)
+        self.draft_mode = get_mode(recipe.draft) if recipe.draft else None
+        self.eos_ids = set(model.cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            ids = prompt
+        else:
+            if not prompt.strip():
+                raise SelfspecError("the prompt is empty; give some text with --prompt or on stdin")
+            if self.tokenizer is None:
+                raise SelfspecError("this model has no tokenizer files; pass token ids instead of text")
+            if chat:
+                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                         add_generation_prompt=True, tokenize=True)
+                ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            else:
+                ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise SelfspecError("the prompt is empty after tokenization")
+        limit = self.model.cfg.max_seq_len
+        if len(ids) >= limit:
+            raise SelfspecError(f"the prompt has {len(ids)} tokens; the model's context window is {limit}")
+        return ids
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, chat: bool = False,
+               gamma: int | None = None) -> Iterator[tuple[str, list[int], Generation]]:
+        """Yield (new text, new token ids, running Generation) as tokens are accepted."""
+        params = params or SamplingParams()
+        gamma = self.gamma if gamma is None else gamma
+        check_gamma(gamma)
+        ids = self.encode(prompt, chat)
+        params.max_new_tokens = min(params.max_new_tokens, self.model.cfg.max_seq_len - len(ids))
+        out = Generation("", [], "length", GenerationStats(prompt_tokens=len(ids)))
+        t0 = time.perf_counter()
+        draft = self.draft_mode if gamma > 0 else None
+        for chunk in decode(self.model, ids, self.verify_mode, draft, gamma, params, out.stats):
+            chunk = chunk[: params.max_new_tokens - len(out.token_ids)]
+            if not params.ignore_eos:
+                eos_at = next((i for i, t in enumerate(chunk) if t in self.eos_ids), None)
+                if eos_at is not None:
+                    chunk, out.finish_reason = chunk[:eos_at], "stop"
+            new_text = self._extend(out, chunk, params)
+            out.stats.total_s = time.perf_counter() - t0
+            out.stats.new_tokens = len(out.token_ids)
+            yield new_text, chunk, out
+            if out.finish_reason == "stop" or len(out.token_ids) >= params.max_new_tokens:
+                break
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, chat: bool = False,
+                 gamma: int | None = None) -> Generation:
+        out = None
+        for _, _, out in self.stream(prompt, params, chat, gamma):
+            pass
+        return out
+
+    def _extend(self, out: Generation, chunk: list[int], params: SamplingParams) -> str:
+        """Append tokens and return the new text, cut at the first stop string."""
+        out.token_ids.extend(chunk)
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        for s in params.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text, out.finish_reason = text[:cut], "stop"
+        new, out.text = text[len(out.text):], text
+        return new
+
+
+def check_gamma(gamma: int) -> None:
+    if not 0 <= gamma <= MAX_GAMMA:
+        raise SelfspecError(f"gamma must be between 0 and {MAX_GAMMA} drafted tokens per round, got {gamma}")
+
+
+def build(cfg, state_dict, tokenizer, recipe: Recipe, group_size: int = 128, gamma: int = 4,
+          device: str = "cpu", description: str = "") -> LLM:
+    model = Transformer(cfg, state_dict)
+    state_dict.clear()  # the float weights are now owned by the model (or freed once quantized)
+    model.quantize(recipe.storage, group_size)
+    return LLM(model.to(device), tokenizer, recipe, gamma, description)
+
+
+def load(model: str | None = None, recipe: str | None = None, draft: str | None = None, verify: str | None = None,
+         gamma: int = 4, group_size: int = 128, device: str = "cpu") -> LLM:
+    """Load a named model, HF directory or .gguf file under a recipe (default: `planes`)."""
+    from selfspec.loading import resolve
+
+    check_gamma(gamma)
+    rec = resolve_recipe(recipe, draft, verify)
+    cfg, sd, tok, desc = resolve(model)
+    return build(cfg, sd, tok, rec, group_size, gamma, device, desc)

@@ -1,0 +1,37 @@
+"""The op table: (op, variant, device type) -> implementation.
+
+The model calls ops by name; `lookup` picks the entry registered for the tensor's device and falls back
+to the torch reference ("any"), which runs everywhere and is the oracle every fast kernel is tested
+against. A GPU backend adds entries; the model and the decoding loop do not change.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+_TABLE: dict[tuple[str, str, str], Callable] = {}
+
+
+def register(op: str, variant: str = "", device: str = "any") -> Callable[[Callable], Callable]:
+    def deco(fn: Callable) -> Callable:
+        _TABLE[(op, variant, device)] = fn
+        return fn
+
+    return deco
+
+
+def lookup(op: str, variant: str, device: str) -> Callable:
+    fn = _TABLE.get((op, variant, device)) or _TABLE.get((op, variant, "any"))
+    if fn is None:
+        raise KeyError(f"no implementation of op '{op}' ({variant or 'default'}) for device '{device}'")
+    return fn
+
+
+def reference_op(op: str, variant: str = "") -> Callable:
+    """The torch reference of an op (for tests of fast kernels)."""
+    return _TABLE[(op, variant, "any")]
+
+
+import selfspec.kernels.reference  # noqa: E402,F401  (registers the references)
+from selfspec.kernels.ops import attention, linear, rms_norm, rope, swiglu  # noqa: E402
+
+__all__ = ["register", "lookup", "reference_op", "linear", "rms_norm", "rope", "attention", "swiglu"]

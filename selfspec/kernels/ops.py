@@ -1,0 +1,29 @@
+"""What the model calls: each op looks itself up in the table by the device of its input."""
+from __future__ import annotations
+
+import torch
+
+from selfspec import kernels
+from selfspec.quant.formats import QuantWeight
+from selfspec.quant.modes import Mode
+
+
+def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return kernels.lookup("linear", weight.storage, x.device.type)(x, weight, mode, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return kernels.lookup("rms_norm", "", x.device.type)(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return kernels.lookup("rope", "", x.device.type)(x, cos, sin)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return kernels.lookup("swiglu", "", gate.device.type)(gate, up)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, T, D] at positions q_pos [T]; k, v [B, Hkv, S, D] hold keys 0..S-1 (GQA when Hkv < Hq)."""
+    return kernels.lookup("attention", "", q.device.type)(q, k, v, q_pos)

@@ -1,0 +1,57 @@
+"""Torch reference ops: plain, device-agnostic, the semantics every fast kernel must reproduce."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from selfspec.kernels import register
+from selfspec.quant.act import fake_quantize_per_token
+from selfspec.quant.formats import STORAGES, QuantWeight
+from selfspec.quant.modes import Mode
+
+
+def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None) -> torch.Tensor:
+    weight.check(mode)
+    if mode.name == "fp32":
+        dtype = torch.float32
+    elif mode.name == "bf16":
+        dtype = torch.bfloat16
+    else:
+        dtype = x.dtype
+    if mode.act_bits is not None:
+        x = fake_quantize_per_token(x, mode.act_bits)
+    w = weight.dequantize(mode).to(dtype)
+    y = F.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))
+    return y.to(x.dtype)
+
+
+for _storage in STORAGES:
+    register("linear", _storage)(linear)
+
+
+@register("rms_norm")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+@register("rope")
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout); x [B, H, T, D], cos/sin [T, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+@register("swiglu")
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+@register("attention")
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    n_rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(n_rep, dim=1)
+    v = v.repeat_interleave(n_rep, dim=1)
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos[:, None]  # causal, offset by q_pos
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)

@@ -1,0 +1,171 @@
+"""Decoder-only transformer (Llama, Mistral, Qwen2/2.5, Qwen3) whose every linear runs in a chosen mode.
+
+forward(tokens, positions, cache, mode): `mode` is a value passed down the call, not a second model:
+each linear reads its one stored weight the way the mode says.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from selfspec.cache import KVCache
+from selfspec.config import ModelConfig
+from selfspec.errors import SelfspecError
+from selfspec.kernels import attention, linear, rms_norm, rope, swiglu
+from selfspec.quant.formats import DenseWeight, QuantWeight, quantize_weight
+from selfspec.quant.modes import MODES, Mode
+
+
+class Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight: QuantWeight = DenseWeight(weight)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor, mode: Mode) -> torch.Tensor:
+        return linear(x, self.weight, mode, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], p: str):
+        super().__init__()
+        self.cfg = cfg
+        self.wq = Linear(sd[p + "q_proj.weight"], sd.get(p + "q_proj.bias"))
+        self.wk = Linear(sd[p + "k_proj.weight"], sd.get(p + "k_proj.bias"))
+        self.wv = Linear(sd[p + "v_proj.weight"], sd.get(p + "v_proj.bias"))
+        self.wo = Linear(sd[p + "o_proj.weight"])
+        self.q_norm = RMSNorm(sd[p + "q_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(sd[p + "k_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache, layer: int, mode: Mode) -> torch.Tensor:
+        b, t, _ = x.shape
+        hd = self.cfg.head_dim
+        q = self.wq(x, mode).view(b, t, -1, hd)
+        k = self.wk(x, mode).view(b, t, -1, hd)
+        v = self.wv(x, mode).view(b, t, -1, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        keys, values = cache.write(layer, pos, k, v)
+        out = attention(q, keys, values, pos)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1), mode)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, sd: dict[str, torch.Tensor], p: str):
+        super().__init__()
+        self.gate = Linear(sd[p + "gate_proj.weight"])
+        self.up = Linear(sd[p + "up_proj.weight"])
+        self.down = Linear(sd[p + "down_proj.weight"])
+
+    def forward(self, x: torch.Tensor, mode: Mode) -> torch.Tensor:
+        return self.down(swiglu(self.gate(x, mode), self.up(x, mode)), mode)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], i: int):
+        super().__init__()
+        p = f"model.layers.{i}."
+        self.attention_norm = RMSNorm(sd[p + "input_layernorm.weight"], cfg.norm_eps)
+        self.attention = Attention(cfg, sd, p + "self_attn.")
+        self.ffn_norm = RMSNorm(sd[p + "post_attention_layernorm.weight"], cfg.norm_eps)
+        self.feed_forward = FeedForward(sd, p + "mlp.")
+
+    def forward(self, x, pos, cos, sin, cache, layer, mode):
+        x = x + self.attention(self.attention_norm(x), pos, cos, sin, cache, layer, mode)
+        return x + self.feed_forward(self.ffn_norm(x), mode)
+
+
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with llama3 / linear scaling when the config asks for it."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        return inv / rs["factor"]
+    if kind == "llama3":
+        factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_ctx = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        is_mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        return torch.where(is_mid, mid, scaled)
+    raise SelfspecError(f"unsupported rope scaling '{kind}'; supported: llama3, linear")
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor]):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(sd["model.embed_tokens.weight"], requires_grad=False)
+        self.layers = nn.ModuleList(Block(cfg, sd, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(sd["model.norm.weight"], cfg.norm_eps)
+        head = sd.get("lm_head.weight")
+        # Tied embeddings: the head is the embedding tensor itself, not a copy.
+        self.lm_head = DenseWeight(self.embed.data if head is None or cfg.tie_embeddings else head)
+        angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_frequencies(cfg))
+        emb = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", emb.cos().float(), persistent=False)
+        self.register_buffer("sin", emb.sin().float(), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
+
+    def quantize(self, storage: str, group_size: int = 128) -> None:
+        """Replace every block linear's weight by its stored format (the head stays dense)."""
+        for lin in self.linears():
+            lin.weight = quantize_weight(lin.weight.weight, storage, group_size)
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        c = self.cfg
+        return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode) -> torch.Tensor:
+        """tokens [B, T] at positions pos [T] -> logits [B, T, vocab] (float32)."""
+        x = self.embed[tokens]
+        cos, sin = self.cos[pos], self.sin[pos]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, pos, cos, sin, cache, i, mode)
+        return linear(self.norm(x), self.lm_head, self.head_mode(mode), None).float()
+
+    def head_mode(self, mode: Mode) -> Mode:
+        """The head stays dense: it runs in the model's own precision unless the mode is a dense one."""
+        if mode.dense:
+            return mode
+        return MODES["fp32" if self.dtype == torch.float32 else "bf16"]
+
+    def weight_bytes(self) -> int:
+        """Bytes of every distinct tensor the model holds (shared tensors counted once)."""
+        seen, total = set(), 0
+        for t in list(self.parameters()) + list(self.buffers(recurse=True)):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total

@@ -1,0 +1,41 @@
+"""Execution modes: how one stored weight is read (weight bits) and how activations enter (act bits)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from selfspec.errors import SelfspecError
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    weight_bits: int  # 32/16: dense weights; 8 or 4: integer weights
+    act_bits: int | None = None  # None: activations stay in floating point
+    planes_only: bool = False  # `upper`/`full` name a view of the INT8-plane format
+
+    @property
+    def dense(self) -> bool:
+        return self.weight_bits >= 16
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("fp32", 32),
+        Mode("bf16", 16),
+        Mode("w8a16", 8),
+        Mode("w8a8", 8, 8),
+        Mode("w4a16", 4),
+        Mode("w4a8", 4, 8),
+        Mode("w4a4", 4, 4),
+        Mode("upper", 4, planes_only=True),
+        Mode("full", 8, planes_only=True),
+    )
+}
+
+
+def get_mode(name: str) -> Mode:
+    try:
+        return MODES[name]
+    except KeyError:
+        raise SelfspecError(f"unknown mode '{name}'; choose one of: {', '.join(MODES)}") from None

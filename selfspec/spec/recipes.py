@@ -1,0 +1,53 @@
+"""Recipes: a stored weight format plus a draft mode and a verify mode, all reading one copy."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from selfspec.errors import SelfspecError
+from selfspec.quant.formats import storage_supports
+from selfspec.quant.modes import get_mode
+
+# Cheapest first: when the user names modes, the first storage that runs both is used.
+STORAGE_PREFERENCE = ("int4", "int8", "planes", "dense")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    storage: str
+    verify: str
+    draft: str | None  # None: autoregressive decoding in the verify mode
+
+    @property
+    def speculative(self) -> bool:
+        return self.draft is not None
+
+
+PRESETS = {
+    "ar": Recipe("ar", "dense", "fp32", None),
+    "qspec": Recipe("qspec", "int4", "w4a16", "w4a4"),
+    "planes": Recipe("planes", "planes", "full", "upper"),
+}
+
+
+def resolve_recipe(name: str | None = None, draft: str | None = None, verify: str | None = None) -> Recipe:
+    """A preset, optionally with its modes overridden; the storage is re-chosen if a mode needs it."""
+    name = name or ("ar" if draft is None and verify is not None else "planes")
+    if name not in PRESETS:
+        raise SelfspecError(f"unknown recipe '{name}'; choose one of: {', '.join(PRESETS)}")
+    base = PRESETS[name]
+    if name == "ar" and draft is not None:
+        raise SelfspecError("recipe 'ar' does not draft; drop --draft or pick a speculative recipe")
+    verify = verify or base.verify
+    draft = draft or base.draft
+    modes = [get_mode(m) for m in (verify, draft) if m is not None]
+    if all(storage_supports(base.storage, m) for m in modes):
+        return Recipe(name, base.storage, verify, draft)
+    for storage in STORAGE_PREFERENCE:
+        if all(storage_supports(storage, m) for m in modes):
+            return Recipe(name, storage, verify, draft)
+    pair = f"draft '{draft}' and verify '{verify}'" if draft else f"mode '{verify}'"
+    raise SelfspecError(
+        f"no stored weight format runs {pair} from one copy of the weights: INT4 runs w4a16/w4a8/w4a4, "
+        f"INT8 runs w8a16/w8a8, INT8 planes run every w4*/w8* mode plus upper/full, dense runs fp32/bf16"
+    )
