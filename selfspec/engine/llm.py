@@ -110,6 +110,22 @@ def check_gamma(gamma: int) -> None:
         raise SelfspecError(f"gamma must be between 0 and {MAX_GAMMA} drafted tokens per round, got {gamma}")
 
 
+def check_group_size(group_size: int) -> None:
+    if group_size < 1:
+        raise SelfspecError(f"group size must be >= 1 (weights per quantization group along K), got {group_size}")
+
+
+def check_device(device: str) -> None:
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise SelfspecError(f"unknown device '{device}'; use cpu or cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise SelfspecError(f"device '{device}' asked for, but no CUDA device is available to torch")
+
+
 def build(cfg, state_dict, tokenizer, recipe: Recipe, group_size: int = 128, gamma: int = 4,
           device: str = "cpu", description: str = "") -> LLM:
     model = Transformer(cfg, state_dict)
@@ -124,6 +140,8 @@ def load(model: str | None = None, recipe: str | None = None, draft: str | None 
     from selfspec.loading import resolve
 
     check_gamma(gamma)
+    check_group_size(group_size)
+    check_device(device)
     rec = resolve_recipe(recipe, draft, verify)
     cfg, sd, tok, desc = resolve(model)
     return build(cfg, sd, tok, rec, group_size, gamma, device, desc)

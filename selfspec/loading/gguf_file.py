@@ -42,6 +42,12 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         reader = GGUFReader(path)
     except (ValueError, IndexError, KeyError, OSError, EOFError) as e:
         raise SelfspecError(f"{path} is not a readable GGUF file: {e}") from e
+    # The reader maps tensors past the end of a truncated file without complaint; check up front.
+    needed = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if needed > reader.data.size:
+        raise SelfspecError(
+            f"{path} is not a readable GGUF file: it is truncated ({reader.data.size} bytes, tensors need {needed})"
+        )
     meta = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -57,7 +63,7 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             raw[t.name] = data.reshape([int(d) for d in reversed(t.shape)])
         except NotImplementedError as e:
             raise SelfspecError(f"{path}: tensor {t.name} has an unsupported type: {e}") from e
-        except ValueError as e:  # data runs past the end of a truncated file
+        except ValueError as e:  # a shape that does not fit the tensor's data
             raise SelfspecError(f"{path} is not a readable GGUF file: tensor {t.name}: {e}") from e
 
     config = _config(meta, raw, arch, path)

@@ -1,0 +1,224 @@
+"""Triton GEMM y = x @ W^T (+ bias) read straight from every stored weight format.
+
+One kernel, specialised at compile time by how it reads W (FMT) and whether activations are quantized (ACT):
+- weight-only modes (bf16, w8a16, w4a16, upper, full) dequantize the weight tile in registers and run a
+  bf16 tl.dot with fp32 accumulation;
+- activation-quantized modes (w8a8, w4a8, w4a4) quantize x per token (`act_quant`: int8 codes and a row
+  scale), run an int8 tl.dot with int32 accumulation per K tile, and apply the weight's affine per tile:
+      y = sx * sum_tiles(s * dot(xq, q - shift) + (lo + shift * s) * sum(xq))
+  where unsigned weight codes are shifted into the signed int8 range and the shift is folded into the offset.
+
+Batch invariance (a row's output never depends on M): the tile config is a function of (format, mode, N, K)
+only, BLOCK_M is fixed, there is no split-K and every program walks the whole of K in the same order, so a
+row goes through the same instructions whatever M is; the other rows of its BLOCK_M tile never enter its sums.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from selfspec.kernels import register
+from selfspec.kernels.reference import linear as reference_linear
+from selfspec.quant.formats import STORAGES, QuantWeight
+from selfspec.quant.modes import Mode
+
+# How the kernel reads W. Formats from INT4 on are group-wise affine (w = lo + scale * q).
+DENSE = tl.constexpr(0)  # floats as stored
+INT8 = tl.constexpr(1)  # signed codes, per-channel scale (applied after the K loop)
+INT4 = tl.constexpr(2)  # nibbles
+UPPER = tl.constexpr(3)  # the upper nibble plane of the INT8-plane format, alone
+FULL = tl.constexpr(4)  # both planes: q8 = 16 * upper + lower
+
+BLOCK_M = 16  # fixed for every M (see the module docstring); the smallest tl.dot tile
+
+
+@triton.jit
+def _round_half_even(v):
+    # Adding 1.5 * 2^23 leaves no fraction bits, so the add rounds to an integer (ties to even, as torch.round)
+    # for |v| < 2^22; Triton does not reassociate float adds, so the pair is not folded away.
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, QMAX: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: scale = max|x| / QMAX, q = round(x / scale) (quant/act.py, exactly)."""
+    row = tl.program_id(0)
+    x_row = x_ptr + row * stride_xm
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < K, other=0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), 1e-8)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < K, other=0).to(tl.float32)
+        q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(x, scale)), -QMAX), QMAX)
+        tl.store(q_ptr + row * K + offs, q.to(tl.int8), mask=offs < K)
+    tl.store(s_ptr + row, scale)
+
+
+def act_quant(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q int8 [M, K], scale float32 [M, 1]): quant.act.quantize_per_token on the GPU."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    _act_quant_kernel[(m,)](x, q, scale, k, x.stride(0), QMAX=2.0 ** (bits - 1) - 1,
+                            BLOCK=min(triton.next_power_of_2(k), 1024))
+    return q, scale
+
+
+@triton.jit
+def _load_weight(w_ptr, w2_ptr, offs_n, k0, N, K, stride_wn, FMT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] tile of W at columns k0..: stored floats, int8 codes, or unsigned codes
+    unpacked from nibbles in registers (each stored byte is loaded once)."""
+    if FMT == DENSE or FMT == INT8:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+        q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
+    else:
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte b holds k = 2b (low nibble) and 2b + 1 (high)
+        ptrs = offs_n[:, None] * stride_wn + offs_b[None, :]
+        mask = (offs_n < N)[:, None] & (offs_b < K // 2)[None, :]
+        b = tl.load(w_ptr + ptrs, mask=mask, other=0)
+        q = tl.interleave(b & 15, b >> 4)
+        if FMT == FULL:  # the lower plane has the upper plane's layout
+            b = tl.load(w2_ptr + ptrs, mask=mask, other=0)
+            q = (q << 4) | tl.interleave(b & 15, b >> 4)
+    return q
+
+
+@triton.jit
+def _group_affine(scale_ptr, lo_ptr, offs_n, g, N, stride_sn, FMT: tl.constexpr):
+    """(scale, lo) [BLOCK_N] of quant group g, for the codes _load_weight returns: w = lo + scale * q."""
+    mask = offs_n < N
+    s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=mask, other=0)
+    lo = tl.load(lo_ptr + offs_n * stride_sn + g, mask=mask, other=0)
+    if FMT == UPPER:  # Int8PlanesWeight.upper_affine: scale 16 s, lo + 7.5 s
+        lo = lo + s * 7.5
+        s = s * 16
+    return s, lo
+
+
+@triton.jit
+def _signed(q, SHIFT: tl.constexpr):
+    """Weight codes as int8 dot operands: unsigned codes move down by SHIFT (folded into the offset)."""
+    if SHIFT != 0:
+        q = (q.to(tl.int16) - SHIFT).to(tl.int8)
+    return q
+
+
+@triton.jit(do_not_specialize=["M"])  # one binary for every M (no M == 1 or M % 16 variant)
+def _linear_kernel(
+    x_ptr, xs_ptr, w_ptr, w2_ptr, scale_ptr, lo_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+    FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # M tiles vary fastest, so the programs sharing one N tile of W run together and hit it in L2.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # all of K, in order, in this program: no split-K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x_mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0)
+        q = _load_weight(w_ptr, w2_ptr, offs_n, k0, N, K, stride_wn, FMT, BLOCK_K)
+        if FMT >= INT4:  # BLOCK_K divides GROUP, so the tile lies in one group
+            s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, FMT)
+        if ACT:
+            d = tl.dot(x, tl.trans(_signed(q, SHIFT)), out_dtype=tl.int32).to(tl.float32)
+            if FMT >= INT4:
+                x_sum = tl.sum(x.to(tl.int32), axis=1).to(tl.float32)
+                acc += d * s[None, :] + x_sum[:, None] * (lo + SHIFT * s)[None, :]
+            else:
+                acc += d
+        else:
+            if FMT >= INT4:
+                w = (q.to(tl.float32) * s[:, None] + lo[:, None]).to(tl.bfloat16)
+            elif FMT == INT8:
+                w = q.to(tl.float32).to(tl.bfloat16)  # via fp32: exact for int8 codes
+            else:
+                w = q.to(tl.bfloat16)
+            acc = tl.dot(x, tl.trans(w), acc)
+    if ACT:
+        acc = acc * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
+    if FMT == INT8:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)[None, :]
+    y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(tl.bfloat16), mask=y_mask)
+
+
+def kernel_format(weight: QuantWeight, mode: Mode) -> int | None:
+    """How the kernel reads `weight` in `mode`, or None where it does not cover the pair."""
+    if weight.storage == "dense":
+        return DENSE.value if mode.name == "bf16" else None  # fp32: the reference's fp32 GEMM
+    if weight.storage == "int8":
+        return INT8.value
+    group = weight.group_size
+    if group < 32 or group & (group - 1):  # a tile must fit in a group and int8 dots need K >= 32
+        return None
+    if weight.storage == "int4":
+        return INT4.value
+    return UPPER.value if mode.weight_bits == 4 else FULL.value
+
+
+def _config(fmt: int, act: bool, n: int, k: int, group: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): from the weight and the mode only, never from M (batch invariance)."""
+    block_n = 16 if n <= 8192 else 32 if n <= 32768 else 64  # enough N tiles to keep every SM busy at M = 1
+    if fmt >= INT4.value:
+        return block_n, min(group, 128)
+    return block_n, max(min(triton.next_power_of_2(k), 128), 32 if act else 16)
+
+
+def _shift(fmt: int) -> int:
+    """What moves a format's unsigned codes into the int8 range."""
+    return {INT8.value: 0, INT4.value: 8, UPPER.value: 8, FULL.value: 128}[fmt]
+
+
+def _tensors(weight: QuantWeight, fmt: int) -> tuple:
+    """(w, w2, scale, lo) pointers the kernel reads for a format."""
+    if fmt == DENSE.value:
+        return weight.weight, None, None, None
+    if fmt == INT8.value:
+        return weight.q, None, weight.scale, None
+    if fmt == INT4.value:
+        return weight.packed, None, weight.scale, weight.lo
+    return weight.upper, weight.lower if fmt == FULL.value else None, weight.scale, weight.lo
+
+
+def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None) -> torch.Tensor:
+    """The reference `linear` (any leading dims), on the Triton kernel where it covers the case."""
+    weight.check(mode)
+    fmt = kernel_format(weight, mode)
+    if fmt is None or x.dtype != torch.bfloat16:
+        # Not covered (fp32 mode, float32/fp16 activations, odd group sizes): the reference, explicitly.
+        return reference_linear(x, weight, mode, bias)
+    n, k = weight.shape
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    act = mode.act_bits is not None
+    xs = None
+    if act:
+        x2, xs = act_quant(x2, mode.act_bits)
+    group = getattr(weight, "group_size", 0)
+    block_n, block_k = _config(fmt, act, n, k, group)
+    w, w2, scale, lo = _tensors(weight, fmt)
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
+    _linear_kernel[grid](
+        x2, xs, w, w2, scale, lo, bias, y,
+        m, n, k, x2.stride(0), w.stride(0), 0 if lo is None else lo.stride(0), y.stride(0),
+        FMT=fmt, ACT=act, SHIFT=_shift(fmt) if act else 0, GROUP=group, HAS_BIAS=bias is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
+    )
+    return y.view(*x.shape[:-1], n)
+
+
+for _storage in STORAGES:
+    register("linear", _storage, "cuda")(linear)

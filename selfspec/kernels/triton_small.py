@@ -1,0 +1,92 @@
+"""Triton row-wise ops: rms_norm, rope (rotate-half), swiglu. One program per row (or elementwise): a row's
+output never depends on how many rows there are."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from selfspec.kernels import register
+
+
+def _warps(block: int) -> int:
+    return min(max(block // 256, 1), 16)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.float32)
+    r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    tl.store(y_ptr + row * D + offs, (x * r * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@register("rms_norm", "", "cuda")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(d)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, d, x2.stride(0), eps, BLOCK=block, num_warps=_warps(block))
+    return y.view(x.shape)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, T, stride_xb, stride_xh, stride_xt,
+                 HALF: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # one (b, h, t) row
+    t = row % T
+    h = (row // T) % H
+    b = row // (T * H)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    x_row = x_ptr + b * stride_xb + h * stride_xh + t * stride_xt
+    x1 = tl.load(x_row + offs, mask=mask, other=0).to(tl.float32)
+    x2 = tl.load(x_row + HALF + offs, mask=mask, other=0).to(tl.float32)
+    cs_row = t * 2 * HALF
+    c1 = tl.load(cos_ptr + cs_row + offs, mask=mask, other=0)
+    c2 = tl.load(cos_ptr + cs_row + HALF + offs, mask=mask, other=0)
+    s1 = tl.load(sin_ptr + cs_row + offs, mask=mask, other=0)
+    s2 = tl.load(sin_ptr + cs_row + HALF + offs, mask=mask, other=0)
+    y_row = y_ptr + row * 2 * HALF
+    dtype = y_ptr.dtype.element_ty
+    tl.store(y_row + offs, (x1 * c1 - x2 * s1).to(dtype), mask=mask)  # rotate_half: (-x2, x1)
+    tl.store(y_row + HALF + offs, (x2 * c2 + x1 * s2).to(dtype), mask=mask)
+
+
+@register("rope", "", "cuda")
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE; x [B, H, T, D] (any strides), cos/sin [T, D] float32."""
+    b, h, t, d = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((b, h, t, d), dtype=x.dtype, device=x.device)
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    _rope_kernel[(b * h * t,)](x, cos, sin, y, h, t, *x.stride()[:3], HALF=d // 2,
+                                BLOCK=triton.next_power_of_2(d // 2), num_warps=1)
+    return y
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0).to(tl.float32)
+    dtype = y_ptr.dtype.element_ty
+    silu = (g / (1 + tl.exp(-g))).to(dtype)  # F.silu rounds to the input dtype before the product
+    tl.store(y_ptr + offs, (silu.to(tl.float32) * u).to(dtype), mask=mask)
+
+
+@register("swiglu", "", "cuda")
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate.contiguous(), up.contiguous()
+    y = torch.empty_like(gate)
+    n = gate.numel()
+    _swiglu_kernel[(triton.cdiv(n, 1024),)](gate, up, y, n, BLOCK=1024, num_warps=4)
+    return y

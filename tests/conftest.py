@@ -1,0 +1,69 @@
+"""Shared helpers: tiny random transformers models built in memory (no files, no downloads)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from selfspec.config import ModelConfig
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+LLAMA3_ROPE = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+)
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A tiny random HF model -> (ModelConfig, HF-named float32 state dict (fresh copies), HF model).
+
+    Weights are scaled so activations and logits are O(1) (the HF init, std 0.02, leaves logits near 0,
+    where a parity test proves little) and norm weights / biases are randomised so a mix-up would show.
+    `overrides` go to the HF config (e.g. tie_word_embeddings=True, vocab_size=16, rope_parameters=...).
+    """
+    cfg_cls, model_cls = ARCHS[arch]
+    kw = {**TINY, **overrides}
+    if arch == "mistral":
+        kw.setdefault("sliding_window", None)
+    hf_cfg = cfg_cls(**kw)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn_like(p))
+            else:  # [out, in] projections, and an untied lm_head
+                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[1]))
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return ModelConfig.from_hf(hf_cfg.to_dict()), sd, model

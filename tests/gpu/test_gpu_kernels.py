@@ -1,0 +1,159 @@
+"""The compiled Triton kernels on a CUDA device at model shapes: float64 oracles, the torch references, and
+bitwise batch invariance (a row alone gives the same bits as among up to 300 rows)."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():  # before anything imports triton: the CPU tests may still interpret it
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from selfspec.kernels import lookup, reference_op, triton_attention, triton_linear, triton_small  # noqa: E402
+from selfspec.quant.act import quantize_per_token  # noqa: E402
+from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
+from selfspec.quant.modes import MODES  # noqa: E402
+
+if isinstance(triton_linear._linear_kernel, InterpretedFunction):
+    pytest.skip("TRITON_INTERPRET=1 was set before the kernels were imported: run tests/gpu on its own",
+                allow_module_level=True)
+
+DEV = "cuda"
+TOL = 5e-3  # relative (Frobenius) error vs float64: bf16 operands and outputs, fp32 sums
+PAIRS = [(s, m) for s in STORAGES for m in MODES if storage_supports(s, MODES[m]) and m != "fp32"]
+SHAPES = [(4096, 4096), (1024, 4096), (4096, 14336), (1536, 576)]  # N, K: 7B/8B layers; SmolLM2 (groups of 64)
+M_SPLITS = (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)
+
+
+def rel_err(y: torch.Tensor, oracle: torch.Tensor) -> float:
+    return ((y.double() - oracle).norm() / oracle.norm()).item()
+
+
+def linear_oracle(x, weight, mode, bias) -> torch.Tensor:
+    if mode.act_bits is None:
+        xe = x.double()
+    else:
+        q, s = quantize_per_token(x, mode.act_bits)
+        xe = q.double() * s.double()
+    y = xe @ weight.dequantize(mode).double().T
+    return y if bias is None else y + bias.double()
+
+
+def test_the_op_table_dispatches_cuda_to_triton():
+    for op, variant, fn in [("attention", "", triton_attention.attention), ("rms_norm", "", triton_small.rms_norm),
+                            ("rope", "", triton_small.rope), ("swiglu", "", triton_small.swiglu)]:
+        assert lookup(op, variant, DEV) is fn
+    for storage in STORAGES:
+        assert lookup("linear", storage, DEV) is triton_linear.linear
+
+
+@pytest.mark.parametrize("storage,mode_name", PAIRS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_linear(storage, mode_name, n, k):
+    torch.manual_seed(0)
+    mode = MODES[mode_name]
+    w = torch.randn(n, k, device=DEV)
+    weight = quantize_weight(w.bfloat16() if storage == "dense" else w, storage, 128)
+    assert triton_linear.kernel_format(weight, mode) is not None
+    bias = torch.randn(n, device=DEV).bfloat16() if k == 576 else None  # a bias on one shape (Qwen2 q/k/v have one)
+    x_big = torch.randn(300, k, device=DEV).bfloat16()
+    x = x_big[:64]
+    y = triton_linear.linear(x, weight, mode, bias)
+    oracle = linear_oracle(x, weight, mode, bias)
+    assert rel_err(y, oracle) < TOL
+    assert rel_err(reference_op("linear", storage)(x, weight, mode, bias), oracle) < TOL
+    for m in M_SPLITS:  # M = 1 vs M = k + 1: the shared rows, bit for bit
+        assert torch.equal(triton_linear.linear(x[:m], weight, mode, bias), y[:m]), f"M={m}"
+    for i in (5, 63):
+        assert torch.equal(triton_linear.linear(x[i:i + 1], weight, mode, bias), y[i:i + 1]), f"row {i} alone"
+    assert torch.equal(triton_linear.linear(x_big, weight, mode, bias)[:64], y)  # prefill: many M tiles
+
+
+def test_linear_head():
+    """The dense head (bf16): a vocabulary-sized N, the widest N tiles."""
+    torch.manual_seed(1)
+    weight = quantize_weight(torch.randn(49152, 576, device=DEV).bfloat16(), "dense")
+    x = torch.randn(9, 576, device=DEV).bfloat16()
+    y = triton_linear.linear(x, weight, MODES["bf16"], None)
+    assert rel_err(y, linear_oracle(x, weight, MODES["bf16"], None)) < TOL
+    assert torch.equal(triton_linear.linear(x[:1], weight, MODES["bf16"], None), y[:1])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_act_quant(bits):
+    torch.manual_seed(2)
+    x = torch.randn(64, 14336, device=DEV).bfloat16()
+    q, s = triton_linear.act_quant(x, bits)
+    q_ref, s_ref = quantize_per_token(x, bits)
+    # torch may divide by the scalar qmax through its reciprocal (1 ulp), which can move a tie by one code
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert (q.int() - q_ref.int()).abs().max() <= 1
+    assert (q != q_ref).float().mean() < 1e-4
+
+
+def attention_oracle(q, k, v, q_pos) -> torch.Tensor:
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(n_rep, 1), v.double().repeat_interleave(n_rep, 1)
+    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos[:, None]
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (9, 3, 64)])
+def test_attention_decode_and_verify(hq, hkv, d):
+    torch.manual_seed(3)
+    k_all = torch.randn(2, hkv, 4096, d, device=DEV).bfloat16()
+    v_all = torch.randn(2, hkv, 4096, d, device=DEV).bfloat16()
+    q = torch.randn(2, hq, 9, d, device=DEV).bfloat16()
+    pos = torch.arange(1492, 1501, device=DEV)  # verify 9 drafted tokens at the end of a 1.5k context
+    k, v = k_all[:, :, :1501], v_all[:, :, :1501]
+    out = triton_attention.attention(q, k, v, pos)
+    oracle = attention_oracle(q, k, v, pos)
+    assert rel_err(out, oracle) < TOL
+    assert rel_err(reference_op("attention")(q, k, v, pos), oracle) < TOL
+    for t in range(9):  # decode: each query alone, with keys up to its own position
+        p = int(pos[t])
+        alone = triton_attention.attention(q[:, :, t:t + 1], k_all[:, :, :p + 1], v_all[:, :, :p + 1], pos[t:t + 1])
+        assert torch.equal(alone[:, :, 0], out[:, :, t]), f"query {t}"
+
+
+def test_attention_prefill():
+    torch.manual_seed(4)
+    k = torch.randn(1, 8, 700, 128, device=DEV).bfloat16()
+    v = torch.randn(1, 8, 700, 128, device=DEV).bfloat16()
+    q = torch.randn(1, 32, 700, 128, device=DEV).bfloat16()
+    pos = torch.arange(700, device=DEV)
+    out = triton_attention.attention(q, k, v, pos)
+    assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
+    alone = triton_attention.attention(q[:, :, 650:651], k[:, :, :651], v[:, :, :651], pos[650:651])
+    assert torch.equal(alone, out[:, :, 650:651])
+
+
+def test_rms_norm():
+    torch.manual_seed(5)
+    x, w = torch.randn(1, 64, 4096, device=DEV).bfloat16(), torch.randn(4096, device=DEV).bfloat16()
+    y = triton_small.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(y, reference_op("rms_norm")(x, w, 1e-5))
+    assert torch.equal(triton_small.rms_norm(x[:, 7:8], w, 1e-5), y[:, 7:8])
+    qn = torch.randn(1, 9, 32, 128, device=DEV).bfloat16()  # qk-norm: per head
+    torch.testing.assert_close(triton_small.rms_norm(qn, w[:128], 1e-6), reference_op("rms_norm")(qn, w[:128], 1e-6))
+
+
+def test_rope():
+    torch.manual_seed(6)
+    x = torch.randn(1, 9, 32, 128, device=DEV).bfloat16().transpose(1, 2)  # [B, H, T, D] strided, as the model
+    angles = torch.outer(torch.arange(1492, 1501, device=DEV).double(), torch.rand(64, device=DEV).double())
+    cos, sin = torch.cat((angles, angles), -1).cos().float(), torch.cat((angles, angles), -1).sin().float()
+    y = triton_small.rope(x, cos, sin)
+    torch.testing.assert_close(y, reference_op("rope")(x, cos, sin))
+    assert torch.equal(triton_small.rope(x[:, :, 4:5], cos[4:5], sin[4:5]), y[:, :, 4:5])
+
+
+def test_swiglu():
+    torch.manual_seed(7)
+    gate = torch.randn(1, 64, 14336, device=DEV).bfloat16() * 4
+    up = torch.randn(1, 64, 14336, device=DEV).bfloat16()
+    y = triton_small.swiglu(gate, up)
+    torch.testing.assert_close(y, reference_op("swiglu")(gate, up))
+    assert torch.equal(triton_small.swiglu(gate[:, 3:4], up[:, 3:4]), y[:, 3:4])

@@ -1,0 +1,197 @@
+"""The CLI turns bad input into one clean line, `selfspec: error: ...`, a non-zero exit and no traceback;
+argument errors are reported before any model is loaded."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import selfspec.loading
+from conftest import tiny_model
+from selfspec.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+
+
+def save_byte_tokenizer(path: Path) -> None:
+    """A 256-token byte-level tokenizer (no merges): text in, ids 0..255 out, matching the tiny vocab."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=alphabet[2]).save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """(HF directory with a tokenizer, HF directory without one), both of a tiny random Llama."""
+    _, _, hf = tiny_model("llama", seed=0)
+    with_tok, no_tok = tmp_path_factory.mktemp("tiny"), tmp_path_factory.mktemp("tiny-notok")
+    hf.save_pretrained(with_tok)
+    hf.save_pretrained(no_tok)
+    save_byte_tokenizer(with_tok)
+    return with_tok, no_tok
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        rc = main(["generate", *args])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_clean_error(rc: int, err: str, *needles: str) -> None:
+    assert rc not in (0, None), err
+    assert err.startswith("selfspec: error: "), err
+    assert "Traceback" not in err
+    assert err.count("\n") == 1, err  # one line
+    for n in needles:
+        assert n in err, (n, err)
+
+
+def test_valid_run_succeeds(capsys, tiny_dirs):
+    """The baseline the error cases differ from: the tiny model generates."""
+    rc, out, err = run(capsys, "--model", str(tiny_dirs[0]), "--prompt", "hello", "--max-new-tokens", "6",
+                       "--group-size", "32")
+    assert rc == 0, err
+    assert "recipe planes" in err and "Traceback" not in err
+    rc, out, err = run(capsys, "--model", str(tiny_dirs[0]), "--prompt", "hello", "--max-new-tokens", "5",
+                       "--json", "--temperature", "0.8", "--top-p", "0.9", "--seed", "1", "--recipe", "qspec")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["recipe"] == "qspec" and res["storage"] == "int4" and res["stats"]["prompt_tokens"] == 5
+
+
+# Errors in the arguments: reported before any model is loaded (loading would fail the test).
+BEFORE_LOADING = {
+    "unknown verify mode": (["--verify", "w9a9"], "unknown mode 'w9a9'", "w4a16"),
+    "unknown draft mode": (["--draft", "int3"], "unknown mode 'int3'"),
+    "gamma -1": (["--gamma", "-1"], "gamma must be between 0 and 32", "got -1"),
+    "gamma 1000": (["--gamma", "1000"], "gamma must be between 0 and 32", "got 1000"),
+    "temperature -1": (["--temperature", "-1"], "temperature must be >= 0"),
+    "top-p 0": (["--top-p", "0"], "top-p must be in (0, 1]"),
+    "top-p 1.5": (["--top-p", "1.5"], "top-p must be in (0, 1]"),
+    "top-k -1": (["--top-k", "-1"], "top-k must be >= 0"),
+    "max-new-tokens 0": (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+    "empty prompt": (["--prompt", ""], "the prompt is empty"),
+    "blank prompt": (["--prompt", "  \n\t "], "the prompt is empty"),
+    "draft/verify pair": (["--draft", "w4a16", "--verify", "bf16"], "no stored weight format runs",
+                          "'w4a16'", "'bf16'"),
+    "ar with a draft": (["--recipe", "ar", "--draft", "w4a4"], "recipe 'ar' does not draft"),
+    "qspec verify bf16": (["--recipe", "qspec", "--verify", "bf16"], "no stored weight format runs"),
+    "group size 0": (["--group-size", "0"], "group size must be >= 1"),
+    "group size -8": (["--group-size", "-8"], "group size must be >= 1"),
+    "unknown device": (["--device", "tpu9"], "device 'tpu9'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BEFORE_LOADING))
+def test_argument_errors_before_loading(capsys, monkeypatch, case):
+    args, *needles = BEFORE_LOADING[case]
+    calls = []
+
+    def no_loading(*a, **k):
+        calls.append(a)
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(selfspec.loading, "resolve", no_loading)
+    if "--prompt" not in args:
+        args = [*args, "--prompt", "hello"]
+    rc, out, err = run(capsys, *args)
+    assert not calls
+    assert_clean_error(rc, err, *needles)
+    assert out == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda(capsys, monkeypatch):
+    monkeypatch.setattr(selfspec.loading, "resolve", lambda *a: pytest.fail("loaded"))
+    rc, _, err = run(capsys, "--device", "cuda", "--prompt", "hi")
+    assert_clean_error(rc, err, "cuda", "no CUDA device")
+
+
+@pytest.mark.parametrize("args,needle", [(["--recipe", "nope"], "invalid choice: 'nope'"),
+                                         (["--gamma", "two"], "invalid int value: 'two'")])
+def test_argparse_rejects(capsys, args, needle):
+    rc, out, err = run(capsys, *args, "--prompt", "hi")
+    assert rc == 2
+    assert needle in err and "Traceback" not in err
+    if "--recipe" in args:
+        assert "ar" in err and "qspec" in err and "planes" in err  # the choices are listed
+
+
+# Errors in the model: found while loading, still one clean line.
+
+
+def test_missing_model_path(capsys, tmp_path):
+    rc, _, err = run(capsys, "--model", str(tmp_path / "nowhere"), "--prompt", "hi")
+    assert_clean_error(rc, err, "does not exist", "nowhere")
+
+
+def test_unsupported_architecture(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2,
+                                                      "vocab_size": 256}))
+    rc, _, err = run(capsys, "--model", str(tmp_path), "--prompt", "hi")
+    assert_clean_error(rc, err, "unsupported architecture 'gpt2'", "llama, mistral, qwen2, qwen3")
+
+
+def test_directory_without_config(capsys, tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 16)
+    rc, _, err = run(capsys, "--model", str(tmp_path), "--prompt", "hi")
+    assert_clean_error(rc, err, "config.json")
+
+
+def test_corrupt_config_json(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    rc, _, err = run(capsys, "--model", str(tmp_path), "--prompt", "hi")
+    assert_clean_error(rc, err, "config.json")
+
+
+@pytest.mark.parametrize("content", [
+    b"this is not a gguf file at all" * 10,  # wrong magic
+    b"GGUF\x03\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00\x09\x00",  # right magic, truncated header
+    b"",  # empty
+], ids=["garbage", "truncated", "empty"])
+def test_corrupt_gguf(capsys, tmp_path, content):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    rc, _, err = run(capsys, "--model", str(path), "--prompt", "hi")
+    assert_clean_error(rc, err, "model.gguf")
+
+
+def test_corrupt_safetensors(capsys, tmp_path, tiny_dirs):
+    (tmp_path / "config.json").write_text((tiny_dirs[1] / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{broken")
+    rc, _, err = run(capsys, "--model", str(tmp_path), "--prompt", "hi")
+    assert_clean_error(rc, err, "model.safetensors")
+
+
+def test_text_prompt_without_tokenizer(capsys, tiny_dirs):
+    rc, _, err = run(capsys, "--model", str(tiny_dirs[1]), "--prompt", "hi")
+    assert_clean_error(rc, err, "no tokenizer")
+
+
+def test_subprocess_exit_code_and_no_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "SELFSPEC_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "selfspec.cli", "generate", "--model", str(tmp_path / "missing"),
+                           "--prompt", "hi"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("selfspec: error: ") and "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""

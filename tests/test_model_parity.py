@@ -1,0 +1,106 @@
+"""Our fp32 forward reproduces transformers' logits: full prompts (prefill) and token by token through the KV cache."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import LLAMA3_ROPE, tiny_model
+from selfspec.model import Transformer, rope_frequencies
+from selfspec.quant.modes import MODES
+
+FP32 = MODES["fp32"]
+ATOL = 1e-4
+CASES = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    # head_dim 16 with original context 64 puts frequencies in all three llama3 bands (kept, smoothed, scaled).
+    "llama3-rope": ("llama", dict(rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE})),
+    "qwen2": ("qwen2", dict(rope_theta=1e6)),  # q/k/v biases
+    "qwen3": ("qwen3", dict(head_dim=32)),  # q/k norms; head_dim != hidden / heads
+    "mistral": ("mistral", {}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    arch, overrides = CASES[request.param]
+    cfg, sd, hf = tiny_model(arch, seed=len(request.param), **overrides)
+    return request.param, cfg, Transformer(cfg, sd), hf
+
+
+def hf_logits(hf, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(tokens).logits.float()
+
+
+def test_config_features(case):
+    """The config reader picked up what each case is about (else the parity below proves less)."""
+    name, cfg, model, _ = case
+    assert cfg.arch == CASES[name][0]
+    assert cfg.qkv_bias == (cfg.arch == "qwen2")
+    assert cfg.qk_norm == (cfg.arch == "qwen3")
+    assert cfg.tie_embeddings == (name == "llama-tied")
+    if name == "llama-tied":  # the head is the embedding itself, not a copy
+        assert model.lm_head.weight.data_ptr() == model.embed.data_ptr()
+    if name == "llama3-rope":
+        assert cfg.rope_scaling["rope_type"] == "llama3"
+        plain = rope_frequencies(dataclasses.replace(cfg, rope_scaling=None))
+        scaled = rope_frequencies(cfg)
+        assert (scaled == plain).any() and (scaled < plain).any()  # some bands kept, some scaled
+    if name == "qwen3":
+        assert cfg.head_dim == 32 and cfg.head_dim * cfg.n_heads != cfg.dim
+
+
+def test_prefill_matches_transformers(case):
+    _, cfg, model, hf = case
+    torch.manual_seed(1)
+    for length in (1, 7, 33):
+        tokens = torch.randint(0, cfg.vocab_size, (1, length))
+        ours = model(tokens, torch.arange(length), model.new_cache(64), FP32)
+        ref = hf_logits(hf, tokens)
+        assert ours.dtype == torch.float32 and ours.shape == ref.shape
+        assert ref.std() > 0.5  # logits are O(1), not a near-constant that anything would match
+        torch.testing.assert_close(ours, ref, atol=ATOL, rtol=1e-5)
+
+
+def test_batch_prefill_matches_transformers(case):
+    _, cfg, model, hf = case
+    torch.manual_seed(2)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 12))
+    ours = model(tokens, torch.arange(12), model.new_cache(16, batch=3), FP32)
+    torch.testing.assert_close(ours, hf_logits(hf, tokens), atol=ATOL, rtol=1e-5)
+
+
+def test_incremental_decoding_matches_full_sequence(case):
+    """Prefill 10 tokens, then 5 single-token steps through the cache == transformers on the whole sequence."""
+    _, cfg, model, hf = case
+    torch.manual_seed(3)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 15))
+    ref = hf_logits(hf, tokens)
+    cache = model.new_cache(32)
+    got = [model(tokens[:, :10], torch.arange(10), cache, FP32)]
+    cache.commit(10)
+    for p in range(10, 15):
+        got.append(model(tokens[:, p : p + 1], torch.tensor([p]), cache, FP32))
+        cache.commit(p + 1)
+    torch.testing.assert_close(torch.cat(got, dim=1), ref, atol=ATOL, rtol=1e-5)
+    # A multi-token step in the middle (what a verify pass does) agrees too.
+    cache2 = model.new_cache(32)
+    model(tokens[:, :6], torch.arange(6), cache2, FP32)
+    mid = model(tokens[:, 6:11], torch.arange(6, 11), cache2, FP32)
+    torch.testing.assert_close(mid, ref[:, 6:11], atol=ATOL, rtol=1e-5)
+
+
+def test_stale_rows_past_length_are_not_read(case):
+    """Garbage written past the committed length (rejected drafts) does not change later logits."""
+    _, cfg, model, hf = case
+    torch.manual_seed(4)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 12))
+    cache = model.new_cache(32)
+    model(tokens[:, :8], torch.arange(8), cache, FP32)
+    cache.k[:, :, :, 8:] = 1e3 * torch.randn_like(cache.k[:, :, :, 8:])
+    cache.v[:, :, :, 8:] = 1e3 * torch.randn_like(cache.v[:, :, :, 8:])
+    out = model(tokens[:, 8:12], torch.arange(8, 12), cache, FP32)
+    torch.testing.assert_close(out, hf_logits(hf, tokens)[:, 8:12], atol=ATOL, rtol=1e-5)

@@ -1,0 +1,292 @@
+"""Stored weight formats, activation quantization, and the "one copy of the weights" invariant."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_model
+from selfspec.errors import SelfspecError
+from selfspec.kernels import linear
+from selfspec.model import Transformer
+from selfspec.quant.act import fake_quantize_per_token, quantize_per_token
+from selfspec.quant.formats import (
+    STORAGES,
+    Int4Weight,
+    Int8PlanesWeight,
+    Int8Weight,
+    fit_group_size,
+    minmax_quant,
+    pack_nibbles,
+    quantize_weight,
+    storage_supports,
+    unpack_nibbles,
+)
+from selfspec.quant.modes import MODES
+
+GROUP = 32
+
+
+def rand_weight(n: int = 48, k: int = 256, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    w[0, :5] *= 20  # an outlier row/group: per-group ranges differ
+    w[1] = 0.25  # a constant row: scale clamps, must still reconstruct
+    return w
+
+
+def group_view(t: torch.Tensor, g: int) -> torch.Tensor:
+    n, k = t.shape
+    return t.view(n, k // g, g)
+
+
+# ---------------------------------------------------------------- INT8 planes
+
+
+def test_planes_reconstruct_int8_codes_exactly():
+    w = rand_weight()
+    pw = Int8PlanesWeight(w, GROUP)
+    q8, scale, lo = minmax_quant(w, 8, GROUP)
+    upper, lower = unpack_nibbles(pw.upper), unpack_nibbles(pw.lower)
+    assert upper.max() <= 15 and lower.max() <= 15
+    assert torch.equal(upper.to(torch.int16) * 16 + lower.to(torch.int16), q8.to(torch.int16))
+    assert torch.equal(pw.scale, scale) and torch.equal(pw.lo, lo)
+    # `full` reads exactly the INT8 weight, within half an INT8 step of w.
+    full = pw.dequantize(MODES["full"])
+    deq8 = lo.repeat_interleave(GROUP, 1) + scale.repeat_interleave(GROUP, 1) * q8.float()
+    torch.testing.assert_close(full, deq8, atol=1e-6, rtol=0)
+    err = group_view((full - w).abs(), GROUP)
+    assert (err <= scale[..., None] / 2 * (1 + 1e-4) + 1e-6).all()
+
+
+def test_upper_plane_is_int4_round_to_nearest():
+    w = rand_weight(seed=1)
+    pw = Int8PlanesWeight(w, GROUP)
+    s, lo = pw.scale, pw.lo
+    s4, lo4 = pw.upper_affine()
+    torch.testing.assert_close(s4, 16 * s)
+    torch.testing.assert_close(lo4, lo + 7.5 * s)
+    upper = pw.dequantize(MODES["upper"])
+    # Error <= half an INT4 step (8 * the INT8 scale), element by element.
+    err = group_view((upper - w).abs(), GROUP)
+    assert (err <= 8 * s[..., None] * (1 + 1e-4) + 1e-6).all()
+    assert err.max() > 4 * s.min()  # it really is the 4-bit view, not the 8-bit one
+    # The codes are what RTN on that INT4 grid gives (up to exact ties at a half step).
+    x = (group_view(w, GROUP) - lo4[..., None]) / s4[..., None]
+    rtn = x.round().clamp(0, 15)
+    codes = group_view(unpack_nibbles(pw.upper).float(), GROUP)
+    tie = ((x - x.floor()) - 0.5).abs() < 1e-3
+    assert ((rtn == codes) | tie).all()
+    assert (rtn == codes).float().mean() > 0.99
+    # Modes that read 4 bits of a planes weight all read the upper plane; 8-bit ones read both.
+    for m in ("w4a16", "w4a8", "w4a4"):
+        assert torch.equal(pw.dequantize(MODES[m]), upper)
+    for m in ("w8a16", "w8a8"):
+        assert torch.equal(pw.dequantize(MODES[m]), pw.dequantize(MODES["full"]))
+
+
+# ---------------------------------------------------------------- INT4 / INT8
+
+
+def test_int4_error_within_half_step():
+    w = rand_weight(seed=2)
+    qw = Int4Weight(w, GROUP)
+    deq = qw.dequantize(MODES["w4a16"])
+    err = group_view((deq - w).abs(), GROUP)
+    assert (err <= qw.scale[..., None] / 2 * (1 + 1e-4) + 1e-6).all()
+    wg = group_view(w, GROUP)
+    torch.testing.assert_close(qw.scale[2:], (wg.amax(-1) - wg.amin(-1))[2:] / 15)
+    torch.testing.assert_close(qw.lo, wg.amin(-1))
+    # Group extremes are representable: min maps to code 0, max to code 15.
+    codes = group_view(unpack_nibbles(qw.packed), GROUP)
+    assert (codes.amin(-1)[2:] == 0).all() and (codes.amax(-1)[2:] == 15).all()
+    assert qw.packed.dtype == torch.uint8 and qw.packed.shape == (w.shape[0], w.shape[1] // 2)
+
+
+def test_int8_error_within_half_step():
+    w = rand_weight(seed=3)
+    qw = Int8Weight(w)
+    deq = qw.dequantize(MODES["w8a16"])
+    assert qw.q.dtype == torch.int8 and qw.scale.shape == (w.shape[0],)
+    assert ((deq - w).abs() <= qw.scale[:, None] / 2 * (1 + 1e-4) + 1e-7).all()
+    torch.testing.assert_close(qw.scale, w.abs().amax(1) / 127)
+
+
+def test_pack_unpack_roundtrip_and_layout():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (7, 34), generator=g, dtype=torch.uint8)
+    p = pack_nibbles(q)
+    assert p.dtype == torch.uint8 and p.shape == (7, 17)
+    assert torch.equal(unpack_nibbles(p), q)
+    assert torch.equal(p & 15, q[:, 0::2]) and torch.equal(p >> 4, q[:, 1::2])  # even k in the low nibble
+    every = torch.arange(256, dtype=torch.uint8).view(1, 256)
+    assert torch.equal(pack_nibbles(unpack_nibbles(every)), every)
+
+
+def test_fit_group_size():
+    assert fit_group_size(576, 128) == 64
+    assert fit_group_size(4096, 128) == 128
+    assert fit_group_size(96, 128) == 32
+    assert fit_group_size(1536, 64) == 64
+    assert fit_group_size(7, 128) == 1
+    w = rand_weight(16, 576, seed=5)
+    assert Int4Weight(w, 128).group_size == 64 and Int4Weight(w, 128).scale.shape == (16, 9)
+    assert Int8PlanesWeight(w, 128).group_size == 64
+
+
+# ---------------------------------------------------------------- modes each format runs
+
+SUPPORTED = {
+    "dense": {"fp32", "bf16"},
+    "int8": {"w8a16", "w8a8"},
+    "int4": {"w4a16", "w4a8", "w4a4"},
+    "planes": {"w8a16", "w8a8", "w4a16", "w4a8", "w4a4", "upper", "full"},
+}
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_formats_refuse_modes_they_cannot_run(storage):
+    w = rand_weight(16, 64, seed=6)
+    qw = quantize_weight(w, storage, GROUP)
+    assert qw.storage == storage
+    x = torch.randn(3, 64)
+    for name, mode in MODES.items():
+        ok = name in SUPPORTED[storage]
+        assert storage_supports(storage, mode) == ok == qw.supports(mode), (storage, name)
+        if ok:
+            y = linear(x, qw, mode)
+            assert y.shape == (3, 16) and torch.isfinite(y).all()
+        else:
+            with pytest.raises(SelfspecError, match=f"'{storage}' cannot run mode '{name}'"):
+                linear(x, qw, mode)
+
+
+def test_unknown_storage_refused():
+    with pytest.raises(SelfspecError, match="unknown storage"):
+        quantize_weight(torch.randn(4, 8), "int3")
+
+
+@pytest.mark.parametrize("mode", ["w8a8", "w4a8", "w4a4", "w8a16", "w4a16"])
+def test_linear_reference_semantics(mode):
+    """A quantized linear = F.linear(per-token fake-quantized x, the mode's dequantized weight) + bias."""
+    m = MODES[mode]
+    w, b = rand_weight(16, 64, seed=7), torch.randn(16)
+    qw = Int8PlanesWeight(w, GROUP)
+    x = torch.randn(2, 5, 64)
+    xq = x if m.act_bits is None else fake_quantize_per_token(x, m.act_bits)
+    ref = F.linear(xq, qw.dequantize(m), b)
+    torch.testing.assert_close(linear(x, qw, m, b), ref, atol=1e-5, rtol=1e-5)
+    if m.act_bits is not None:  # the activations really are quantized
+        assert not torch.allclose(linear(x, qw, m, b), F.linear(x, qw.dequantize(m), b), atol=1e-4)
+
+
+# ---------------------------------------------------------------- activations
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_activation_quant_per_token(bits):
+    qmax = 2 ** (bits - 1) - 1
+    g = torch.Generator().manual_seed(8 + bits)
+    x = torch.randn(3, 9, 64, generator=g) * torch.logspace(-2, 2, 9).view(1, 9, 1)
+    q, scale = quantize_per_token(x, bits)
+    assert q.dtype == torch.int8 and q.shape == x.shape and scale.shape == (3, 9, 1)
+    assert q.abs().max() <= qmax and (q.abs().amax(-1) == qmax).all()  # each token uses its full range
+    torch.testing.assert_close(scale, x.abs().amax(-1, keepdim=True) / qmax)
+    err = (q.float() * scale - x).abs()
+    assert (err <= scale / 2 * (1 + 1e-5)).all()
+    torch.testing.assert_close(fake_quantize_per_token(x, bits), q.float() * scale)
+    # Per token: blowing up one token changes no other token's quantization.
+    y = x.clone()
+    y[0, 0] *= 1000
+    qy, _ = quantize_per_token(y, bits)
+    assert torch.equal(qy[:, 1:], q[:, 1:]) and torch.equal(qy[1:], q[1:])
+    assert torch.equal(quantize_per_token(torch.zeros(2, 8), bits)[0], torch.zeros(2, 8, dtype=torch.int8))
+
+
+# ---------------------------------------------------------------- bytes, and one copy
+
+
+def analytic_linear_bytes(n: int, k: int, storage: str, group: int) -> int:
+    g = fit_group_size(k, group)
+    meta = 2 * (n * k // g) * 4  # fp32 scale + fp32 offset per group
+    return {
+        "dense": 4 * n * k,
+        "int8": n * k + 4 * n,  # int8 codes + one fp32 scale per output channel
+        "int4": n * k // 2 + meta,
+        "planes": n * k + meta,
+    }[storage]
+
+
+def held_tensors(model: torch.nn.Module) -> dict[str, tuple[int, tuple, torch.dtype]]:
+    """Every tensor any module holds: parameters, buffers, and plain tensor attributes (a cache would be one)."""
+    out = {}
+    for mname, mod in model.named_modules():
+        for attr, val in vars(mod).items():
+            if attr in ("_parameters", "_buffers"):
+                items = val.items()
+            elif isinstance(val, torch.Tensor):
+                items = [(attr, val)]
+            elif isinstance(val, (list, tuple)):
+                items = [(f"{attr}[{i}]", v) for i, v in enumerate(val)]
+            elif isinstance(val, dict) and not attr.startswith("_"):
+                items = [(f"{attr}[{key!r}]", v) for key, v in val.items()]
+            else:
+                continue
+            for name, t in items:
+                if isinstance(t, torch.Tensor):
+                    out[f"{mname}.{name}"] = (t.data_ptr(), tuple(t.shape), t.dtype)
+    return out
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("storage", STORAGES)
+def test_weight_bytes_match_analytic_size(storage, tied):
+    cfg, sd, _ = tiny_model("qwen2", seed=9, tie_word_embeddings=tied)  # qwen2: biases count too
+    model = Transformer(cfg, sd)
+    model.quantize(storage, GROUP)
+    lin_bytes = 0
+    for lin in model.linears():
+        n, k = lin.weight.shape
+        assert lin.weight.storage == storage
+        assert lin.weight.nbytes() == analytic_linear_bytes(n, k, storage, GROUP), (storage, n, k)
+        lin_bytes += lin.weight.nbytes()
+    d, v, hd, kv = cfg.dim, cfg.vocab_size, cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    per_layer = sum(analytic_linear_bytes(n, k, storage, GROUP) for n, k in
+                    [(d, d), (kv, d), (kv, d), (d, d), (cfg.hidden_dim, d), (cfg.hidden_dim, d), (d, cfg.hidden_dim)])
+    assert lin_bytes == cfg.n_layers * per_layer
+    embed = 4 * v * d
+    head = 0 if tied else 4 * v * d
+    norms = 4 * (2 * d * cfg.n_layers + d)
+    biases = 4 * (d + 2 * kv) * cfg.n_layers
+    rope = 2 * 4 * cfg.max_seq_len * hd
+    assert model.weight_bytes() == lin_bytes + embed + head + norms + biases + rope
+    if tied:
+        assert model.lm_head.weight.data_ptr() == model.embed.data_ptr()
+
+
+PAIRS = {  # storage -> (draft, verify) pairs it runs from its one copy
+    "int4": [("w4a4", "w4a16"), ("w4a8", "w4a16")],
+    "planes": [("upper", "full"), ("w4a8", "w8a16"), ("w4a4", "w8a8")],
+    "int8": [("w8a8", "w8a16")],
+    "dense": [("bf16", "fp32")],
+}
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_draft_and_verify_read_one_copy(storage):
+    """DESIGN invariant 3: forwards in the draft mode then the verify mode add no tensor to the model."""
+    cfg, sd, _ = tiny_model("llama", seed=10)
+    model = Transformer(cfg, sd)
+    model.quantize(storage, GROUP)
+    before_bytes, before = model.weight_bytes(), held_tensors(model)
+    assert len(before) > 7 * cfg.n_layers
+    toks = torch.randint(0, cfg.vocab_size, (1, 6))
+    for draft, verify in PAIRS[storage]:
+        cache = model.new_cache(16)
+        model(toks, torch.arange(6), cache, MODES[verify])
+        cache.commit(6)
+        for i in range(3):
+            model(toks[:, :1], torch.tensor([6 + i]), cache, MODES[draft])
+        model(toks[:, :4], torch.arange(6, 10), cache, MODES[verify])
+        assert model.weight_bytes() == before_bytes
+        assert held_tensors(model) == before

@@ -1,0 +1,217 @@
+"""Triton kernels against the torch references, on CPU through Triton's interpreter.
+
+The interpreter runs each program with numpy on the kernel's own block shapes, so these tests check the
+kernels' logic (formats, offsets, masks, causal offsets) and that a row's result does not depend on how many
+rows there are; tests/gpu/test_gpu_kernels.py checks the compiled kernels at real shapes.
+"""
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("a CUDA device is here: tests/gpu tests the compiled kernels (TRITON_INTERPRET=1 runs this file)",
+                allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined: @triton.jit then interprets them
+
+pytest.importorskip("triton", reason="triton is not installed: no Triton kernels to test")
+
+import numpy as np  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from selfspec.kernels import reference_op, triton_attention, triton_linear, triton_small  # noqa: E402
+from selfspec.quant.act import quantize_per_token  # noqa: E402
+from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
+from selfspec.quant.modes import MODES  # noqa: E402
+
+if not isinstance(triton_linear._linear_kernel, interpreter.InterpretedFunction):
+    pytest.skip("the Triton kernels were defined before TRITON_INTERPRET=1 was set: run this file on its own",
+                allow_module_level=True)
+
+# --- What the interpreter of Triton 3.6 gets wrong and the compiled kernels do not, fixed for these tests.
+_interpreted: dict = {}
+_create_dot = interpreter.InterpreterBuilder.create_dot
+_cast_impl = interpreter.InterpreterBuilder.cast_impl
+_patch_lang_tensor = interpreter._patch_lang_tensor
+
+
+def _call_interpreted(self, *args, **kwargs):
+    """Triton's own @jit helpers (tl.zeros, tl.sum, ...) are compiled-mode objects when triton was imported before
+    TRITON_INTERPRET was set (tests/conftest.py imports transformers, which imports triton): interpret them too."""
+    if self.fn not in _interpreted:
+        _interpreted[self.fn] = interpreter.InterpretedFunction(self.fn)
+    return _interpreted[self.fn](*args, **kwargs)
+
+
+def _widened(h):
+    """bf16 is held as raw uint16 bits, which np.matmul would multiply as integers: widen them to fp32."""
+    if h.dtype.scalar != tl.bfloat16:
+        return h
+    return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+
+def _dot_on_values(self, a, b, d, *args):
+    return _create_dot(self, _widened(a), _widened(b), d, *args)
+
+
+def _cast_rounding(self, src, dst_type):
+    """fp32 -> bf16 truncates in the interpreter; the GPU (and torch) round to nearest even."""
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+        bits = torch.from_numpy(np.array(src.data)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return interpreter.TensorHandle(bits, tl.bfloat16)
+    return _cast_impl(self, src, dst_type)
+
+
+def _patch_index(tensor, scope):
+    """numpy >= 2.4 refuses int() of a 1-element array, which loop bounds use (triton-lang/triton#9171)."""
+    _patch_lang_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_fixes():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(JITFunction, "__call__", _call_interpreted)
+        mp.setattr(interpreter.InterpreterBuilder, "create_dot", _dot_on_values)
+        mp.setattr(interpreter.InterpreterBuilder, "cast_impl", _cast_rounding)
+        mp.setattr(interpreter, "_patch_lang_tensor", _patch_index)
+        yield
+
+
+TOL = 5e-3  # relative (Frobenius) error vs float64: bf16 operands and outputs, fp32 sums
+
+
+def rel_err(y: torch.Tensor, oracle: torch.Tensor) -> float:
+    return ((y.double() - oracle).norm() / oracle.norm()).item()
+
+
+# --- linear
+
+PAIRS = [(s, m) for s in STORAGES for m in MODES if storage_supports(s, MODES[m]) and m != "fp32"]
+SHAPES = [(72, 192, 64, True), (64, 256, 32, False)]  # N, K, group, bias: partial N tile; K not a multiple of 128
+
+
+def linear_oracle(x: torch.Tensor, weight, mode, bias) -> torch.Tensor:
+    """float64 y of what the mode computes: exact quantized activations, the dequantized weight."""
+    if mode.act_bits is None:
+        xe = x.double()
+    else:
+        q, s = quantize_per_token(x, mode.act_bits)
+        xe = q.double() * s.double()
+    y = xe @ weight.dequantize(mode).double().T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("storage,mode_name", PAIRS)
+@pytest.mark.parametrize("n,k,group,with_bias", SHAPES)
+def test_linear_matches_reference_and_is_batch_invariant(storage, mode_name, n, k, group, with_bias):
+    torch.manual_seed(0)
+    mode = MODES[mode_name]
+    w = torch.randn(n, k)
+    weight = quantize_weight(w.bfloat16() if storage == "dense" else w, storage, group)
+    assert triton_linear.kernel_format(weight, mode) is not None
+    bias = torch.randn(n).bfloat16() if with_bias else None
+    x = torch.randn(1, 9, k).bfloat16()
+    y = triton_linear.linear(x, weight, mode, bias)
+    assert y.shape == (1, 9, n) and y.dtype == torch.bfloat16
+    oracle = linear_oracle(x[0], weight, mode, bias)
+    assert rel_err(reference_op("linear", storage)(x, weight, mode, bias)[0], oracle) < TOL
+    for m in (1, 3, 9):
+        assert rel_err(triton_linear.linear(x[:, :m], weight, mode, bias)[0], oracle[:m]) < TOL
+    for i in range(9):  # a row alone gives the same bits as among 9
+        assert torch.equal(triton_linear.linear(x[:, i:i + 1], weight, mode, bias)[0, 0], y[0, i])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_act_quant_matches_quantize_per_token(bits):
+    torch.manual_seed(1)
+    x = torch.randn(5, 1100).bfloat16()  # K > the kernel's 1024 block: two passes over blocks
+    x[2, 7] = 40.0  # an outlier row
+    q, s = triton_linear.act_quant(x, bits)
+    q_ref, s_ref = quantize_per_token(x, bits)
+    assert torch.equal(s, s_ref) and torch.equal(q, q_ref)
+
+
+def test_linear_falls_back_to_reference_where_not_covered():
+    torch.manual_seed(2)
+    x = torch.randn(3, 64).bfloat16()
+    dense = quantize_weight(torch.randn(32, 64), "dense")
+    int4_g16 = quantize_weight(torch.randn(32, 64), "int4", 16)  # groups of 16: smaller than any int8 dot
+    cases = [(x, dense, "fp32"), (x.float(), dense, "bf16"), (x, int4_g16, "w4a16")]
+    assert triton_linear.kernel_format(dense, MODES["fp32"]) is None
+    assert triton_linear.kernel_format(int4_g16, MODES["w4a16"]) is None
+    for xi, weight, mode_name in cases:
+        ref = reference_op("linear", weight.storage)(xi, weight, MODES[mode_name], None)
+        assert torch.equal(triton_linear.linear(xi, weight, MODES[mode_name], None), ref)
+
+
+# --- attention
+
+
+def attention_oracle(q, k, v, q_pos) -> torch.Tensor:
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(n_rep, 1), v.double().repeat_interleave(n_rep, 1)
+    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    mask = torch.arange(k.shape[2])[None, :] <= q_pos[:, None]
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+
+
+def kv_cache(b: int, h: int, max_len: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(b, h, max_len, d).bfloat16(), torch.randn(b, h, max_len, d).bfloat16()
+
+
+def test_attention_decode_matches_reference_and_is_invariant_in_queries():
+    torch.manual_seed(3)
+    k_all, v_all = kv_cache(2, 2, 96, 64)
+    q = torch.randn(2, 4, 5, 64).bfloat16()  # GQA: 4 query heads on 2 kv heads
+    pos = torch.arange(66, 71)  # the 5 queries straddle the second key block's end
+    k, v = k_all[:, :, :71], v_all[:, :, :71]  # a strided slice of the cache, as KVCache.write returns
+    out = triton_attention.attention(q, k, v, pos)
+    assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
+    assert rel_err(reference_op("attention")(q, k, v, pos), attention_oracle(q, k, v, pos)) < TOL
+    for t in range(5):  # each query alone, with keys up to its own position only
+        p = int(pos[t])
+        alone = triton_attention.attention(q[:, :, t:t + 1], k_all[:, :, :p + 1], v_all[:, :, :p + 1], pos[t:t + 1])
+        assert torch.equal(alone[:, :, 0], out[:, :, t])
+
+
+def test_attention_prefill_is_causal():
+    torch.manual_seed(4)
+    k, v = kv_cache(1, 1, 20, 32)
+    q = torch.randn(1, 3, 20, 32).bfloat16()  # 20 queries: two query tiles; 3 query heads on one kv head
+    pos = torch.arange(20)
+    out = triton_attention.attention(q, k, v, pos)
+    assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
+    alone = triton_attention.attention(q[:, :, 17:18], k[:, :, :18], v[:, :, :18], pos[17:18])
+    assert torch.equal(alone, out[:, :, 17:18])
+
+
+# --- small ops
+
+
+def test_rms_norm():
+    torch.manual_seed(5)
+    x, w = torch.randn(2, 3, 96).bfloat16(), torch.randn(96).bfloat16()  # 96: a masked tail in the block
+    y = triton_small.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(y, reference_op("rms_norm")(x, w, 1e-6))
+    assert torch.equal(triton_small.rms_norm(x[1:2, 2:], w, 1e-6), y[1:2, 2:])
+
+
+def test_rope():
+    torch.manual_seed(6)
+    x = torch.randn(2, 5, 3, 64).bfloat16().transpose(1, 2)  # [B, H, T, D] as a strided view, as the model has
+    angles = torch.outer(torch.arange(10, 15).double(), torch.rand(32).double())
+    cos, sin = torch.cat((angles, angles), -1).cos().float(), torch.cat((angles, angles), -1).sin().float()
+    y = triton_small.rope(x, cos, sin)
+    torch.testing.assert_close(y, reference_op("rope")(x, cos, sin))
+    assert torch.equal(triton_small.rope(x[:, :, 2:3], cos[2:3], sin[2:3]), y[:, :, 2:3])
+
+
+def test_swiglu():
+    torch.manual_seed(7)
+    gate, up = torch.randn(3, 5, 96).bfloat16() * 4, torch.randn(3, 5, 96).bfloat16()
+    y = triton_small.swiglu(gate, up)
+    torch.testing.assert_close(y, reference_op("swiglu")(gate, up))
+    assert torch.equal(triton_small.swiglu(gate[1:2], up[1:2]), y[1:2])
