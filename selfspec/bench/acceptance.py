@@ -1,0 +1,56 @@
+"""Acceptance and CPU speed of speculative recipes vs AR on the 20 built-in chat prompts.
+
+python -m selfspec.bench.acceptance [--model M] [--recipes qspec planes] [--gamma 4] [--max-new-tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from tqdm import tqdm
+
+import selfspec
+from selfspec.bench.prompts import PROMPTS
+from selfspec.spec.sampling import SamplingParams
+
+
+def measure(llm: selfspec.LLM, gamma: int, max_new_tokens: int) -> dict:
+    totals = {"new_tokens": 0, "rounds": 0, "proposed": 0, "accepted": 0, "decode_s": 0.0}
+    for prompt in tqdm(PROMPTS, desc=f"{llm.recipe.name} gamma {gamma}", leave=False):
+        s = llm.generate(prompt, SamplingParams(max_new_tokens=max_new_tokens), chat=True, gamma=gamma).stats
+        totals["new_tokens"] += s.new_tokens
+        totals["rounds"] += s.rounds
+        totals["proposed"] += s.draft_proposed
+        totals["accepted"] += s.draft_accepted
+        totals["decode_s"] += s.total_s - s.prefill_s
+    t = totals
+    return {**t, "acceptance_rate": t["accepted"] / max(t["proposed"], 1),
+            "mean_acceptance_length": 1 + t["accepted"] / max(t["rounds"], 1),
+            "tokens_per_s": t["new_tokens"] / t["decode_s"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--recipes", nargs="+", default=["qspec", "planes"])
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    rows = []
+    for name in args.recipes:
+        llm = selfspec.load(args.model, name, gamma=args.gamma)
+        ar = measure(llm, 0, args.max_new_tokens)
+        spec = measure(llm, args.gamma, args.max_new_tokens)
+        rows.append({"recipe": name, "verify": llm.recipe.verify, "draft": llm.recipe.draft, "gamma": args.gamma,
+                     "ar_tokens_per_s": ar["tokens_per_s"], **spec})
+    print(json.dumps(rows, indent=1))
+    print("| recipe | draft -> verify | acceptance | mean acc. length | AR tok/s | spec tok/s | speedup |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['recipe']} | {r['draft']} -> {r['verify']} | {100 * r['acceptance_rate']:.1f}% | "
+              f"{r['mean_acceptance_length']:.2f} | {r['ar_tokens_per_s']:.1f} | {r['tokens_per_s']:.1f} | "
+              f"{r['tokens_per_s'] / r['ar_tokens_per_s']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
