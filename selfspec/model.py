@@ -148,8 +148,10 @@ class Transformer(nn.Module):
         return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode) -> torch.Tensor:
-        """tokens [B, T] at positions pos [T] -> logits [B, T, vocab] (float32)."""
+        """tokens [B, T] at positions pos [B, T] (each row its own; [T] when all rows share them)
+        -> logits [B, T, vocab] (float32)."""
         x = self.embed[tokens]
+        pos = pos.expand(tokens.shape)
         cos, sin = self.cos[pos], self.sin[pos]
         for i, layer in enumerate(self.layers):
             x = layer(x, pos, cos, sin, cache, i, mode)

@@ -104,3 +104,25 @@ def test_stale_rows_past_length_are_not_read(case):
     cache.v[:, :, :, 8:] = 1e3 * torch.randn_like(cache.v[:, :, :, 8:])
     out = model(tokens[:, 8:12], torch.arange(8, 12), cache, FP32)
     torch.testing.assert_close(out, hf_logits(hf, tokens)[:, 8:12], atol=ATOL, rtol=1e-5)
+
+
+def test_rows_at_their_own_positions_match_each_row_alone(case):
+    """Batching sequences of different lengths: pos [B, T] gives each row its own offsets in RoPE, cache and mask."""
+    _, _, model, _ = case
+    torch.manual_seed(11)
+    seqs = [torch.randint(0, 256, (n,)) for n in (9, 5)]
+    alone = []
+    for s in seqs:  # each sequence alone: prefill all but one token, then decode the last one
+        cache = model.new_cache(16)
+        model(s[None, :-1], torch.arange(len(s) - 1), cache, FP32)
+        alone.append(model(s[None, -1:], torch.tensor([len(s) - 1]), cache, FP32)[0, -1])
+    cache = model.new_cache(16, batch=2)
+    for b, s in enumerate(seqs):  # prefill each row of a batch-2 cache in its own pass (its own length)
+        view = model.new_cache(16)
+        model(s[None, :-1], torch.arange(len(s) - 1), view, FP32)
+        cache.k[:, b], cache.v[:, b] = view.k[:, 0], view.v[:, 0]
+    last = torch.stack([s[-1:] for s in seqs])
+    pos = torch.tensor([[len(s) - 1] for s in seqs])
+    together = model(last, pos, cache, FP32)[:, -1]
+    for b in range(2):
+        torch.testing.assert_close(together[b], alone[b], rtol=1e-5, atol=1e-5)

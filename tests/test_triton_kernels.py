@@ -25,6 +25,7 @@ from selfspec.kernels import reference_op, triton_attention, triton_linear, trit
 from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
+from kernel_oracles import TOL, attention_oracle, linear_oracle, rel_err, rope_angles  # noqa: E402
 
 if not isinstance(triton_linear._linear_kernel, interpreter.InterpretedFunction):
     pytest.skip("the Triton kernels were defined before TRITON_INTERPRET=1 was set: run this file on its own",
@@ -80,28 +81,10 @@ def _interpreter_fixes():
         yield
 
 
-TOL = 5e-3  # relative (Frobenius) error vs float64: bf16 operands and outputs, fp32 sums
-
-
-def rel_err(y: torch.Tensor, oracle: torch.Tensor) -> float:
-    return ((y.double() - oracle).norm() / oracle.norm()).item()
-
-
 # --- linear
 
 PAIRS = [(s, m) for s in STORAGES for m in MODES if storage_supports(s, MODES[m]) and m != "fp32"]
 SHAPES = [(72, 192, 64, True), (64, 256, 32, False)]  # N, K, group, bias: partial N tile; K not a multiple of 128
-
-
-def linear_oracle(x: torch.Tensor, weight, mode, bias) -> torch.Tensor:
-    """float64 y of what the mode computes: exact quantized activations, the dequantized weight."""
-    if mode.act_bits is None:
-        xe = x.double()
-    else:
-        q, s = quantize_per_token(x, mode.act_bits)
-        xe = q.double() * s.double()
-    y = xe @ weight.dequantize(mode).double().T
-    return y if bias is None else y + bias.double()
 
 
 @pytest.mark.parametrize("storage,mode_name", PAIRS)
@@ -150,14 +133,6 @@ def test_linear_falls_back_to_reference_where_not_covered():
 # --- attention
 
 
-def attention_oracle(q, k, v, q_pos) -> torch.Tensor:
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(n_rep, 1), v.double().repeat_interleave(n_rep, 1)
-    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    mask = torch.arange(k.shape[2])[None, :] <= q_pos[:, None]
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
-
-
 def kv_cache(b: int, h: int, max_len: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(b, h, max_len, d).bfloat16(), torch.randn(b, h, max_len, d).bfloat16()
 
@@ -166,25 +141,27 @@ def test_attention_decode_matches_reference_and_is_invariant_in_queries():
     torch.manual_seed(3)
     k_all, v_all = kv_cache(2, 2, 96, 64)
     q = torch.randn(2, 4, 5, 64).bfloat16()  # GQA: 4 query heads on 2 kv heads
-    pos = torch.arange(66, 71)  # the 5 queries straddle the second key block's end
-    k, v = k_all[:, :, :71], v_all[:, :, :71]  # a strided slice of the cache, as KVCache.write returns
-    out = triton_attention.attention(q, k, v, pos)
-    assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
-    assert rel_err(reference_op("attention")(q, k, v, pos), attention_oracle(q, k, v, pos)) < TOL
-    for t in range(5):  # each query alone, with keys up to its own position only
-        p = int(pos[t])
-        alone = triton_attention.attention(q[:, :, t:t + 1], k_all[:, :, :p + 1], v_all[:, :, :p + 1], pos[t:t + 1])
-        assert torch.equal(alone[:, :, 0], out[:, :, t])
+    # Each row at its own positions; row 0's 5 queries straddle the second key block's end.
+    pos = torch.stack((torch.arange(66, 71), torch.arange(30, 35)))
+    out = triton_attention.attention(q, k_all, v_all, pos)  # the whole buffer, stale slots past pos included
+    assert rel_err(out, attention_oracle(q, k_all, v_all, pos)) < TOL
+    assert rel_err(reference_op("attention")(q, k_all, v_all, pos), attention_oracle(q, k_all, v_all, pos)) < TOL
+    for b in range(2):
+        for t in range(5):  # each query alone, in a batch of one, with keys up to its own position only
+            p = int(pos[b, t])
+            alone = triton_attention.attention(q[b:b + 1, :, t:t + 1], k_all[b:b + 1, :, :p + 1],
+                                               v_all[b:b + 1, :, :p + 1], pos[b:b + 1, t:t + 1])
+            assert torch.equal(alone[0, :, 0], out[b, :, t]), f"row {b} query {t}"
 
 
 def test_attention_prefill_is_causal():
     torch.manual_seed(4)
     k, v = kv_cache(1, 1, 20, 32)
     q = torch.randn(1, 3, 20, 32).bfloat16()  # 20 queries: two query tiles; 3 query heads on one kv head
-    pos = torch.arange(20)
+    pos = torch.arange(20)[None]
     out = triton_attention.attention(q, k, v, pos)
     assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
-    alone = triton_attention.attention(q[:, :, 17:18], k[:, :, :18], v[:, :, :18], pos[17:18])
+    alone = triton_attention.attention(q[:, :, 17:18], k[:, :, :18], v[:, :, :18], pos[:, 17:18])
     assert torch.equal(alone, out[:, :, 17:18])
 
 
@@ -202,11 +179,10 @@ def test_rms_norm():
 def test_rope():
     torch.manual_seed(6)
     x = torch.randn(2, 5, 3, 64).bfloat16().transpose(1, 2)  # [B, H, T, D] as a strided view, as the model has
-    angles = torch.outer(torch.arange(10, 15).double(), torch.rand(32).double())
-    cos, sin = torch.cat((angles, angles), -1).cos().float(), torch.cat((angles, angles), -1).sin().float()
+    cos, sin = rope_angles(torch.stack((torch.arange(10, 15), torch.arange(40, 45))), 32)  # per-row positions
     y = triton_small.rope(x, cos, sin)
     torch.testing.assert_close(y, reference_op("rope")(x, cos, sin))
-    assert torch.equal(triton_small.rope(x[:, :, 2:3], cos[2:3], sin[2:3]), y[:, :, 2:3])
+    assert torch.equal(triton_small.rope(x[1:, :, 2:3], cos[1:, 2:3], sin[1:, 2:3]), y[1:, :, 2:3])
 
 
 def test_swiglu():

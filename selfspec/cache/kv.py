@@ -18,11 +18,14 @@ class KVCache:
         self.length = 0  # positions 0..length-1 hold committed tokens' KV
 
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, T, D] at positions pos [T]; return this layer's keys/values 0..max(pos)."""
-        self.k[layer].index_copy_(2, pos, k.to(self.k.dtype))
-        self.v[layer].index_copy_(2, pos, v.to(self.v.dtype))
-        end = int(pos[-1]) + 1
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        """Store k, v [B, Hkv, T, D] at positions pos [B, T]; return this layer's whole key/value buffers
+        [B, Hkv, max_len, D]. Slots past a query's position are masked by attention, so no slicing is
+        needed: no host sync and fixed shapes, which CUDA graphs require."""
+        rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
+        # [B, S, Hkv, D] views: the index pair (row, pos) picks one slot per written token.
+        self.k[layer].transpose(1, 2)[rows, pos] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[layer].transpose(1, 2)[rows, pos] = v.transpose(1, 2).to(self.v.dtype)
+        return self.k[layer], self.v[layer]
 
     def commit(self, length: int) -> None:
         """Keep positions 0..length-1; anything after is discarded (rollback of rejected drafts)."""

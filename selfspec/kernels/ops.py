@@ -17,6 +17,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos, sin [B, T, D]: the angles of each row's own positions."""
     return kernels.lookup("rope", "", x.device.type)(x, cos, sin)
 
 
@@ -25,5 +26,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """q [B, Hq, T, D] at positions q_pos [T]; k, v [B, Hkv, S, D] hold keys 0..S-1 (GQA when Hkv < Hq)."""
+    """q [B, Hq, T, D] at positions q_pos [B, T]; k, v [B, Hkv, S, D] hold each row's keys at positions 0..S-1
+    (GQA when Hkv < Hq). Query (b, t) reads keys 0..q_pos[b, t]; later slots may hold stale scratch."""
     return kernels.lookup("attention", "", q.device.type)(q, k, v, q_pos)

@@ -37,9 +37,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @register("rope")
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout); x [B, H, T, D], cos/sin [T, D]."""
+    """Rotate-half RoPE (HF layout); x [B, H, T, D], cos/sin [B, T, D]."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
+    cos, sin = cos[:, None], sin[:, None]  # one angle per row and position, shared by the heads
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
@@ -53,5 +54,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     n_rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(n_rep, dim=1)
     v = v.repeat_interleave(n_rep, dim=1)
-    mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos[:, None]  # causal, offset by q_pos
+    # Causal, offset by each row's positions: [B, 1, T, S], broadcast over heads.
+    mask = torch.arange(k.shape[2], device=q.device) <= q_pos[:, None, :, None]
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)

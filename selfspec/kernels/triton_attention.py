@@ -1,4 +1,4 @@
-"""Triton causal attention with GQA and a position offset: query t reads keys 0..q_pos[t].
+"""Triton causal attention with GQA and per-row position offsets: query (b, t) reads keys 0..q_pos[b, t].
 
 Flash-attention style: online softmax over key blocks of a fixed size, always in order from key 0, with
 fp32 scores and accumulators. Batch invariance across the number of queries: a query's scores, running
@@ -37,7 +37,7 @@ def _attention_kernel(
     q_mask = (offs_t < T)[:, None] & (offs_d < D)[None, :]
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :],
                 mask=q_mask, other=0)
-    pos = tl.load(pos_ptr + offs_t, mask=offs_t < T, other=0)  # padding rows read key 0 only: no NaN
+    pos = tl.load(pos_ptr + b * T + offs_t, mask=offs_t < T, other=0)  # padding rows read key 0 only: no NaN
     end = tl.minimum(tl.max(pos, axis=0), S - 1) + 1  # keys this tile reads; later ones are never loaded
     k_base = k_ptr + b * stride_kb + kv_h * stride_kh
     v_base = v_ptr + b * stride_vb + kv_h * stride_vh
@@ -65,7 +65,7 @@ def _attention_kernel(
 
 @register("attention", "", "cuda")
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """q [B, Hq, T, D] at positions q_pos [T]; k, v [B, Hkv, S, D]: the reference attention, in one kernel."""
+    """q [B, Hq, T, D] at positions q_pos [B, T]; k, v [B, Hkv, S, D]: the reference attention, in one kernel."""
     if not q.dtype == k.dtype == v.dtype == torch.bfloat16:
         return reference_attention(q, k, v, q_pos)  # the kernel is bf16 only: other dtypes take the reference
     b, h, t, d = q.shape

@@ -48,7 +48,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, T, stride_xb, stride_xh, str
     x_row = x_ptr + b * stride_xb + h * stride_xh + t * stride_xt
     x1 = tl.load(x_row + offs, mask=mask, other=0).to(tl.float32)
     x2 = tl.load(x_row + HALF + offs, mask=mask, other=0).to(tl.float32)
-    cs_row = t * 2 * HALF
+    cs_row = (b * T + t) * 2 * HALF  # cos/sin [B, T, D]: each row's own positions
     c1 = tl.load(cos_ptr + cs_row + offs, mask=mask, other=0)
     c2 = tl.load(cos_ptr + cs_row + HALF + offs, mask=mask, other=0)
     s1 = tl.load(sin_ptr + cs_row + offs, mask=mask, other=0)
@@ -61,7 +61,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, T, stride_xb, stride_xh, str
 
 @register("rope", "", "cuda")
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE; x [B, H, T, D] (any strides), cos/sin [T, D] float32."""
+    """Rotate-half RoPE; x [B, H, T, D] (any strides), cos/sin [B, T, D] float32."""
     b, h, t, d = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()

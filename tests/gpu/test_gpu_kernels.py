@@ -14,30 +14,16 @@ from selfspec.kernels import lookup, reference_op, triton_attention, triton_line
 from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
+from kernel_oracles import TOL, attention_oracle, linear_oracle, rel_err, rope_angles  # noqa: E402
 
 if isinstance(triton_linear._linear_kernel, InterpretedFunction):
     pytest.skip("TRITON_INTERPRET=1 was set before the kernels were imported: run tests/gpu on its own",
                 allow_module_level=True)
 
 DEV = "cuda"
-TOL = 5e-3  # relative (Frobenius) error vs float64: bf16 operands and outputs, fp32 sums
 PAIRS = [(s, m) for s in STORAGES for m in MODES if storage_supports(s, MODES[m]) and m != "fp32"]
 SHAPES = [(4096, 4096), (1024, 4096), (4096, 14336), (1536, 576)]  # N, K: 7B/8B layers; SmolLM2 (groups of 64)
 M_SPLITS = (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)
-
-
-def rel_err(y: torch.Tensor, oracle: torch.Tensor) -> float:
-    return ((y.double() - oracle).norm() / oracle.norm()).item()
-
-
-def linear_oracle(x, weight, mode, bias) -> torch.Tensor:
-    if mode.act_bits is None:
-        xe = x.double()
-    else:
-        q, s = quantize_per_token(x, mode.act_bits)
-        xe = q.double() * s.double()
-    y = xe @ weight.dequantize(mode).double().T
-    return y if bias is None else y + bias.double()
 
 
 def test_the_op_table_dispatches_cuda_to_triton():
@@ -92,30 +78,24 @@ def test_act_quant(bits):
     assert (q != q_ref).float().mean() < 1e-4
 
 
-def attention_oracle(q, k, v, q_pos) -> torch.Tensor:
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(n_rep, 1), v.double().repeat_interleave(n_rep, 1)
-    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos[:, None]
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
-
-
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (9, 3, 64)])
 def test_attention_decode_and_verify(hq, hkv, d):
     torch.manual_seed(3)
     k_all = torch.randn(2, hkv, 4096, d, device=DEV).bfloat16()
     v_all = torch.randn(2, hkv, 4096, d, device=DEV).bfloat16()
     q = torch.randn(2, hq, 9, d, device=DEV).bfloat16()
-    pos = torch.arange(1492, 1501, device=DEV)  # verify 9 drafted tokens at the end of a 1.5k context
-    k, v = k_all[:, :, :1501], v_all[:, :, :1501]
-    out = triton_attention.attention(q, k, v, pos)
-    oracle = attention_oracle(q, k, v, pos)
+    # Verify 9 drafted tokens at the end of a 1.5k context (row 0) and of a 0.3k one (row 1).
+    pos = torch.stack((torch.arange(1492, 1501, device=DEV), torch.arange(300, 309, device=DEV)))
+    out = triton_attention.attention(q, k_all, v_all, pos)  # whole buffers, as KVCache.write returns
+    oracle = attention_oracle(q, k_all, v_all, pos)
     assert rel_err(out, oracle) < TOL
-    assert rel_err(reference_op("attention")(q, k, v, pos), oracle) < TOL
-    for t in range(9):  # decode: each query alone, with keys up to its own position
-        p = int(pos[t])
-        alone = triton_attention.attention(q[:, :, t:t + 1], k_all[:, :, :p + 1], v_all[:, :, :p + 1], pos[t:t + 1])
-        assert torch.equal(alone[:, :, 0], out[:, :, t]), f"query {t}"
+    assert rel_err(reference_op("attention")(q, k_all, v_all, pos), oracle) < TOL
+    for b in range(2):
+        for t in range(9):  # decode: each query alone, in a batch of one, with keys up to its own position
+            p = int(pos[b, t])
+            alone = triton_attention.attention(q[b:b + 1, :, t:t + 1], k_all[b:b + 1, :, :p + 1],
+                                               v_all[b:b + 1, :, :p + 1], pos[b:b + 1, t:t + 1])
+            assert torch.equal(alone[0, :, 0], out[b, :, t]), f"row {b} query {t}"
 
 
 def test_attention_prefill():
@@ -123,10 +103,10 @@ def test_attention_prefill():
     k = torch.randn(1, 8, 700, 128, device=DEV).bfloat16()
     v = torch.randn(1, 8, 700, 128, device=DEV).bfloat16()
     q = torch.randn(1, 32, 700, 128, device=DEV).bfloat16()
-    pos = torch.arange(700, device=DEV)
+    pos = torch.arange(700, device=DEV)[None]
     out = triton_attention.attention(q, k, v, pos)
     assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
-    alone = triton_attention.attention(q[:, :, 650:651], k[:, :, :651], v[:, :, :651], pos[650:651])
+    alone = triton_attention.attention(q[:, :, 650:651], k[:, :, :651], v[:, :, :651], pos[:, 650:651])
     assert torch.equal(alone, out[:, :, 650:651])
 
 
@@ -142,12 +122,12 @@ def test_rms_norm():
 
 def test_rope():
     torch.manual_seed(6)
-    x = torch.randn(1, 9, 32, 128, device=DEV).bfloat16().transpose(1, 2)  # [B, H, T, D] strided, as the model
-    angles = torch.outer(torch.arange(1492, 1501, device=DEV).double(), torch.rand(64, device=DEV).double())
-    cos, sin = torch.cat((angles, angles), -1).cos().float(), torch.cat((angles, angles), -1).sin().float()
+    x = torch.randn(2, 9, 32, 128, device=DEV).bfloat16().transpose(1, 2)  # [B, H, T, D] strided, as the model
+    pos = torch.stack((torch.arange(1492, 1501, device=DEV), torch.arange(7, 16, device=DEV)))
+    cos, sin = rope_angles(pos, 64)
     y = triton_small.rope(x, cos, sin)
     torch.testing.assert_close(y, reference_op("rope")(x, cos, sin))
-    assert torch.equal(triton_small.rope(x[:, :, 4:5], cos[4:5], sin[4:5]), y[:, :, 4:5])
+    assert torch.equal(triton_small.rope(x[1:, :, 4:5], cos[1:, 4:5], sin[1:, 4:5]), y[1:, :, 4:5])
 
 
 def test_swiglu():
