@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (`selfspec serve`): FastAPI routes -> EngineRunner thread -> Engine."""

@@ -1,0 +1,311 @@
+"""The FastAPI app: OpenAI routes in front of an EngineRunner.
+
+Error statuses (OpenAI's body `{"error": {"message", "type", "param", "code"}}` on every one):
+400 invalid_request_error  malformed JSON, wrong types, unknown or unsupported parameters, n > 1, bad sampling
+                           values, empty prompt, max_tokens < 1, prompt + max_tokens beyond the context
+                           (code `context_length_exceeded`)
+404 invalid_request_error  unknown model (code `model_not_found`) or route
+429 rate_limit_error       the engine's waiting queue is full (code `queue_full`, header Retry-After)
+503 server_error           the server is shutting down (code `shutting_down`)
+500 server_error           a failure inside the request (the server and other requests go on)
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from selfspec.engine.engine import Engine, QueueFull, RequestOutput
+from selfspec.engine.llm import LLM
+from selfspec.errors import SelfspecError
+from selfspec.serve.metrics import ServerMetrics
+from selfspec.serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from selfspec.serve.runner import EngineRunner, ServerShuttingDown
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client has gone away
+RETRY_AFTER_S = 1
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.body = status, ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers
+
+
+def create_app(engine: Engine, model_name: str) -> FastAPI:
+    """An app serving `engine` under the model id `model_name`; the lifespan starts and stops the engine thread."""
+    llm: LLM = engine.llm
+    runner = EngineRunner(engine)
+    runner.metrics = metrics = ServerMetrics(lambda: runner.latest_stats)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runner.start()
+        yield
+        await asyncio.to_thread(runner.shutdown)
+
+    app = FastAPI(title="selfspec", lifespan=lifespan)
+    app.state.runner = runner
+    add_error_handlers(app, metrics)
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`.",
+                           param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok" if runner.alive else "engine thread stopped"},
+                            status_code=200 if runner.alive else 503)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=llm.model.cfg.max_seq_len)])
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        check_model(req.model)
+        prompt_ids = check_token_ids(llm, llm.encode(req.prompt))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        outputs = submit(runner, llm, request_id, prompt_ids, req, COMPLETION_DEFAULT_MAX_TOKENS)
+        if req.stream:
+            return event_stream(runner, request_id, completion_events(req, model_name, request_id, len(prompt_ids),
+                                                                       watch(outputs, raw)))
+        text, final, n_tokens = await collect(runner, request_id, watch(outputs, raw))
+        return JSONResponse(CompletionResponse(
+            id=request_id, model=model_name, choices=[CompletionChoice(text=text, finish_reason=final.finish_reason)],
+            usage=usage(final, len(prompt_ids), n_tokens)).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        check_model(req.model)
+        prompt_ids = chat_prompt_ids(llm, req)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        outputs = submit(runner, llm, request_id, prompt_ids, req, None)
+        if req.stream:
+            return event_stream(runner, request_id, chat_events(req, model_name, request_id, len(prompt_ids),
+                                                                 watch(outputs, raw)))
+        text, final, n_tokens = await collect(runner, request_id, watch(outputs, raw))
+        return JSONResponse(ChatCompletionResponse(
+            id=request_id, model=model_name,
+            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=final.finish_reason)],
+            usage=usage(final, len(prompt_ids), n_tokens)).model_dump())
+
+    return app
+
+
+def check_token_ids(llm: LLM, ids: list[int]) -> list[int]:
+    vocab = llm.model.cfg.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+    return ids
+
+
+def chat_prompt_ids(llm: LLM, req: ChatCompletionRequest) -> list[int]:
+    """The chat template applied to the whole conversation, ending with the assistant's turn."""
+    if llm.tokenizer is None:
+        raise SelfspecError("this model has no tokenizer files, so it cannot serve chat completions")
+    try:
+        text = llm.tokenizer.apply_chat_template([m.for_template() for m in req.messages],
+                                                 add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateError as e:
+        raise APIError(400, f"the model's chat template refused these messages: {e}", param="messages") from e
+    # add_special_tokens=False: the template already wrote them (apply_chat_template(tokenize=True) does the same)
+    return llm.encode(llm.tokenizer.encode(text, add_special_tokens=False))
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, context: int) -> int:
+    room = context - prompt_len
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+    if requested > room:
+        raise APIError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                       f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                       "completion). Please reduce the prompt or max_tokens.", param="max_tokens",
+                       code="context_length_exceeded")
+    return requested
+
+
+def submit(runner: EngineRunner, llm: LLM, request_id: str, prompt_ids: list[int],
+           req: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None) -> asyncio.Queue[RequestOutput]:
+    max_tokens = resolve_max_tokens(req.requested_max_tokens, default_max_tokens, len(prompt_ids),
+                                    llm.model.cfg.max_seq_len)
+    return runner.add_request(request_id, prompt_ids, req.sampling_params(max_tokens), req.gamma)
+
+
+async def watch(outputs: asyncio.Queue[RequestOutput], raw: Request) -> AsyncIterator[RequestOutput]:
+    """The request's outputs up to the finished one; stops early if the client disconnects."""
+    while True:
+        try:
+            out = await asyncio.wait_for(outputs.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await raw.is_disconnected():
+                return
+            continue
+        yield out
+        if out.finished:
+            return
+
+
+async def collect(runner: EngineRunner, request_id: str,
+                  outputs: AsyncIterator[RequestOutput]) -> tuple[str, RequestOutput, int]:
+    """(text, finished output, token count) of a non-streamed request; 500 if it failed."""
+    parts, final, n_tokens = [], None, 0
+    try:
+        async for final in outputs:
+            parts.append(final.new_text)
+            n_tokens += len(final.new_token_ids)
+    finally:
+        runner.abort(request_id)  # no-op once finished; frees the sequence if the client left or we were cancelled
+    if final is None or not final.finished:
+        raise APIError(499, "the client closed the connection", code="client_closed_request")
+    if final.finish_reason == "error":
+        raise APIError(500, final.error or "the request failed inside the engine", type="server_error",
+                       code="internal_error")
+    return "".join(parts), final, n_tokens
+
+
+def usage(final: RequestOutput, prompt_tokens: int, completion_tokens: int) -> Usage:
+    s = final.generation.stats
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens, draft_tokens=s.draft_proposed,
+                 accepted_tokens=s.draft_accepted, mean_acceptance_length=s.mean_acceptance_length)
+
+
+def sse(payload: BaseModel | str) -> str:
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+def error_event(out: RequestOutput) -> str:
+    return sse(ErrorResponse(error=ErrorInfo(message=out.error or "the request failed inside the engine",
+                                             type="server_error", code="internal_error")))
+
+
+def event_stream(runner: EngineRunner, request_id: str, events: AsyncIterator[str]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            runner.abort(request_id)  # no-op once finished; cancels the sequence of a client that went away
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def completion_events(req: CompletionRequest, model: str, request_id: str, prompt_tokens: int,
+                            outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    n_tokens = 0
+    async for out in outputs:
+        if out.finish_reason == "error":
+            yield error_event(out)
+            break
+        n_tokens += len(out.new_token_ids)
+        if out.new_text or out.finished:
+            choice = CompletionChoice(text=out.new_text, finish_reason=out.finish_reason if out.finished else None)
+            yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
+        if out.finished and req.include_usage:
+            yield sse(CompletionResponse(id=request_id, model=model, choices=[],
+                                         usage=usage(out, prompt_tokens, n_tokens)))
+    yield sse("[DONE]")
+
+
+async def chat_events(req: ChatCompletionRequest, model: str, request_id: str, prompt_tokens: int,
+                      outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    def chunk(delta: ChatDelta, finish_reason: str | None = None) -> str:
+        return sse(ChatCompletionChunk(id=request_id, model=model,
+                                       choices=[ChatStreamChoice(delta=delta, finish_reason=finish_reason)]))
+
+    yield chunk(ChatDelta(role="assistant", content=""))
+    n_tokens = 0
+    async for out in outputs:
+        if out.finish_reason == "error":
+            yield error_event(out)
+            break
+        n_tokens += len(out.new_token_ids)
+        if out.new_text:
+            yield chunk(ChatDelta(content=out.new_text))
+        if out.finished:
+            yield chunk(ChatDelta(), out.finish_reason)
+            if req.include_usage:
+                yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[],
+                                              usage=usage(out, prompt_tokens, n_tokens)))
+    yield sse("[DONE]")
+
+
+def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every error leaves as an OpenAI error body; each is counted by status."""
+    def reply(status: int, info: ErrorInfo, headers: dict[str, str] | None = None) -> JSONResponse:
+        metrics.rejected.labels(str(status)).inc()
+        return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return reply(e.status, e.body, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
+        if err.get("type") == "json_invalid":
+            return reply(400, ErrorInfo(message=f"the body is not valid JSON: {msg}", type="invalid_request_error"))
+        param = ".".join(loc) or None
+        text = f"{param}: {msg}" if param else msg
+        return reply(400, ErrorInfo(message=text, type="invalid_request_error", param=param))
+
+    @app.exception_handler(SelfspecError)
+    async def selfspec_error(_: Request, e: SelfspecError) -> JSONResponse:
+        return reply(400, ErrorInfo(message=str(e), type="invalid_request_error"))
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(_: Request, e: QueueFull) -> JSONResponse:
+        return reply(429, ErrorInfo(message=str(e) or "the server's request queue is full; retry later",
+                                    type="rate_limit_error", code="queue_full"),
+                     {"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(ServerShuttingDown)
+    async def shutting_down(_: Request, e: ServerShuttingDown) -> JSONResponse:
+        return reply(503, ErrorInfo(message=str(e), type="server_error", code="shutting_down"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return reply(e.status_code, ErrorInfo(message=str(e.detail), type="invalid_request_error"), e.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        return reply(500, ErrorInfo(message=f"internal error: {type(e).__name__}: {e}", type="server_error",
+                                    code="internal_error"))
