@@ -161,7 +161,8 @@ def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: i
 
 
 def submit(runner: EngineRunner, llm: LLM, request_id: str, prompt_ids: list[int],
-           req: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None) -> asyncio.Queue[RequestOutput]:
+           req: CompletionRequest | ChatCompletionRequest,
+           default_max_tokens: int | None) -> asyncio.Queue[RequestOutput]:
     max_tokens = resolve_max_tokens(req.requested_max_tokens, default_max_tokens, len(prompt_ids),
                                     llm.model.cfg.max_seq_len)
     return runner.add_request(request_id, prompt_ids, req.sampling_params(max_tokens), req.gamma)
