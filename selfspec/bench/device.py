@@ -1,0 +1,29 @@
+"""GPU timing helpers shared by the benchmarks: event-timed medians and the device's copy bandwidth."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 5, reps: int = 30) -> float:
+    """Median milliseconds of fn() on the current CUDA stream, timed with events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """GB/s of a device-to-device copy, counting bytes read plus bytes written (the roofline we quote)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / time_ms(lambda: dst.copy_(src), reps=10) / 1e6

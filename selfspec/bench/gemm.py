@@ -1,0 +1,77 @@
+"""Per-layer GEMM time vs M for every mode, on the GPU: our op table vs cuBLAS BF16, and the bandwidth reached.
+
+python -m selfspec.bench.gemm [--shape llama-3-8b] [--m 1 2 4 8 9 16 32 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from selfspec.bench.device import copy_bandwidth, time_ms
+from selfspec.bench.shapes import SHAPES, layer_gemms
+from selfspec.kernels import linear
+from selfspec.quant.formats import quantize_weight, storage_supports
+from selfspec.quant.modes import MODES
+
+# (storage, mode) pairs measured: each mode from the cheapest storage that runs it, plus the plane views.
+PAIRS = [("dense", "bf16"), ("int8", "w8a16"), ("int8", "w8a8"), ("int4", "w4a16"), ("int4", "w4a8"),
+         ("int4", "w4a4"), ("planes", "upper"), ("planes", "full")]
+
+
+def measure(shape: str, ms: list[int], group_size: int = 128) -> list[dict]:
+    """One row per (layer GEMM, storage, mode, M): time and GB/s of the weight bytes read."""
+    rows = []
+    for name, n, k in layer_gemms(SHAPES[shape]):
+        w = torch.randn(n, k, device="cuda") * 0.02
+        xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in ms}
+        for storage, mode_name in PAIRS:
+            mode = MODES[mode_name]
+            assert storage_supports(storage, mode)
+            weight = quantize_weight(w.bfloat16() if storage == "dense" else w, storage, group_size)
+            nbytes = weight.nbytes() if mode_name != "upper" else weight.nbytes() - weight.lower.nbytes
+            for m in ms:
+                t = time_ms(lambda: linear(xs[m], weight, mode))
+                rows.append({"gemm": name, "n": n, "k": k, "storage": storage, "mode": mode_name, "m": m,
+                             "ms": t, "gb_per_s": nbytes / t / 1e6})
+            del weight
+        dense = w.bfloat16()
+        for m in ms:
+            t = time_ms(lambda: torch.nn.functional.linear(xs[m], dense))
+            rows.append({"gemm": name, "n": n, "k": k, "storage": "dense", "mode": "cublas-bf16", "m": m,
+                         "ms": t, "gb_per_s": dense.nbytes / t / 1e6})
+    return rows
+
+
+def table(rows: list[dict], copy_gb_s: float) -> str:
+    ms = sorted({r["m"] for r in rows})
+    out = [f"| gemm | mode | " + " | ".join(f"M={m} us" for m in ms) + " | BW@M=1 (of copy) |",
+           "|---|---|" + "---|" * (len(ms) + 1)]
+    keys = list(dict.fromkeys((r["gemm"], r["mode"]) for r in rows))
+    for g, mode in keys:
+        sel = {r["m"]: r for r in rows if r["gemm"] == g and r["mode"] == mode}
+        bw = sel[ms[0]]["gb_per_s"]
+        out.append(f"| {g} | {mode} | " + " | ".join(f"{1000 * sel[m]['ms']:.1f}" for m in ms)
+                   + f" | {bw:.0f} GB/s ({100 * bw / copy_gb_s:.0f}%) |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3-8b", choices=list(SHAPES))
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 9, 16, 32, 64])
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    copy = copy_bandwidth()
+    rows = measure(args.shape, args.m)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_gb_per_s": copy, "synthetic": True,
+                       "rows": rows}, f, indent=1)
+    print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s (read + write); synthetic weights randn * 0.02")
+    print(table(rows, copy))
+
+
+if __name__ == "__main__":
+    main()

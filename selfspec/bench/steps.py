@@ -1,0 +1,100 @@
+"""Decode step costs under CUDA graphs: AR tokens/s per mode and batch, and draft / verify step times.
+
+python -m selfspec.bench.steps [--shape llama-3-8b] [--context 1024] [--batch 1 8 16 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from selfspec.bench.device import time_ms
+from selfspec.bench.synthetic import synthetic_model
+from selfspec.engine.graphs import GraphedModel
+from selfspec.quant.modes import MODES
+
+# Each stored format and the modes measured from it.
+STORAGE_MODES = {"dense": ["bf16"], "int8": ["w8a16", "w8a8"], "int4": ["w4a16", "w4a8", "w4a4"],
+                 "planes": ["upper", "full"]}
+
+
+def filled_cache(gm: GraphedModel, batch: int, context: int):
+    """A cache whose first `context` positions hold random keys and values (a 1k-token history, say)."""
+    cache = gm.new_cache(gm.max_len, batch)
+    cache.k.normal_()
+    cache.v.normal_()
+    cache.commit(context)
+    return cache
+
+
+def ar_ms_per_step(gm: GraphedModel, mode_name: str, batch: int, context: int, steps: int = 48) -> float:
+    """Milliseconds per greedy AR step: each step's argmax feeds the next on the device (no host sync)."""
+    mode = MODES[mode_name]
+    cache = filled_cache(gm, batch, context)
+    dev = gm.device
+    tok = torch.randint(0, gm.cfg.vocab_size, (batch, 1), device=dev)
+    pos = torch.full((batch, 1), context, device=dev)
+    gm(tok, pos, cache, mode)
+    gm(tok, pos, cache, mode)
+
+    def run() -> None:
+        t = tok
+        for i in range(steps):
+            t = gm(t, pos + i, cache, mode)[:, -1:].argmax(-1)
+
+    return time_ms(run, warmup=1, reps=5) / steps
+
+
+def pass_ms(gm: GraphedModel, mode_name: str, batch: int, tokens: int, context: int) -> float:
+    """Milliseconds of one forward of `tokens` new tokens per row (a draft, verify or AR pass)."""
+    cache = filled_cache(gm, batch, context)
+    dev = gm.device
+    tok = torch.randint(0, gm.cfg.vocab_size, (batch, tokens), device=dev)
+    pos = context + torch.arange(tokens, device=dev).expand(batch, tokens)
+    return time_ms(lambda: gm(tok, pos, cache, MODES[mode_name]), warmup=3, reps=20)
+
+
+def measure(shape: str, batches: list[int], context: int, verify_tokens: list[int]) -> list[dict]:
+    rows = []
+    for storage, modes in STORAGE_MODES.items():
+        model = synthetic_model(shape, storage)
+        gm = GraphedModel(model, max_len=context + 64)
+        for mode in modes:
+            for b in batches:
+                ms = ar_ms_per_step(gm, mode, b, context)
+                rows.append({"kind": "ar", "storage": storage, "mode": mode, "batch": b, "tokens": 1, "ms": ms,
+                             "tokens_per_s": b * 1000 / ms})
+                print(f"{storage:7s} {mode:6s} B={b:3d} AR {ms:7.3f} ms/step  {b * 1000 / ms:8.1f} tok/s", flush=True)
+            for b in batches[:1] + batches[-1:]:
+                for t in verify_tokens:
+                    rows.append({"kind": "pass", "storage": storage, "mode": mode, "batch": b, "tokens": t,
+                                 "ms": pass_ms(gm, mode, b, t, context)})
+        del gm, model
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3-8b")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16, 32])
+    ap.add_argument("--verify-tokens", type=int, nargs="+", default=[1, 2, 3, 5, 9])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rows = measure(args.shape, args.batch, args.context, args.verify_tokens)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "shape": args.shape, "synthetic": True,
+                       "context": args.context, "rows": rows}, f, indent=1)
+    print(f"\n{torch.cuda.get_device_name()}, {args.shape} (synthetic weights), context {args.context}, CUDA graphs")
+    print("| storage | mode | pass ms at B=1 for T = " + " ".join(map(str, args.verify_tokens)) + " |")
+    keys = list(dict.fromkeys((r["storage"], r["mode"]) for r in rows))
+    for s, m in keys:
+        sel = [r for r in rows if r["kind"] == "pass" and r["storage"] == s and r["mode"] == m and r["batch"] == args.batch[0]]
+        print(f"| {s} | {m} | " + " ".join(f"{r['ms']:.3f}" for r in sel) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Synthetic-weight models of real shapes, built on the GPU (randn * 0.02; never zeros), for speed benchmarks."""
+from __future__ import annotations
+
+import torch
+
+from selfspec.bench.shapes import SHAPES
+from selfspec.model import Transformer
+
+
+def synthetic_state_dict(shape: str, device: str = "cuda", seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF-named bf16 weights: projections randn * 0.02, norms 1 + 0.1 randn, biases 0.02 randn."""
+    cfg = SHAPES[shape]
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int, std: float = 0.02, mean: float = 0.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device=device) * std + mean).bfloat16()
+
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    sd = {"model.embed_tokens.weight": randn(cfg.vocab_size, cfg.dim), "model.norm.weight": randn(cfg.dim, std=0.1, mean=1),
+          "lm_head.weight": randn(cfg.vocab_size, cfg.dim)}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        sd |= {p + "input_layernorm.weight": randn(cfg.dim, std=0.1, mean=1),
+               p + "post_attention_layernorm.weight": randn(cfg.dim, std=0.1, mean=1),
+               p + "self_attn.q_proj.weight": randn(q, cfg.dim), p + "self_attn.k_proj.weight": randn(kv, cfg.dim),
+               p + "self_attn.v_proj.weight": randn(kv, cfg.dim), p + "self_attn.o_proj.weight": randn(cfg.dim, q),
+               p + "mlp.gate_proj.weight": randn(cfg.hidden_dim, cfg.dim),
+               p + "mlp.up_proj.weight": randn(cfg.hidden_dim, cfg.dim),
+               p + "mlp.down_proj.weight": randn(cfg.dim, cfg.hidden_dim)}
+        if cfg.qkv_bias:
+            sd |= {p + f"self_attn.{n}_proj.bias": randn(d) for n, d in (("q", q), ("k", kv), ("v", kv))}
+    return sd
+
+
+def synthetic_model(shape: str, storage: str, group_size: int = 128, device: str = "cuda", seed: int = 0) -> Transformer:
+    """A Transformer of a named shape with synthetic weights, stored in `storage` (dense: bf16)."""
+    model = Transformer(SHAPES[shape], synthetic_state_dict(shape, device, seed))
+    model.quantize(storage, group_size)
+    return model.to(device)
