@@ -72,16 +72,10 @@ class LLM:
         t0 = time.perf_counter()
         draft = self.draft_mode if gamma > 0 else None
         for chunk in decode(self.model, ids, self.verify_mode, draft, gamma, params, out.stats):
-            chunk = chunk[: params.max_new_tokens - len(out.token_ids)]
-            if not params.ignore_eos:
-                eos_at = next((i for i, t in enumerate(chunk) if t in self.eos_ids), None)
-                if eos_at is not None:
-                    chunk, out.finish_reason = chunk[:eos_at], "stop"
-            new_text = self._extend(out, chunk, params)
+            new_text, chunk, finished = self.append_tokens(out, chunk, params)
             out.stats.total_s = time.perf_counter() - t0
-            out.stats.new_tokens = len(out.token_ids)
             yield new_text, chunk, out
-            if out.finish_reason == "stop" or len(out.token_ids) >= params.max_new_tokens:
+            if finished:
                 break
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, chat: bool = False,
@@ -90,6 +84,18 @@ class LLM:
         for _, _, out in self.stream(prompt, params, chat, gamma):
             pass
         return out
+
+    def append_tokens(self, out: Generation, chunk: list[int], params: SamplingParams) -> tuple[str, list[int], bool]:
+        """Add a round's committed tokens to `out`, cut at max_new_tokens, EOS and stop strings.
+        Returns (new text, the tokens kept, finished); the serving engine uses it too."""
+        chunk = chunk[: params.max_new_tokens - len(out.token_ids)]
+        if not params.ignore_eos:
+            eos_at = next((i for i, t in enumerate(chunk) if t in self.eos_ids), None)
+            if eos_at is not None:
+                chunk, out.finish_reason = chunk[:eos_at], "stop"
+        new_text = self._extend(out, chunk, params)
+        out.stats.new_tokens = len(out.token_ids)
+        return new_text, chunk, out.finish_reason == "stop" or len(out.token_ids) >= params.max_new_tokens
 
     def _extend(self, out: Generation, chunk: list[int], params: SamplingParams) -> str:
         """Append tokens and return the new text, cut at the first stop string."""

@@ -1,11 +1,14 @@
 """The decoding loop: prefill, then rounds of (draft k tokens, verify k+1 positions, accept, roll back).
 
-State between rounds: the cache holds KV for positions 0..L-1 and `pending` is the last emitted token,
-whose KV is not yet written (it is fed at position L by the next draft or verify pass).
+State between rounds, per sequence (`Row`): the cache holds KV for positions 0..length-1 and `pending` is
+the last emitted token, whose KV is not yet written (it is fed at position `length` by the next pass).
+`run_round` is one batched round over any number of rows; the solo loop `decode` is that round with one row,
+and the serving engine (engine/engine.py) runs it over its whole batch.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -18,7 +21,27 @@ from selfspec.spec.sampling import SamplingParams, sample, to_probs
 from selfspec.spec.verify import accept_greedy, accept_rejection
 
 
-def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+@dataclass
+class Row:
+    """One sequence's decoding state between rounds."""
+    pending: int
+    length: int
+    params: SamplingParams
+    gen: torch.Generator | None
+    stats: GenerationStats
+
+
+@dataclass
+class RoundTiming:
+    draft_s: float
+    verify_s: float
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    return None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed)
+
+
+def pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
     return int(logits.argmax()) if params.greedy else sample(to_probs(logits, params), gen)
 
 
@@ -27,51 +50,69 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Mode | No
            params: SamplingParams, stats: GenerationStats, cache: KVCache | None = None) -> Iterator[list[int]]:
     """Yield the tokens each round commits (AR: one per step); the caller stops the iteration."""
     dev = model.device
-    gen = None
-    if params.seed is not None:
-        gen = torch.Generator(device=dev).manual_seed(params.seed)
+    gen = make_generator(params, dev)
     cache = cache or model.new_cache(min(model.cfg.max_seq_len, len(prompt) + params.max_new_tokens + gamma + 1))
     t0 = time.perf_counter()
     logits = model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev), cache, verify)
     cache.commit(len(prompt))
-    pending = _pick(logits[0, -1], params, gen)
+    row = Row(pick(logits[0, -1], params, gen), len(prompt), params, gen, stats)
     stats.prefill_s += time.perf_counter() - t0
-    yield [pending]
-    while cache.length + 1 < cache.max_len:
-        k = min(gamma, cache.max_len - cache.length - 1) if draft is not None else 0
-        drafts, q = draft_tokens(model, cache, pending, k, draft, params, gen, stats) if k else ([], None)
-        t0 = time.perf_counter()
-        toks = torch.tensor([[pending] + drafts], device=dev)
-        logits = model(toks, cache.length + torch.arange(k + 1, device=dev), cache, verify)[0]
-        if params.greedy:
-            n, nxt = accept_greedy(drafts, logits)
-        else:
-            n, nxt = accept_rejection(drafts, q, to_probs(logits, params), gen)
-        cache.commit(cache.length + n + 1)
-        stats.verify_s += time.perf_counter() - t0
-        stats.rounds += 1
-        stats.draft_proposed += k
-        stats.draft_accepted += n
-        pending = nxt
-        yield drafts[:n] + [nxt]
+    yield [row.pending]
+    while row.length + 1 < cache.max_len:
+        k = min(gamma, cache.max_len - row.length - 1) if draft is not None else 0
+        (tokens,), _ = run_round(model, cache, [row], k, draft, verify)
+        cache.commit(row.length)
+        yield tokens
 
 
-def draft_tokens(model: Transformer, cache: KVCache, pending: int, k: int, mode: Mode, params: SamplingParams,
-                 gen: torch.Generator | None, stats: GenerationStats) -> tuple[list[int], torch.Tensor | None]:
-    """Run k draft-mode steps from the pending token; their KV lands in the cache past `length`
-    and is overwritten by the verify pass. Returns the drafts and (sampling) their probabilities."""
-    t0 = time.perf_counter()
+@torch.inference_mode()
+def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Mode | None,
+              verify: Mode) -> tuple[list[list[int]], RoundTiming]:
+    """One speculative round over a batch: k batched draft steps (T=1), one batched verify pass (T=k+1),
+    acceptance per row. Returns each row's committed tokens; rows are updated only once every pass succeeded
+    (a failure leaves them as they were). The caller commits/truncates the cache to each row's new length."""
     dev = model.device
-    drafts, probs = [], []
-    tok = pending
+    t0 = time.perf_counter()
+    drafts, q = draft_tokens(model, cache, rows, k, draft) if k else ([[] for _ in rows], [None] * len(rows))
+    t1 = time.perf_counter()
+    toks = torch.tensor([[r.pending] + d for r, d in zip(rows, drafts)], device=dev)
+    pos = torch.tensor([r.length for r in rows], device=dev)[:, None] + torch.arange(k + 1, device=dev)
+    logits = model(toks, pos, cache, verify)
+    accepted = [accept_greedy(d, lg) if r.params.greedy else accept_rejection(d, qq, to_probs(lg, r.params), r.gen)
+                for r, d, qq, lg in zip(rows, drafts, q, logits)]
+    t2 = time.perf_counter()
+    out = []
+    for r, d, (n, nxt) in zip(rows, drafts, accepted):
+        r.length += n + 1
+        r.pending = nxt
+        s = r.stats
+        s.draft_s += t1 - t0
+        s.verify_s += t2 - t1
+        s.rounds += 1
+        s.draft_proposed += k
+        s.draft_accepted += n
+        out.append(d[:n] + [nxt])
+    return out, RoundTiming(t1 - t0, t2 - t1)
+
+
+def draft_tokens(model: Transformer, cache, rows: list[Row], k: int,
+                 mode: Mode) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    """Run k batched draft-mode steps from each row's pending token; their KV lands in the cache past each
+    row's length and is overwritten by the verify pass. Returns the drafts per row and (sampling rows) the
+    probabilities [k, V] each was drawn from."""
+    dev = model.device
+    drafts = [[] for _ in rows]
+    probs = [[] for _ in rows]
+    toks = [r.pending for r in rows]
+    base = torch.tensor([r.length for r in rows], device=dev)[:, None]
     for i in range(k):
-        pos = torch.tensor([cache.length + i], device=dev)
-        logits = model(torch.tensor([[tok]], device=dev), pos, cache, mode)[0, -1]
-        if params.greedy:
-            tok = int(logits.argmax())
-        else:
-            probs.append(to_probs(logits, params))
-            tok = sample(probs[-1], gen)
-        drafts.append(tok)
-    stats.draft_s += time.perf_counter() - t0
-    return drafts, torch.stack(probs) if probs else None
+        logits = model(torch.tensor(toks, device=dev)[:, None], base + i, cache, mode)[:, -1]
+        greedy = logits.argmax(-1).tolist()
+        for j, r in enumerate(rows):
+            if r.params.greedy:
+                toks[j] = greedy[j]
+            else:
+                probs[j].append(to_probs(logits[j], r.params))
+                toks[j] = sample(probs[j][-1], r.gen)
+            drafts[j].append(toks[j])
+    return drafts, [torch.stack(p) if p else None for p in probs]

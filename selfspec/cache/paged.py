@@ -1,0 +1,112 @@
+"""Paged KV cache: one pool of fixed-size blocks shared by every sequence (vLLM's layout).
+
+Each sequence owns a block table (list of block ids) and a committed length; position p of a sequence lives
+in slot p % block_size of block table[p // block_size]. Rollback is `truncate`: blocks past the committed
+length go back to the free list; slots past it inside the last block are stale, and attention never reads
+them (a query at position p reads positions 0..p, all written in the current or an earlier pass).
+Block 0 is the trash block: never allocated, it takes the writes of padding tokens and pads block tables.
+"""
+from __future__ import annotations
+
+import torch
+
+from selfspec.errors import SelfspecError
+
+TRASH = 0
+
+
+class PagedKVCache:
+    def __init__(self, n_layers: int, num_blocks: int, n_kv_heads: int, block_size: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        # Zeros, not empty: attention multiplies masked slots' values by 0, and 0 * NaN garbage would be NaN.
+        shape = (n_layers, num_blocks + 1, n_kv_heads, block_size, head_dim)  # + the trash block
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.free_blocks = list(range(num_blocks, 0, -1))  # pop() hands out low ids first
+        self.tables: dict[str, list[int]] = {}
+        self.lengths: dict[str, int] = {}  # committed positions 0..length-1 per sequence
+
+    @property
+    def blocks_used(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def allocate(self, seq: str, n_tokens: int = 0) -> None:
+        """Register a new sequence (length 0) with room for n_tokens positions."""
+        if seq in self.tables:
+            raise SelfspecError(f"sequence '{seq}' already has blocks")
+        self.tables[seq], self.lengths[seq] = [], 0
+        self.extend(seq, n_tokens)
+
+    def extend(self, seq: str, n_tokens: int) -> None:
+        """Make room for positions up to length + n_tokens - 1 (what the next pass writes)."""
+        table = self.tables[seq]
+        need = self.blocks_for(self.lengths[seq] + n_tokens) - len(table)
+        if need > len(self.free_blocks):
+            raise SelfspecError(f"KV cache out of blocks: '{seq}' needs {need}, {len(self.free_blocks)} free")
+        table.extend(self.free_blocks.pop() for _ in range(need))
+
+    def truncate(self, seq: str, length: int) -> None:
+        """Commit positions 0..length-1 and free every block past them (exact rollback of rejected drafts)."""
+        table = self.tables[seq]
+        keep = self.blocks_for(length)
+        self.free_blocks.extend(reversed(table[keep:]))
+        del table[keep:]
+        self.lengths[seq] = length
+
+    def free(self, seq: str) -> None:
+        """Return all of a sequence's blocks; unknown sequences are fine (idempotent)."""
+        if seq in self.tables:
+            self.free_blocks.extend(reversed(self.tables.pop(seq)))
+            del self.lengths[seq]
+
+    def view(self, seqs: list[str], real: torch.Tensor | None = None) -> PagedBatchView:
+        return PagedBatchView(self, seqs, real)
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+class PagedBatchView:
+    """The cache as one forward pass over rows `seqs` sees it: `write` scatters new k/v into each row's blocks
+    and returns each row's keys/values gathered into [B, Hkv, S, D] (S = the longest table, in slots).
+
+    `real` [B, T] (optional): False marks padding tokens, whose k/v go to the trash block.
+    """
+
+    def __init__(self, cache: PagedKVCache, seqs: list[str], real: torch.Tensor | None = None):
+        self.cache = cache
+        dev = cache.k.device
+        width = max(len(cache.tables[s]) for s in seqs)
+        # Padding entries point at the trash block: they sit past the row's positions, so attention masks them.
+        self.table = torch.tensor([cache.tables[s] + [TRASH] * (width - len(cache.tables[s])) for s in seqs],
+                                  dtype=torch.long, device=dev)
+        self.real = None if real is None else real.to(dev)
+
+    def slots(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [B, T] -> (block id, offset) [B, T] each."""
+        bs = self.cache.block_size
+        index = pos // bs
+        if self.real is None:
+            return self.table.gather(1, index), pos % bs
+        # Padding may sit past the row's table (or past the context): send it to the trash block.
+        blocks = self.table.gather(1, index.masked_fill(~self.real, 0)).masked_fill(~self.real, TRASH)
+        return blocks, pos % bs
+
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks, offsets = self.slots(pos)
+        kl, vl = self.cache.k[layer], self.cache.v[layer]  # [N, Hkv, bs, D]
+        # Index pair (block, offset) around the head slice gives [B, T, Hkv, D], the layout of k.transpose(1, 2).
+        kl[blocks, :, offsets] = k.transpose(1, 2).to(kl.dtype)
+        vl[blocks, :, offsets] = v.transpose(1, 2).to(vl.dtype)
+        return self.gather(kl), self.gather(vl)
+
+    def gather(self, pool: torch.Tensor) -> torch.Tensor:
+        """[N, Hkv, bs, D] -> [B, Hkv, S, D] in position order; the one place a paged attention kernel replaces."""
+        b, w = self.table.shape
+        x = pool[self.table]  # [B, W, Hkv, bs, D]
+        return x.permute(0, 2, 1, 3, 4).reshape(b, pool.shape[1], w * pool.shape[2], pool.shape[3])

@@ -1,0 +1,308 @@
+"""Serving engine: continuous batching over a paged KV cache, with batched speculative rounds.
+
+One `step()`: drain the inbox (new requests, aborts), admit waiting requests FCFS while the batch and the KV
+pool allow, prefill one chunk (a token budget shared FCFS by newcomers, one batched forward), then one batched
+round over every sequence past prefill: k draft steps and one verify pass, each row accepting its own number
+of tokens and rolling its own cache back. k comes from the gamma policy (spec/policy.py) unless a request
+overrides it; rows are grouped by k and each group runs its own batched passes.
+
+Admission reserves each request's worst case (prompt + max_new_tokens + max drafts) in blocks, so a running
+sequence never runs out of cache; blocks are allocated as positions are written and freed on rollback.
+Threads: add_request/abort only touch a locked inbox; step() (one thread) drains it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from selfspec.cache.paged import PagedKVCache
+from selfspec.engine.llm import LLM, Generation, check_gamma
+from selfspec.engine.stats import GenerationStats
+from selfspec.errors import SelfspecError
+from selfspec.spec.decode import Row, make_generator, pick, run_round
+from selfspec.spec.policy import GammaPolicy
+from selfspec.spec.sampling import SamplingParams
+
+DEFAULT_TOKENS_PER_SEQ = 1024  # default pool: max_batch sequences of this many tokens
+
+
+class QueueFull(SelfspecError):
+    """The waiting queue is at max_queue; retry later."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str  # detokenized delta, stop strings applied
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    generation: Generation  # running text, token ids, stats
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    waiting: int
+    running: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    num_drafts: int  # rows that drafted, summed over rounds
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    gamma: int  # last chosen by the policy
+    acceptance: float | None  # the policy's per-token acceptance estimate
+
+
+@dataclass
+class Sequence:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    gamma: int | None  # None: the policy's
+    blocks: int  # reserved worst case
+    gen: torch.Generator | None
+    arrival: float
+    out: Generation
+    prefilled: int = 0
+    row: Row | None = None  # set once the prompt is prefilled and the first token drawn
+
+
+@dataclass
+class _Counters:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, llm: LLM, max_batch: int = 32, block_size: int = 16, num_blocks: int | None = None,
+                 max_queue: int = 256, prefill_chunk: int = 256, max_gamma: int = 8,
+                 policy: GammaPolicy | None = None):
+        for name, value in (("max_batch", max_batch), ("block_size", block_size), ("max_queue", max_queue),
+                            ("prefill_chunk", prefill_chunk)):
+            if value < 1:
+                raise SelfspecError(f"{name} must be >= 1, got {value}")
+        check_gamma(max_gamma)
+        cfg = llm.model.cfg
+        self.llm = llm
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
+        self.max_len = cfg.max_seq_len
+        if num_blocks is None:
+            num_blocks = max_batch * -(-min(cfg.max_seq_len, DEFAULT_TOKENS_PER_SEQ) // block_size)
+        self.cache = PagedKVCache(cfg.n_layers, num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim,
+                                  llm.model.dtype, llm.model.device)
+        self.policy = policy or GammaPolicy(max_gamma if llm.draft_mode is not None else 0)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.reserved = 0  # blocks reserved by running sequences
+        self.counters = _Counters()
+        self._lock = threading.Lock()
+        self._inbox: list[tuple[str, object]] = []
+        self._live: set[str] = set()  # ids added and not yet finished
+        self._queued = 0  # requests in the inbox or waiting
+
+    # ---------------------------------------------------------------- thread-safe entry points
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, chat: bool = False,
+                    gamma: int | None = None) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise SelfspecError("request_id must be a non-empty string")
+        if not isinstance(params, SamplingParams):
+            raise SelfspecError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if gamma is not None:
+            check_gamma(gamma)
+        ids = self.llm.encode(prompt, chat)
+        params = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_len - len(ids)))
+        drafts = self.policy.max_gamma if gamma is None else gamma
+        blocks = self.cache.blocks_for(min(self.max_len, len(ids) + params.max_new_tokens + drafts))
+        if blocks > self.cache.num_blocks:
+            raise SelfspecError(f"the request needs up to {blocks} KV blocks (prompt {len(ids)} + max_new_tokens "
+                                f"{params.max_new_tokens} + {drafts} drafts); the pool has {self.cache.num_blocks}")
+        seq = Sequence(request_id, ids, params, gamma, blocks, make_generator(params, self.llm.model.device),
+                       time.perf_counter(), Generation("", [], "length", GenerationStats(prompt_tokens=len(ids))))
+        with self._lock:
+            if request_id in self._live:
+                raise SelfspecError(f"request id '{request_id}' is already in use")
+            if self._queued >= self.max_queue:
+                raise QueueFull(f"the waiting queue is full ({self.max_queue} requests); retry later")
+            self._live.add(request_id)
+            self._queued += 1
+            self._inbox.append(("add", seq))
+
+    def abort(self, request_id: str) -> None:
+        """Finish the request with reason "abort" and free its blocks at the next step; unknown ids are fine."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self.waiting or self.running)
+
+    def stats(self) -> EngineStats:
+        c = self.counters
+        return EngineStats(self._queued, len(self.running), self.cache.num_blocks, self.cache.blocks_used,
+                           c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, self.policy.last_gamma,
+                           self.policy.acceptance)
+
+    # ---------------------------------------------------------------- the scheduler
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: admit, one prefill chunk, one batched (speculative) round."""
+        outputs: list[RequestOutput] = []
+        self._drain(outputs)
+        self._admit()
+        self._prefill(outputs)
+        self._decode(outputs)
+        return outputs
+
+    def _drain(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for kind, item in inbox:
+            if kind == "add":
+                self.waiting.append(item)
+                continue
+            seq = next((s for s in [*self.waiting, *self.running] if s.id == item), None)
+            if seq is not None:
+                self._finish(seq, "abort", outputs)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            if self.reserved + seq.blocks > self.cache.num_blocks:
+                break  # FCFS: the head waits for blocks, nobody overtakes it
+            self.waiting.popleft()
+            with self._lock:
+                self._queued -= 1
+            self.reserved += seq.blocks
+            self.cache.allocate(seq.id)
+            self.running.append(seq)
+
+    def _finish(self, seq: Sequence, reason: str, outputs: list[RequestOutput], error: str | None = None) -> None:
+        """End a request that did not end by its own tokens (abort, error)."""
+        seq.out.finish_reason = reason
+        self._release(seq)
+        outputs.append(RequestOutput(seq.id, [], "", True, reason, seq.out, error))
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.reserved -= seq.blocks
+            self.cache.free(seq.id)
+        else:
+            self.waiting.remove(seq)
+            with self._lock:
+                self._queued -= 1
+        seq.out.stats.total_s = time.perf_counter() - seq.arrival
+        with self._lock:
+            self._live.discard(seq.id)
+
+    def _isolated(self, seqs: list[Sequence], fn, outputs: list[RequestOutput]) -> None:
+        """Run fn over seqs as one batch; if it raises, run each alone, so only a failing request ends with
+        an error. fn must leave its sequences untouched when it raises."""
+        try:
+            fn(seqs, outputs)
+        except Exception as e:  # noqa: BLE001 (a request's failure must not take the engine down)
+            if len(seqs) > 1:
+                for s in seqs:
+                    self._isolated([s], fn, outputs)
+            else:
+                self._finish(seqs[0], "error", outputs, f"{type(e).__name__}: {e}")
+
+    def _emit(self, seq: Sequence, tokens: list[int], outputs: list[RequestOutput]) -> None:
+        """Hand a row's committed tokens to its request (detokenize, stop strings, EOS, length)."""
+        try:
+            self.cache.truncate(seq.id, seq.row.length)  # commit the accepted tokens, roll back the rest
+            text, kept, finished = self.llm.append_tokens(seq.out, tokens, seq.params)
+        except Exception as e:  # noqa: BLE001
+            self._finish(seq, "error", outputs, f"{type(e).__name__}: {e}")
+            return
+        if finished:
+            self._release(seq)
+        outputs.append(RequestOutput(seq.id, kept, text, finished, seq.out.finish_reason if finished else None,
+                                     seq.out))
+
+    # ---------------------------------------------------------------- prefill
+
+    def _prefill(self, outputs: list[RequestOutput]) -> None:
+        """Newcomers FCFS while the padded chunk (rows x longest chunk) fits in prefill_chunk tokens."""
+        batch, width = [], 0
+        for seq in self.running:
+            if seq.row is not None:
+                continue
+            n = min(len(seq.prompt) - seq.prefilled, self.prefill_chunk)
+            if batch and (len(batch) + 1) * max(width, n) > self.prefill_chunk:
+                break
+            batch.append(seq)
+            width = max(width, n)
+        if batch:
+            self._isolated(batch, self._prefill_chunk, outputs)
+
+    @torch.inference_mode()
+    def _prefill_chunk(self, seqs: list[Sequence], outputs: list[RequestOutput]) -> None:
+        model, dev = self.llm.model, self.llm.model.device
+        sizes = [min(len(s.prompt) - s.prefilled, self.prefill_chunk) for s in seqs]
+        width = max(sizes)
+        for s, n in zip(seqs, sizes):
+            self.cache.extend(s.id, n)
+        toks = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, (s, n) in enumerate(zip(seqs, sizes)):
+            toks[i, :n] = torch.tensor(s.prompt[s.prefilled:s.prefilled + n])
+        real = torch.arange(width)[None] < torch.tensor(sizes)[:, None]
+        start = torch.tensor([s.prefilled for s in seqs])[:, None]
+        pos = (start + torch.arange(width)).clamp_max(self.max_len - 1)  # padding may run past the context
+        logits = model(toks.to(dev), pos.to(dev), self.cache.view([s.id for s in seqs], real), self.llm.verify_mode)
+        done = [s.prefilled + n == len(s.prompt) for s, n in zip(seqs, sizes)]
+        first = [pick(logits[i, n - 1], s.params, s.gen) if d else None
+                 for i, (s, n, d) in enumerate(zip(seqs, sizes, done))]
+        now = time.perf_counter()
+        for s, n, d, tok in zip(seqs, sizes, done, first):
+            s.prefilled += n
+            self.cache.truncate(s.id, s.prefilled)
+            if d:
+                s.out.stats.prefill_s = now - s.arrival  # time to first token, queueing included
+                s.row = Row(tok, s.prefilled, s.params, s.gen, s.out.stats)
+        for s, d in zip(seqs, done):
+            if d:
+                self._emit(s, [s.row.pending], outputs)
+
+    # ---------------------------------------------------------------- batched speculative rounds
+
+    def _decode(self, outputs: list[RequestOutput]) -> None:
+        ready = [s for s in self.running if s.row is not None]
+        if not ready:
+            return
+        auto = sum(s.gamma is None for s in ready)
+        k_auto = self.policy.choose(auto) if auto else 0
+        groups: dict[int, list[Sequence]] = {}
+        for s in ready:
+            k = k_auto if s.gamma is None else s.gamma
+            k = 0 if self.llm.draft_mode is None else min(k, self.max_len - s.row.length - 1)
+            groups.setdefault(k, []).append(s)
+        for k, seqs in sorted(groups.items()):
+            self._isolated(seqs, lambda group, outs, k=k: self._round(group, k, outs), outputs)
+
+    def _round(self, seqs: list[Sequence], k: int, outputs: list[RequestOutput]) -> None:
+        for s in seqs:
+            self.cache.extend(s.id, k + 1)
+        view = self.cache.view([s.id for s in seqs])
+        rows = [s.row for s in seqs]
+        before = [r.stats.draft_accepted for r in rows]
+        tokens, timing = run_round(self.llm.model, view, rows, k, self.llm.draft_mode, self.llm.verify_mode)
+        accepted = [r.stats.draft_accepted - b for r, b in zip(rows, before)]
+        self.policy.observe_round(len(rows), k, timing.draft_s, timing.verify_s)
+        self.policy.observe_acceptance(k, accepted)
+        if k:
+            c = self.counters
+            c.num_drafts += len(rows)
+            c.num_draft_tokens += k * len(rows)
+            c.num_accepted_tokens += sum(accepted)
+        for s, toks in zip(seqs, tokens):
+            self._emit(s, toks, outputs)

@@ -1,0 +1,114 @@
+"""Gamma policy: how many tokens to draft this round, from measured acceptance and measured step costs.
+
+With per-token acceptance a and k drafts a round emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per row and costs
+k * draft(B) + verify(B * (k+1) tokens); plain decoding (k = 0) emits 1 token for verify(B). The policy picks
+the k in 0..max_gamma with the most tokens per second, and 0 unless speculation beats plain decoding by
+`margin`, so speculative serving is never slower than plain decoding of the verify mode at any batch size.
+
+Costs are learned as the engine runs (exponential moving averages):
+- verify cost by tokens in the pass (B * T), interpolated between measured sizes, extrapolated linearly;
+- draft cost as a ratio to the verify cost of a pass of the same size (B tokens), per batch size
+  (the nearest measured batch size stands in for an unmeasured one).
+Exploration: an unmeasured batch size first runs plain decoding once (measures verify(B)); while no draft
+step was ever measured, it then drafts 1 token once (measures the draft ratio and acceptance).
+"""
+from __future__ import annotations
+
+import bisect
+
+
+class Ema:
+    """Exponential moving average; the first observation is taken as is."""
+
+    def __init__(self, alpha: float):
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def update(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a round emits per row with k drafts at per-token acceptance a: 1 + a + ... + a^k."""
+    return k + 1.0 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+class GammaPolicy:
+    def __init__(self, max_gamma: int = 8, alpha: float = 0.2, margin: float = 0.05):
+        self.max_gamma = max_gamma
+        self.alpha = alpha
+        self.margin = margin
+        self.accepted = Ema(alpha)  # accepted drafts per round ...
+        self.trials = Ema(alpha)  # ... and acceptance trials per round (accepted + 1 if a draft was rejected)
+        self.verify_cost: dict[int, Ema] = {}  # tokens in the pass -> seconds
+        self.draft_ratio: dict[int, Ema] = {}  # batch size -> draft step seconds / verify(B tokens) seconds
+        self.last_gamma = 0
+
+    # ---------------------------------------------------------------- observations
+
+    def observe_round(self, batch: int, k: int, draft_s: float, verify_s: float) -> None:
+        """A round of k drafts over `batch` rows took draft_s (all k steps) and verify_s."""
+        self.verify_cost.setdefault(batch * (k + 1), Ema(self.alpha)).update(verify_s)
+        base = self.verify_estimate(batch)
+        if k and base:
+            self.draft_ratio.setdefault(batch, Ema(self.alpha)).update(draft_s / k / base)
+
+    def observe_acceptance(self, k: int, accepted: list[int]) -> None:
+        """Per-row accepted counts of a round with k drafts. A row accepting n < k drafts saw n successes in
+        n + 1 trials, one accepting all k saw k in k: the geometric model's maximum-likelihood estimate."""
+        if k and accepted:
+            self.accepted.update(sum(accepted) / len(accepted))
+            self.trials.update(sum(n + (n < k) for n in accepted) / len(accepted))
+
+    @property
+    def acceptance(self) -> float | None:
+        if not self.trials.value:
+            return None
+        return self.accepted.value / self.trials.value
+
+    # ---------------------------------------------------------------- estimates
+
+    def verify_estimate(self, tokens: int) -> float | None:
+        """Seconds of a verify pass over `tokens` tokens: measured, interpolated, or extrapolated linearly
+        from the two largest (smallest) measured sizes; one measured size stands for all."""
+        known = sorted((n, e.value) for n, e in self.verify_cost.items())
+        if not known:
+            return None
+        sizes = [n for n, _ in known]
+        i = bisect.bisect_left(sizes, tokens)
+        if i < len(sizes) and sizes[i] == tokens:
+            return known[i][1]
+        if len(known) == 1:
+            return known[0][1]
+        (n0, c0), (n1, c1) = known[min(max(i - 1, 0), len(known) - 2):][:2]
+        return max(c0 + (c1 - c0) * (tokens - n0) / (n1 - n0), 0.0)
+
+    def draft_estimate(self, batch: int) -> float | None:
+        if not self.draft_ratio:
+            return None
+        nearest = min(self.draft_ratio, key=lambda b: (abs(b - batch), b))
+        base = self.verify_estimate(batch)
+        return None if base is None else self.draft_ratio[nearest].value * base
+
+    def throughput(self, batch: int, k: int) -> float:
+        """Estimated tokens per second per row of a round with k drafts (requires measurements)."""
+        if k == 0:
+            return 1.0 / self.verify_estimate(batch)
+        cost = k * self.draft_estimate(batch) + self.verify_estimate(batch * (k + 1))
+        return expected_tokens(self.acceptance, k) / cost
+
+    # ---------------------------------------------------------------- the choice
+
+    def choose(self, batch: int) -> int:
+        """Drafts per row for the next round over `batch` rows."""
+        self.last_gamma = self._choose(batch)
+        return self.last_gamma
+
+    def _choose(self, batch: int) -> int:
+        if self.max_gamma == 0 or batch not in self.verify_cost:
+            return 0  # measure plain decoding at this size first
+        if self.acceptance is None or not self.draft_ratio:
+            return 1  # explore: one cheap round measures the draft step and acceptance
+        ar = self.throughput(batch, 0)
+        best = max(range(1, self.max_gamma + 1), key=lambda k: self.throughput(batch, k))
+        return best if self.throughput(batch, best) > ar * (1 + self.margin) else 0
