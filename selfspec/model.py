@@ -138,10 +138,12 @@ class Transformer(nn.Module):
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
 
-    def quantize(self, storage: str, group_size: int = 128) -> None:
-        """Replace every block linear's weight by its stored format (the head stays dense)."""
+    def quantize(self, storage: str, group_size: int = 128, rotate: bool = False) -> None:
+        """Replace every block linear's weight by its stored format (the head stays dense); with `rotate`,
+        stored Hadamard-rotated, one rotation matrix per block order shared by all (quant/rotation.py)."""
+        rotations = {} if rotate else None
         for lin in self.linears():
-            lin.weight = quantize_weight(lin.weight.weight, storage, group_size)
+            lin.weight = quantize_weight(lin.weight.weight, storage, group_size, rotations)
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         c = self.cfg

@@ -112,12 +112,31 @@ def test_int8_error_within_half_step():
     torch.testing.assert_close(qw.scale, w.abs().amax(1) / 127)
 
 
+def plain_dequant(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The textbook formula with fresh temporaries: what the in-place CPU dequantization must equal bitwise."""
+    g = q.shape[1] // scale.shape[1]
+    return (group_view(q.float(), g) * scale[..., None] + lo[..., None]).view(q.shape)
+
+
+@pytest.mark.parametrize("k", [256, 576])
+def test_dequantize_is_bitwise_the_plain_formula(k):
+    w = rand_weight(40, k, seed=11) * torch.logspace(-3, 1, k)  # scales spread over decades: rounding shows
+    q4, s4, lo4 = minmax_quant(w, 4, 64)
+    assert torch.equal(Int4Weight(w, 64).dequantize(MODES["w4a16"]), plain_dequant(q4, s4, lo4))
+    pw = Int8PlanesWeight(w, 64)
+    q8, s8, lo8 = minmax_quant(w, 8, 64)
+    assert torch.equal(pw.dequantize(MODES["full"]), plain_dequant(q8, s8, lo8))
+    assert torch.equal(pw.dequantize(MODES["upper"]), plain_dequant(q8 >> 4, *pw.upper_affine()))
+    assert torch.equal(pw.int8_codes(), q8.float())
+
+
 def test_pack_unpack_roundtrip_and_layout():
     g = torch.Generator().manual_seed(4)
     q = torch.randint(0, 16, (7, 34), generator=g, dtype=torch.uint8)
     p = pack_nibbles(q)
     assert p.dtype == torch.uint8 and p.shape == (7, 17)
     assert torch.equal(unpack_nibbles(p), q)
+    assert torch.equal(unpack_nibbles(p, torch.float32), q.float())
     assert torch.equal(p & 15, q[:, 0::2]) and torch.equal(p >> 4, q[:, 1::2])  # even k in the low nibble
     every = torch.arange(256, dtype=torch.uint8).view(1, 256)
     assert torch.equal(pack_nibbles(unpack_nibbles(every)), every)
@@ -272,12 +291,17 @@ PAIRS = {  # storage -> (draft, verify) pairs it runs from its one copy
 }
 
 
+@pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("storage", STORAGES)
-def test_draft_and_verify_read_one_copy(storage):
-    """DESIGN invariant 3: forwards in the draft mode then the verify mode add no tensor to the model."""
+def test_draft_and_verify_read_one_copy(storage, rotate):
+    """DESIGN invariant 3: forwards in the draft mode then the verify mode add no tensor to the model
+    (rotated: the one shared Hadamard matrix is all the rotation adds, and the modes add nothing to it)."""
     cfg, sd, _ = tiny_model("llama", seed=10)
     model = Transformer(cfg, sd)
-    model.quantize(storage, GROUP)
+    model.quantize(storage, GROUP, rotate)
+    rotation = model.linears()[0].weight.rotation
+    assert (rotation is not None) == rotate
+    assert all(lin.weight.rotation is rotation for lin in model.linears())  # K = 64 or 128: all blocks of 32
     before_bytes, before = model.weight_bytes(), held_tensors(model)
     assert len(before) > 7 * cfg.n_layers
     toks = torch.randint(0, cfg.vocab_size, (1, 6))

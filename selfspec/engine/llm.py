@@ -136,7 +136,7 @@ def build(cfg, state_dict, tokenizer, recipe: Recipe, group_size: int = 128, gam
           device: str = "cpu", description: str = "") -> LLM:
     model = Transformer(cfg, state_dict)
     state_dict.clear()  # the float weights are now owned by the model (or freed once quantized)
-    model.quantize(recipe.storage, group_size)
+    model.quantize(recipe.storage, group_size, recipe.rotate)
     return LLM(model.to(device), tokenizer, recipe, gamma, description)
 
 

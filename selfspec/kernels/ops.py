@@ -9,6 +9,8 @@ from selfspec.quant.modes import Mode
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.rotation is not None:  # stored as W H: (x H)(W H)^T = x W^T, with outliers spread before act quant
+        x = weight.rotation(x)
     return kernels.lookup("linear", weight.storage, x.device.type)(x, weight, mode, bias)
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import Mode
+from selfspec.quant.rotation import BlockHadamard
 
 STORAGES = ("dense", "int8", "int4", "planes")
 
@@ -30,17 +31,23 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return q[:, 0::2] | (q[:, 1::2] << 4)
 
 
-def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
-    """[N, K/2] uint8 -> [N, K] uint8 values in 0..15."""
-    return torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
+def unpack_nibbles(p: torch.Tensor, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """[N, K/2] uint8 -> [N, K] values in 0..15 as `dtype`. Each half is written straight into its slots of
+    the result: on the CPU, stacking the halves cost as much as the rest of the dequantization."""
+    out = torch.empty(*p.shape, 2, dtype=dtype, device=p.device)
+    torch.bitwise_and(p, 15, out=out[..., 0])
+    torch.bitwise_right_shift(p, 4, out=out[..., 1])
+    return out.flatten(-2)
 
 
-def affine_dequant(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """w = lo + scale * q, group-wise along K; q [N, K], scale/lo [N, K/g]."""
+def affine_dequant_(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """In place: float32 codes q [N, K] -> w = lo + scale * q, group-wise along K; scale/lo [N, K/g].
+
+    In place because on the CPU fresh [N, K] temporaries cost more than the arithmetic. The rounding is a
+    float32 multiply, then a float32 add (no fused multiply-add): what every kernel reproduces."""
     n, k = q.shape
-    g = k // scale.shape[1]
-    w = q.view(n, -1, g).float() * scale.float()[..., None] + lo.float()[..., None]
-    return w.view(n, k)
+    q.view(n, scale.shape[1], -1).mul_(scale[..., None]).add_(lo[..., None])
+    return q
 
 
 def minmax_quant(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,9 +62,16 @@ def minmax_quant(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Ten
 
 
 class QuantWeight(nn.Module):
-    """Base: a stored weight [out_features, in_features] and the modes it can run."""
+    """Base: a stored weight [out_features, in_features] and the modes it can run.
+
+    `rotation` (None, or a BlockHadamard shared with other weights): the weight is stored as quantize(W H),
+    and every mode rotates its activations by the same H before the product (kernels/ops.py::linear)."""
 
     storage: str
+
+    def __init__(self):
+        super().__init__()
+        self.rotation: BlockHadamard | None = None
 
     def supports(self, mode: Mode) -> bool:
         return storage_supports(self.storage, mode)
@@ -71,7 +85,8 @@ class QuantWeight(nn.Module):
             raise SelfspecError(f"stored format '{self.storage}' cannot run mode '{mode.name}'")
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+        """Bytes of this weight's own tensors; a shared rotation is counted once, by the model."""
+        return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
 
 
 class DenseWeight(QuantWeight):
@@ -120,7 +135,7 @@ class Int4Weight(QuantWeight):
 
 
     def dequantize(self, mode: Mode) -> torch.Tensor:
-        return affine_dequant(unpack_nibbles(self.packed), self.scale, self.lo)
+        return affine_dequant_(unpack_nibbles(self.packed, torch.float32), self.scale, self.lo)
 
 
 class Int8PlanesWeight(QuantWeight):
@@ -144,23 +159,42 @@ class Int8PlanesWeight(QuantWeight):
         return self.scale * 16, self.lo + self.scale * 7.5
 
     def dequantize(self, mode: Mode) -> torch.Tensor:
-        upper = unpack_nibbles(self.upper)
         if mode.weight_bits == 4:
-            return affine_dequant(upper, *self.upper_affine())
-        q8 = (upper.to(torch.int16) << 4) | unpack_nibbles(self.lower)
-        return affine_dequant(q8, self.scale, self.lo)
+            return affine_dequant_(unpack_nibbles(self.upper, torch.float32), *self.upper_affine())
+        return affine_dequant_(self.int8_codes(), self.scale, self.lo)
+
+    def int8_codes(self) -> torch.Tensor:
+        """q8 = 16 * upper + lower as float32 [N, K], combined byte-wise on the packed planes (half the
+        elements) and written straight into the interleaved result, as `unpack_nibbles` does."""
+        q8 = torch.empty(*self.upper.shape, 2, device=self.upper.device)
+        torch.bitwise_or(self.upper << 4, self.lower & 15, out=q8[..., 0])  # even k; uint8 << 4 drops the high nibble
+        torch.bitwise_or(self.upper & 0xF0, self.lower >> 4, out=q8[..., 1])  # odd k: the high nibbles
+        return q8.flatten(-2)
 
 
-def quantize_weight(w: torch.Tensor, storage: str, group_size: int = 128) -> QuantWeight:
+def quantize_weight(w: torch.Tensor, storage: str, group_size: int = 128,
+                    rotations: dict[int, BlockHadamard] | None = None) -> QuantWeight:
+    """Store w [N, K] in a format. With `rotations` (a model's shared rotations by block order, filled as
+    needed; None: no rotation), store w H instead, H block-diagonal Hadamard with blocks of the group size."""
+    rotation = None
+    if rotations is not None:
+        block = fit_group_size(w.shape[1], group_size)
+        if block not in rotations:
+            rotations[block] = BlockHadamard(block)
+        rotation = rotations[block]
+        w = rotation(w)
     if storage == "dense":
-        return DenseWeight(w)
-    if storage == "int8":
-        return Int8Weight(w)
-    if storage == "int4":
-        return Int4Weight(w, group_size)
-    if storage == "planes":
-        return Int8PlanesWeight(w, group_size)
-    raise SelfspecError(f"unknown storage '{storage}'; choose one of: {', '.join(STORAGES)}")
+        qw = DenseWeight(w)
+    elif storage == "int8":
+        qw = Int8Weight(w)
+    elif storage == "int4":
+        qw = Int4Weight(w, group_size)
+    elif storage == "planes":
+        qw = Int8PlanesWeight(w, group_size)
+    else:
+        raise SelfspecError(f"unknown storage '{storage}'; choose one of: {', '.join(STORAGES)}")
+    qw.rotation = rotation
+    return qw
 
 
 def storage_supports(storage: str, mode: Mode) -> bool:

@@ -1,7 +1,7 @@
 """Recipes: a stored weight format plus a draft mode and a verify mode, all reading one copy."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from selfspec.errors import SelfspecError
 from selfspec.quant.formats import storage_supports
@@ -17,6 +17,7 @@ class Recipe:
     storage: str
     verify: str
     draft: str | None  # None: autoregressive decoding in the verify mode
+    rotate: bool = False  # store weights Hadamard-rotated and rotate activations (quant/rotation.py)
 
     @property
     def speculative(self) -> bool:
@@ -25,7 +26,7 @@ class Recipe:
 
 PRESETS = {
     "ar": Recipe("ar", "dense", "fp32", None),
-    "qspec": Recipe("qspec", "int4", "w4a16", "w4a4"),
+    "qspec": Recipe("qspec", "int4", "w4a16", "w4a4", rotate=True),  # QSpec's W4A4 needs the rotation
     "planes": Recipe("planes", "planes", "full", "upper"),
 }
 
@@ -42,10 +43,10 @@ def resolve_recipe(name: str | None = None, draft: str | None = None, verify: st
     draft = draft or base.draft
     modes = [get_mode(m) for m in (verify, draft) if m is not None]
     if all(storage_supports(base.storage, m) for m in modes):
-        return Recipe(name, base.storage, verify, draft)
+        return replace(base, verify=verify, draft=draft)
     for storage in STORAGE_PREFERENCE:
         if all(storage_supports(storage, m) for m in modes):
-            return Recipe(name, storage, verify, draft)
+            return replace(base, storage=storage, verify=verify, draft=draft)
     pair = f"draft '{draft}' and verify '{verify}'" if draft else f"mode '{verify}'"
     raise SelfspecError(
         f"no stored weight format runs {pair} from one copy of the weights: INT4 runs w4a16/w4a8/w4a4, "
