@@ -27,3 +27,17 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     return 2 * nbytes / time_ms(lambda: dst.copy_(src), reps=10) / 1e6
+
+
+def graph_time_ms(fns: list[Callable[[], object]], rounds: int = 4) -> float:
+    """Median milliseconds per call of fns, run in turn inside one CUDA graph: no launch overhead in the figure
+    (decode runs under graphs), and cycling through several weights keeps them from being served by L2."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for fn in fns:
+                fn()
+    return time_ms(graph.replay, warmup=2, reps=10) / (rounds * len(fns))

@@ -8,11 +8,15 @@ One kernel, specialised at compile time by how it reads W (FMT) and whether acti
       y = sx * sum_tiles(s * dot(xq, q - shift) + (lo + shift * s) * sum(xq))
   where unsigned weight codes are shifted into the signed int8 range and the shift is folded into the offset.
 
-Batch invariance (a row's output never depends on M): the tile config is a function of (format, mode, N, K)
-only, BLOCK_M is fixed, there is no split-K and every program walks the whole of K in the same order, so a
-row goes through the same instructions whatever M is; the other rows of its BLOCK_M tile never enter its sums.
+Batch invariance (a row's output never depends on M): the tile config, the number of K splits included, is a
+function of (format, mode, N, K) only, BLOCK_M is fixed, each program walks its K range in order, and the
+SPLIT_K partial sums are added by a second kernel in split order (no atomics). So a row goes through the same
+instructions whatever M is; the other rows of its BLOCK_M tile never enter its sums. Splitting K is what lets
+a decode GEMM (M = 1..64) put enough programs on the GPU to stream the weight at memory speed.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -109,20 +113,36 @@ def _signed(q, SHIFT: tl.constexpr):
     return q
 
 
+@triton.jit
+def _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
+              FMT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Row (activation) scale, per-channel INT8 scale, bias; store bf16."""
+    if ACT:
+        acc = acc * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
+    if FMT == INT8:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)[None, :]
+    y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(tl.bfloat16), mask=y_mask)
+
+
 @triton.jit(do_not_specialize=["M"])  # one binary for every M (no M == 1 or M % 16 variant)
 def _linear_kernel(
-    x_ptr, xs_ptr, w_ptr, w2_ptr, scale_ptr, lo_ptr, bias_ptr, y_ptr,
-    M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+    x_ptr, xs_ptr, w_ptr, w2_ptr, scale_ptr, lo_ptr, bias_ptr, y_ptr, part_ptr,
+    M, N, K, K_CHUNK, stride_xm, stride_wn, stride_sn, stride_ym,
     FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIALS: tl.constexpr,
 ):
     # M tiles vary fastest, so the programs sharing one N tile of W run together and hit it in L2.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # all of K, in order, in this program: no split-K
+    k_end = tl.minimum(K, (pid_k + 1) * K_CHUNK)
+    for k0 in range(pid_k * K_CHUNK, k_end, BLOCK_K):  # this program's K range, in order
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0)
@@ -144,14 +164,24 @@ def _linear_kernel(
             else:
                 w = q.to(tl.bfloat16)
             acc = tl.dot(x, tl.trans(w), acc)
-    if ACT:
-        acc = acc * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
-    if FMT == INT8:
-        acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)[None, :]
-    y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(tl.bfloat16), mask=y_mask)
+    if not PARTIALS:
+        _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, FMT, ACT, HAS_BIAS)
+    else:  # fp32 partial sums [SPLIT_K, M, N], added in split order by _split_k_reduce
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_k_reduce(part_ptr, xs_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym,
+                    FMT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: the same sum whatever M is
+        acc += tl.load(part_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :], mask=mask, other=0)
+    _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, FMT, ACT, HAS_BIAS)
 
 
 def kernel_format(weight: QuantWeight, mode: Mode) -> int | None:
@@ -168,12 +198,31 @@ def kernel_format(weight: QuantWeight, mode: Mode) -> int | None:
     return UPPER.value if mode.weight_bits == 4 else FULL.value
 
 
-def _config(fmt: int, act: bool, n: int, k: int, group: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): from the weight and the mode only, never from M (batch invariance)."""
-    block_n = 16 if n <= 8192 else 32 if n <= 32768 else 64  # enough N tiles to keep every SM busy at M = 1
+@dataclass(frozen=True)
+class TileConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
+    """The tiles of a GEMM: from the weight and the mode only, never from M (batch invariance).
+
+    Chosen by `python -m selfspec.bench.tune_linear` on an H100 (Llama-3-8B layers, M = 1 and 9, under CUDA
+    graphs): INT8 codes stream best in K tiles of 256, group-wise formats in tiles of one group (<= 128), and
+    INT4 with INT8 activations in wide N tiles with eight warps."""
+    int4_act = act and fmt >= INT4.value
+    block_n = 128 if int4_act else 32 if n <= 32768 else 64
     if fmt >= INT4.value:
-        return block_n, min(group, 128)
-    return block_n, max(min(triton.next_power_of_2(k), 128), 32 if act else 16)
+        block_k = min(group, 128)
+    else:
+        block_k = max(min(triton.next_power_of_2(k), 256 if fmt == INT8.value else 128), 32 if act else 16)
+    # Enough programs to stream W at memory speed at M = 1 (about 4 per SM), splitting K where N is narrow.
+    n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    split_k = max(1, min(k_tiles, 16 if int4_act else 8, (1024 if int4_act else 528) // n_tiles))
+    return TileConfig(block_n, block_k, split_k, num_warps=8 if int4_act else 4)
 
 
 def _shift(fmt: int) -> int:
@@ -207,17 +256,32 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     if act:
         x2, xs = act_quant(x2, mode.act_bits)
     group = getattr(weight, "group_size", 0)
-    block_n, block_k = _config(fmt, act, n, k, group)
+    cfg = tile_config(fmt, act, n, k, group)
+    return _launch(x2, xs, weight, fmt, act, bias, cfg).view(*x.shape[:-1], n)
+
+
+def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt: int, act: bool,
+            bias: torch.Tensor | None, cfg: TileConfig) -> torch.Tensor:
+    """y [M, N] = x2 [M, K] @ W^T under one tile config (the benchmark's tuner calls this directly)."""
+    (m, k), n = x2.shape, weight.shape[0]
     w, w2, scale, lo = _tensors(weight, fmt)
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
+    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x2.device) if cfg.split_k > 1 else None
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n), cfg.split_k)
+    flags = dict(FMT=fmt, ACT=act, HAS_BIAS=bias is not None)
     _linear_kernel[grid](
-        x2, xs, w, w2, scale, lo, bias, y,
-        m, n, k, x2.stride(0), w.stride(0), 0 if lo is None else lo.stride(0), y.stride(0),
-        FMT=fmt, ACT=act, SHIFT=_shift(fmt) if act else 0, GROUP=group, HAS_BIAS=bias is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
+        x2, xs, w, w2, scale, lo, bias, y, part,
+        m, n, k, k_chunk, x2.stride(0), w.stride(0), 0 if lo is None else lo.stride(0), y.stride(0),
+        SHIFT=_shift(fmt) if act else 0, GROUP=getattr(weight, "group_size", 0), BLOCK_M=BLOCK_M,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIALS=part is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **flags,
     )
-    return y.view(*x.shape[:-1], n)
+    if part is not None:
+        _split_k_reduce[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, 64))](
+            part, xs, scale, bias, y, m, n, y.stride(0), SPLIT_K=cfg.split_k, BLOCK_M=BLOCK_M, BLOCK_N=64,
+            num_warps=4, **flags)
+    return y
 
 
 for _storage in STORAGES:

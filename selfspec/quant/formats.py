@@ -35,8 +35,8 @@ def unpack_nibbles(p: torch.Tensor, dtype: torch.dtype = torch.uint8) -> torch.T
     """[N, K/2] uint8 -> [N, K] values in 0..15 as `dtype`. Each half is written straight into its slots of
     the result: on the CPU, stacking the halves cost as much as the rest of the dequantization."""
     out = torch.empty(*p.shape, 2, dtype=dtype, device=p.device)
-    torch.bitwise_and(p, 15, out=out[..., 0])
-    torch.bitwise_right_shift(p, 4, out=out[..., 1])
+    out[..., 0] = p & 15  # computed in uint8, cast on the copy: CUDA has no bitwise ops in float
+    out[..., 1] = p >> 4
     return out.flatten(-2)
 
 
@@ -167,8 +167,8 @@ class Int8PlanesWeight(QuantWeight):
         """q8 = 16 * upper + lower as float32 [N, K], combined byte-wise on the packed planes (half the
         elements) and written straight into the interleaved result, as `unpack_nibbles` does."""
         q8 = torch.empty(*self.upper.shape, 2, device=self.upper.device)
-        torch.bitwise_or(self.upper << 4, self.lower & 15, out=q8[..., 0])  # even k; uint8 << 4 drops the high nibble
-        torch.bitwise_or(self.upper & 0xF0, self.lower >> 4, out=q8[..., 1])  # odd k: the high nibbles
+        q8[..., 0] = (self.upper << 4) | (self.lower & 15)  # even k; uint8 << 4 drops the high nibble
+        q8[..., 1] = (self.upper & 0xF0) | (self.lower >> 4)  # odd k: the high nibbles
         return q8.flatten(-2)
 
 

@@ -1,0 +1,86 @@
+"""Search the linear kernel's tile configs per format on the GPU at decode sizes (M = 1 and 9).
+
+python -m selfspec.bench.tune_linear [--shape llama-3-8b]   -> best config per (format, GEMM), vs the current one
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from selfspec.bench.device import graph_time_ms
+from selfspec.bench.shapes import SHAPES, layer_gemms
+from selfspec.kernels import triton_linear as tlin
+from selfspec.quant.formats import quantize_weight
+from selfspec.quant.modes import MODES
+
+KERNELS = {"bf16": ("dense", "bf16"), "w8a16": ("int8", "w8a16"), "w8a8": ("int8", "w8a8"),
+           "w4a16": ("int4", "w4a16"), "w4a8": ("int4", "w4a8"), "upper": ("planes", "upper"),
+           "full": ("planes", "full")}
+
+
+def candidates(group_fmt: bool) -> list[tlin.TileConfig]:
+    ks = (64, 128) if group_fmt else (128, 256)
+    base = [tlin.TileConfig(n, k, s, 4, 3) for n, k, s in itertools.product((32, 64, 128), ks, (1, 2, 4, 8, 16))]
+    return base
+
+
+def tune(shape: str, ms: tuple[int, ...]) -> list[dict]:
+    rows = []
+    for kname, (storage, mode_name) in KERNELS.items():
+        mode = MODES[mode_name]
+        for gemm, n, k in layer_gemms(SHAPES[shape]):
+            # Enough distinct weights (>= 150 MB) that each call streams its weight from HBM, not from L2.
+            copies = max(1, -(-150_000_000 // (n * k * (2 if storage == "dense" else 1))))
+            weights = [quantize_weight(torch.randn(n, k, device="cuda").bfloat16() * 0.02 if storage == "dense"
+                                       else torch.randn(n, k, device="cuda") * 0.02, storage, 128) for _ in range(copies)]
+            weight = weights[0]
+            fmt, act = tlin.kernel_format(weight, mode), mode.act_bits is not None
+            xs = {m: (tlin.act_quant(x, mode.act_bits) if act else (x, None))
+                  for m, x in ((m, torch.randn(m, k, device="cuda").bfloat16()) for m in ms)}
+
+            def cost(cfg: tlin.TileConfig) -> float:
+                return sum(graph_time_ms([lambda w=w, m=m: tlin._launch(*xs[m], w, fmt, act, None, cfg) for w in weights])
+                           for m in ms)
+
+            current = tlin.tile_config(fmt, act, n, k, getattr(weight, "group_size", 0))
+            results = []
+            for cfg in candidates(fmt >= tlin.INT4.value):
+                if cfg.split_k > triton_cdiv(k, cfg.block_k):
+                    continue
+                results.append((cost(cfg), cfg))
+            results.sort(key=lambda r: r[0])
+            for warps, stages in ((8, 3), (4, 4), (4, 2), (8, 4)):  # refine the best tile shape
+                c = results[0][1]
+                cfg = tlin.TileConfig(c.block_n, c.block_k, c.split_k, warps, stages)
+                results.append((cost(cfg), cfg))
+            results.sort(key=lambda r: r[0])
+            best_t, best = results[0]
+            row = {"kernel": kname, "gemm": gemm, "n": n, "k": k, "best": best.__dict__, "best_us": 1000 * best_t / len(ms),
+                   "current": current.__dict__, "current_us": 1000 * cost(current) / len(ms),
+                   "weight_mb": weight.nbytes() / 1e6}
+            rows.append(row)
+            print(f"{kname:6s} {gemm:8s} best {row['best_us']:7.1f} us {best}  current {row['current_us']:7.1f} us",
+                  flush=True)
+    return rows
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3-8b")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rows = tune(args.shape, (1, 9))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
