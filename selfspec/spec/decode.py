@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -19,6 +19,8 @@ from selfspec.model import Transformer
 from selfspec.quant.modes import Mode
 from selfspec.spec.sampling import SamplingParams, sample, to_probs
 from selfspec.spec.verify import accept_greedy, accept_rejection
+
+GreedyAcceptance = Callable[[list[int], torch.Tensor], tuple[int, int]]  # (drafts, verify logits) -> (n, next)
 
 
 @dataclass
@@ -47,8 +49,10 @@ def pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | No
 
 @torch.inference_mode()
 def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Mode | None, gamma: int,
-           params: SamplingParams, stats: GenerationStats, cache: KVCache | None = None) -> Iterator[list[int]]:
-    """Yield the tokens each round commits (AR: one per step); the caller stops the iteration."""
+           params: SamplingParams, stats: GenerationStats, cache: KVCache | None = None,
+           accept: GreedyAcceptance = accept_greedy) -> Iterator[list[int]]:
+    """Yield the tokens each round commits (AR: one per step); the caller stops the iteration.
+    `accept` judges greedy drafts (benchmarks replay recorded acceptance through it)."""
     dev = model.device
     gen = make_generator(params, dev)
     cache = cache or model.new_cache(min(model.cfg.max_seq_len, len(prompt) + params.max_new_tokens + gamma + 1))
@@ -60,14 +64,14 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Mode | No
     yield [row.pending]
     while row.length + 1 < cache.max_len:
         k = min(gamma, cache.max_len - row.length - 1) if draft is not None else 0
-        (tokens,), _ = run_round(model, cache, [row], k, draft, verify)
+        (tokens,), _ = run_round(model, cache, [row], k, draft, verify, accept)
         cache.commit(row.length)
         yield tokens
 
 
 @torch.inference_mode()
-def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Mode | None,
-              verify: Mode) -> tuple[list[list[int]], RoundTiming]:
+def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Mode | None, verify: Mode,
+              accept: GreedyAcceptance = accept_greedy) -> tuple[list[list[int]], RoundTiming]:
     """One speculative round over a batch: k batched draft steps (T=1), one batched verify pass (T=k+1),
     acceptance per row. Returns each row's committed tokens; rows are updated only once every pass succeeded
     (a failure leaves them as they were). The caller commits/truncates the cache to each row's new length."""
@@ -78,7 +82,7 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Mode | 
     toks = torch.tensor([[r.pending] + d for r, d in zip(rows, drafts)], device=dev)
     pos = torch.tensor([r.length for r in rows], device=dev)[:, None] + torch.arange(k + 1, device=dev)
     logits = model(toks, pos, cache, verify)
-    accepted = [accept_greedy(d, lg) if r.params.greedy else accept_rejection(d, qq, to_probs(lg, r.params), r.gen)
+    accepted = [accept(d, lg) if r.params.greedy else accept_rejection(d, qq, to_probs(lg, r.params), r.gen)
                 for r, d, qq, lg in zip(rows, drafts, q, logits)]
     t2 = time.perf_counter()
     out = []
