@@ -34,6 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text + stats) instead of streaming")
+    e = sub.add_parser("eval", help="accuracy of modes and recipes (GSM8K, HumanEval, MATH-500, perplexity)")
+    e.add_argument("--model", default=None, help="named model, HF directory or .gguf file (default: smollm2-135m)")
+    e.add_argument("--tasks", default="gsm8k,humaneval,math500,ppl", help="comma-separated tasks")
+    e.add_argument("--modes", default="bf16,w8a16,w4a16,w4a8,w4a4", help="modes run autoregressively ('' for none)")
+    e.add_argument("--recipes", default="qspec,planes", help="speculative recipes ('' for none)")
+    e.add_argument("--limit", type=int, default=None, help="items per task (ppl: 512-token windows, at most 64)")
+    e.add_argument("--seed", type=int, default=None, help="pick the --limit items from a seeded shuffle")
+    e.add_argument("--gamma", type=int, default=4, help="drafted tokens per round for the recipes")
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--chat", action="store_true", help="GSM8K / MATH prompts in the chat template (instruct models)")
+    e.add_argument("--data", action="append", default=[], metavar="TASK=PATH", help="read a task's items from PATH")
+    e.add_argument("--out", default=None, help="results directory (default: eval-results/MODEL)")
+    e.add_argument("--group-size", type=int, default=128, help="quantization group size along K")
+    e.add_argument("--device", default="cpu", help="cpu or cuda")
     return parser
 
 
@@ -61,10 +75,16 @@ def cmd_generate(args: argparse.Namespace) -> None:
               f"gamma {llm.gamma}] {out.stats.summary()}", file=sys.stderr)
 
 
+def cmd_eval(args: argparse.Namespace) -> None:
+    from selfspec.eval.command import run_command
+
+    run_command(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate}[args.command](args)
+        {"generate": cmd_generate, "eval": cmd_eval}[args.command](args)
     except SelfspecError as e:
         print(f"selfspec: error: {e}", file=sys.stderr)
         return 2

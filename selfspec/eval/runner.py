@@ -1,0 +1,191 @@
+"""`selfspec eval`: run each task under each mode (autoregressive) and each recipe (speculative), caching
+every item's result as one JSON line in OUT/<config>/<task>.jsonl so an interrupted run resumes where it
+stopped. A cached line is reused only if it was made with the same settings.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+from tqdm import tqdm
+
+import selfspec
+from selfspec.engine.llm import LLM, Generation, check_gamma
+from selfspec.errors import SelfspecError
+from selfspec.eval.tasks import TASK_NAMES, Item, get_task
+from selfspec.eval.tasks import ppl as ppl_task
+from selfspec.quant.modes import get_mode
+from selfspec.spec.recipes import Recipe, resolve_recipe
+from selfspec.spec.sampling import SamplingParams
+
+DEFAULT_PPL_WINDOWS = 64
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    label: str
+    recipe: str  # the recipe loaded: "ar" for a mode, else a preset (speculative, or its verify mode alone)
+    verify: str
+    draft: str | None  # None: autoregressive in the verify mode
+    storage: str  # the stored weight format, as the recipe describes it
+    reference: str | None = None  # speculative runs: the label of the AR run they must equal
+
+
+def plan_configs(modes: list[str], recipes: list[str]) -> list[EvalConfig]:
+    """Modes, then each recipe's verify mode run alone where no mode stores the same weights, then the recipes.
+
+    A recipe's reference is an AR run of exactly its stored weights (format, rotation, ...): a mode's run
+    when the recipe minus its draft equals that mode's recipe, else the recipe itself at gamma 0."""
+    configs = []
+    for m in modes:
+        get_mode(m)
+        configs.append(EvalConfig(m, "ar", m, None, describe(resolve_recipe("ar", None, m))))
+    references, spec = [], []
+    for name in recipes:
+        if name == "ar":
+            raise SelfspecError("'ar' does not draft; put the mode it runs under --modes instead of --recipes")
+        r = resolve_recipe(name)
+        alone = replace(r, name="ar", draft=None)
+        if alone == resolve_recipe("ar", None, r.verify):
+            ref = EvalConfig(r.verify, "ar", r.verify, None, describe(r))
+        else:
+            ref = EvalConfig(f"{name}-ar", name, r.verify, None, describe(r))
+        if ref not in configs + references:
+            references.append(ref)
+        spec.append(EvalConfig(name, name, r.verify, r.draft, describe(r), ref.label))
+    return configs + references + spec
+
+
+def describe(recipe: Recipe) -> str:
+    """The stored format in a few words (with the rotation, where the recipe has one)."""
+    return recipe.storage + ("+hadamard" if getattr(recipe, "rotate", False) else "")
+
+
+def select(items: list[Item], limit: int | None, seed: int | None) -> list[Item]:
+    """The first `limit` items, in dataset order or (with a seed) in a seeded shuffle of it."""
+    if seed is not None:
+        items = items[:]
+        random.Random(seed).shuffle(items)
+    return items[:limit] if limit else items
+
+
+def encode(llm: LLM, prompt: str | list[dict]) -> list[int]:
+    if isinstance(prompt, str):
+        return llm.encode(prompt)
+    ids = llm.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    return llm.encode(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+
+
+def generate_each(llm: LLM, prompts: list[list[int]], params: SamplingParams, gamma: int) -> Iterator[Generation]:
+    """Greedy generations in prompt order. One at a time: the engine has no batch API yet; a batched
+    scheduler slots in here without changing any caller."""
+    for ids in prompts:
+        yield llm.generate(ids, params, gamma=gamma)
+
+
+class ResultCache:
+    """OUT/<config>/<task>.jsonl: one line per item; the last line for an id with matching settings wins."""
+
+    def __init__(self, path: Path, settings: dict):
+        self.path, self.settings = path, settings
+        self.records: dict[str, dict] = {}
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                rec = json.loads(line) if line.strip() else None
+                if rec and rec.get("settings") == settings:
+                    self.records[rec["id"]] = rec
+
+    def add(self, record: dict) -> None:
+        record = {"id": record["id"], "settings": self.settings, **record}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.records[record["id"]] = record
+
+
+def check_args(tasks: list[str], limit: int | None, gamma: int, max_new_tokens: int) -> None:
+    if not tasks:
+        raise SelfspecError(f"no tasks given; choose from: {', '.join(TASK_NAMES)}")
+    for t in tasks:
+        get_task(t)
+    if limit is not None and limit < 1:
+        raise SelfspecError(f"--limit must be >= 1 items per task, got {limit}")
+    if max_new_tokens < 1:
+        raise SelfspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    check_gamma(gamma)
+
+
+def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: list[str], out_dir: Path,
+             limit: int | None = None, seed: int | None = None, gamma: int = 4, max_new_tokens: int = 256,
+             chat: bool = False, data: dict[str, Path] | None = None, group_size: int = 128,
+             device: str = "cpu", load: Callable[..., LLM] = selfspec.load) -> dict[str, dict[str, list[dict]]]:
+    """Evaluate and return {config label: {task: [record per item, in item order]}} (cached items reused)."""
+    check_args(tasks, limit, gamma, max_new_tokens)
+    configs = plan_configs(modes, recipes)
+    if not configs:
+        raise SelfspecError("nothing to evaluate: give --modes and/or --recipes")
+    data = data or {}
+    unknown = set(data) - set(tasks)
+    if unknown:
+        raise SelfspecError(f"--data names task(s) not being run: {', '.join(sorted(unknown))}")
+    items = {t: select(get_task(t).load_items(data.get(t), chat), limit, seed) for t in tasks if t != "ppl"}
+    n_windows = min(limit or DEFAULT_PPL_WINDOWS, DEFAULT_PPL_WINDOWS)
+    ppl_ids = [f"ppl/{i}" for i in range(n_windows)]
+    windows: list[Item] | None = None  # tokenized on first need (needs the model's tokenizer)
+    results: dict[str, dict[str, list[dict]]] = {}
+    for cfg in configs:
+        speculative = cfg.draft is not None
+        caches = {t: ResultCache(out_dir / cfg.label / f"{t}.jsonl",
+                                 settings(model, cfg, t, max_new_tokens, chat, gamma if speculative else 0))
+                  for t in tasks}
+        # A recipe's scores are its verify mode's logits: perplexity has nothing new to measure there.
+        todo = {t: [i for i in (ppl_ids if t == "ppl" else [it.id for it in items[t]]) if i not in caches[t].records]
+                for t in tasks if not (t == "ppl" and speculative)}
+        if any(todo.values()):
+            verify = cfg.verify if cfg.recipe == "ar" else None
+            llm = load(model, cfg.recipe, verify=verify, gamma=gamma, group_size=group_size, device=device)
+            for t in todo:
+                if t == "ppl":
+                    windows = windows or ppl_task.load_windows(llm.tokenizer, data.get("ppl"), n_windows)
+                    run_ppl(llm, [w for w in windows if w.id in todo[t]], caches[t], cfg.label)
+                else:
+                    missing = set(todo[t])
+                    run_generation(llm, get_task(t), [it for it in items[t] if it.id in missing], caches[t],
+                                   max_new_tokens, gamma if speculative else 0, cfg.label)
+        results[cfg.label] = {}
+        for t in tasks:
+            ids = ppl_ids if t == "ppl" else [it.id for it in items[t]]
+            results[cfg.label][t] = [caches[t].records[i] for i in ids if i in caches[t].records]
+    return results
+
+
+def settings(model: str | None, cfg: EvalConfig, task: str, max_new_tokens: int, chat: bool, gamma: int) -> dict:
+    """What a cached result depends on besides the item."""
+    s = {"model": model or "default", **asdict(cfg)}
+    s.pop("reference")
+    if task == "ppl":
+        return {**s, "window": ppl_task.WINDOW}
+    return {**s, "max_new_tokens": max_new_tokens, "chat": chat, "gamma": gamma}
+
+
+def run_generation(llm: LLM, task, items: list[Item], cache: ResultCache, max_new_tokens: int, gamma: int,
+                   label: str) -> None:
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop=list(task.STOP))
+    prompts = [encode(llm, it.prompt) for it in items]
+    bar = tqdm(zip(items, generate_each(llm, prompts, params, gamma)), total=len(items), desc=f"{label} {task.NAME}")
+    for item, gen in bar:
+        answer, correct = task.score(item, gen.text)
+        cache.add({"id": item.id, "text": gen.text, "answer": answer, "correct": bool(correct),
+                   "reference": item.reference if task.NAME != "humaneval" else None,
+                   "finish_reason": gen.finish_reason, "stats": gen.stats.to_dict()})
+
+
+def run_ppl(llm: LLM, windows: list[Item], cache: ResultCache, label: str) -> None:
+    for w in tqdm(windows, desc=f"{label} ppl"):
+        t0 = time.perf_counter()
+        nll, n = ppl_task.window_nll(llm.model, w.prompt, llm.verify_mode)
+        cache.add({"id": w.id, "nll": nll, "tokens": n, "seconds": time.perf_counter() - t0})

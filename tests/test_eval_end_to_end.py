@@ -1,0 +1,120 @@
+"""`selfspec eval` end to end on a tiny random model and 3 items per task (fixtures written here):
+per-item JSON, the summary, recipe == verify item by item, resuming from the cache, HumanEval scoring."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import selfspec.loading
+from conftest import tiny_model
+from selfspec.cli import main
+from selfspec.eval.tasks import Item, humaneval
+from test_cli_errors import save_byte_tokenizer
+
+GSM8K = [{"question": "Tom has 3 apples and buys 2 more. How many apples does he have?", "answer": "3 + 2 = 5\n#### 5"},
+         {"question": "A box holds 4 pens. How many pens are in 3 boxes?", "answer": "4 * 3 = 12\n#### 12"},
+         {"question": "Sam had 10 cards and lost 4. How many are left?", "answer": "10 - 4 = 6\n#### 6"}]
+HUMANEVAL = [{"task_id": f"Test/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x plus {i}.\"\"\"\n",
+              "entry_point": f"f{i}", "canonical_solution": f"    return x + {i}\n",
+              "test": f"def check(candidate):\n    assert candidate(1) == {1 + i}\n"} for i in range(3)]
+MATH = [{"question": "What is $2+3$?", "answer": "5", "data_source": "MATH500", "gid": 1},
+        {"question": "What is $1/2+1/2$?", "answer": "1", "data_source": "MATH500", "gid": 2},
+        {"question": "Not from MATH-500.", "answer": "0", "data_source": "AIME2024", "gid": 3},
+        {"question": "What is $6 \\cdot 7$?", "answer": "42", "data_source": "MATH500", "gid": 4}]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny random Llama with a byte tokenizer (long context: the 8-shot prompt is ~2,300 bytes) + data files."""
+    root = tmp_path_factory.mktemp("eval")
+    _, _, hf = tiny_model("llama", seed=0, max_position_embeddings=4096)
+    hf.save_pretrained(root / "model")
+    save_byte_tokenizer(root / "model")
+    (root / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K))
+    (root / "humaneval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in HUMANEVAL))
+    (root / "math.json").write_text(json.dumps(MATH))
+    (root / "essays.json").write_text(json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 60}))
+    return root
+
+
+def eval_args(root, out, *extra):
+    return ["eval", "--model", str(root / "model"), "--tasks", "gsm8k,humaneval,math500,ppl", "--modes", "w4a4",
+            "--recipes", "qspec,planes", "--limit", "3", "--max-new-tokens", "6", "--out", str(out),
+            "--data", f"gsm8k={root / 'gsm8k.jsonl'}", "--data", f"humaneval={root / 'humaneval.jsonl'}",
+            "--data", f"math500={root / 'math.json'}", "--data", f"ppl={root / 'essays.json'}", *extra]
+
+
+def test_three_items_end_to_end_and_resume(setup, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "results"
+    assert main(eval_args(setup, out)) == 0
+    printed = capsys.readouterr().out
+    assert "| qspec (w4a4 -> w4a16, int4" in printed and "| planes |" in printed
+
+    # Configs: the modes, the recipes' verify modes run alone (`full` for planes), then the recipes.
+    summary = json.loads((out / "summary.json").read_text())
+    labels = [c["label"] for c in summary["configs"]]
+    assert labels[0] == "w4a4" and "full" in labels and labels[-2:] == ["qspec", "planes"]
+    for label in labels:
+        for task in ("gsm8k", "humaneval", "math500"):
+            records = [json.loads(line) for line in (out / label / f"{task}.jsonl").read_text().splitlines()]
+            assert len(records) == 3 and all(1 <= r["stats"]["new_tokens"] <= 6 for r in records)
+    math_ids = [json.loads(line)["id"] for line in (out / "w4a4" / "math500.jsonl").read_text().splitlines()]
+    assert math_ids == ["math500/1", "math500/2", "math500/4"]  # the AIME item is not MATH-500
+    assert not (out / "qspec" / "ppl.jsonl").exists()  # a recipe's logits are its verify mode's
+
+    assert summary["baseline"] == "w4a4"
+    for recipe in ("qspec", "planes"):
+        for task, check in summary["equality"][recipe].items():
+            assert check == {"compared": 3, "identical": 3, "differences": []}, (recipe, task)
+        assert summary["metrics"][recipe]["gsm8k"]["acceptance_rate"] is not None
+    ppl = summary["metrics"]["w4a4"]["ppl"]
+    assert ppl["n"] >= 3 and 1 < ppl["score"] < 10_000
+
+    # Run again: every item is cached, so no model may be loaded, and the summary is the same.
+    monkeypatch.setattr(selfspec.loading, "resolve", lambda *a: pytest.fail("loaded a model despite the cache"))
+    assert main(eval_args(setup, out)) == 0
+    assert json.loads((out / "summary.json").read_text())["equality"] == summary["equality"]
+
+
+def test_recipe_difference_is_listed(setup, tmp_path, monkeypatch):
+    """A speculative text that differs from the verify mode's is reported, not hidden."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "results"
+    argv = ["eval", "--model", str(setup / "model"), "--tasks", "gsm8k", "--modes", "", "--recipes", "qspec",
+            "--limit", "3", "--max-new-tokens", "6", "--out", str(out), "--data", f"gsm8k={setup / 'gsm8k.jsonl'}"]
+    assert main(argv) == 0
+    path = out / "qspec" / "gsm8k.jsonl"
+    first, *rest = path.read_text().splitlines()
+    tampered = json.loads(first)
+    tampered["text"] += " tampered"
+    path.write_text("\n".join(rest + [json.dumps(tampered)]) + "\n")
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    diffs = summary["equality"]["qspec"]["gsm8k"]["differences"]
+    assert [d["id"] for d in diffs] == [tampered["id"]]
+    assert "tampered" in (out / "summary.md").read_text()
+
+
+def test_humaneval_scoring_runs_the_tests(monkeypatch):
+    monkeypatch.setattr(humaneval, "TIMEOUT_S", 1.0)
+    item = Item("Test/1", HUMANEVAL[1]["prompt"], HUMANEVAL[1]["test"], {"entry_point": "f1"})
+    assert humaneval.score(item, HUMANEVAL[1]["canonical_solution"]) == ("passed", True)
+    assert humaneval.score(item, "    return x\n") == ("failed", False)
+    assert humaneval.score(item, "    while True:\n        pass\n")[1] is False
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tasks", "gsm8k,nope"], "unknown task 'nope'"),
+    (["--modes", "w5a5"], "unknown mode 'w5a5'"),
+    (["--recipes", "ar"], "'ar' does not draft"),
+    (["--recipes", "fast"], "unknown recipe 'fast'"),
+    (["--limit", "0"], "--limit must be >= 1"),
+    (["--data", "gsm8k"], "--data wants TASK=PATH"),
+])
+def test_bad_input_is_one_clean_error_before_loading(args, needle, capsys, monkeypatch):
+    monkeypatch.setattr(selfspec.loading, "resolve", lambda *a: pytest.fail("loaded a model before checking"))
+    assert main(["eval", *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
