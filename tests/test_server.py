@@ -1,0 +1,294 @@
+"""`selfspec serve` against a live uvicorn on 127.0.0.1 with SmolLM2 on the CPU: the official openai client
+(completions, chat, streamed and not), batching is lossless across 32 concurrent streams, disconnects free their
+KV blocks, every bad input gets its 4xx and an OpenAI error body, failures stay inside their request, a full queue
+answers 429, shutdown lets in-flight requests finish, and a small load test ends with the blocks back to idle."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import selfspec
+from selfspec.bench.prompts import PROMPTS
+from selfspec.engine.engine import Engine
+from selfspec.serve.app import create_app
+from selfspec.serve.loadtest import run_load
+
+MODEL = "smollm2-135m"
+TIMEOUT_S = 120
+
+
+@dataclass
+class LiveServer:
+    url: str
+    engine: Engine
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = httpx.get(f"{self.url}/metrics").text
+        m = re.search(rf"^selfspec:{re.escape(name + labels)} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+
+@contextmanager
+def serving(engine: Engine) -> Iterator[LiveServer]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), log_level="warning",
+                                           timeout_graceful_shutdown=30))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 30, "the server did not start")
+    try:
+        yield LiveServer(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, server, thread)
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def wait_idle(srv: LiveServer) -> None:
+    """Nothing waits or runs and every KV block is back in the pool."""
+    wait_until(lambda: srv.metric("kv_blocks_used") == 0 and srv.metric("num_requests_running") == 0
+               and srv.metric("num_requests_waiting") == 0, 30, "KV blocks did not return to idle")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return selfspec.load()
+
+
+@pytest.fixture(scope="module")
+def srv(llm):
+    with serving(Engine(llm, max_batch=32)) as live:
+        yield live
+
+
+# Openings a plain (non-chat) continuation goes on from: a bare question often ends at once with EOS.
+OPENINGS = ["The capital of France is", "Once upon a time", "def fib(n):", "The three states of matter are",
+            "Photosynthesis is", "To reverse a string in JavaScript,", "The best way to make pancakes is",
+            "SELECT COUNT(*) FROM"]
+
+
+def solo(llm, prompt: str, max_tokens: int, chat: bool = False) -> str:
+    """What one greedy request gives through the library alone (no server, no batching)."""
+    return llm.generate(prompt, selfspec.SamplingParams(max_new_tokens=max_tokens), chat=chat).text
+
+
+def test_health_and_models(srv):
+    assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
+    assert [m.id for m in srv.client().models.list().data] == [MODEL]
+
+
+def test_completion_and_chat_match_the_library(srv, llm):
+    client, question, prompt = srv.client(), PROMPTS[0], OPENINGS[0]
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert done.choices[0].text and done.choices[0].text == solo(llm, prompt, 8)
+    assert done.choices[0].finish_reason in ("stop", "length")
+    u = done.usage
+    assert (u.prompt_tokens, u.total_tokens) == (len(llm.encode(prompt)), u.prompt_tokens + u.completion_tokens)
+    assert 0 <= u.accepted_tokens <= u.draft_tokens and u.mean_acceptance_length >= 1
+
+    messages = [{"role": "user", "content": question}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content and chat.choices[0].message.content == solo(llm, question, 8, chat=True)
+    assert chat.usage.prompt_tokens == len(llm.encode(question, chat=True))
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+    wait_idle(srv)
+
+
+def test_32_concurrent_streams_each_get_the_solo_text(srv, llm):
+    # 8 distinct prompts, 4 clients each: 4 chat questions and 4 completion openings
+    jobs = [(PROMPTS[1 + i % 8], True) if i % 2 else (OPENINGS[i % 8], False) for i in range(32)]
+    expected = {(p, chat): solo(llm, p, 10, chat) for p, chat in set(jobs)}
+    assert all(expected.values())
+
+    async def one(client: openai.AsyncOpenAI, prompt: str, chat: bool) -> str:
+        if chat:
+            stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                          max_tokens=10, temperature=0, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in stream])
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+                                                 stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_at_once() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+        async with client:
+            return await asyncio.gather(*(one(client, p, chat) for p, chat in jobs))
+
+    got = asyncio.run(all_at_once())
+    assert [g == expected[job] for g, job in zip(got, jobs)] == [True] * 32
+    wait_idle(srv)
+
+
+def test_disconnect_cancels_the_sequence_and_frees_its_blocks(srv):
+    aborted = srv.metric("request_success_total", '{finished_reason="abort"}')
+    long = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json={**long, "stream": True}, timeout=TIMEOUT_S) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert srv.metric("kv_blocks_used") > 0  # the stream holds blocks while it runs
+    wait_idle(srv)
+    with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
+        httpx.post(f"{srv.url}/v1/completions", json=long, timeout=3)
+    wait_idle(srv)
+    assert srv.metric("request_success_total", '{finished_reason="abort"}') == aborted + 2
+
+
+GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}
+BAD_INPUTS = [  # (what, path, body (dict, or raw text), status, error param or code that must be named)
+    ("malformed JSON", "completions", '{"model": "x", "prompt": ', 400, None),
+    ("body is a list", "completions", "[1, 2]", 400, None),
+    ("no prompt", "completions", {"model": MODEL}, 400, "prompt"),
+    ("unknown model", "completions", {**GOOD, "model": "gpt-5"}, 404, "model_not_found"),
+    ("unknown model (chat)", "chat/completions", {**CHAT, "model": "gpt-5"}, 404, "model_not_found"),
+    ("max_tokens a string", "completions", {**GOOD, "max_tokens": "8"}, 400, "max_tokens"),
+    ("max_tokens a float", "completions", {**GOOD, "max_tokens": 8.5}, 400, "max_tokens"),
+    ("temperature a string", "completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
+    ("prompt a number", "completions", {**GOOD, "prompt": 5}, 400, "prompt"),
+    ("stream a string", "completions", {**GOOD, "stream": "yes"}, 400, "stream"),
+    ("messages a string", "chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+    ("unknown role", "chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "hi"}]}, 400, None),
+    ("no messages", "chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("max_tokens 0", "completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", "chat/completions", {**CHAT, "max_tokens": -5}, 400, "max_tokens"),
+    ("max_tokens beyond the context", "completions", {**GOOD, "max_tokens": 9000}, 400, "context_length_exceeded"),
+    ("prompt too long", "completions", {**GOOD, "prompt": [1] * 8192}, 400, None),
+    ("token id outside the vocabulary", "completions", {**GOOD, "prompt": [1, 999999]}, 400, "prompt"),
+    ("empty prompt", "completions", {**GOOD, "prompt": "  "}, 400, "prompt"),
+    ("negative temperature", "completions", {**GOOD, "temperature": -1}, 400, None),
+    ("top_p 0", "completions", {**GOOD, "top_p": 0}, 400, None),
+    ("top_p above 1", "chat/completions", {**CHAT, "top_p": 1.5}, 400, None),
+    ("negative top_k", "completions", {**GOOD, "top_k": -1}, 400, None),
+    ("gamma too large", "completions", {**GOOD, "gamma": 999}, 400, None),
+    ("n > 1", "completions", {**GOOD, "n": 2}, 400, "n"),
+    ("n > 1 (chat)", "chat/completions", {**CHAT, "n": 3}, 400, "n"),
+    ("empty stop string", "completions", {**GOOD, "stop": [""]}, 400, "stop"),
+    ("unknown parameter", "completions", {**GOOD, "frobnicate": 1}, 400, None),
+    ("unsupported logprobs", "completions", {**GOOD, "logprobs": 5}, 400, None),
+    ("batch of prompts", "completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt"),
+]
+
+
+def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(srv):
+    for what, path, body, status, named in BAD_INPUTS:
+        content = body if isinstance(body, str) else json.dumps(body)
+        r = httpx.post(f"{srv.url}/v1/{path}", content=content, headers={"content-type": "application/json"})
+        assert r.status_code == status, (what, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], (what, error)
+        assert named is None or named in (error["param"], error["code"]), (what, error)
+    r = httpx.get(f"{srv.url}/v1/nowhere")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    assert srv.metric("request_rejected_total", '{status="400"}') >= len(BAD_INPUTS) - 2
+    assert srv.client().completions.create(**GOOD).choices[0].finish_reason in ("stop", "length")
+    assert httpx.post(f"{srv.url}/v1/chat/completions", json=CHAT).status_code == 200
+    wait_idle(srv)
+
+
+def test_a_failing_request_fails_alone(srv, llm, monkeypatch):
+    real_append = llm.append_tokens
+
+    def append_or_fail(out, chunk, params):  # fails only the request that asks for it through its stop list
+        if "<<fail>>" in params.stop:
+            raise RuntimeError("injected failure")
+        return real_append(out, chunk, params)
+
+    expected = solo(llm, OPENINGS[5], 6)
+    monkeypatch.setattr(llm, "append_tokens", append_or_fail)
+    good = {"model": MODEL, "prompt": OPENINGS[5], "max_tokens": 6, "temperature": 0}
+    bad = {**good, "stop": ["<<fail>>"]}
+    with ThreadPoolExecutor(3) as pool:
+        ok = pool.submit(httpx.post, f"{srv.url}/v1/completions", json=good, timeout=TIMEOUT_S)
+        failed = pool.submit(httpx.post, f"{srv.url}/v1/completions", json=bad, timeout=TIMEOUT_S)
+        failed_stream = pool.submit(httpx.post, f"{srv.url}/v1/completions", json={**bad, "stream": True},
+                                    timeout=TIMEOUT_S)
+    assert failed.result().status_code == 500
+    assert failed.result().json()["error"]["message"] == "RuntimeError: injected failure"
+    events = [line for line in failed_stream.result().text.splitlines() if line.startswith("data: ")]
+    assert "injected failure" in events[-2] and events[-1] == "data: [DONE]"
+    assert ok.result().json()["choices"][0]["text"] == expected
+
+    real_step = srv.engine.step
+    calls = []
+
+    def step_fails_once():  # an engine-wide failure: the runner fails what is in flight and goes on
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    monkeypatch.setattr(srv.engine, "step", step_fails_once)
+    r = httpx.post(f"{srv.url}/v1/completions", json=good, timeout=TIMEOUT_S)
+    assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"]
+    assert httpx.post(f"{srv.url}/v1/completions", json=good, timeout=TIMEOUT_S).status_code == 200
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+    wait_idle(srv)
+
+
+def test_full_queue_answers_429_and_shutdown_finishes_in_flight_requests(llm):
+    body = {"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 300, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    with serving(Engine(llm, max_batch=1, max_queue=1)) as small, httpx.Client(timeout=TIMEOUT_S) as http:
+        url = f"{small.url}/v1/completions"
+        running = http.send(http.build_request("POST", url, json=body), stream=True)
+        running_lines = running.iter_lines()  # kept: closing this iterator would close the connection
+        next(line for line in running_lines if line.startswith("data: "))  # admitted: it has a token
+        waiting = http.send(http.build_request("POST", url, json=body), stream=True)
+        wait_until(lambda: small.metric("num_requests_waiting") == 1, 30, "the second request did not queue")
+        r = http.post(url, json=body)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
+        running.close()
+        waiting.close()
+        wait_idle(small)
+
+        with http.stream("POST", url, json={**body, "max_tokens": 5}) as last:
+            lines = last.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            small.server.should_exit = True  # what SIGINT / SIGTERM do
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        small.thread.join(60)
+        assert not small.thread.is_alive()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{small.url}/health")
+
+
+def test_small_load_with_disconnects_ends_idle(srv):
+    report = asyncio.run(run_load(srv.url, requests=32, concurrency=16, max_tokens=3, disconnect_rate=0.1,
+                                  timeout_s=TIMEOUT_S))
+    assert report.passed, report.to_dict()
+    assert report.completed + report.disconnected == report.requests == 32
