@@ -128,8 +128,8 @@ def test_completion_and_chat_match_the_library(srv, llm):
 
 
 def test_32_concurrent_streams_each_get_the_solo_text(srv, llm):
-    # 8 distinct prompts, 4 clients each: 4 chat questions and 4 completion openings
-    jobs = [(PROMPTS[1 + i % 8], True) if i % 2 else (OPENINGS[i % 8], False) for i in range(32)]
+    # 4 distinct prompts (the solo references are the slow part on a CPU), 8 clients each: 2 chat, 2 completion
+    jobs = [(PROMPTS[1 + i % 4], True) if i % 2 else (OPENINGS[i % 4], False) for i in range(32)]
     expected = {(p, chat): solo(llm, p, 10, chat) for p, chat in set(jobs)}
     assert all(expected.values())
 
@@ -148,7 +148,7 @@ def test_32_concurrent_streams_each_get_the_solo_text(srv, llm):
             return await asyncio.gather(*(one(client, p, chat) for p, chat in jobs))
 
     got = asyncio.run(all_at_once())
-    assert [g == expected[job] for g, job in zip(got, jobs)] == [True] * 32
+    assert got == [expected[job] for job in jobs]
     wait_idle(srv)
 
 

@@ -62,8 +62,8 @@ class APIError(Exception):
 def create_app(engine: Engine, model_name: str) -> FastAPI:
     """An app serving `engine` under the model id `model_name`; the lifespan starts and stops the engine thread."""
     llm: LLM = engine.llm
-    runner = EngineRunner(engine)
-    runner.metrics = metrics = ServerMetrics(lambda: runner.latest_stats)
+    metrics = ServerMetrics(lambda: runner.latest_stats)  # read at scrape time, once the runner exists
+    runner = EngineRunner(engine, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -280,13 +280,12 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
         if err.get("type") == "json_invalid":
             return reply(400, ErrorInfo(message=f"the body is not valid JSON: {msg}", type="invalid_request_error"))
-        param = ".".join(loc) or None
-        text = f"{param}: {msg}" if param else msg
-        return reply(400, ErrorInfo(message=text, type="invalid_request_error", param=param))
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]  # e.g. messages, 0, role (or a union member)
+        text = f"{'.'.join(loc)}: {msg}" if loc else msg
+        return reply(400, ErrorInfo(message=text, type="invalid_request_error", param=loc[0] if loc else None))
 
     @app.exception_handler(SelfspecError)
     async def selfspec_error(_: Request, e: SelfspecError) -> JSONResponse:

@@ -12,11 +12,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from selfspec.engine.engine import EngineStats
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class EngineStatsCollector(Collector):
-    def __init__(self, snapshot: Callable[[], object | None]):
+    def __init__(self, snapshot: Callable[[], EngineStats | None]):
         self.snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
@@ -36,7 +38,7 @@ class EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine_stats: Callable[[], object | None]):
+    def __init__(self, engine_stats: Callable[[], EngineStats | None]):
         self.registry = CollectorRegistry()
         r = self.registry
         self.finished = Counter("selfspec:request_success", "Finished requests by finish reason",

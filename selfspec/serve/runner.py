@@ -37,7 +37,7 @@ class Stream:
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: Engine, metrics: ServerMetrics):
         self.engine = engine
         self.metrics = metrics
         self.latest_stats: EngineStats | None = None  # refreshed by the engine thread; read by /metrics
@@ -69,13 +69,12 @@ class EngineRunner:
             self._streams.pop(request_id, None)
             raise
         self._wakeup.set()
-        if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
         return stream.queue
 
     def abort(self, request_id: str) -> None:
         """Cancel a request whose client is gone; idempotent. Its KV blocks are freed on the engine thread."""
-        if self._cancel(request_id) is not None and self.metrics is not None:
+        if self._cancel(request_id) is not None:
             self.metrics.finished.labels("abort").inc()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -126,8 +125,7 @@ class EngineRunner:
         stream = self._streams.get(out.request_id)
         if stream is None:  # aborted while this step ran
             return
-        if self.metrics is not None:
-            self._observe(stream, out)
+        self._observe(stream, out)
         if out.finished:
             self._streams.pop(out.request_id, None)
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
@@ -137,8 +135,7 @@ class EngineRunner:
         stream = self._cancel(request_id)
         if stream is None:
             return
-        if self.metrics is not None:
-            self.metrics.finished.labels(reason).inc()
+        self.metrics.finished.labels(reason).inc()
         out = RequestOutput(request_id, [], "", True, reason, Generation("", [], reason), message)
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
