@@ -49,6 +49,9 @@ from selfspec.serve.runner import EngineRunner, ServerShuttingDown
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client has gone away
 RETRY_AFTER_S = 1
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# OpenAI's chat default is the rest of the context; the engine reserves each request's worst case in KV blocks,
+# so that default would let only a few chats run at once. Capped here (a client may ask for more).
+CHAT_DEFAULT_MAX_TOKENS = 1024
 
 
 class APIError(Exception):
@@ -112,7 +115,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         check_model(req.model)
         prompt_ids = chat_prompt_ids(llm, req)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = submit(runner, llm, request_id, prompt_ids, req, None)
+        outputs = submit(runner, llm, request_id, prompt_ids, req, CHAT_DEFAULT_MAX_TOKENS)
         if req.stream:
             return event_stream(runner, request_id, chat_events(req, model_name, request_id, len(prompt_ids),
                                                                  watch(outputs, raw)))
@@ -146,10 +149,10 @@ def chat_prompt_ids(llm: LLM, req: ChatCompletionRequest) -> list[int]:
     return llm.encode(llm.tokenizer.encode(text, add_special_tokens=False))
 
 
-def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, context: int) -> int:
+def resolve_max_tokens(requested: int | None, default: int, prompt_len: int, context: int) -> int:
     room = context - prompt_len
     if requested is None:
-        return room if default is None else min(default, room)
+        return min(default, room)
     if requested < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens")
     if requested > room:
@@ -162,7 +165,7 @@ def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: i
 
 def submit(runner: EngineRunner, llm: LLM, request_id: str, prompt_ids: list[int],
            req: CompletionRequest | ChatCompletionRequest,
-           default_max_tokens: int | None) -> asyncio.Queue[RequestOutput]:
+           default_max_tokens: int) -> asyncio.Queue[RequestOutput]:
     max_tokens = resolve_max_tokens(req.requested_max_tokens, default_max_tokens, len(prompt_ids),
                                     llm.model.cfg.max_seq_len)
     return runner.add_request(request_id, prompt_ids, req.sampling_params(max_tokens), req.gamma)

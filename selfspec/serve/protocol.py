@@ -129,7 +129,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # None: up to the context window
+    max_tokens: int | None = None  # None: the server's default (up to 1024 tokens, within the context)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
 
     @property
