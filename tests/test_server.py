@@ -22,6 +22,7 @@ import uvicorn
 
 import selfspec
 from selfspec.bench.prompts import PROMPTS
+from selfspec.cli import main
 from selfspec.engine.engine import Engine
 from selfspec.serve.app import create_app
 from selfspec.serve.loadtest import run_load
@@ -292,3 +293,10 @@ def test_small_load_with_disconnects_ends_idle(srv):
                                   timeout_s=TIMEOUT_S))
     assert report.passed, report.to_dict()
     assert report.completed + report.disconnected == report.requests == 32
+
+
+@pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-batch", "0"], ["--max-queue", "-1"],
+                                  ["--num-blocks", "0"], ["--shutdown-timeout", "-1"]])
+def test_serve_refuses_bad_arguments_before_loading(argv, capsys):
+    assert main(["serve", *argv]) == 2
+    assert capsys.readouterr().err.startswith("selfspec: error: --")
