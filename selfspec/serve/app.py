@@ -75,7 +75,6 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         await asyncio.to_thread(runner.shutdown)
 
     app = FastAPI(title="selfspec", lifespan=lifespan)
-    app.state.runner = runner
     add_error_handlers(app, metrics)
 
     def check_model(name: str) -> None:
