@@ -25,6 +25,7 @@ from selfspec.kernels import reference_op, triton_attention, triton_linear, trit
 from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
+from selfspec.quant.rotation import hadamard  # noqa: E402
 from kernel_oracles import TOL, attention_oracle, linear_oracle, rel_err, rope_angles  # noqa: E402
 
 if not isinstance(triton_linear._linear_kernel, interpreter.InterpretedFunction):
@@ -206,3 +207,13 @@ def test_split_k_sums_partials_like_one_pass(storage, mode_name):
     for split in (1, 3, 8):  # 3 leaves the last split a shorter K range
         cfg = triton_linear.TileConfig(block_n=16, block_k=64, split_k=split)
         assert rel_err(triton_linear._launch(xq, xs, weight, fmt, act, None, cfg), oracle) < TOL, f"split {split}"
+
+
+def test_rotate_matches_reference_and_is_batch_invariant():
+    torch.manual_seed(9)
+    h = hadamard(64)
+    x = torch.randn(9, 128).bfloat16()
+    y = triton_linear.rotate(x, h)
+    assert rel_err(y, reference_op("rotate")(x.double(), h.double())) < TOL
+    for i in (0, 4):  # a row alone gives the same bits as among 9 (cuBLAS would not promise this)
+        assert torch.equal(triton_linear.rotate(x[i:i + 1], h), y[i:i + 1])

@@ -4,7 +4,9 @@ The host of a GPU machine is slow; an eager decode step launches hundreds of ker
 Python. A graph replays them in one launch. `GraphedModel` has the model's call signature, so the decoding
 loop and the engine run unchanged: a step shape seen for the first time runs eagerly (that run compiles the
 kernels and its result is returned), is captured, and every later call with that shape replays the graph.
-Graphs are bound to a cache's buffers, so `new_cache` hands out one persistent cache per batch size.
+Graphs are bound to a cache's buffers, so `new_cache` hands out one persistent cache per batch size. Passes
+of more than MAX_GRAPHED_TOKENS tokens per row (prefill) run eagerly: they are few, and each length would
+need its own graph.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 from selfspec.cache import KVCache
 from selfspec.model import Transformer
 from selfspec.quant.modes import Mode
+
+MAX_GRAPHED_TOKENS = 16  # decode steps: AR (1), draft (1), verify (gamma + 1)
 
 
 class _Graph:
@@ -63,6 +67,8 @@ class GraphedModel:
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode) -> torch.Tensor:
+        if tokens.shape[1] > MAX_GRAPHED_TOKENS:
+            return self.model(tokens, pos, cache, mode)
         key = (id(cache), mode.name, *tokens.shape)
         graph = self._graphs.get(key)
         if graph is not None:

@@ -7,6 +7,7 @@ from typing import Iterator
 
 import torch
 
+from selfspec.engine.graphs import GraphedModel
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
@@ -29,6 +30,8 @@ class Generation:
 class LLM:
     def __init__(self, model: Transformer, tokenizer, recipe: Recipe, gamma: int = 4, description: str = ""):
         self.model = model
+        # On the GPU, decode steps replay CUDA graphs (the host would otherwise set the speed).
+        self.runner = GraphedModel(model) if model.device.type == "cuda" else model
         self.tokenizer = tokenizer
         self.recipe = recipe
         self.gamma = gamma
@@ -71,7 +74,7 @@ class LLM:
         out = Generation("", [], "length", GenerationStats(prompt_tokens=len(ids)))
         t0 = time.perf_counter()
         draft = self.draft_mode if gamma > 0 else None
-        for chunk in decode(self.model, ids, self.verify_mode, draft, gamma, params, out.stats):
+        for chunk in decode(self.runner, ids, self.verify_mode, draft, gamma, params, out.stats):
             new_text, chunk, finished = self.append_tokens(out, chunk, params)
             out.stats.total_s = time.perf_counter() - t0
             yield new_text, chunk, out
@@ -134,6 +137,8 @@ def check_device(device: str) -> None:
 
 def build(cfg, state_dict, tokenizer, recipe: Recipe, group_size: int = 128, gamma: int = 4,
           device: str = "cpu", description: str = "") -> LLM:
+    if torch.device(device).type == "cuda":  # the GPU kernels run bf16 activations (quant scales stay fp32)
+        state_dict = {name: t.bfloat16() if t.is_floating_point() else t for name, t in state_dict.items()}
     model = Transformer(cfg, state_dict)
     state_dict.clear()  # the float weights are now owned by the model (or freed once quantized)
     model.quantize(recipe.storage, group_size, recipe.rotate)

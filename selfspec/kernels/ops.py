@@ -10,8 +10,13 @@ from selfspec.quant.modes import Mode
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None = None) -> torch.Tensor:
     if weight.rotation is not None:  # stored as W H: (x H)(W H)^T = x W^T, with outliers spread before act quant
-        x = weight.rotation(x)
+        x = rotate(x, weight.rotation.matrix)
     return kernels.lookup("linear", weight.storage, x.device.type)(x, weight, mode, bias)
+
+
+def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """x @ blockdiag(h, ..., h) along the last dim: the Hadamard rotation of activations (quant/rotation.py)."""
+    return kernels.lookup("rotate", "", x.device.type)(x, h)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

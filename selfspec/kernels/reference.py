@@ -29,6 +29,13 @@ for _storage in STORAGES:
     register("linear", _storage)(linear)
 
 
+@register("rotate")
+def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    # In float32 whatever x's dtype: the rotation adds no rounding of its own.
+    blocks = x.float().reshape(*x.shape[:-1], -1, h.shape[0])
+    return (blocks @ h.float()).reshape(x.shape).to(x.dtype)
+
+
 @register("rms_norm")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()

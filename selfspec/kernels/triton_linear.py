@@ -24,8 +24,9 @@ import triton.language as tl
 
 from selfspec.kernels import register
 from selfspec.kernels.reference import linear as reference_linear
-from selfspec.quant.formats import STORAGES, QuantWeight
-from selfspec.quant.modes import Mode
+from selfspec.kernels.reference import rotate as reference_rotate
+from selfspec.quant.formats import STORAGES, DenseWeight, QuantWeight
+from selfspec.quant.modes import MODES, Mode
 
 # How the kernel reads W. Formats from INT4 on are group-wise affine (w = lo + scale * q).
 DENSE = tl.constexpr(0)  # floats as stored
@@ -286,3 +287,20 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
 
 for _storage in STORAGES:
     register("linear", _storage, "cuda")(linear)
+
+_SIGNS: dict[int, DenseWeight] = {}  # the +-1 matrix of each Hadamard matrix in use, by its data pointer
+
+
+@register("rotate", "", "cuda")
+def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The Hadamard rotation through the batch-invariant GEMM above: cuBLAS chooses its kernel by M, which would
+    make a verify pass rotate its rows differently from the AR step. The +-1 entries are exact in bf16; the
+    1/sqrt(n) scale follows."""
+    if x.dtype != torch.bfloat16:
+        return reference_rotate(x, h)
+    n = h.shape[0]
+    signs = _SIGNS.get(h.data_ptr())
+    if signs is None:
+        signs = _SIGNS[h.data_ptr()] = DenseWeight(torch.sign(h).bfloat16())
+    y = linear(x.reshape(-1, n), signs, MODES["bf16"], None)
+    return (y.float() * n**-0.5).to(x.dtype).view(x.shape)

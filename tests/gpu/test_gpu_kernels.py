@@ -14,6 +14,7 @@ from selfspec.kernels import lookup, reference_op, triton_attention, triton_line
 from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
+from selfspec.quant.rotation import hadamard  # noqa: E402
 from kernel_oracles import TOL, attention_oracle, linear_oracle, rel_err, rope_angles  # noqa: E402
 
 if isinstance(triton_linear._linear_kernel, InterpretedFunction):
@@ -134,3 +135,14 @@ def test_swiglu():
     y = triton_small.swiglu(gate, up)
     torch.testing.assert_close(y, reference_op("swiglu")(gate, up))
     assert torch.equal(triton_small.swiglu(gate[:, 3:4], up[:, 3:4]), y[:, 3:4])
+
+
+@pytest.mark.parametrize("n", [64, 128])
+def test_rotate(n):
+    torch.manual_seed(8)
+    h = hadamard(n).to(DEV)
+    x = torch.randn(300, 14336, device=DEV).bfloat16()
+    y = triton_linear.rotate(x, h)
+    assert rel_err(y, reference_op("rotate")(x.double(), h.double())) < TOL
+    for m in (1, 9, 64):
+        assert torch.equal(triton_linear.rotate(x[:m], h), y[:m]), f"M={m}"
