@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from selfspec.bench.device import copy_bandwidth, time_ms
+from selfspec.bench.device import copy_bandwidth, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import linear
 from selfspec.quant.formats import quantize_weight, storage_supports
@@ -21,26 +21,29 @@ PAIRS = [("dense", "bf16"), ("int8", "w8a16"), ("int8", "w8a8"), ("int4", "w4a16
 
 
 def measure(shape: str, ms: list[int], group_size: int = 128) -> list[dict]:
-    """One row per (layer GEMM, storage, mode, M): time and GB/s of the weight bytes read."""
+    """One row per (layer GEMM, storage, mode, M): time under CUDA graphs and GB/s of the weight bytes read.
+    Each timing cycles through enough distinct weights (>= 150 MB) that they stream from HBM, not L2."""
     rows = []
     for name, n, k in layer_gemms(SHAPES[shape]):
-        w = torch.randn(n, k, device="cuda") * 0.02
+        copies = max(1, -(-150_000_000 // (2 * n * k)))
+        ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
         xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in ms}
         for storage, mode_name in PAIRS:
             mode = MODES[mode_name]
             assert storage_supports(storage, mode)
-            weight = quantize_weight(w.bfloat16() if storage == "dense" else w, storage, group_size)
-            nbytes = weight.nbytes() if mode_name != "upper" else weight.nbytes() - weight.lower.nbytes
+            weights = [quantize_weight(w.bfloat16() if storage == "dense" else w, storage, group_size) for w in ws]
+            nbytes = weights[0].nbytes() - (weights[0].lower.nbytes if mode_name == "upper" else 0)
             for m in ms:
-                t = time_ms(lambda: linear(xs[m], weight, mode))
+                t = graph_time_ms([lambda w=w, m=m: linear(xs[m], w, mode) for w in weights])
                 rows.append({"gemm": name, "n": n, "k": k, "storage": storage, "mode": mode_name, "m": m,
                              "ms": t, "gb_per_s": nbytes / t / 1e6})
-            del weight
-        dense = w.bfloat16()
+            del weights
+        dense = [w.bfloat16() for w in ws]
         for m in ms:
-            t = time_ms(lambda: torch.nn.functional.linear(xs[m], dense))
+            t = graph_time_ms([lambda w=w, m=m: torch.nn.functional.linear(xs[m], w) for w in dense])
             rows.append({"gemm": name, "n": n, "k": k, "storage": "dense", "mode": "cublas-bf16", "m": m,
-                         "ms": t, "gb_per_s": dense.nbytes / t / 1e6})
+                         "ms": t, "gb_per_s": dense[0].nbytes / t / 1e6})
+        del ws, dense
     return rows
 
 

@@ -55,6 +55,16 @@ def pass_ms(gm: GraphedModel, mode_name: str, batch: int, tokens: int, context: 
     return time_ms(lambda: gm(tok, pos, cache, MODES[mode_name]), warmup=3, reps=20)
 
 
+def weight_bytes_read(model, mode_name: str) -> int:
+    """Bytes one decode step reads from the weights in a mode: every linear's stored tensors (`upper` skips
+    the lower planes) and the head; the embedding lookup reads a row per token (not counted)."""
+    total = model.lm_head.nbytes()
+    for lin in model.linears():
+        w = lin.weight
+        total += w.nbytes() - (w.lower.nbytes if mode_name == "upper" else 0)
+    return total
+
+
 def measure(shape: str, batches: list[int], context: int, verify_tokens: list[int]) -> list[dict]:
     rows = []
     for storage, modes in STORAGE_MODES.items():
@@ -64,7 +74,7 @@ def measure(shape: str, batches: list[int], context: int, verify_tokens: list[in
             for b in batches:
                 ms = ar_ms_per_step(gm, mode, b, context)
                 rows.append({"kind": "ar", "storage": storage, "mode": mode, "batch": b, "tokens": 1, "ms": ms,
-                             "tokens_per_s": b * 1000 / ms})
+                             "tokens_per_s": b * 1000 / ms, "weight_bytes": weight_bytes_read(model, mode)})
                 print(f"{storage:7s} {mode:6s} B={b:3d} AR {ms:7.3f} ms/step  {b * 1000 / ms:8.1f} tok/s", flush=True)
             for b in batches[:1] + batches[-1:]:
                 for t in verify_tokens:
