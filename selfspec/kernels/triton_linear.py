@@ -288,7 +288,7 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
 for _storage in STORAGES:
     register("linear", _storage, "cuda")(linear)
 
-_SIGNS: dict[int, DenseWeight] = {}  # the +-1 matrix of each Hadamard matrix in use, by its data pointer
+_SIGNS: dict[tuple[int, torch.device], DenseWeight] = {}  # the +-1 Hadamard matrix of each order, per device
 
 
 @register("rotate", "", "cuda")
@@ -299,8 +299,9 @@ def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.bfloat16:
         return reference_rotate(x, h)
     n = h.shape[0]
-    signs = _SIGNS.get(h.data_ptr())
+    key = (n, h.device)  # a Sylvester matrix is determined by its order
+    signs = _SIGNS.get(key)
     if signs is None:
-        signs = _SIGNS[h.data_ptr()] = DenseWeight(torch.sign(h).bfloat16())
+        signs = _SIGNS[key] = DenseWeight(torch.sign(h).bfloat16())
     y = linear(x.reshape(-1, n), signs, MODES["bf16"], None)
     return (y.float() * n**-0.5).to(x.dtype).view(x.shape)
