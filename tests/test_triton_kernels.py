@@ -195,8 +195,9 @@ def test_swiglu():
 
 
 @pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("int4", "w4a4"), ("int8", "w8a16")])
-def test_split_k_sums_partials_like_one_pass(storage, mode_name):
-    """Each tile config (one K pass, or K split with partials added in order) computes the same linear."""
+def test_tile_configs_compute_the_same_linear(storage, mode_name):
+    """Each tile config (one K pass or K split with partials added in order; x W^T or (W x^T)^T) computes the
+    same linear."""
     torch.manual_seed(8)
     mode = MODES[mode_name]
     weight = quantize_weight(torch.randn(40, 256), storage, 64)
@@ -204,9 +205,10 @@ def test_split_k_sums_partials_like_one_pass(storage, mode_name):
     fmt, act = triton_linear.kernel_format(weight, mode), mode.act_bits is not None
     xq, xs = triton_linear.act_quant(x, mode.act_bits) if act else (x, None)
     oracle = linear_oracle(x, weight, mode, None)
-    for split in (1, 3, 8):  # 3 leaves the last split a shorter K range
-        cfg = triton_linear.TileConfig(block_n=16, block_k=64, split_k=split)
-        assert rel_err(triton_linear._launch(xq, xs, weight, fmt, act, None, cfg), oracle) < TOL, f"split {split}"
+    for split, swap in ((1, False), (3, True), (8, False), (1, True)):  # 3 leaves the last split a shorter K range
+        cfg = triton_linear.TileConfig(block_n=16, block_k=64, split_k=split, swap=swap)
+        y = triton_linear._launch(xq, xs, weight, fmt, act, None, cfg)
+        assert rel_err(y, oracle) < TOL, f"split {split} swap {swap}"
 
 
 def test_rotate_matches_reference_and_is_batch_invariant():

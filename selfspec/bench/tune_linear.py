@@ -23,13 +23,14 @@ KERNELS = {"bf16": ("dense", "bf16"), "w8a16": ("int8", "w8a16"), "w8a8": ("int8
 
 def candidates(group_fmt: bool) -> list[tlin.TileConfig]:
     ks = (64, 128) if group_fmt else (128, 256)
-    base = [tlin.TileConfig(n, k, s, 4, 3) for n, k, s in itertools.product((32, 64, 128), ks, (1, 2, 4, 8, 16))]
-    return base
+    return [tlin.TileConfig(n, k, s, 4, 3, swap) for n, k, s, swap
+            in itertools.product((32, 64, 128), ks, (1, 2, 4, 8, 16), (False, True))]
 
 
-def tune(shape: str, ms: tuple[int, ...]) -> list[dict]:
+def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
     rows = []
-    for kname, (storage, mode_name) in KERNELS.items():
+    for kname in kernels:
+        storage, mode_name = KERNELS[kname]
         mode = MODES[mode_name]
         for gemm, n, k in layer_gemms(SHAPES[shape]):
             # Enough distinct weights (>= 150 MB) that each call streams its weight from HBM, not from L2.
@@ -54,7 +55,7 @@ def tune(shape: str, ms: tuple[int, ...]) -> list[dict]:
             results.sort(key=lambda r: r[0])
             for warps, stages in ((8, 3), (4, 4), (4, 2), (8, 4)):  # refine the best tile shape
                 c = results[0][1]
-                cfg = tlin.TileConfig(c.block_n, c.block_k, c.split_k, warps, stages)
+                cfg = tlin.TileConfig(c.block_n, c.block_k, c.split_k, warps, stages, c.swap)
                 results.append((cost(cfg), cfg))
             results.sort(key=lambda r: r[0])
             best_t, best = results[0]
@@ -75,8 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     args = ap.parse_args(argv)
-    rows = tune(args.shape, (1, 9))
+    rows = tune(args.shape, (1, 9), args.kernels)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

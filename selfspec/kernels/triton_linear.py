@@ -134,6 +134,7 @@ def _linear_kernel(
     M, N, K, K_CHUNK, stride_xm, stride_wn, stride_sn, stride_ym,
     FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIALS: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     # M tiles vary fastest, so the programs sharing one N tile of W run together and hit it in L2.
     pid_m = tl.program_id(0)
@@ -141,7 +142,10 @@ def _linear_kernel(
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:  # y^T = W x^T: the weight tile is the dot's left operand, fed to the tensor cores from registers
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_end = tl.minimum(K, (pid_k + 1) * K_CHUNK)
     for k0 in range(pid_k * K_CHUNK, k_end, BLOCK_K):  # this program's K range, in order
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -151,10 +155,16 @@ def _linear_kernel(
         if FMT >= INT4:  # BLOCK_K divides GROUP, so the tile lies in one group
             s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, FMT)
         if ACT:
-            d = tl.dot(x, tl.trans(_signed(q, SHIFT)), out_dtype=tl.int32).to(tl.float32)
+            if SWAP:
+                d = tl.dot(_signed(q, SHIFT), tl.trans(x), out_dtype=tl.int32).to(tl.float32)
+            else:
+                d = tl.dot(x, tl.trans(_signed(q, SHIFT)), out_dtype=tl.int32).to(tl.float32)
             if FMT >= INT4:
                 x_sum = tl.sum(x.to(tl.int32), axis=1).to(tl.float32)
-                acc += d * s[None, :] + x_sum[:, None] * (lo + SHIFT * s)[None, :]
+                if SWAP:
+                    acc += d * s[:, None] + (lo + SHIFT * s)[:, None] * x_sum[None, :]
+                else:
+                    acc += d * s[None, :] + x_sum[:, None] * (lo + SHIFT * s)[None, :]
             else:
                 acc += d
         else:
@@ -164,7 +174,12 @@ def _linear_kernel(
                 w = q.to(tl.float32).to(tl.bfloat16)  # via fp32: exact for int8 codes
             else:
                 w = q.to(tl.bfloat16)
-            acc = tl.dot(x, tl.trans(w), acc)
+            if SWAP:
+                acc = tl.dot(w, tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+    if SWAP:
+        acc = tl.trans(acc)
     if not PARTIALS:
         _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, FMT, ACT, HAS_BIAS)
     else:  # fp32 partial sums [SPLIT_K, M, N], added in split order by _split_k_reduce
@@ -206,6 +221,7 @@ class TileConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    swap: bool = False  # W as the dot's left operand (y^T = W x^T)
 
 
 def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
@@ -275,7 +291,7 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
         x2, xs, w, w2, scale, lo, bias, y, part,
         m, n, k, k_chunk, x2.stride(0), w.stride(0), 0 if lo is None else lo.stride(0), y.stride(0),
         SHIFT=_shift(fmt) if act else 0, GROUP=getattr(weight, "group_size", 0), BLOCK_M=BLOCK_M,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIALS=part is not None, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIALS=part is not None, SWAP=cfg.swap, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **flags,
     )
     if part is not None:
