@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from selfspec.bench.serve import add_args as add_serve_bench_args
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES
 from selfspec.spec.recipes import PRESETS
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text + stats) instead of streaming")
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    add_serve_bench_args(bench.add_parser("serve", help="closed-loop serving throughput and latency, AR vs recipes"))
     e = sub.add_parser("eval", help="accuracy of modes and recipes (GSM8K, HumanEval, MATH-500, perplexity)")
     e.add_argument("--model", default=None, help="named model, HF directory or .gguf file (default: smollm2-135m)")
     e.add_argument("--tasks", default="gsm8k,humaneval,math500,ppl", help="comma-separated tasks")
@@ -75,6 +78,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
               f"gamma {llm.gamma}] {out.stats.summary()}", file=sys.stderr)
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from selfspec.bench.serve import run
+
+    run(args)
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from selfspec.eval.command import run_command
 
@@ -84,7 +93,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "eval": cmd_eval}[args.command](args)
+        {"generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench}[args.command](args)
     except SelfspecError as e:
         print(f"selfspec: error: {e}", file=sys.stderr)
         return 2

@@ -51,6 +51,7 @@ class EngineStats:
     running: int
     kv_blocks_total: int
     kv_blocks_used: int
+    num_row_rounds: int  # rows x rounds (plain decoding steps included): mean gamma = num_draft_tokens / this
     num_drafts: int  # rows that drafted, summed over rounds
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -74,6 +75,7 @@ class Sequence:
 
 @dataclass
 class _Counters:
+    num_row_rounds: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -148,7 +150,7 @@ class Engine:
     def stats(self) -> EngineStats:
         c = self.counters
         return EngineStats(self._queued, len(self.running), self.cache.num_blocks, self.cache.blocks_used,
-                           c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, self.policy.last_gamma,
+                           c.num_row_rounds, c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, self.policy.last_gamma,
                            self.policy.acceptance)
 
     # ---------------------------------------------------------------- the scheduler
@@ -299,8 +301,9 @@ class Engine:
         accepted = [r.stats.draft_accepted - b for r, b in zip(rows, before)]
         self.policy.observe_round(len(rows), k, timing.draft_s, timing.verify_s)
         self.policy.observe_acceptance(k, accepted)
+        c = self.counters
+        c.num_row_rounds += len(rows)
         if k:
-            c = self.counters
             c.num_drafts += len(rows)
             c.num_draft_tokens += k * len(rows)
             c.num_accepted_tokens += sum(accepted)

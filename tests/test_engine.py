@@ -1,0 +1,230 @@
+"""Serving engine on tiny random models: batched (speculative) greedy == solo greedy for every request as
+requests join and leave, chunked prefill, aborts and errors free blocks, validation, thread-safe inbox."""
+import threading
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from selfspec.engine.engine import Engine, QueueFull
+from selfspec.engine.llm import build
+from selfspec.errors import SelfspecError
+from selfspec.spec.recipes import resolve_recipe
+from selfspec.spec.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    cfg, sd, _ = tiny_model("llama", seed=1)
+    return build(cfg, sd, None, resolve_recipe("planes", draft="w4a4"), group_size=32)
+
+
+def greedy(n=10):
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+def prompts(count, seed=0, lo=3, hi=200, max_len=14):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(lo, hi, (int(torch.randint(1, max_len, (), generator=g)),), generator=g).tolist()
+            for _ in range(count)]
+
+
+def run(engine, feed=None):
+    """Step until idle; feed(step) may add requests. Returns {id: (tokens, final output)} and the step count."""
+    tokens, final, step = {}, {}, 0
+    while (feed is not None and feed(step)) | engine.has_work():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                final[o.request_id] = o
+        step += 1
+    return {k: (tokens.get(k, []), final[k]) for k in final}, step
+
+
+def assert_idle(engine):
+    s = engine.stats()
+    assert (s.waiting, s.running, s.kv_blocks_used, engine.reserved) == (0, 0, 0, 0)
+
+
+def test_batched_greedy_equals_solo_as_requests_join_and_leave(llm):
+    """36 requests, 6 rows at a time, staggered arrivals, per-request gammas mixed with the policy's, varied
+    lengths: every request's tokens are exactly those of a solo greedy run."""
+    ps = prompts(36)
+    lengths = [4 + i % 9 for i in range(36)]
+    gammas = [None, 0, 1, 3, 5, None]
+    refs = [llm.generate(p, greedy(n), gamma=0).token_ids for p, n in zip(ps, lengths)]
+    engine = Engine(llm, max_batch=6, block_size=4, num_blocks=120, prefill_chunk=24)
+    for i in range(20):
+        engine.add_request(str(i), ps[i], greedy(lengths[i]), gamma=gammas[i % 6])
+
+    def feed(step):  # the rest arrive one per step; True while some are still to come
+        i = 20 + step
+        if i < 36:
+            engine.add_request(str(i), ps[i], greedy(lengths[i]), gamma=gammas[i % 6])
+        return i < 35
+
+    out, _ = run(engine, feed)
+    assert sorted(out, key=int) == [str(i) for i in range(36)]
+    for i in range(36):
+        toks, final = out[str(i)]
+        assert toks == refs[i] == final.generation.token_ids, i
+        assert final.finish_reason == "length"
+    s = engine.stats()
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # drafts accepted and rejected in batched rounds
+    assert_idle(engine)
+
+
+def test_sampling_rows_share_the_batch_with_greedy_rows(llm):
+    ps = prompts(6, seed=3)
+    refs = [llm.generate(p, greedy(8), gamma=0).token_ids for p in ps[:3]]
+    engine = Engine(llm, max_batch=6, block_size=4, num_blocks=64)
+    for i, p in enumerate(ps):
+        params = greedy(8) if i < 3 else SamplingParams(temperature=1.0, top_k=20, seed=i, max_new_tokens=8,
+                                                         ignore_eos=True)
+        engine.add_request(str(i), p, params, gamma=3)
+    out, _ = run(engine)
+    assert [out[str(i)][0] for i in range(3)] == refs
+    assert all(len(out[str(i)][0]) == 8 and max(out[str(i)][0]) < 256 for i in range(3, 6))
+    assert_idle(engine)
+
+
+def test_long_prompt_is_chunk_prefilled_while_others_decode(llm):
+    short = prompts(3, seed=4)
+    long = torch.randint(3, 200, (150,), generator=torch.Generator().manual_seed(5)).tolist()
+    refs = [llm.generate(p, greedy(20), gamma=0).token_ids for p in short + [long]]
+    engine = Engine(llm, max_batch=4, block_size=4, num_blocks=120, prefill_chunk=32)
+    for i, p in enumerate(short):
+        engine.add_request(str(i), p, greedy(20), gamma=2)
+    tokens = {}
+    for o in engine.step():  # the short ones are prefilled and decoding
+        tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    engine.add_request("long", long, greedy(20), gamma=2)
+    steps_before_first, decoded_meanwhile = 0, 0
+    while engine.has_work():
+        outs = engine.step()
+        for o in outs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if "long" not in tokens:
+            steps_before_first += 1
+            decoded_meanwhile += sum(len(o.new_token_ids) for o in outs)
+    assert steps_before_first >= 150 // 32  # five chunks of 32 tokens (the last one emits the first token)
+    assert decoded_meanwhile >= 3 * steps_before_first  # every short row got tokens in every one of those steps
+    assert [tokens[k] for k in ("0", "1", "2", "long")] == refs
+    assert_idle(engine)
+
+
+def test_abort_frees_blocks(llm):
+    engine = Engine(llm, max_batch=2, block_size=4, num_blocks=40)
+    for i, p in enumerate(prompts(4, seed=6)):
+        engine.add_request(str(i), p, greedy(30))
+    engine.step()
+    engine.step()
+    used = engine.stats().kv_blocks_used
+    assert used > 0 and engine.stats().running == 2 and engine.stats().waiting == 2
+    engine.abort("0")  # running
+    engine.abort("3")  # waiting
+    engine.abort("3")  # twice: fine
+    engine.abort("nope")  # unknown: fine
+    outs = engine.step()
+    aborted = {o.request_id: o for o in outs if o.finish_reason == "abort"}
+    assert sorted(aborted) == ["0", "3"] and all(o.finished for o in aborted.values())
+    assert "0" not in engine.cache.tables
+    engine.abort("1")
+    engine.abort("2")
+    engine.step()
+    assert_idle(engine)
+    engine.add_request("0", [5, 6, 7], greedy(3))  # a finished id can be reused
+    run(engine)
+    assert_idle(engine)
+
+
+def test_error_in_one_request_leaves_the_others_serving(llm, monkeypatch):
+    """The model raises whenever a row reaches position 45 (only the long request gets there): its batched
+    round fails, the engine retries the rows one by one, and only that request ends with an error."""
+    ps = prompts(5, seed=7)
+    bad = torch.randint(3, 200, (40,)).tolist()
+    refs = [llm.generate(p, greedy(12), gamma=0).token_ids for p in ps]
+    forward = llm.model.forward
+
+    def failing(tokens, pos, cache, mode):
+        if pos.max() >= 45:
+            raise RuntimeError("boom")
+        return forward(tokens, pos, cache, mode)
+
+    monkeypatch.setattr(llm.model, "forward", failing)
+    engine = Engine(llm, max_batch=6, block_size=4, num_blocks=80)
+    engine.add_request("bad", bad, greedy(12), gamma=2)
+    for i, p in enumerate(ps):
+        engine.add_request(str(i), p, greedy(12), gamma=2)
+    out, _ = run(engine)
+    toks, final = out["bad"]
+    assert final.finish_reason == "error" and "boom" in final.error and 0 < len(toks) < 12
+    assert [out[str(i)][0] for i in range(5)] == refs
+    assert all(out[str(i)][1].finish_reason == "length" for i in range(5))
+    assert_idle(engine)
+
+
+def test_error_while_emitting_tokens(llm, monkeypatch):
+    append = llm.append_tokens
+
+    def failing(out, chunk, params):
+        if out.stats.prompt_tokens == 7:
+            raise ValueError("cannot detokenize")
+        return append(out, chunk, params)
+
+    monkeypatch.setattr(llm, "append_tokens", failing)
+    engine = Engine(llm, max_batch=4, block_size=4, num_blocks=40)
+    engine.add_request("bad", list(range(3, 10)), greedy(5))
+    engine.add_request("good", [4, 5, 6], greedy(5))
+    out, _ = run(engine)
+    assert out["bad"][1].finish_reason == "error" and "cannot detokenize" in out["bad"][1].error
+    assert out["good"][0] == llm.generate([4, 5, 6], greedy(5), gamma=0).token_ids
+    assert_idle(engine)
+
+
+def test_validation_and_queue_limit(llm):
+    engine = Engine(llm, max_batch=2, block_size=4, num_blocks=10, max_queue=2)
+    with pytest.raises(SelfspecError, match="gamma"):
+        engine.add_request("a", [3, 4], greedy(), gamma=99)
+    with pytest.raises(SelfspecError, match="empty"):
+        engine.add_request("a", [], greedy())
+    with pytest.raises(SelfspecError, match="KV blocks"):
+        engine.add_request("a", [3, 4], greedy(100))
+    with pytest.raises(SelfspecError, match="SamplingParams"):
+        engine.add_request("a", [3, 4], {"max_new_tokens": 4})
+    engine.add_request("a", [3, 4], greedy(4))
+    with pytest.raises(SelfspecError, match="already in use"):
+        engine.add_request("a", [3, 4], greedy(4))
+    engine.add_request("b", [3, 4], greedy(4))
+    with pytest.raises(QueueFull):
+        engine.add_request("c", [3, 4], greedy(4))
+    with pytest.raises(SelfspecError, match="max_batch"):
+        Engine(llm, max_batch=0)
+    run(engine)
+    assert_idle(engine)
+
+
+def test_add_request_from_another_thread(llm):
+    engine = Engine(llm, max_batch=3, block_size=4, num_blocks=60)
+    ps = prompts(8, seed=8)
+    done = threading.Event()
+
+    def client():
+        for i, p in enumerate(ps):
+            engine.add_request(str(i), p, greedy(4))
+        done.set()
+
+    threading.Thread(target=client).start()
+    finished = set()
+    while not done.is_set() or engine.has_work():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {str(i) for i in range(8)}
+    assert_idle(engine)
