@@ -97,7 +97,8 @@ class PagedBatchView:
         blocks = self.table.gather(1, index.masked_fill(~self.real, 0)).masked_fill(~self.real, TRASH)
         return blocks, pos % bs
 
-    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         blocks, offsets = self.slots(pos)
         kl, vl = self.cache.k[layer], self.cache.v[layer]  # [N, Hkv, bs, D]
         # Index pair (block, offset) around the head slice gives [B, T, Hkv, D], the layout of k.transpose(1, 2).

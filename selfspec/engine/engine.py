@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -122,7 +122,7 @@ class Engine:
             check_gamma(gamma)
         ids = self.llm.encode(prompt, chat)
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_len - len(ids)))
-        drafts = self.policy.max_gamma if gamma is None else gamma
+        drafts = 0 if self.llm.draft_mode is None else self.policy.max_gamma if gamma is None else gamma
         blocks = self.cache.blocks_for(min(self.max_len, len(ids) + params.max_new_tokens + drafts))
         if blocks > self.cache.num_blocks:
             raise SelfspecError(f"the request needs up to {blocks} KV blocks (prompt {len(ids)} + max_new_tokens "
@@ -150,8 +150,8 @@ class Engine:
     def stats(self) -> EngineStats:
         c = self.counters
         return EngineStats(self._queued, len(self.running), self.cache.num_blocks, self.cache.blocks_used,
-                           c.num_row_rounds, c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, self.policy.last_gamma,
-                           self.policy.acceptance)
+                           c.num_row_rounds, c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
+                           self.policy.last_gamma, self.policy.acceptance)
 
     # ---------------------------------------------------------------- the scheduler
 
