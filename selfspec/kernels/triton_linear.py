@@ -228,18 +228,23 @@ def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
     """The tiles of a GEMM: from the weight and the mode only, never from M (batch invariance).
 
     Chosen by `python -m selfspec.bench.tune_linear` on an H100 (Llama-3-8B layers, M = 1 and 9, under CUDA
-    graphs): INT8 codes stream best in K tiles of 256, group-wise formats in tiles of one group (<= 128), and
-    INT4 with INT8 activations in wide N tiles with eight warps."""
+    graphs, weights streamed from HBM): INT8 codes stream best in K tiles of 256, group-wise formats in tiles of
+    one group (<= 128) with K split in at least two, and INT4 codes with INT8 activations as the dot's left
+    operand (swapped)."""
     int4_act = act and fmt >= INT4.value
-    block_n = 128 if int4_act else 32 if n <= 32768 else 64
+    block_n = 64 if int4_act or n > 32768 else 32
     if fmt >= INT4.value:
         block_k = min(group, 128)
     else:
         block_k = max(min(triton.next_power_of_2(k), 256 if fmt == INT8.value else 128), 32 if act else 16)
     # Enough programs to stream W at memory speed at M = 1 (about 4 per SM), splitting K where N is narrow.
     n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    split_k = max(1, min(k_tiles, 16 if int4_act else 8, (1024 if int4_act else 528) // n_tiles))
-    return TileConfig(block_n, block_k, split_k, num_warps=8 if int4_act else 4)
+    if int4_act:
+        split_k = max(4, 512 // n_tiles)
+    else:
+        split_k = max(2 if fmt >= INT4.value else 1, 528 // n_tiles)
+    split_k = max(1, min(k_tiles, 16 if int4_act else 8, split_k))
+    return TileConfig(block_n, block_k, split_k, swap=int4_act)
 
 
 def _shift(fmt: int) -> int:
