@@ -1,4 +1,4 @@
-"""Command line: `selfspec generate`."""
+"""Command line: `selfspec generate | serve | eval | bench`."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (text + stats) instead of streaming")
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     add_serve_bench_args(bench.add_parser("serve", help="closed-loop serving throughput and latency, AR vs recipes"))
+    for name, (_, help_) in GPU_BENCHES.items():  # each parses its own arguments (`selfspec bench NAME --help`)
+        bench.add_parser(name, help=help_, add_help=False)
     e = sub.add_parser("eval", help="accuracy of modes and recipes (GSM8K, HumanEval, MATH-500, perplexity)")
     e.add_argument("--model", default=None, help="named model, HF directory or .gguf file (default: smollm2-135m)")
     e.add_argument("--tasks", default="gsm8k,humaneval,math500,ppl", help="comma-separated tasks")
@@ -51,6 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, help="results directory (default: eval-results/MODEL)")
     e.add_argument("--group-size", type=int, default=128, help="quantization group size along K")
     e.add_argument("--device", default="cpu", help="cpu or cuda")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
+    add_model_args(s)  # here --gamma caps the drafted tokens per round; the engine's policy picks within it
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="model id clients send (default: --model or smollm2-135m)")
+    s.add_argument("--max-batch", type=int, default=32, help="sequences decoded together")
+    s.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 429")
+    s.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks in the pool (default: max-batch x 1024 tokens)")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on shutdown before they are cancelled")
     return parser
 
 
@@ -78,10 +92,27 @@ def cmd_generate(args: argparse.Namespace) -> None:
               f"gamma {llm.gamma}] {out.stats.summary()}", file=sys.stderr)
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    from selfspec.bench.serve import run
+# `selfspec bench NAME` -> selfspec.bench.MODULE.main(arguments); all on the GPU but `trace` (any device).
+GPU_BENCHES = {
+    "all": ("suite", "every GPU measurement in one run: JSON, markdown report and PNG plots"),
+    "steps": ("steps", "AR tokens/s per mode and batch, draft / verify pass times (CUDA graphs)"),
+    "gemm": ("gemm", "per-layer GEMM time vs M for every mode, vs cuBLAS"),
+    "spec": ("spec", "speculative tokens/s with acceptance replayed from recorded traces"),
+    "peer": ("peer", "HF transformers generate on the same shape"),
+    "trace": ("traces", "record acceptance traces on a real model"),
+    "tune": ("tune_linear", "search the linear kernel's tile configs"),
+}
 
-    run(args)
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    if args.bench == "serve":
+        from selfspec.bench.serve import run
+
+        run(args)
+        return
+    import importlib
+
+    importlib.import_module(f"selfspec.bench.{GPU_BENCHES[args.bench][0]}").main(args.args)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -90,10 +121,21 @@ def cmd_eval(args: argparse.Namespace) -> None:
     run_command(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from selfspec.serve.server import serve
+
+    serve(args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench" and args.bench in GPU_BENCHES:
+        args.args = rest  # the benchmark module parses them
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        {"generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench}[args.command](args)
+        {"generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
     except SelfspecError as e:
         print(f"selfspec: error: {e}", file=sys.stderr)
         return 2
