@@ -76,3 +76,14 @@ def test_verify_estimate_interpolates_and_extrapolates():
     assert p.verify_estimate(3) == pytest.approx(3.0)
     assert p.verify_estimate(8) == pytest.approx(8.0)
     assert p.verify_estimate(1) == pytest.approx(1.0)
+
+
+def test_probes_re_time_the_option_not_taken():
+    """Speculating, a plain round every probe_every rounds re-times verify(B); decoding plainly, a round of
+    the best k every 4 x probe_every rounds re-times drafting and acceptance."""
+    p = measured({n: 1.0 for n in (1, 2, 4, 8, 16)}, draft_ratio=0.3, acceptance=0.8, batch=1)
+    p.probe_every = 4
+    assert [p.choose(1) for _ in range(10)] == [3, 3, 3, 3, 0, 3, 3, 3, 3, 0]
+    q = measured({n: 1.0 for n in (1, 2, 4, 8, 16)}, draft_ratio=1.0, acceptance=0.8, batch=1)
+    q.probe_every = 2
+    assert [q.choose(1) for _ in range(18)] == [0] * 8 + [1] + [0] * 8 + [1]

@@ -10,7 +10,10 @@ Costs are learned as the engine runs (exponential moving averages):
 - draft cost as a ratio to the verify cost of a pass of the same size (B tokens), per batch size
   (the nearest measured batch size stands in for an unmeasured one).
 Exploration: an unmeasured batch size first runs plain decoding once (measures verify(B)); while no draft
-step was ever measured, it then drafts 1 token once (measures the draft ratio and acceptance).
+step was ever measured, it then drafts 1 token once (measures the draft ratio and acceptance). Probes keep the
+estimates fresh (a first measurement may be a slow outlier, and the losing option is otherwise never re-timed):
+every `probe_every` speculative rounds at a batch size one plain round re-times verify(B), and every
+4 x probe_every plain rounds one round of the best k re-times drafting and acceptance.
 """
 from __future__ import annotations
 
@@ -34,10 +37,12 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 class GammaPolicy:
-    def __init__(self, max_gamma: int = 8, alpha: float = 0.2, margin: float = 0.05):
+    def __init__(self, max_gamma: int = 8, alpha: float = 0.2, margin: float = 0.05, probe_every: int = 16):
         self.max_gamma = max_gamma
         self.alpha = alpha
         self.margin = margin
+        self.probe_every = probe_every
+        self.streak: dict[int, tuple[bool, int]] = {}  # batch size -> (speculating, rounds in a row)
         self.accepted = Ema(alpha)  # accepted drafts per round ...
         self.trials = Ema(alpha)  # ... and acceptance trials per round (accepted + 1 if a draft was rejected)
         self.verify_cost: dict[int, Ema] = {}  # tokens in the pass -> seconds
@@ -101,14 +106,27 @@ class GammaPolicy:
 
     def choose(self, batch: int) -> int:
         """Drafts per row for the next round over `batch` rows."""
-        self.last_gamma = self._choose(batch)
-        return self.last_gamma
+        k = self._choose(batch)
+        speculating, n = self.streak.get(batch, (k > 0, 0))
+        if (k > 0) != speculating:
+            speculating, n = k > 0, 0
+        n += 1
+        if self.max_gamma and n > (self.probe_every if speculating else 4 * self.probe_every):
+            k, n = (0 if speculating else self._best(batch)), 0  # probe the other option once
+        self.streak[batch] = (speculating, n)
+        self.last_gamma = k
+        return k
 
     def _choose(self, batch: int) -> int:
         if self.max_gamma == 0 or batch not in self.verify_cost:
             return 0  # measure plain decoding at this size first
         if self.acceptance is None or not self.draft_ratio:
             return 1  # explore: one cheap round measures the draft step and acceptance
-        ar = self.throughput(batch, 0)
-        best = max(range(1, self.max_gamma + 1), key=lambda k: self.throughput(batch, k))
-        return best if self.throughput(batch, best) > ar * (1 + self.margin) else 0
+        best = self._best(batch)
+        return best if self.throughput(batch, best) > self.throughput(batch, 0) * (1 + self.margin) else 0
+
+    def _best(self, batch: int) -> int:
+        """The k >= 1 with the most estimated tokens per second (1 while nothing is measured)."""
+        if self.acceptance is None or not self.draft_ratio or batch not in self.verify_cost:
+            return min(1, self.max_gamma)
+        return max(range(1, self.max_gamma + 1), key=lambda k: self.throughput(batch, k))
