@@ -43,3 +43,10 @@ def test_percentiles():
     p = percentiles([float(x) for x in range(1, 101)])
     assert (p["p50"], p["p90"], p["p99"], p["mean"]) == (51.0, 91.0, 100.0, 50.5)
     assert percentiles([]) == {}
+
+
+def test_cli_bench_serve_rejects_bad_sizes(capsys):
+    from selfspec.cli import main
+
+    assert main(["bench", "serve", "--batch-sizes", "1", "0"]) == 2
+    assert "batch sizes" in capsys.readouterr().err
