@@ -117,10 +117,14 @@ def chart(summary: dict, tasks: list[str], path: Path, title: str = "") -> None:
     gen_tasks = [t for t in tasks if t != "ppl"]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(labels)), 4))
     width = 0.8 / max(len(gen_tasks), 1)
+    top = 0.0
     for k, t in enumerate(gen_tasks):
         xs = [i + (k - (len(gen_tasks) - 1) / 2) * width for i in range(len(labels))]
-        ax.bar(xs, [m[c][t].get("score", 0.0) for c in labels], width, label=t)
-    ax.set_xticks(range(len(labels)), labels)
+        scores = [m[c][t].get("score", 0.0) for c in labels]
+        top = max([top, *scores])
+        ax.bar(xs, scores, width, label=t)
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+    ax.set_ylim(0, max(10.0, 1.15 * top))  # all-zero accuracies still get a readable axis
     ax.set_ylabel("accuracy (%)")
     ax2 = ax.twinx()
     ax2.plot(range(len(labels)), [_throughput(m[c]) for c in labels], "k-o", label="decode tok/s")

@@ -9,7 +9,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from tqdm import tqdm
 
@@ -95,8 +95,11 @@ class ResultCache:
         self.records: dict[str, dict] = {}
         if path.is_file():
             for line in path.read_text().splitlines():
-                rec = json.loads(line) if line.strip() else None
-                if rec and rec.get("settings") == settings:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short when a run was killed: redo that item
+                    continue
+                if rec.get("settings") == settings:
                     self.records[rec["id"]] = rec
 
     def add(self, record: dict) -> None:
@@ -122,7 +125,7 @@ def check_args(tasks: list[str], limit: int | None, gamma: int, max_new_tokens: 
 def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: list[str], out_dir: Path,
              limit: int | None = None, seed: int | None = None, gamma: int = 4, max_new_tokens: int = 256,
              chat: bool = False, data: dict[str, Path] | None = None, group_size: int = 128,
-             device: str = "cpu", load: Callable[..., LLM] = selfspec.load) -> dict[str, dict[str, list[dict]]]:
+             device: str = "cpu") -> dict[str, dict[str, list[dict]]]:
     """Evaluate and return {config label: {task: [record per item, in item order]}} (cached items reused)."""
     check_args(tasks, limit, gamma, max_new_tokens)
     configs = plan_configs(modes, recipes)
@@ -140,14 +143,15 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
     for cfg in configs:
         speculative = cfg.draft is not None
         caches = {t: ResultCache(out_dir / cfg.label / f"{t}.jsonl",
-                                 settings(model, cfg, t, max_new_tokens, chat, gamma if speculative else 0))
+                                 settings(model, cfg, t, max_new_tokens, chat, gamma if speculative else 0,
+                                          group_size, device))
                   for t in tasks}
         # A recipe's scores are its verify mode's logits: perplexity has nothing new to measure there.
         todo = {t: [i for i in (ppl_ids if t == "ppl" else [it.id for it in items[t]]) if i not in caches[t].records]
                 for t in tasks if not (t == "ppl" and speculative)}
         if any(todo.values()):
             verify = cfg.verify if cfg.recipe == "ar" else None
-            llm = load(model, cfg.recipe, verify=verify, gamma=gamma, group_size=group_size, device=device)
+            llm = selfspec.load(model, cfg.recipe, verify=verify, gamma=gamma, group_size=group_size, device=device)
             for t in todo:
                 if t == "ppl":
                     windows = windows or ppl_task.load_windows(llm.tokenizer, data.get("ppl"), n_windows)
@@ -163,9 +167,10 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
     return results
 
 
-def settings(model: str | None, cfg: EvalConfig, task: str, max_new_tokens: int, chat: bool, gamma: int) -> dict:
+def settings(model: str | None, cfg: EvalConfig, task: str, max_new_tokens: int, chat: bool, gamma: int,
+             group_size: int, device: str) -> dict:
     """What a cached result depends on besides the item."""
-    s = {"model": model or "default", **asdict(cfg)}
+    s = {"model": model or "default", **asdict(cfg), "group_size": group_size, "device": device}
     s.pop("reference")
     if task == "ppl":
         return {**s, "window": ppl_task.WINDOW}
