@@ -119,3 +119,22 @@ def test_bad_input_is_one_clean_error_before_loading(args, needle, capsys, monke
     assert main(["eval", *args]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_window_nll_matches_transformers():
+    """The perplexity forward (through the engine's model, positions as model.forward takes them) equals HF's."""
+    import torch
+
+    from selfspec.engine.llm import build
+    from selfspec.eval.tasks.ppl import window_nll
+    from selfspec.spec.recipes import resolve_recipe
+
+    cfg, sd, hf = tiny_model("llama", seed=1)
+    ids = list(range(3, 60))
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, :-1].float()
+    expected = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
+    llm = build(cfg, sd, None, resolve_recipe("ar", None, "fp32"))
+    nll, n = window_nll(llm.model, ids, llm.verify_mode)
+    assert n == len(ids) - 1
+    assert abs(nll - float(expected)) < 1e-3 * float(expected)
