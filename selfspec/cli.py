@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, help="results directory (default: eval-results/MODEL)")
     e.add_argument("--group-size", type=int, default=128, help="quantization group size along K")
     e.add_argument("--device", default="cpu", help="cpu or cuda")
+    e.add_argument("--cached-only", action="store_true", help="generate nothing: report the results already in --out")
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
     add_model_args(s)  # here --gamma caps the drafted tokens per round; the engine's policy picks within it
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")

@@ -138,3 +138,12 @@ def test_window_nll_matches_transformers():
     nll, n = window_nll(llm.model, ids, llm.verify_mode)
     assert n == len(ids) - 1
     assert abs(nll - float(expected)) < 1e-3 * float(expected)
+
+
+def test_cached_only_reports_without_generating(setup, tmp_path, monkeypatch):
+    monkeypatch.setattr(selfspec.loading, "resolve", lambda *a: pytest.fail("--cached-only loaded a model"))
+    out = tmp_path / "results"
+    argv = ["eval", "--model", str(setup / "model"), "--tasks", "gsm8k", "--modes", "w4a4", "--recipes", "",
+            "--out", str(out), "--data", f"gsm8k={setup / 'gsm8k.jsonl'}", "--cached-only"]
+    assert main(argv) == 0
+    assert json.loads((out / "summary.json").read_text())["metrics"]["w4a4"]["gsm8k"] == {"n": 0}

@@ -125,8 +125,9 @@ def check_args(tasks: list[str], limit: int | None, gamma: int, max_new_tokens: 
 def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: list[str], out_dir: Path,
              limit: int | None = None, seed: int | None = None, gamma: int = 4, max_new_tokens: int = 256,
              chat: bool = False, data: dict[str, Path] | None = None, group_size: int = 128,
-             device: str = "cpu") -> dict[str, dict[str, list[dict]]]:
-    """Evaluate and return {config label: {task: [record per item, in item order]}} (cached items reused)."""
+             device: str = "cpu", cached_only: bool = False) -> dict[str, dict[str, list[dict]]]:
+    """Evaluate and return {config label: {task: [record per item, in item order]}} (cached items reused;
+    cached_only: generate nothing, report what the cache holds)."""
     check_args(tasks, limit, gamma, max_new_tokens)
     configs = plan_configs(modes, recipes)
     if not configs:
@@ -149,7 +150,7 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
         # A recipe's scores are its verify mode's logits: perplexity has nothing new to measure there.
         todo = {t: [i for i in (ppl_ids if t == "ppl" else [it.id for it in items[t]]) if i not in caches[t].records]
                 for t in tasks if not (t == "ppl" and speculative)}
-        if any(todo.values()):
+        if any(todo.values()) and not cached_only:
             verify = cfg.verify if cfg.recipe == "ar" else None
             llm = selfspec.load(model, cfg.recipe, verify=verify, gamma=gamma, group_size=group_size, device=device)
             for t in todo:
