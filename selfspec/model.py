@@ -121,11 +121,19 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(sd["model.norm.weight"], cfg.norm_eps)
         head = sd.get("lm_head.weight")
         # Tied embeddings: the head is the embedding tensor itself, not a copy.
-        self.lm_head = DenseWeight(self.embed.data if head is None or cfg.tie_embeddings else head)
+        self.tied = head is None or cfg.tie_embeddings
+        self.lm_head = DenseWeight(self.embed.data if self.tied else head)
         angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_frequencies(cfg))
         emb = torch.cat((angles, angles), dim=-1)
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         self.register_buffer("sin", emb.sin().float(), persistent=False)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to()/.cuda() move parameters and buffers one by one, which would give the tied head its own copy.
+        super()._apply(fn, *args, **kwargs)
+        if self.tied:
+            self.lm_head.weight = self.embed.data
+        return self
 
     @property
     def dtype(self) -> torch.dtype:

@@ -126,3 +126,11 @@ def test_rows_at_their_own_positions_match_each_row_alone(case):
     together = model(last, pos, cache, FP32)[:, -1]
     for b in range(2):
         torch.testing.assert_close(together[b], alone[b], rtol=1e-5, atol=1e-5)
+
+
+def test_tied_head_stays_the_embedding_after_a_move():
+    """`.to()` moves parameters and buffers one by one; the tied head must not become a second copy."""
+    cfg, sd, _ = tiny_model("llama", seed=3, tie_word_embeddings=True)
+    model = Transformer(cfg, sd).to(torch.bfloat16)
+    assert model.lm_head.weight.data_ptr() == model.embed.data_ptr()
+    assert model.lm_head.weight.dtype == torch.bfloat16
