@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from transformers import (
     LlamaConfig,
@@ -67,3 +68,13 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
                 p.copy_(torch.randn_like(p) / math.sqrt(p.shape[1]))
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return ModelConfig.from_hf(hf_cfg.to_dict()), sd, model
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): its matmuls are tiny,
+    and with other jobs on a 2-core CPU two OpenMP threads mostly spin-wait for each other."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

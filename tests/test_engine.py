@@ -13,12 +13,7 @@ from selfspec.spec.recipes import resolve_recipe
 from selfspec.spec.sampling import SamplingParams
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,7 @@ from selfspec.spec.recipes import resolve_recipe
 from selfspec.spec.sampling import SamplingParams
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_closed_loop_serves_every_prompt_as_solo_greedy_would():

@@ -1,7 +1,6 @@
 """Batching is lossless on the real default model (SmolLM2-135M, `planes`): 32 concurrent requests, joining
 and leaving a batch of 12, each with exactly the tokens (and text, with a stop string) of a solo greedy run."""
 import pytest
-import torch
 
 import selfspec
 from selfspec.bench.prompts import PROMPTS
@@ -11,13 +10,7 @@ from selfspec.spec.sampling import SamplingParams
 N = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread: with other jobs on the CPU, two OpenMP threads mostly spin-wait for each other."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

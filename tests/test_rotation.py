@@ -16,13 +16,7 @@ from selfspec.spec.recipes import resolve_recipe
 from selfspec.spec.sampling import SamplingParams
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is as fast, and it avoids oversubscription when other jobs share the CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:

@@ -18,13 +18,7 @@ from selfspec.spec.verify import accept_greedy, accept_rejection
 GROUP = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is as fast, and it avoids oversubscription when other jobs share the CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_llm(recipe, arch="llama", seed=0, **overrides):

@@ -49,7 +49,7 @@ def measure(shape: str, ms: list[int], group_size: int = 128) -> list[dict]:
 
 def table(rows: list[dict], copy_gb_s: float) -> str:
     ms = sorted({r["m"] for r in rows})
-    out = [f"| gemm | mode | " + " | ".join(f"M={m} us" for m in ms) + " | BW@M=1 (of copy) |",
+    out = ["| gemm | mode | " + " | ".join(f"M={m} us" for m in ms) + " | BW@M=1 (of copy) |",
            "|---|---|" + "---|" * (len(ms) + 1)]
     keys = list(dict.fromkeys((r["gemm"], r["mode"]) for r in rows))
     for g, mode in keys:

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: the GPU kernels of one graphed AR step by total time (torch.profiler).
+"""Where a decode step's time goes: the GPU kernels of an AR step (run eagerly), by total time (torch.profiler).
 
 python -m selfspec.bench.profile_step [--shape llama-3-8b] [--modes bf16 full upper]
 """
@@ -11,7 +11,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from selfspec.bench.steps import STORAGE_MODES
 from selfspec.bench.synthetic import synthetic_model
-from selfspec.engine.graphs import GraphedModel
 from selfspec.quant.modes import MODES
 
 

@@ -272,7 +272,6 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
         return reference_linear(x, weight, mode, bias)
     n, k = weight.shape
     x2 = x.reshape(-1, k).contiguous()
-    m = x2.shape[0]
     act = mode.act_bits is not None
     xs = None
     if act:
