@@ -276,11 +276,13 @@ def test_full_queue_answers_429_and_shutdown_finishes_in_flight_requests(llm):
         waiting.close()
         wait_idle(small)
 
-        with http.stream("POST", url, json={**body, "max_tokens": 5}) as last:
+        # 40 tokens: more than one speculative round can commit, so the request is still in flight at shutdown.
+        with http.stream("POST", url, json={**body, "max_tokens": 40}) as last:
             lines = last.iter_lines()
-            next(line for line in lines if line.startswith("data: "))
+            first = next(line for line in lines if line.startswith("data: "))
             small.server.should_exit = True  # what SIGINT / SIGTERM do
-            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            events = [json.loads(line[6:]) for line in [first, *lines] if line.startswith("data: {")]
+        assert events[0]["choices"][0]["finish_reason"] is None  # shutdown began mid-stream
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         small.thread.join(60)
         assert not small.thread.is_alive()
