@@ -314,3 +314,11 @@ def test_draft_and_verify_read_one_copy(storage, rotate):
         model(toks[:, :4], torch.arange(6, 10), cache, MODES[verify])
         assert model.weight_bytes() == before_bytes
         assert held_tensors(model) == before
+
+
+def test_the_upper_view_reads_only_the_upper_plane():
+    w = quantize_weight(torch.randn(64, 256), "planes", 64)
+    assert w.nbytes_read(MODES["full"]) == w.nbytes()
+    assert w.nbytes_read(MODES["upper"]) == w.nbytes() - 64 * 128  # the lower plane: one byte per two weights
+    int4 = quantize_weight(torch.randn(64, 256), "int4", 64)
+    assert int4.nbytes_read(MODES["w4a16"]) == int4.nbytes()

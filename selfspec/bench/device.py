@@ -29,6 +29,11 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / time_ms(lambda: dst.copy_(src), reps=10) / 1e6
 
 
+def copies_past_l2(nbytes: int, total: int = 150_000_000) -> int:
+    """How many distinct tensors of `nbytes` a timing cycles through so that each streams from HBM, not L2."""
+    return max(1, -(-total // nbytes))
+
+
 def graph_time_ms(fns: list[Callable[[], object]], rounds: int = 4) -> float:
     """Median milliseconds per call of fns, run in turn inside one CUDA graph: no launch overhead in the figure
     (decode runs under graphs), and cycling through several weights keeps them from being served by L2."""

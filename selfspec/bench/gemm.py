@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from selfspec.bench.device import copy_bandwidth, graph_time_ms
+from selfspec.bench.device import copies_past_l2, copy_bandwidth, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import linear
 from selfspec.quant.formats import quantize_weight, storage_supports
@@ -25,14 +25,13 @@ def measure(shape: str, ms: list[int], group_size: int = 128) -> list[dict]:
     Each timing cycles through enough distinct weights (>= 150 MB) that they stream from HBM, not L2."""
     rows = []
     for name, n, k in layer_gemms(SHAPES[shape]):
-        copies = max(1, -(-150_000_000 // (2 * n * k)))
-        ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
+        ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies_past_l2(2 * n * k))]
         xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in ms}
         for storage, mode_name in PAIRS:
             mode = MODES[mode_name]
             assert storage_supports(storage, mode)
             weights = [quantize_weight(w.bfloat16() if storage == "dense" else w, storage, group_size) for w in ws]
-            nbytes = weights[0].nbytes() - (weights[0].lower.nbytes if mode_name == "upper" else 0)
+            nbytes = weights[0].nbytes_read(mode)
             for m in ms:
                 t = graph_time_ms([lambda w=w, m=m: linear(xs[m], w, mode) for w in weights])
                 rows.append({"gemm": name, "n": n, "k": k, "storage": storage, "mode": mode_name, "m": m,

@@ -9,7 +9,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from selfspec.bench.steps import STORAGE_MODES
+from selfspec.bench.steps import STORAGE_MODES, filled_cache
 from selfspec.bench.synthetic import synthetic_model
 from selfspec.quant.modes import MODES
 
@@ -26,9 +26,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         model = synthetic_model(args.shape, storage)
         for mode in wanted:
-            cache = model.new_cache(args.context + 8)  # random history: attention reads real keys
-            cache.k.normal_()
-            cache.v.normal_()
+            cache = filled_cache(model, 1, args.context, args.context + 8)  # attention reads a real history
             tok = torch.randint(0, model.cfg.vocab_size, (1, 1), device="cuda")
             pos = torch.full((1, 1), args.context, device="cuda")
             for _ in range(2):

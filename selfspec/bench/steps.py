@@ -19,9 +19,9 @@ STORAGE_MODES = {"dense": ["bf16"], "int8": ["w8a16", "w8a8"], "int4": ["w4a16",
                  "planes": ["upper", "full"]}
 
 
-def filled_cache(gm: GraphedModel, batch: int, context: int):
-    """A cache whose first `context` positions hold random keys and values (a 1k-token history, say)."""
-    cache = gm.new_cache(gm.max_len, batch)
+def filled_cache(model, batch: int, context: int, max_len: int):
+    """A cache (of `model`, eager or graphed) whose first `context` positions hold random keys and values."""
+    cache = model.new_cache(max_len, batch)
     cache.k.normal_()
     cache.v.normal_()
     cache.commit(context)
@@ -31,7 +31,7 @@ def filled_cache(gm: GraphedModel, batch: int, context: int):
 def ar_ms_per_step(gm: GraphedModel, mode_name: str, batch: int, context: int, steps: int = 48) -> float:
     """Milliseconds per greedy AR step: each step's argmax feeds the next on the device (no host sync)."""
     mode = MODES[mode_name]
-    cache = filled_cache(gm, batch, context)
+    cache = filled_cache(gm, batch, context, gm.max_len)
     dev = gm.device
     tok = torch.randint(0, gm.cfg.vocab_size, (batch, 1), device=dev)
     pos = torch.full((batch, 1), context, device=dev)
@@ -48,7 +48,7 @@ def ar_ms_per_step(gm: GraphedModel, mode_name: str, batch: int, context: int, s
 
 def pass_ms(gm: GraphedModel, mode_name: str, batch: int, tokens: int, context: int) -> float:
     """Milliseconds of one forward of `tokens` new tokens per row (a draft, verify or AR pass)."""
-    cache = filled_cache(gm, batch, context)
+    cache = filled_cache(gm, batch, context, gm.max_len)
     dev = gm.device
     tok = torch.randint(0, gm.cfg.vocab_size, (batch, tokens), device=dev)
     pos = context + torch.arange(tokens, device=dev).expand(batch, tokens)
@@ -58,11 +58,8 @@ def pass_ms(gm: GraphedModel, mode_name: str, batch: int, tokens: int, context: 
 def weight_bytes_read(model, mode_name: str) -> int:
     """Bytes one decode step reads from the weights in a mode: every linear's stored tensors (`upper` skips
     the lower planes) and the head; the embedding lookup reads a row per token (not counted)."""
-    total = model.lm_head.nbytes()
-    for lin in model.linears():
-        w = lin.weight
-        total += w.nbytes() - (w.lower.nbytes if mode_name == "upper" else 0)
-    return total
+    mode = MODES[mode_name]
+    return model.lm_head.nbytes() + sum(lin.weight.nbytes_read(mode) for lin in model.linears())
 
 
 def measure(shape: str, batches: list[int], context: int, verify_tokens: list[int]) -> list[dict]:

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 import selfspec
+from selfspec.eval.runner import encode
 from selfspec.eval.tasks import get_task
 from selfspec.spec.sampling import SamplingParams
 
@@ -36,14 +37,6 @@ def record(llm: selfspec.LLM, prompts: list, gamma: int, max_new_tokens: int) ->
                 accepted.append(out.stats.draft_accepted - before)
                 before = out.stats.draft_accepted
     return accepted
-
-
-def encode(llm: selfspec.LLM, prompt: str | list[dict]) -> list[int]:
-    """A task prompt (text, or chat messages) as token ids."""
-    if isinstance(prompt, str):
-        return llm.encode(prompt)
-    ids = llm.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 class ReplayAcceptance:

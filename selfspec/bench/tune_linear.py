@@ -9,8 +9,9 @@ import itertools
 import json
 
 import torch
+import triton
 
-from selfspec.bench.device import graph_time_ms
+from selfspec.bench.device import copies_past_l2, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import triton_linear as tlin
 from selfspec.quant.formats import quantize_weight
@@ -33,8 +34,7 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
         storage, mode_name = KERNELS[kname]
         mode = MODES[mode_name]
         for gemm, n, k in layer_gemms(SHAPES[shape]):
-            # Enough distinct weights (>= 150 MB) that each call streams its weight from HBM, not from L2.
-            copies = max(1, -(-150_000_000 // (n * k * (2 if storage == "dense" else 1))))
+            copies = copies_past_l2(n * k * (2 if storage == "dense" else 1))
             weights = [quantize_weight(torch.randn(n, k, device="cuda").bfloat16() * 0.02 if storage == "dense"
                                        else torch.randn(n, k, device="cuda") * 0.02, storage, 128) for _ in range(copies)]
             weight = weights[0]
@@ -49,7 +49,7 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
             current = tlin.tile_config(fmt, act, n, k, getattr(weight, "group_size", 0))
             results = []
             for cfg in candidates(fmt >= tlin.INT4.value):
-                if cfg.split_k > triton_cdiv(k, cfg.block_k):
+                if cfg.split_k > triton.cdiv(k, cfg.block_k):
                     continue
                 results.append((cost(cfg), cfg))
             results.sort(key=lambda r: r[0])
@@ -67,9 +67,6 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
                   flush=True)
     return rows
 
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def main(argv: list[str] | None = None) -> None:

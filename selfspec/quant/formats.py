@@ -88,6 +88,10 @@ class QuantWeight(nn.Module):
         """Bytes of this weight's own tensors; a shared rotation is counted once, by the model."""
         return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
 
+    def nbytes_read(self, mode: Mode) -> int:
+        """Bytes a product in `mode` reads: all of them, but for the planes' 4-bit view (below)."""
+        return self.nbytes()
+
 
 class DenseWeight(QuantWeight):
     storage = "dense"
@@ -153,6 +157,10 @@ class Int8PlanesWeight(QuantWeight):
         self.register_buffer("lo", lo)
         self.shape = tuple(w.shape)
 
+
+    def nbytes_read(self, mode: Mode) -> int:
+        """The 4-bit view reads the upper plane (and the scales) only: the point of the format."""
+        return self.nbytes() - (self.lower.numel() if mode.weight_bits == 4 else 0)
 
     def upper_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, lo) of the upper plane read alone as an INT4 weight."""
