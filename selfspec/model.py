@@ -28,6 +28,16 @@ class Linear(nn.Module):
         return linear(x, self.weight, mode, self.bias)
 
 
+def concat_bias(sd: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
+    """The biases of linears fused into one (rows stacked): all or none of them have one."""
+    biases = [sd.get(n + ".bias") for n in names]
+    if all(b is None for b in biases):
+        return None
+    if any(b is None for b in biases):
+        raise SelfspecError(f"{', '.join(names)}: some have a bias and some not; a fused projection needs all or none")
+    return torch.cat(biases)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -42,9 +52,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], p: str):
         super().__init__()
         self.cfg = cfg
-        self.wq = Linear(sd[p + "q_proj.weight"], sd.get(p + "q_proj.bias"))
-        self.wk = Linear(sd[p + "k_proj.weight"], sd.get(p + "k_proj.bias"))
-        self.wv = Linear(sd[p + "v_proj.weight"], sd.get(p + "v_proj.bias"))
+        # q, k and v as one weight (rows stacked): one GEMM, one activation rotation/quantization per layer.
+        names = [p + f"{x}_proj" for x in "qkv"]
+        self.wqkv = Linear(torch.cat([sd[n + ".weight"] for n in names]), concat_bias(sd, names))
+        self.sizes = [cfg.n_heads * cfg.head_dim] + 2 * [cfg.n_kv_heads * cfg.head_dim]
         self.wo = Linear(sd[p + "o_proj.weight"])
         self.q_norm = RMSNorm(sd[p + "q_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(sd[p + "k_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
@@ -53,9 +64,7 @@ class Attention(nn.Module):
                 cache: KVCache, layer: int, mode: Mode) -> torch.Tensor:
         b, t, _ = x.shape
         hd = self.cfg.head_dim
-        q = self.wq(x, mode).view(b, t, -1, hd)
-        k = self.wk(x, mode).view(b, t, -1, hd)
-        v = self.wv(x, mode).view(b, t, -1, hd)
+        q, k, v = (z.view(b, t, -1, hd) for z in self.wqkv(x, mode).split(self.sizes, dim=-1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -68,12 +77,12 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, sd: dict[str, torch.Tensor], p: str):
         super().__init__()
-        self.gate = Linear(sd[p + "gate_proj.weight"])
-        self.up = Linear(sd[p + "up_proj.weight"])
+        self.gate_up = Linear(torch.cat([sd[p + "gate_proj.weight"], sd[p + "up_proj.weight"]]))
         self.down = Linear(sd[p + "down_proj.weight"])
 
     def forward(self, x: torch.Tensor, mode: Mode) -> torch.Tensor:
-        return self.down(swiglu(self.gate(x, mode), self.up(x, mode)), mode)
+        gate, up = self.gate_up(x, mode).chunk(2, dim=-1)
+        return self.down(swiglu(gate, up), mode)
 
 
 class Block(nn.Module):

@@ -194,6 +194,14 @@ def test_swiglu():
     assert torch.equal(triton_small.swiglu(gate[1:2], up[1:2]), y[1:2])
 
 
+def test_swiglu_reads_the_halves_of_a_fused_output():
+    torch.manual_seed(8)
+    gate_up = torch.randn(2, 3, 2 * 1100).bfloat16() * 3  # > one 1024-wide block per row
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert not gate.is_contiguous()
+    torch.testing.assert_close(triton_small.swiglu(gate, up), reference_op("swiglu")(gate, up))
+
+
 @pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("int4", "w4a4"), ("int8", "w8a16")])
 def test_tile_configs_compute_the_same_linear(storage, mode_name):
     """Each tile config (one K pass or K split with partials added in order; x W^T or (W x^T)^T) computes the

@@ -20,7 +20,7 @@ SHAPES: dict[str, ModelConfig] = {
 
 
 def layer_gemms(cfg: ModelConfig) -> list[tuple[str, int, int]]:
-    """(name, N, K) of one decoder layer's linears."""
-    kv = cfg.n_kv_heads * cfg.head_dim
-    return [("q", cfg.n_heads * cfg.head_dim, cfg.dim), ("k/v", kv, cfg.dim), ("o", cfg.dim, cfg.n_heads * cfg.head_dim),
-            ("gate/up", cfg.hidden_dim, cfg.dim), ("down", cfg.dim, cfg.hidden_dim)]
+    """(name, N, K) of one decoder layer's linears (q/k/v and gate/up are fused, as in model.py)."""
+    qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    return [("qkv", qkv, cfg.dim), ("o", cfg.dim, cfg.n_heads * cfg.head_dim), ("gate/up", 2 * cfg.hidden_dim, cfg.dim),
+            ("down", cfg.dim, cfg.hidden_dim)]

@@ -73,20 +73,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0).to(tl.float32)
+def _swiglu_kernel(g_ptr, u_ptr, y_ptr, H, stride_g, stride_u, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
     silu = (g / (1 + tl.exp(-g))).to(dtype)  # F.silu rounds to the input dtype before the product
-    tl.store(y_ptr + offs, (silu.to(tl.float32) * u).to(dtype), mask=mask)
+    tl.store(y_ptr + row * H + offs, (silu.to(tl.float32) * u).to(dtype), mask=mask)
 
 
 @register("swiglu", "", "cuda")
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate.contiguous(), up.contiguous()
-    y = torch.empty_like(gate)
-    n = gate.numel()
-    _swiglu_kernel[(triton.cdiv(n, 1024),)](gate, up, y, n, BLOCK=1024, num_warps=4)
-    return y
+    """gate, up [..., H]: rows may be strided (the two halves of one fused gate/up output), not copied."""
+    h = gate.shape[-1]
+    g2, u2 = (z.reshape(-1, h) for z in (gate, up))
+    g2, u2 = (z if z.stride(-1) == 1 else z.contiguous() for z in (g2, u2))
+    y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    _swiglu_kernel[(g2.shape[0], triton.cdiv(h, 1024))](g2, u2, y, h, g2.stride(0), u2.stride(0), BLOCK=1024,
+                                                        num_warps=4)
+    return y.view(gate.shape)
