@@ -27,7 +27,8 @@ from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
 from selfspec.quant.rotation import hadamard  # noqa: E402
-from kernel_oracles import TOL, attention_oracle, linear_oracle, rel_err, rope_angles  # noqa: E402
+from kernel_oracles import (TOL, attention_oracle, linear_oracle, rel_err, rope_angles,  # noqa: E402
+                            scatter_to_pool)
 
 if not isinstance(triton_linear._linear_kernel, interpreter.InterpretedFunction):
     pytest.skip("the Triton kernels were defined before TRITON_INTERPRET=1 was set: run this file on its own",
@@ -170,18 +171,6 @@ def test_attention_prefill_is_causal():
     assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
     alone = triton_attention.attention(q[:, :, 17:18], k, v, rows_table(1), pos[:, 17:18])
     assert torch.equal(alone, out[:, :, 17:18])
-
-
-def scatter_to_pool(k: torch.Tensor, v: torch.Tensor, bs: int, gen: torch.Generator):
-    """Contiguous keys/values [B, Hkv, S, D] -> pools [N, Hkv, bs, D] (+ a trash block 0 of random values) and a
-    block table [B, S // bs] placing each row's blocks at shuffled pool ids."""
-    b, h, s, d = k.shape
-    w = s // bs
-    ids = torch.randperm(b * w, generator=gen).view(b, w) + 1
-    k_pool, v_pool = torch.randn(b * w + 1, h, bs, d).bfloat16(), torch.randn(b * w + 1, h, bs, d).bfloat16()
-    for pool, x in ((k_pool, k), (v_pool, v)):
-        pool[ids] = x.view(b, h, w, bs, d).transpose(1, 2)
-    return k_pool, v_pool, ids
 
 
 @pytest.mark.parametrize("bs", [4, 16, 64, 128])

@@ -186,7 +186,8 @@ def bench_recipe(llm: selfspec.LLM, prompts: list[list[int]], batch_sizes: list[
             runs["spec"].append(run_closed_loop(engine, prompts, params, None))
         ar, spec = (max(runs[side], key=lambda r: r["tokens_per_s"]) for side in ("ar", "spec"))
         row = {"recipe": llm.recipe.name, "draft": llm.recipe.draft, "verify": llm.recipe.verify, "batch": b,
-               "synthetic": replay is not None, "ar": ar, "spec": spec, "speedup": spec["tokens_per_s"] / ar["tokens_per_s"],
+               "synthetic": replay is not None, "ar": ar, "spec": spec,
+               "speedup": spec["tokens_per_s"] / ar["tokens_per_s"],
                "tokens_per_s_all_runs": {side: [r["tokens_per_s"] for r in rs] for side, rs in runs.items()}}
         if refs is not None:  # batched greedy (AR and speculative) == solo greedy, request by request
             row["mismatches"] = sum(t != r for rs in runs.values() for run in rs for t, r in zip(run["tokens"], refs))
@@ -222,7 +223,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="instead of --model: synthetic weights of this shape, acceptance replayed from --trace (GPU)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="with --shape: random prompts of this many tokens")
     p.add_argument("--trace", type=Path, default=None,
-                   help=f"with --shape: acceptance trace to replay (default: {TRACE_DIR}/smollm2-135m.RECIPE.json)")
+                   help="with --shape: the acceptance trace to replay "
+                        "(default: selfspec/bench/traces/smollm2-135m.RECIPE.json)")
     p.add_argument("--recipes", nargs="+", default=["planes", "qspec"], help="speculative recipes to compare with AR")
     p.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 16, 32])
