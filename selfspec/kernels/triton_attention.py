@@ -59,7 +59,7 @@ def _attention_chunk_kernel(
         for s0 in range(c * CHUNK, end, BLOCK_S):
             offs_s = s0 + tl.arange(0, BLOCK_S)
             kv_mask = (offs_s < end)[:, None] & (offs_d < D)[None, :]
-            block = tl.load(table_ptr + b * W + offs_s // BS, mask=offs_s < end, other=0)  # per key: any BS
+            block = tl.load(table_ptr + b * W + offs_s // BS, mask=offs_s < end, other=0)  # each key's block
             slot = offs_s % BS
             k = tl.load(k_head + block[:, None] * stride_kn + slot[:, None] * stride_ks + offs_d[None, :],
                         mask=kv_mask, other=0)
