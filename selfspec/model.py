@@ -69,8 +69,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        keys, values = cache.write(layer, pos, k, v)
-        out = attention(q, keys, values, pos)
+        k_pool, v_pool, table = cache.write(layer, pos, k, v)
+        out = attention(q, k_pool, v_pool, table, pos)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1), mode)
 
 

@@ -38,3 +38,16 @@ def rope_angles(pos: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tenso
     angles = pos.double()[..., None] * freqs
     emb = torch.cat((angles, angles), -1)
     return emb.cos().float(), emb.sin().float()
+
+
+def scatter_to_pool(k: torch.Tensor, v: torch.Tensor, bs: int, gen: torch.Generator):
+    """Contiguous keys/values [B, Hkv, S, D] -> pools [N, Hkv, bs, D] (a trash block 0 of random values included)
+    and a block table [B, S // bs] placing each row's blocks at shuffled pool ids."""
+    b, h, s, d = k.shape
+    w = s // bs
+    ids = (torch.randperm(b * w, generator=gen).view(b, w) + 1).to(k.device)
+    k_pool = torch.randn(b * w + 1, h, bs, d, device=k.device).to(k.dtype)
+    v_pool = torch.randn(b * w + 1, h, bs, d, device=k.device).to(v.dtype)
+    for pool, x in ((k_pool, k), (v_pool, v)):
+        pool[ids] = x.view(b, h, w, bs, d).transpose(1, 2)
+    return k_pool, v_pool, ids

@@ -7,6 +7,7 @@ import torch
 
 from conftest import tiny_model
 from selfspec.engine.engine import Engine, QueueFull
+from selfspec.engine.graphs import PagedGraphedModel, bucket, pad_into
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.spec.recipes import resolve_recipe
@@ -75,6 +76,42 @@ def test_batched_greedy_equals_solo_as_requests_join_and_leave(llm):
     s = engine.stats()
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # drafts accepted and rejected in batched rounds
     assert_idle(engine)
+
+
+def test_bucket_sizes():
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 32, 33)] == [1, 2, 4, 8, 8, 16, 32, 64]
+
+
+@torch.inference_mode()
+def test_a_batch_padded_to_its_bucket_gives_its_rows_results(llm):
+    """What a CUDA-graph replay of the engine computes, run eagerly: 3 rows padded to the bucket of 4 (a padding
+    row of token 0 at position 0 on trash blocks, tables padded to max_len's blocks) give the 3 rows' logits and
+    KV writes; the padding writes only the trash block."""
+    model, mode = llm.model, llm.verify_mode
+    engine = Engine(llm, max_batch=4, block_size=4, num_blocks=40)
+    cache = engine.cache
+    history = prompts(3, seed=5)
+    for i, p in enumerate(history):
+        cache.allocate(str(i), len(p) + 3)
+        model(torch.tensor([p]), torch.arange(len(p)), cache.view([str(i)]), mode)
+    view = cache.view(["0", "1", "2"])
+    toks = torch.randint(3, 200, (3, 3))
+    pos = torch.tensor([len(p) for p in history])[:, None] + torch.arange(3)  # a verify pass of 3 tokens per row
+    before = cache.k.clone(), cache.v.clone()
+    want = model(toks, pos, view, mode)
+    after = cache.k.clone(), cache.v.clone()
+    cache.k.copy_(before[0])
+    cache.v.copy_(before[1])
+    static, rows = PagedGraphedModel(model, cache, engine.max_len)._static(view, 3)
+    assert rows == 4 and static.table.shape == (4, cache.blocks_for(engine.max_len))
+    padded_toks, padded_pos = torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, 3, dtype=torch.long)
+    pad_into(padded_toks, toks)
+    pad_into(padded_pos, pos)
+    got = model(padded_toks, padded_pos, static, mode)
+    torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+    for pool, ref in zip((cache.k, cache.v), after):
+        torch.testing.assert_close(pool[:, 1:], ref[:, 1:], rtol=1e-5, atol=1e-5)  # every block but the trash
+        assert not torch.equal(pool[:, 0], ref[:, 0])  # the padding row wrote there
 
 
 def test_sampling_rows_share_the_batch_with_greedy_rows(llm):

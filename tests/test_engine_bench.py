@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from selfspec.bench.serve import percentiles, read_json_array_head, run_closed_loop
+from selfspec.bench.serve import make_engine, percentiles, read_json_array_head, run_closed_loop
 from selfspec.engine.llm import build
 from selfspec.spec.recipes import resolve_recipe
 from selfspec.spec.sampling import SamplingParams
@@ -13,19 +13,42 @@ from selfspec.spec.sampling import SamplingParams
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_closed_loop_serves_every_prompt_as_solo_greedy_would():
+@pytest.fixture(scope="module")
+def llm():
     cfg, sd, _ = tiny_model("llama", seed=1, eos_token_id=None)
-    llm = build(cfg, sd, None, resolve_recipe("planes", draft="w4a4"), group_size=32)
+    return build(cfg, sd, None, resolve_recipe("planes", draft="w4a4"), group_size=32)
+
+
+def random_prompts(count):
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 200, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (7,), generator=g)]
-    refs = [llm.generate(p, SamplingParams(max_new_tokens=6), gamma=0).token_ids for p in prompts]
+    return [torch.randint(3, 200, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (count,), generator=g)]
+
+
+def test_closed_loop_serves_every_prompt_as_solo_greedy_would(llm):
+    prompts = random_prompts(7)
+    params = SamplingParams(max_new_tokens=6)
+    refs = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
+    engine = make_engine(llm, prompts, 3, 6, 4, None)  # one engine serves every run, as in bench_recipe
     for gamma in (0, None, 3):
-        r = run_closed_loop(llm, prompts, batch=3, max_new_tokens=6, gamma=gamma, max_gamma=4)
+        r = run_closed_loop(engine, prompts, params, gamma)
         assert r["tokens"] == refs
         assert r["output_tokens"] == 7 * 6 and r["tokens_per_s"] > 0
         assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] and r["itl_s"]["p50"] > 0
         if gamma is not None:
             assert r["mean_gamma"] == gamma
+
+
+def test_replayed_acceptance_runs_through_the_engine(llm):
+    """Each greedy round of each row accepts what the trace says (min(trace[i], k)), through the real draft,
+    verify and rollback: the engine's accepted-draft count is the trace's, round for round."""
+    trace = [2, 0, 3, 1, 5]
+    prompts = random_prompts(5)
+    engine = make_engine(llm, prompts, 3, 8, 4, trace)
+    r = run_closed_loop(engine, prompts, SamplingParams(max_new_tokens=8, ignore_eos=True), 3)
+    rounds = engine.accept.i
+    assert rounds == engine.stats().num_row_rounds > 0
+    assert engine.stats().num_accepted_tokens == sum(min(trace[i % len(trace)], 3) for i in range(rounds))
+    assert r["output_tokens"] == 5 * 8 and r["mean_gamma"] == 3
 
 
 def test_read_json_array_head_stops_at_a_cut_record():
@@ -45,3 +68,5 @@ def test_cli_bench_serve_rejects_bad_sizes(capsys):
 
     assert main(["bench", "serve", "--batch-sizes", "1", "0"]) == 2
     assert "batch sizes" in capsys.readouterr().err
+    assert main(["bench", "serve", "--shape", "llama-3-8b", "--device", "cpu"]) == 2
+    assert "--device cuda" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import torch
 from selfspec.cache import KVCache
 from selfspec.cache.paged import TRASH, PagedKVCache
 from selfspec.errors import SelfspecError
+from selfspec.kernels.reference import gather_blocks
 
 L, HKV, D, BS = 2, 2, 4, 4
 
@@ -54,12 +55,27 @@ def test_view_matches_contiguous_cache():
             c.view([str(i)]).write(layer, torch.arange(n)[None], k, v)
             ref.k[layer, i, :, :n], ref.v[layer, i, :, :n] = k[0], v[0]
         k, v = torch.randn(2, HKV, 2, D), torch.randn(2, HKV, 2, D)
-        keys, values = c.view(["0", "1"]).write(layer, pos, k, v)
-        rk, rv = ref.write(layer, pos, k, v)
+        k_pool, v_pool, table = c.view(["0", "1"]).write(layer, pos, k, v)
+        keys, values = gather_blocks(k_pool, table), gather_blocks(v_pool, table)
+        rk, rv, _ = ref.write(layer, pos, k, v)
         assert keys.shape == (2, HKV, 12, D)  # the longest table: 3 blocks of 4
         for i, n in enumerate(lens):
             torch.testing.assert_close(keys[i, :, : n + 2], rk[i, :, : n + 2], rtol=0, atol=0)
             torch.testing.assert_close(values[i, :, : n + 2], rv[i, :, : n + 2], rtol=0, atol=0)
+
+
+def test_view_pads_tables_with_the_trash_block_to_a_width():
+    c = make(8)
+    c.allocate("a", 5)
+    c.allocate("b", 1)
+    assert c.view(["a", "b"], width=4).table.tolist() == [c.tables["a"] + [TRASH] * 2, c.tables["b"] + [TRASH] * 3]
+
+
+def test_block_size_must_fit_the_attention_tile():
+    for bs in (1, 16, 64, 256):
+        PagedKVCache(L, 2, HKV, bs, D, torch.float32)
+    with pytest.raises(SelfspecError, match="divide 64 or be a multiple"):
+        PagedKVCache(L, 2, HKV, 24, D, torch.float32)
 
 
 @torch.inference_mode()

@@ -21,12 +21,14 @@ import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from selfspec.errors import SelfspecError  # noqa: E402
 from selfspec.kernels import reference_op, triton_attention, triton_linear, triton_small  # noqa: E402
 from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
 from selfspec.quant.rotation import hadamard  # noqa: E402
-from kernel_oracles import TOL, attention_oracle, linear_oracle, rel_err, rope_angles  # noqa: E402
+from kernel_oracles import (TOL, attention_oracle, linear_oracle, rel_err, rope_angles,  # noqa: E402
+                            scatter_to_pool)
 
 if not isinstance(triton_linear._linear_kernel, interpreter.InterpretedFunction):
     pytest.skip("the Triton kernels were defined before TRITON_INTERPRET=1 was set: run this file on its own",
@@ -134,36 +136,78 @@ def test_linear_falls_back_to_reference_where_not_covered():
 # --- attention
 
 
-def kv_cache(b: int, h: int, max_len: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(b, h, max_len, d).bfloat16(), torch.randn(b, h, max_len, d).bfloat16()
+def kv_cache(b: int, h: int, slots: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(b, h, slots, d).bfloat16(), torch.randn(b, h, slots, d).bfloat16()
+
+
+def rows_table(b: int) -> torch.Tensor:
+    """The block table of a contiguous cache: one block per row."""
+    return torch.arange(b)[:, None]
 
 
 def test_attention_decode_matches_reference_and_is_invariant_in_queries():
     torch.manual_seed(3)
-    k_all, v_all = kv_cache(2, 2, 700, 32)
+    k_all, v_all = kv_cache(2, 2, 704, 32)
     q = torch.randn(2, 4, 5, 32).bfloat16()  # GQA: 4 query heads on 2 kv heads
     # Each row at its own positions; row 0's 5 queries straddle the first key chunk's end (512).
     pos = torch.stack((torch.arange(509, 514), torch.arange(30, 35)))
-    out = triton_attention.attention(q, k_all, v_all, pos)  # the whole buffer, stale slots past pos included
+    table = rows_table(2)
+    out = triton_attention.attention(q, k_all, v_all, table, pos)  # the whole buffer, stale slots past pos included
     assert rel_err(out, attention_oracle(q, k_all, v_all, pos)) < TOL
-    assert rel_err(reference_op("attention")(q, k_all, v_all, pos), attention_oracle(q, k_all, v_all, pos)) < TOL
+    assert rel_err(reference_op("attention")(q, k_all, v_all, table, pos), attention_oracle(q, k_all, v_all, pos)) < TOL
     for b in range(2):
-        for t in range(5):  # each query alone, in a batch of one, with keys up to its own position only
-            p = int(pos[b, t])
-            alone = triton_attention.attention(q[b:b + 1, :, t:t + 1], k_all[b:b + 1, :, :p + 1],
-                                               v_all[b:b + 1, :, :p + 1], pos[b:b + 1, t:t + 1])
+        for t in range(5):  # each query alone, in a batch of one
+            alone = triton_attention.attention(q[b:b + 1, :, t:t + 1], k_all[b:b + 1], v_all[b:b + 1],
+                                               rows_table(1), pos[b:b + 1, t:t + 1])
             assert torch.equal(alone[0, :, 0], out[b, :, t]), f"row {b} query {t}"
 
 
 def test_attention_prefill_is_causal():
     torch.manual_seed(4)
-    k, v = kv_cache(1, 1, 20, 32)
+    k, v = kv_cache(1, 1, 64, 32)
     q = torch.randn(1, 3, 20, 32).bfloat16()  # 20 queries: two query tiles; 3 query heads on one kv head
     pos = torch.arange(20)[None]
-    out = triton_attention.attention(q, k, v, pos)
+    out = triton_attention.attention(q, k, v, rows_table(1), pos)
     assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
-    alone = triton_attention.attention(q[:, :, 17:18], k[:, :, :18], v[:, :, :18], pos[:, 17:18])
+    alone = triton_attention.attention(q[:, :, 17:18], k, v, rows_table(1), pos[:, 17:18])
     assert torch.equal(alone, out[:, :, 17:18])
+
+
+@pytest.mark.parametrize("bs", [4, 16, 64, 128])
+@pytest.mark.parametrize("t", [1, 4])  # a decode step; a verify pass of k + 1 = 4 queries
+def test_paged_attention_matches_reference_and_contiguous_and_is_row_invariant(bs, t):
+    torch.manual_seed(10)
+    gen = torch.Generator().manual_seed(bs)
+    k, v = kv_cache(3, 2, 640, 32)
+    k_pool, v_pool, table = scatter_to_pool(k, v, bs, gen)
+    q = torch.randn(3, 4, t, 32).bfloat16()  # GQA: 4 query heads on 2 kv heads
+    lengths = torch.tensor([530, 37, 200])  # rows of different lengths; row 0 straddles the 512-key chunk
+    pos = lengths[:, None] + torch.arange(t)  # each row's queries after its own history (causal offsets)
+    out = triton_attention.attention(q, k_pool, v_pool, table, pos)
+    assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
+    assert rel_err(reference_op("attention")(q, k_pool, v_pool, table, pos), attention_oracle(q, k, v, pos)) < TOL
+    assert torch.equal(triton_attention.attention(q, k, v, rows_table(3), pos), out)  # paged == contiguous, bitwise
+    for b in range(3):  # a row alone, its table cut to the blocks it uses, gives the bits it gets among others
+        used = -(-(int(pos[b, -1]) + 1) // bs)
+        alone = triton_attention.attention(q[b:b + 1], k_pool, v_pool, table[b:b + 1, :used], pos[b:b + 1])
+        assert torch.equal(alone, out[b:b + 1]), f"row {b}"
+
+
+def test_paged_attention_padding_rows_and_bad_block_size():
+    """A padding row (all trash blocks, position 0) leaves the real rows' bits alone; a block size that neither
+    divides the 64-key tile nor is a multiple of it is refused."""
+    torch.manual_seed(11)
+    k, v = kv_cache(2, 2, 64, 32)
+    k_pool, v_pool, table = scatter_to_pool(k, v, 16, torch.Generator().manual_seed(0))
+    q = torch.randn(3, 4, 1, 32).bfloat16()
+    pos = torch.tensor([[40], [9], [0]])
+    padded = torch.cat((table, torch.zeros(1, table.shape[1], dtype=torch.long)))  # trash block 0 pads
+    out = triton_attention.attention(q, k_pool, v_pool, padded, pos)
+    assert torch.equal(out[:2], triton_attention.attention(q[:2], k_pool, v_pool, table, pos[:2]))
+    assert out[2].isfinite().all()
+    odd = torch.randn(4, 2, 24, 32).bfloat16()  # blocks of 24 slots
+    with pytest.raises(SelfspecError, match="divide 64"):
+        triton_attention.attention(q, odd, odd, padded, pos)
 
 
 # --- small ops

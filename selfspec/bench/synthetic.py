@@ -32,8 +32,10 @@ def synthetic_state_dict(shape: str, device: str = "cuda", seed: int = 0) -> dic
     return sd
 
 
-def synthetic_model(shape: str, storage: str, group_size: int = 128, device: str = "cuda", seed: int = 0) -> Transformer:
-    """A Transformer of a named shape with synthetic weights, stored in `storage` (dense: bf16)."""
+def synthetic_model(shape: str, storage: str, group_size: int = 128, device: str = "cuda", seed: int = 0,
+                    rotate: bool = False) -> Transformer:
+    """A Transformer of a named shape with synthetic weights, stored in `storage` (dense: bf16), Hadamard-rotated
+    with `rotate` (as a recipe asks)."""
     model = Transformer(SHAPES[shape], synthetic_state_dict(shape, device, seed))
-    model.quantize(storage, group_size)
+    model.quantize(storage, group_size, rotate)
     return model.to(device)

@@ -7,25 +7,32 @@ from __future__ import annotations
 
 import torch
 
+from selfspec.cache.paged import KEY_TILE
+
 
 class KVCache:
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        # Each row is one block of the paged layout (table[b] = [b]), its slots rounded up to whole kernel tiles.
+        slots = -(-max_len // KEY_TILE) * KEY_TILE
+        shape = (n_layers, batch, n_kv_heads, slots, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.table = torch.arange(batch, device=device)[:, None]
         self.max_len = max_len
         self.length = 0  # positions 0..length-1 hold committed tokens' KV
 
-    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store k, v [B, Hkv, T, D] at positions pos [B, T]; return this layer's whole key/value buffers
-        [B, Hkv, max_len, D]. Slots past a query's position are masked by attention, so no slicing is
-        needed: no host sync and fixed shapes, which CUDA graphs require."""
+        [B, Hkv, slots, D] as pools of one block per row, and the block table [B, 1]. Slots past a query's
+        position are masked by attention, so no slicing is needed: no host sync and fixed shapes, which CUDA
+        graphs require."""
         rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
         # [B, S, Hkv, D] views: the index pair (row, pos) picks one slot per written token.
         self.k[layer].transpose(1, 2)[rows, pos] = k.transpose(1, 2).to(self.k.dtype)
         self.v[layer].transpose(1, 2)[rows, pos] = v.transpose(1, 2).to(self.v.dtype)
-        return self.k[layer], self.v[layer]
+        return self.k[layer], self.v[layer], self.table
 
     def commit(self, length: int) -> None:
         """Keep positions 0..length-1; anything after is discarded (rollback of rejected drafts)."""

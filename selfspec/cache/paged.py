@@ -5,6 +5,7 @@ in slot p % block_size of block table[p // block_size]. Rollback is `truncate`: 
 length go back to the free list; slots past it inside the last block are stale, and attention never reads
 them (a query at position p reads positions 0..p, all written in the current or an earlier pass).
 Block 0 is the trash block: never allocated, it takes the writes of padding tokens and pads block tables.
+Attention reads keys through the block table (kernels/ops.py `attention`): nothing is gathered per pass.
 """
 from __future__ import annotations
 
@@ -13,11 +14,19 @@ import torch
 from selfspec.errors import SelfspecError
 
 TRASH = 0
+KEY_TILE = 64  # keys per online-softmax step of the attention kernel (kernels/triton_attention.py BLOCK_S)
+
+
+def check_block_size(block_size: int) -> None:
+    """A kernel tile of KEY_TILE keys must cover whole blocks, or a block whole tiles."""
+    if block_size < 1 or (KEY_TILE % block_size and block_size % KEY_TILE):
+        raise SelfspecError(f"KV block size must divide {KEY_TILE} or be a multiple of it, got {block_size}")
 
 
 class PagedKVCache:
     def __init__(self, n_layers: int, num_blocks: int, n_kv_heads: int, block_size: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
+        check_block_size(block_size)
         # Zeros, not empty: attention multiplies masked slots' values by 0, and 0 * NaN garbage would be NaN.
         shape = (n_layers, num_blocks + 1, n_kv_heads, block_size, head_dim)  # + the trash block
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -64,28 +73,29 @@ class PagedKVCache:
             self.free_blocks.extend(reversed(self.tables.pop(seq)))
             del self.lengths[seq]
 
-    def view(self, seqs: list[str], real: torch.Tensor | None = None) -> PagedBatchView:
-        return PagedBatchView(self, seqs, real)
+    def view(self, seqs: list[str], real: torch.Tensor | None = None, width: int | None = None) -> PagedBatchView:
+        """The batch view of rows `seqs`; their block tables padded with the trash block to `width` blocks
+        (default: the longest table)."""
+        width = width or max(len(self.tables[s]) for s in seqs)
+        table = [self.tables[s] + [TRASH] * (width - len(self.tables[s])) for s in seqs]
+        return PagedBatchView(self, torch.tensor(table, dtype=torch.long, device=self.k.device), real)
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
 
 class PagedBatchView:
-    """The cache as one forward pass over rows `seqs` sees it: `write` scatters new k/v into each row's blocks
-    and returns each row's keys/values gathered into [B, Hkv, S, D] (S = the longest table, in slots).
+    """The cache as one forward pass over a batch sees it: `write` scatters new k/v into each row's blocks and
+    returns what attention reads them through: this layer's pools [N, Hkv, bs, D] and the block table [B, W].
 
-    `real` [B, T] (optional): False marks padding tokens, whose k/v go to the trash block.
+    table [B, W]: each row's block ids, padded with the trash block (padding sits past the row's positions, so
+    attention masks it). real [B, T] (optional): False marks padding tokens, whose k/v go to the trash block.
     """
 
-    def __init__(self, cache: PagedKVCache, seqs: list[str], real: torch.Tensor | None = None):
+    def __init__(self, cache: PagedKVCache, table: torch.Tensor, real: torch.Tensor | None = None):
         self.cache = cache
-        dev = cache.k.device
-        width = max(len(cache.tables[s]) for s in seqs)
-        # Padding entries point at the trash block: they sit past the row's positions, so attention masks them.
-        self.table = torch.tensor([cache.tables[s] + [TRASH] * (width - len(cache.tables[s])) for s in seqs],
-                                  dtype=torch.long, device=dev)
-        self.real = None if real is None else real.to(dev)
+        self.table = table
+        self.real = None if real is None else real.to(table.device)
 
     def slots(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [B, T] -> (block id, offset) [B, T] each."""
@@ -98,16 +108,10 @@ class PagedBatchView:
         return blocks, pos % bs
 
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         blocks, offsets = self.slots(pos)
         kl, vl = self.cache.k[layer], self.cache.v[layer]  # [N, Hkv, bs, D]
         # Index pair (block, offset) around the head slice gives [B, T, Hkv, D], the layout of k.transpose(1, 2).
         kl[blocks, :, offsets] = k.transpose(1, 2).to(kl.dtype)
         vl[blocks, :, offsets] = v.transpose(1, 2).to(vl.dtype)
-        return self.gather(kl), self.gather(vl)
-
-    def gather(self, pool: torch.Tensor) -> torch.Tensor:
-        """[N, Hkv, bs, D] -> [B, Hkv, S, D] in position order; the one place a paged attention kernel replaces."""
-        b, w = self.table.shape
-        x = pool[self.table]  # [B, W, Hkv, bs, D]
-        return x.permute(0, 2, 1, 3, 4).reshape(b, pool.shape[1], w * pool.shape[2], pool.shape[3])
+        return kl, vl, self.table

@@ -9,6 +9,8 @@ overrides it; rows are grouped by k and each group runs its own batched passes.
 Admission reserves each request's worst case (prompt + max_new_tokens + max drafts) in blocks, so a running
 sequence never runs out of cache; blocks are allocated as positions are written and freed on rollback.
 Threads: add_request/abort only touch a locked inbox; step() (one thread) drains it.
+On CUDA the rounds' passes (AR and draft steps, verify passes) replay CUDA graphs, batches padded to power-of-two
+buckets (engine/graphs.py `PagedGraphedModel`); prefill runs eagerly.
 """
 from __future__ import annotations
 
@@ -19,13 +21,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from selfspec.cache.paged import PagedKVCache
+from selfspec.cache.paged import PagedBatchView, PagedKVCache
+from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, PagedGraphedModel, bucket
 from selfspec.engine.llm import LLM, Generation, check_gamma
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
-from selfspec.spec.decode import Row, make_generator, pick, run_round
+from selfspec.spec.decode import GreedyAcceptance, Row, make_generator, pick, run_round
 from selfspec.spec.policy import GammaPolicy
 from selfspec.spec.sampling import SamplingParams
+from selfspec.spec.verify import accept_greedy
 
 DEFAULT_TOKENS_PER_SEQ = 1024  # default pool: max_batch sequences of this many tokens
 
@@ -84,7 +88,8 @@ class _Counters:
 class Engine:
     def __init__(self, llm: LLM, max_batch: int = 32, block_size: int = 16, num_blocks: int | None = None,
                  max_queue: int = 256, prefill_chunk: int = 256, max_gamma: int = 8,
-                 policy: GammaPolicy | None = None):
+                 policy: GammaPolicy | None = None, accept: GreedyAcceptance = accept_greedy):
+        """`accept` judges greedy rows' drafts (benchmarks replay recorded acceptance through it)."""
         for name, value in (("max_batch", max_batch), ("block_size", block_size), ("max_queue", max_queue),
                             ("prefill_chunk", prefill_chunk)):
             if value < 1:
@@ -101,6 +106,9 @@ class Engine:
         self.cache = PagedKVCache(cfg.n_layers, num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim,
                                   llm.model.dtype, llm.model.device)
         self.policy = policy or GammaPolicy(max_gamma if llm.draft_mode is not None else 0)
+        self.accept = accept
+        on_gpu = llm.model.device.type == "cuda"
+        self.runner = PagedGraphedModel(llm.model, self.cache, self.max_len) if on_gpu else llm.model
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.reserved = 0  # blocks reserved by running sequences
@@ -152,6 +160,24 @@ class Engine:
         return EngineStats(self._queued, len(self.running), self.cache.num_blocks, self.cache.blocks_used,
                            c.num_row_rounds, c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
                            self.policy.last_gamma, self.policy.acceptance)
+
+    def warm_up(self) -> None:
+        """Capture the CUDA graph of every decode pass the engine can replay (each batch bucket up to max_batch:
+        AR and verify passes of up to max_gamma drafts, draft steps), so that no request waits on a capture.
+        The passes run on padding rows (trash blocks only). Nothing to do on CPU."""
+        if not isinstance(self.runner, PagedGraphedModel):
+            return
+        dev = self.llm.model.device
+        passes = [(self.llm.verify_mode, t) for t in range(1, min(self.policy.max_gamma + 1, MAX_GRAPHED_TOKENS) + 1)]
+        if self.llm.draft_mode is not None:
+            passes.append((self.llm.draft_mode, 1))
+        rows = 1
+        while rows <= bucket(self.max_batch):
+            trash = PagedBatchView(self.cache, torch.zeros(rows, 1, dtype=torch.long, device=dev))
+            for mode, t in passes:
+                zeros = torch.zeros(rows, t, dtype=torch.long, device=dev)
+                self.runner(zeros, zeros, trash, mode)
+            rows *= 2
 
     # ---------------------------------------------------------------- the scheduler
 
@@ -297,7 +323,7 @@ class Engine:
         view = self.cache.view([s.id for s in seqs])
         rows = [s.row for s in seqs]
         before = [r.stats.draft_accepted for r in rows]
-        tokens, timing = run_round(self.llm.model, view, rows, k, self.llm.draft_mode, self.llm.verify_mode)
+        tokens, timing = run_round(self.runner, view, rows, k, self.llm.draft_mode, self.llm.verify_mode, self.accept)
         accepted = [r.stats.draft_accepted - b for r, b in zip(rows, before)]
         self.policy.observe_round(len(rows), k, timing.draft_s, timing.verify_s)
         self.policy.observe_acceptance(k, accepted)

@@ -32,7 +32,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return kernels.lookup("swiglu", "", gate.device.type)(gate, up)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """q [B, Hq, T, D] at positions q_pos [B, T]; k, v [B, Hkv, S, D] hold each row's keys at positions 0..S-1
-    (GQA when Hkv < Hq). Query (b, t) reads keys 0..q_pos[b, t]; later slots may hold stale scratch."""
-    return kernels.lookup("attention", "", q.device.type)(q, k, v, q_pos)
+def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+              q_pos: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, T, D] at positions q_pos [B, T]; keys and values in pools [N, Hkv, bs, D] of blocks of bs
+    positions, row b's key s at pool[table[b, s // bs], :, s % bs] (table [B, W]; GQA when Hkv < Hq).
+    Query (b, t) reads keys 0..q_pos[b, t]; later slots may hold stale scratch. A contiguous cache [B, Hkv, S, D]
+    is the case of one block of S positions per row (table[b] = [b])."""
+    return kernels.lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos)

@@ -56,8 +56,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gather_blocks(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Pool [N, Hkv, bs, D] and block table [B, W] -> each row's keys [B, Hkv, W * bs, D] in position order."""
+    b, w = table.shape
+    x = pool[table]  # [B, W, Hkv, bs, D]
+    return x.permute(0, 2, 1, 3, 4).reshape(b, pool.shape[1], w * pool.shape[2], pool.shape[3])
+
+
 @register("attention")
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+              q_pos: torch.Tensor) -> torch.Tensor:
+    k, v = gather_blocks(k_pool, table), gather_blocks(v_pool, table)
     n_rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(n_rep, dim=1)
     v = v.repeat_interleave(n_rep, dim=1)

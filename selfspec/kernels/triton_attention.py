@@ -1,5 +1,8 @@
 """Triton causal attention with GQA and per-row position offsets: query (b, t) reads keys 0..q_pos[b, t].
 
+Keys are read through a block table: key s of row b is pool[table[b, s // BS], kv_head, s % BS], so the paged
+cache is read in place (no gather); the contiguous cache is the case of one block of S slots per row.
+
 Flash-decoding: the keys are cut into chunks of a fixed size (CHUNK); one program per (query tile, head, chunk)
 runs an online softmax over its chunk's key blocks, in order, with fp32 scores and accumulators; a second
 kernel merges each query's chunk partials in chunk order. A decode step has one query per head, so splitting
@@ -17,18 +20,20 @@ import torch
 import triton
 import triton.language as tl
 
+from selfspec.cache.paged import KEY_TILE, check_block_size
+from selfspec.errors import SelfspecError
 from selfspec.kernels import register
 from selfspec.kernels.reference import attention as reference_attention
 
 BLOCK_T = 16  # queries per program: fixed, whatever T is
-BLOCK_S = 64  # keys per step of the online softmax: fixed, so every query sums its keys in the same order
+BLOCK_S = KEY_TILE  # keys per step of the online softmax: fixed, so every query sums its keys in the same order
 CHUNK = 512  # keys per chunk: fixed, whatever T and S are
 
 
 @triton.jit(do_not_specialize=["T", "S"])  # one binary for every number of queries and keys
 def _attention_chunk_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, S, H, N_REP, N_CHUNKS, qk_scale,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, S, BS, W, H, N_REP, N_CHUNKS, qk_scale,
+    stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -40,21 +45,26 @@ def _attention_chunk_kernel(
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = (offs_t < T)[:, None] & (offs_d < D)[None, :]
-    pos = tl.load(pos_ptr + b * T + offs_t, mask=offs_t < T, other=0)  # padding rows read key 0 only: no NaN
-    end = tl.minimum(tl.minimum(tl.max(pos, axis=0), S - 1) + 1, (c + 1) * CHUNK)  # keys this program reads
+    # Padding queries read key 0 only (no NaN); a position past the table's S keys reads all S of them.
+    pos = tl.minimum(tl.load(pos_ptr + b * T + offs_t, mask=offs_t < T, other=0), S - 1)
+    end = tl.minimum(tl.max(pos, axis=0) + 1, (c + 1) * CHUNK)  # keys this program reads
     if c * CHUNK < end:  # else no query of this tile reaches the chunk: the merge skips it
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :],
                     mask=q_mask, other=0)
-        k_base = k_ptr + b * stride_kb + kv_h * stride_kh
-        v_base = v_ptr + b * stride_vb + kv_h * stride_vh
+        k_head = k_ptr + kv_h * stride_kh
+        v_head = v_ptr + kv_h * stride_vh
         m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         for s0 in range(c * CHUNK, end, BLOCK_S):
             offs_s = s0 + tl.arange(0, BLOCK_S)
             kv_mask = (offs_s < end)[:, None] & (offs_d < D)[None, :]
-            k = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0)
-            v = tl.load(v_base + offs_s[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0)
+            block = tl.load(table_ptr + b * W + offs_s // BS, mask=offs_s < end, other=0)  # each key's block
+            slot = offs_s % BS
+            k = tl.load(k_head + block[:, None] * stride_kn + slot[:, None] * stride_ks + offs_d[None, :],
+                        mask=kv_mask, other=0)
+            v = tl.load(v_head + block[:, None] * stride_vn + slot[:, None] * stride_vs + offs_d[None, :],
+                        mask=kv_mask, other=0)
             scores = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain: qk_scale folds in log2(e)
             scores = tl.where(offs_s[None, :] <= pos[:, None], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -70,9 +80,9 @@ def _attention_chunk_kernel(
         tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=(offs_t < T)[:, None])
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "S"])
 def _attention_merge_kernel(
-    pos_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, T, H, N_CHUNKS, stride_ob, stride_oh, stride_ot,
+    pos_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, T, S, H, N_CHUNKS, stride_ob, stride_oh, stride_ot,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -81,7 +91,7 @@ def _attention_merge_kernel(
     h = bh % H
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
-    pos = tl.load(pos_ptr + b * T + offs_t, mask=offs_t < T, other=0)
+    pos = tl.minimum(tl.load(pos_ptr + b * T + offs_t, mask=offs_t < T, other=0), S - 1)  # as the chunk kernel
     m = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_T,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
@@ -104,26 +114,32 @@ def _attention_merge_kernel(
 
 
 @register("attention", "", "cuda")
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """q [B, Hq, T, D] at positions q_pos [B, T]; k, v [B, Hkv, S, D]: the reference attention, in two kernels."""
-    if not q.dtype == k.dtype == v.dtype == torch.bfloat16:
-        return reference_attention(q, k, v, q_pos)  # the kernels are bf16 only: other dtypes take the reference
+def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+              q_pos: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, T, D] at positions q_pos [B, T]; pools [N, Hkv, bs, D], block table [B, W] (kernels/ops.py):
+    the reference attention, in two kernels, reading the keys in place."""
+    if not q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16:
+        return reference_attention(q, k_pool, v_pool, table, q_pos)  # bf16 only: other dtypes take the reference
     b, h, t, d = q.shape
-    s = k.shape[2]
-    q, k, v = (z if z.stride(-1) == 1 else z.contiguous() for z in (q, k, v))
-    pos = q_pos.contiguous()
+    bs, w = k_pool.shape[2], table.shape[1]
+    check_block_size(bs)
+    s = w * bs  # keys the table addresses
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        raise SelfspecError("the KV pools must be contiguous along head_dim")
+    table, pos = table.contiguous(), q_pos.contiguous()
     n_chunks, block_d = triton.cdiv(s, CHUNK), triton.next_power_of_2(d)
     m = torch.empty((b * h, n_chunks, t), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((b * h, n_chunks, t, block_d), dtype=torch.float32, device=q.device)
     out = torch.empty((b, h, t, d), dtype=q.dtype, device=q.device)
     _attention_chunk_kernel[(triton.cdiv(t, BLOCK_T), b * h, n_chunks)](
-        q, k, v, pos, m, l, acc, t, s, h, h // k.shape[1], n_chunks, math.log2(math.e) / math.sqrt(d),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        q, k_pool, v_pool, table, pos, m, l, acc, t, s, bs, w, h, h // k_pool.shape[1], n_chunks,
+        math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3],
         D=d, BLOCK_D=block_d, BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S, CHUNK=CHUNK, num_warps=4,
     )
     _attention_merge_kernel[(triton.cdiv(t, BLOCK_T), b * h)](
-        pos, m, l, acc, out, t, h, n_chunks, *out.stride()[:3],
+        pos, m, l, acc, out, t, s, h, n_chunks, *out.stride()[:3],
         D=d, BLOCK_D=block_d, BLOCK_T=BLOCK_T, CHUNK=CHUNK, num_warps=4,
     )
     return out

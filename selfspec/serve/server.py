@@ -31,6 +31,7 @@ def serve(args: argparse.Namespace) -> None:
     llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device)
     engine = Engine(llm, max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
                     max_queue=args.max_queue, max_gamma=args.gamma)
+    engine.warm_up()  # on the GPU: capture every decode pass's CUDA graph before the first request waits on one
     model_name = args.served_model_name or args.model or DEFAULT_MODEL
     print(f"selfspec: serving {llm.description} as `{model_name}` (recipe {llm.recipe.name}, up to {args.gamma} "
           f"drafts per round) on http://{args.host}:{args.port}/v1", flush=True)

@@ -15,7 +15,8 @@ from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
 from selfspec.quant.rotation import hadamard  # noqa: E402
-from kernel_oracles import TOL, attention_oracle, linear_oracle, rel_err, rope_angles  # noqa: E402
+from kernel_oracles import (TOL, attention_oracle, linear_oracle, rel_err, rope_angles,  # noqa: E402
+                            scatter_to_pool)
 
 if isinstance(triton_linear._linear_kernel, InterpretedFunction):
     pytest.skip("TRITON_INTERPRET=1 was set before the kernels were imported: run tests/gpu on its own",
@@ -84,27 +85,56 @@ def test_attention_decode_and_verify(hq, hkv, d):
     q = torch.randn(2, hq, 9, d, device=DEV).bfloat16()
     # Verify 9 drafted tokens at the end of a 1.5k context (row 0) and of a 0.3k one (row 1).
     pos = torch.stack((torch.arange(1492, 1501, device=DEV), torch.arange(300, 309, device=DEV)))
-    out = triton_attention.attention(q, k_all, v_all, pos)  # whole buffers, as KVCache.write returns
+    rows = torch.arange(2, device=DEV)[:, None]  # a contiguous cache: one block per row
+    out = triton_attention.attention(q, k_all, v_all, rows, pos)  # whole buffers, as KVCache.write returns
     oracle = attention_oracle(q, k_all, v_all, pos)
     assert rel_err(out, oracle) < TOL
-    assert rel_err(reference_op("attention")(q, k_all, v_all, pos), oracle) < TOL
+    assert rel_err(reference_op("attention")(q, k_all, v_all, rows, pos), oracle) < TOL
     for b in range(2):
-        for t in range(9):  # decode: each query alone, in a batch of one, with keys up to its own position
-            p = int(pos[b, t])
-            alone = triton_attention.attention(q[b:b + 1, :, t:t + 1], k_all[b:b + 1, :, :p + 1],
-                                               v_all[b:b + 1, :, :p + 1], pos[b:b + 1, t:t + 1])
+        for t in range(9):  # decode: each query alone, in a batch of one
+            alone = triton_attention.attention(q[b:b + 1, :, t:t + 1], k_all[b:b + 1], v_all[b:b + 1], rows[:1],
+                                               pos[b:b + 1, t:t + 1])
             assert torch.equal(alone[0, :, 0], out[b, :, t]), f"row {b} query {t}"
+
+
+@pytest.mark.parametrize("bs", [16, 64, 256])
+@pytest.mark.parametrize("t", [1, 9])  # a decode step; a verify pass of 8 drafts
+def test_paged_attention(bs, t):
+    """Keys read through a block table: == the float64 oracle and the torch reference, bit for bit == the same
+    keys in a contiguous cache, a row alone == among others, and padding rows (trash blocks) change no bits."""
+    torch.manual_seed(9)
+    hq, hkv, d = 32, 8, 128
+    k = torch.randn(4, hkv, 4096, d, device=DEV).bfloat16()
+    v = torch.randn(4, hkv, 4096, d, device=DEV).bfloat16()
+    k_pool, v_pool, table = scatter_to_pool(k, v, bs, torch.Generator().manual_seed(bs))
+    q = torch.randn(4, hq, t, d, device=DEV).bfloat16()
+    pos = torch.tensor([1500, 37, 800, 4000], device=DEV)[:, None] + torch.arange(t, device=DEV) - t
+    out = triton_attention.attention(q, k_pool, v_pool, table, pos)
+    oracle = attention_oracle(q, k, v, pos)
+    assert rel_err(out, oracle) < TOL
+    assert rel_err(reference_op("attention")(q, k_pool, v_pool, table, pos), oracle) < TOL
+    assert torch.equal(triton_attention.attention(q, k, v, torch.arange(4, device=DEV)[:, None], pos), out)
+    for b in range(4):
+        used = -(-(int(pos[b, -1]) + 1) // bs)
+        alone = triton_attention.attention(q[b:b + 1], k_pool, v_pool, table[b:b + 1, :used], pos[b:b + 1])
+        assert torch.equal(alone, out[b:b + 1]), f"row {b}"
+    padded = torch.zeros(32, table.shape[1], dtype=torch.long, device=DEV)  # a batch bucket of 32, trash-padded
+    padded[:4] = table
+    q_padded = torch.cat((q, torch.randn(28, hq, t, d, device=DEV).bfloat16()))
+    pos_padded = torch.cat((pos, torch.zeros(28, t, dtype=torch.long, device=DEV)))
+    assert torch.equal(triton_attention.attention(q_padded, k_pool, v_pool, padded, pos_padded)[:4], out)
 
 
 def test_attention_prefill():
     torch.manual_seed(4)
-    k = torch.randn(1, 8, 700, 128, device=DEV).bfloat16()
-    v = torch.randn(1, 8, 700, 128, device=DEV).bfloat16()
+    k = torch.randn(1, 8, 704, 128, device=DEV).bfloat16()
+    v = torch.randn(1, 8, 704, 128, device=DEV).bfloat16()
     q = torch.randn(1, 32, 700, 128, device=DEV).bfloat16()
     pos = torch.arange(700, device=DEV)[None]
-    out = triton_attention.attention(q, k, v, pos)
+    row = torch.zeros(1, 1, dtype=torch.long, device=DEV)
+    out = triton_attention.attention(q, k, v, row, pos)
     assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
-    alone = triton_attention.attention(q[:, :, 650:651], k[:, :, :651], v[:, :, :651], pos[:, 650:651])
+    alone = triton_attention.attention(q[:, :, 650:651], k, v, row, pos[:, 650:651])
     assert torch.equal(alone, out[:, :, 650:651])
 
 
