@@ -7,6 +7,7 @@ import sys
 
 from selfspec.bench.serve import add_args as add_serve_bench_args
 from selfspec.errors import SelfspecError
+from selfspec.eval.runner import DEFAULT_BATCH_SIZE
 from selfspec.quant.modes import MODES
 from selfspec.spec.recipes import PRESETS
 
@@ -54,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--group-size", type=int, default=128, help="quantization group size along K")
     e.add_argument("--device", default="cpu", help="cpu or cuda")
     e.add_argument("--cached-only", action="store_true", help="generate nothing: report the results already in --out")
+    e.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                   help="sequences the engine generates together (results do not depend on it)")
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
     add_model_args(s)  # here --gamma caps the drafted tokens per round; the engine's policy picks within it
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")

@@ -112,6 +112,7 @@ def test_humaneval_scoring_runs_the_tests(monkeypatch):
     (["--recipes", "ar"], "'ar' does not draft"),
     (["--recipes", "fast"], "unknown recipe 'fast'"),
     (["--limit", "0"], "--limit must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--data", "gsm8k"], "--data wants TASK=PATH"),
 ])
 def test_bad_input_is_one_clean_error_before_loading(args, needle, capsys, monkeypatch):

@@ -22,7 +22,9 @@ def task_metrics(task: str, records: list[dict]) -> dict:
     stats = [r["stats"] for r in records]
     decode_s = sum(s["total_s"] - s["prefill_s"] for s in stats)
     proposed, accepted, rounds = (sum(s[k] for s in stats) for k in ("draft_proposed", "draft_accepted", "rounds"))
+    # A failed item counts as wrong: the score is over every item asked.
     return {"n": len(records), "score": 100 * sum(r["correct"] for r in records) / len(records),
+            "errors": sum(bool(r.get("error")) for r in records),
             "new_tokens": sum(s["new_tokens"] for s in stats),
             "tokens_per_s": sum(s["new_tokens"] for s in stats) / decode_s if decode_s > 0 else 0.0,
             "acceptance_rate": accepted / proposed if proposed else None,
@@ -30,9 +32,10 @@ def task_metrics(task: str, records: list[dict]) -> dict:
 
 
 def compare(records: list[dict], reference: list[dict]) -> dict:
-    """Item-by-item: does the speculative text (and extracted answer) equal the verify mode's AR text?"""
-    ref = {r["id"]: r for r in reference}
-    pairs = [(r, ref[r["id"]]) for r in records if r["id"] in ref]
+    """Item-by-item: does the speculative text (and extracted answer) equal the verify mode's AR text?
+    Items that failed on either side are not compared (the report lists them as failures)."""
+    ref = {r["id"]: r for r in reference if not r.get("error")}
+    pairs = [(r, ref[r["id"]]) for r in records if r["id"] in ref and not r.get("error")]
     diffs = []
     for r, v in pairs:
         if r["text"] != v["text"]:
@@ -50,7 +53,10 @@ def summarize(configs: list[EvalConfig], results: Results, tasks: list[str]) -> 
     baseline = "bf16" if "bf16" in modes else (modes[0] if modes else None)
     checks = {c.label: {t: compare(results[c.label][t], results[c.reference][t]) for t in tasks if t != "ppl"}
               for c in configs if c.reference}
-    return {"baseline": baseline, "configs": [asdict(c) for c in configs], "metrics": metrics, "equality": checks}
+    failures = [{"config": c.label, "id": r["id"], "error": r["error"]}
+                for c in configs for t in tasks for r in results[c.label].get(t, []) if r.get("error")]
+    return {"baseline": baseline, "configs": [asdict(c) for c in configs], "metrics": metrics, "equality": checks,
+            "failures": failures}
 
 
 def _relative(value: float | None, base: float | None) -> str:
@@ -74,7 +80,8 @@ def markdown(summary: dict, tasks: list[str], title: str = "") -> str:
                 cells.append("= verify" if t == "ppl" and c.reference else "-")
                 continue
             rel = "" if ref in (None, c.label) else f" ({_relative(cur['score'], m[ref][t].get('score'))})"
-            cells.append(f"{cur['score']:.2f}{rel} [n={cur['n']}]")
+            failed = f", {cur['errors']} failed" if cur.get("errors") else ""
+            cells.append(f"{cur['score']:.2f}{rel} [n={cur['n']}{failed}]")
         modes = f"{c.draft} -> {c.verify}" if c.draft else c.verify
         name = f"{c.label} ({c.storage})" if c.label == c.verify else f"{c.label} ({modes}, {c.storage})"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {_throughput(m[c.label]):.1f} |")
@@ -94,6 +101,9 @@ def markdown(summary: dict, tasks: list[str], title: str = "") -> str:
         for label, d in diffs:
             lines.append(f"- {label} {d['id']}: answer {d['answer']!r} vs verify {d['verify_answer']!r}, texts differ "
                          f"at char {d['first_difference_at_char']}: {d['speculative']!r} vs {d['verify']!r}")
+    if summary["failures"]:
+        lines += ["", "Failed items (scored wrong; a rerun generates them again):"]
+        lines += [f"- {f['config']} {f['id']}: {f['error']}" for f in summary["failures"]]
     return "\n".join(lines).strip() + "\n"
 
 

@@ -1,12 +1,14 @@
 """`selfspec eval`: run each task under each mode (autoregressive) and each recipe (speculative), caching
 every item's result as one JSON line in OUT/<config>/<task>.jsonl so an interrupted run resumes where it
-stopped. A cached line is reused only if it was made with the same settings.
+stopped. A cached line is reused only if it was made with the same settings (and did not fail).
+Generation runs through the continuous-batching engine; each item is cached as soon as it finishes.
 """
 from __future__ import annotations
 
 import json
 import random
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterator
@@ -14,7 +16,9 @@ from typing import Iterator
 from tqdm import tqdm
 
 import selfspec
+from selfspec.engine.engine import Engine, RequestOutput
 from selfspec.engine.llm import LLM, Generation, check_gamma
+from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.eval.tasks import TASK_NAMES, Item, get_task
 from selfspec.eval.tasks import ppl as ppl_task
@@ -23,6 +27,9 @@ from selfspec.spec.recipes import Recipe, resolve_recipe
 from selfspec.spec.sampling import SamplingParams
 
 DEFAULT_PPL_WINDOWS = 64
+DEFAULT_BATCH_SIZE = 64
+PREFILL_CHUNK = 2048  # tokens per prefill forward: two 8-shot GSM8K prompts (~1k tokens each) at once
+BLOCK_SIZE = 16  # tokens per KV block
 
 
 @dataclass(frozen=True)
@@ -80,11 +87,28 @@ def encode(llm: LLM, prompt: str | list[dict]) -> list[int]:
     return llm.encode(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
 
 
-def generate_each(llm: LLM, prompts: list[list[int]], params: SamplingParams, gamma: int) -> Iterator[Generation]:
-    """Greedy generations in prompt order. One at a time: the engine has no batch API yet; a batched
-    scheduler slots in here without changing any caller."""
-    for ids in prompts:
-        yield llm.generate(ids, params, gamma=gamma)
+def generate_batched(llm: LLM, prompts: dict[str, list[int]], params: SamplingParams, gamma: int,
+                     batch_size: int) -> Iterator[RequestOutput]:
+    """Each prompt's final output from the continuous-batching engine, as it finishes (any order), with at
+    most batch_size in flight. Greedy batched output equals solo output, so the batch size changes no result."""
+    if not prompts:
+        return
+    batch = min(batch_size, len(prompts))
+    # Every row's worst case fits at once: the longest prompt + max_new_tokens + the drafts of a round.
+    longest = min(llm.model.cfg.max_seq_len, max(map(len, prompts.values())) + params.max_new_tokens + gamma)
+    engine = Engine(llm, max_batch=batch, block_size=BLOCK_SIZE, num_blocks=batch * -(-longest // BLOCK_SIZE),
+                    max_queue=batch, prefill_chunk=PREFILL_CHUNK)
+    pending = deque(prompts.items())
+    in_flight = 0
+    while pending or engine.has_work():
+        while pending and in_flight < batch:
+            request_id, ids = pending.popleft()
+            engine.add_request(request_id, ids, params, gamma=gamma)
+            in_flight += 1
+        for out in engine.step():
+            if out.finished:
+                in_flight -= 1
+                yield out
 
 
 class ResultCache:
@@ -109,8 +133,12 @@ class ResultCache:
             f.write(json.dumps(record) + "\n")
         self.records[record["id"]] = record
 
+    def done(self, item_id: str) -> bool:
+        """Cached without an error (a failed item is tried again)."""
+        return item_id in self.records and not self.records[item_id].get("error")
 
-def check_args(tasks: list[str], limit: int | None, gamma: int, max_new_tokens: int) -> None:
+
+def check_args(tasks: list[str], limit: int | None, gamma: int, max_new_tokens: int, batch_size: int) -> None:
     if not tasks:
         raise SelfspecError(f"no tasks given; choose from: {', '.join(TASK_NAMES)}")
     for t in tasks:
@@ -119,16 +147,19 @@ def check_args(tasks: list[str], limit: int | None, gamma: int, max_new_tokens: 
         raise SelfspecError(f"--limit must be >= 1 items per task, got {limit}")
     if max_new_tokens < 1:
         raise SelfspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise SelfspecError(f"--batch-size must be >= 1 sequences generated together, got {batch_size}")
     check_gamma(gamma)
 
 
 def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: list[str], out_dir: Path,
              limit: int | None = None, seed: int | None = None, gamma: int = 4, max_new_tokens: int = 256,
              chat: bool = False, data: dict[str, Path] | None = None, group_size: int = 128,
-             device: str = "cpu", cached_only: bool = False) -> dict[str, dict[str, list[dict]]]:
-    """Evaluate and return {config label: {task: [record per item, in item order]}} (cached items reused;
-    cached_only: generate nothing, report what the cache holds)."""
-    check_args(tasks, limit, gamma, max_new_tokens)
+             device: str = "cpu", cached_only: bool = False,
+             batch_size: int = DEFAULT_BATCH_SIZE) -> dict[str, dict[str, list[dict]]]:
+    """Evaluate and return {config label: {task: [record per item, in item order]}} (cached items reused,
+    failed ones generated again; cached_only: generate nothing, report what the cache holds)."""
+    check_args(tasks, limit, gamma, max_new_tokens, batch_size)
     configs = plan_configs(modes, recipes)
     if not configs:
         raise SelfspecError("nothing to evaluate: give --modes and/or --recipes")
@@ -148,7 +179,7 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
                                           group_size, device))
                   for t in tasks}
         # A recipe's scores are its verify mode's logits: perplexity has nothing new to measure there.
-        todo = {t: [i for i in (ppl_ids if t == "ppl" else [it.id for it in items[t]]) if i not in caches[t].records]
+        todo = {t: [i for i in (ppl_ids if t == "ppl" else [it.id for it in items[t]]) if not caches[t].done(i)]
                 for t in tasks if not (t == "ppl" and speculative)}
         if any(todo.values()) and not cached_only:
             verify = cfg.verify if cfg.recipe == "ar" else None
@@ -160,7 +191,7 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
                 else:
                     missing = set(todo[t])
                     run_generation(llm, get_task(t), [it for it in items[t] if it.id in missing], caches[t],
-                                   max_new_tokens, gamma if speculative else 0, cfg.label)
+                                   max_new_tokens, gamma if speculative else 0, batch_size, cfg.label)
         results[cfg.label] = {}
         for t in tasks:
             ids = ppl_ids if t == "ppl" else [it.id for it in items[t]]
@@ -179,15 +210,31 @@ def settings(model: str | None, cfg: EvalConfig, task: str, max_new_tokens: int,
 
 
 def run_generation(llm: LLM, task, items: list[Item], cache: ResultCache, max_new_tokens: int, gamma: int,
-                   label: str) -> None:
+                   batch_size: int, label: str) -> None:
+    """Generate the items in batches, caching each one's record as it finishes; a failing item is cached
+    with its error and the others go on."""
     params = SamplingParams(max_new_tokens=max_new_tokens, stop=list(task.STOP))
-    prompts = [encode(llm, it.prompt) for it in items]
-    bar = tqdm(zip(items, generate_each(llm, prompts, params, gamma)), total=len(items), desc=f"{label} {task.NAME}")
-    for item, gen in bar:
-        answer, correct = task.score(item, gen.text)
-        cache.add({"id": item.id, "text": gen.text, "answer": answer, "correct": bool(correct),
-                   "reference": item.reference if task.NAME != "humaneval" else None,
-                   "finish_reason": gen.finish_reason, "stats": gen.stats.to_dict()})
+    by_id = {it.id: it for it in items}
+    bar = tqdm(total=len(items), desc=f"{label} {task.NAME}")
+    prompts = {}
+    for it in items:
+        try:
+            prompts[it.id] = encode(llm, it.prompt)
+        except SelfspecError as e:  # e.g. longer than the context window
+            cache.add(record(task, it, Generation("", [], "error", GenerationStats()), str(e)))
+            bar.update()
+    for out in generate_batched(llm, prompts, params, gamma, batch_size):
+        cache.add(record(task, by_id[out.request_id], out.generation, out.error))
+        bar.update()
+    bar.close()
+
+
+def record(task, item: Item, gen: Generation, error: str | None) -> dict:
+    """An item's cached line: text, answer, correct, engine stats (a failed item scores nothing)."""
+    answer, correct = (None, False) if error else task.score(item, gen.text)
+    return {"id": item.id, "text": gen.text, "answer": answer, "correct": bool(correct),
+            "reference": item.reference if task.NAME != "humaneval" else None,
+            "finish_reason": gen.finish_reason, "error": error, "stats": gen.stats.to_dict()}
 
 
 def run_ppl(llm: LLM, windows: list[Item], cache: ResultCache, label: str) -> None:
