@@ -193,16 +193,19 @@ class TeacherForced:
             return self.model.logits(h, MODES["fp32"]).argmax(-1)
 
 
-def agreements(tf: TeacherForced, originals: dict[str, torch.Tensor], conts: list[list[int]],
-               names: list[str]) -> dict[str, list[list[bool]]]:
-    """Per variant, per prompt: draft argmax == verify argmax after each continuation token but the last."""
+def agreements(tf: TeacherForced, originals: dict[str, torch.Tensor], conts: list[list[int]], names: list[str],
+               loaded: tuple[Build, int] = (full_int8, 128)) -> dict[str, list[list[bool]]]:
+    """Per variant, per prompt: draft argmax == verify argmax after each continuation token but the last.
+    `loaded`: the config the model holds now (rebuilding 1B+ weights costs minutes on the CPU)."""
     model, verify_argmax, out = tf.model, {}, {}
     for name in names:
         draft, verify, g = VARIANTS[name]
         if (verify, g) not in verify_argmax:
-            set_weights(model, originals, verify, g)
+            if loaded != (verify, g):
+                set_weights(model, originals, verify, g)
             verify_argmax[verify, g] = tf.argmax()
         set_weights(model, originals, draft, g)
+        loaded = (draft, g)
         agree = tf.argmax() == verify_argmax[verify, g]
         out[name] = [agree[i, : len(c) - 1].tolist() for i, c in enumerate(conts)]
         print(f"{name}: agreement {mean_agreement(out[name]):.3f}", flush=True)
@@ -216,23 +219,22 @@ def mean_agreement(agree: list[list[bool]]) -> float:
 
 def study(model_name: str | None, tasks: list[str], n_prompts: int, max_new_tokens: int,
           names: list[str]) -> tuple[dict, dict[str, list[list[int]]]]:
-    """-> ({task: {variant: per-prompt agreements}}, {task: continuations})."""
+    """All tasks' prompts in one batch (each weight config is built once) ->
+    ({task: {variant: per-prompt agreements}}, {task: continuations})."""
     cfg, sd, tokenizer, description = resolve(model_name)
     model = Transformer(cfg, sd)
     sd.clear()
     originals = {name: m.weight.weight for name, m in model.named_modules() if isinstance(m, Linear)}
     set_weights(model, originals, full_int8, 128)
     llm = LLM(model, tokenizer, resolve_recipe("ar"), description=description)
-    results, conts_by_task = {}, {}
-    for task in tasks:
-        prompts = [llm.encode(t, chat=True) for t in read_prompts(task)[:n_prompts]]
-        conts = continuations(llm, prompts, max_new_tokens)
-        print(f"{task}: {len(prompts)} prompts, {sum(map(len, conts))} continuation tokens", flush=True)
-        tf = TeacherForced(model, prompts, conts)
-        results[task] = agreements(tf, originals, conts, names)
-        conts_by_task[task] = conts
-        set_weights(model, originals, full_int8, 128)  # the next task's continuations
-    return results, conts_by_task
+    labels = [task for task in tasks for _ in read_prompts(task)[:n_prompts]]
+    prompts = [llm.encode(t, chat=True) for task in tasks for t in read_prompts(task)[:n_prompts]]
+    conts = continuations(llm, prompts, max_new_tokens)
+    print(f"{len(prompts)} prompts, {sum(map(len, conts))} continuation tokens", flush=True)
+    agree = agreements(TeacherForced(model, prompts, conts), originals, conts, names)
+    by_task = {task: {name: [a for a, label in zip(agree[name], labels) if label == task] for name in names}
+               for task in tasks}
+    return by_task, {task: [c for c, label in zip(conts, labels) if label == task] for task in tasks}
 
 
 def validate(model_name: str | None, tasks: list[str], n_prompts: int, max_new_tokens: int, gamma: int,
