@@ -302,10 +302,8 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json), "trace_out": str(
             args.trace_out)}, "agreement": agree, "continuations": conts}))
     if args.trace_out:
-        for variant in ["floor-g128", *[v for v in args.variants if v.startswith("rtn")][:1]]:
-            suffix = "planes" if variant == "floor-g128" else f"planes-{variant}"
-            write_trace(args.trace_out / f"{args.model}.{suffix}.teacher-forced.json", args.model, variant, agree,
-                        args.trace_gamma, args.prompts, args.max_new_tokens)
+        write_trace(args.trace_out / f"{args.model}.planes.teacher-forced.json", args.model, "floor-g128", agree,
+                    args.trace_gamma, args.prompts, args.max_new_tokens)
     if args.validate_gamma:
         v = validate(args.model, args.tasks, args.prompts, args.max_new_tokens, args.validate_gamma, agree)
         print(f"real loop vs teacher-forced estimate (floor-g128, gamma {args.validate_gamma}):")
