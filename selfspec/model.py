@@ -169,12 +169,19 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode) -> torch.Tensor:
         """tokens [B, T] at positions pos [B, T] (each row its own; [T] when all rows share them)
         -> logits [B, T, vocab] (float32)."""
+        return self.logits(self.hidden(tokens, pos, cache, mode), mode)
+
+    def hidden(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode) -> torch.Tensor:
+        """The final-norm hidden states [B, T, dim]; writes the KV of every position into `cache`."""
         x = self.embed[tokens]
         pos = pos.expand(tokens.shape)
         cos, sin = self.cos[pos], self.sin[pos]
         for i, layer in enumerate(self.layers):
             x = layer(x, pos, cos, sin, cache, i, mode)
-        return linear(self.norm(x), self.lm_head, self.head_mode(mode), None).float()
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, mode: Mode) -> torch.Tensor:
+        return linear(hidden, self.lm_head, self.head_mode(mode), None).float()
 
     def head_mode(self, mode: Mode) -> Mode:
         """The head stays dense: it runs in the model's own precision unless the mode is a dense one."""
