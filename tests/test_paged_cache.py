@@ -64,11 +64,11 @@ def test_view_matches_contiguous_cache():
             torch.testing.assert_close(values[i, :, : n + 2], rv[i, :, : n + 2], rtol=0, atol=0)
 
 
-def test_view_pads_tables_with_the_trash_block_to_a_width():
+def test_view_pads_tables_with_the_trash_block_to_the_longest():
     c = make(8)
     c.allocate("a", 5)
     c.allocate("b", 1)
-    assert c.view(["a", "b"], width=4).table.tolist() == [c.tables["a"] + [TRASH] * 2, c.tables["b"] + [TRASH] * 3]
+    assert c.view(["a", "b"]).table.tolist() == [c.tables["a"], c.tables["b"] + [TRASH]]
 
 
 def test_block_size_must_fit_the_attention_tile():

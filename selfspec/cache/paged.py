@@ -73,10 +73,9 @@ class PagedKVCache:
             self.free_blocks.extend(reversed(self.tables.pop(seq)))
             del self.lengths[seq]
 
-    def view(self, seqs: list[str], real: torch.Tensor | None = None, width: int | None = None) -> PagedBatchView:
-        """The batch view of rows `seqs`; their block tables padded with the trash block to `width` blocks
-        (default: the longest table)."""
-        width = width or max(len(self.tables[s]) for s in seqs)
+    def view(self, seqs: list[str], real: torch.Tensor | None = None) -> PagedBatchView:
+        """The batch view of rows `seqs`; their block tables padded with the trash block to the longest."""
+        width = max(len(self.tables[s]) for s in seqs)
         table = [self.tables[s] + [TRASH] * (width - len(self.tables[s])) for s in seqs]
         return PagedBatchView(self, torch.tensor(table, dtype=torch.long, device=self.k.device), real)
 
