@@ -188,7 +188,7 @@ def quantize_weight(w: torch.Tensor, storage: str, group_size: int = 128,
     if rotations is not None:
         block = fit_group_size(w.shape[1], group_size)
         if block not in rotations:
-            rotations[block] = BlockHadamard(block)
+            rotations[block] = BlockHadamard(block).to(w.device)  # where the weights are (GPU-built models)
         rotation = rotations[block]
         w = rotation(w)
     if storage == "dense":

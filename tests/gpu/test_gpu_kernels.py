@@ -176,3 +176,12 @@ def test_rotate(n):
     assert rel_err(y, reference_op("rotate")(x.double(), h.double())) < TOL
     for m in (1, 9, 64):
         assert torch.equal(triton_linear.rotate(x[:m], h), y[:m]), f"M={m}"
+
+
+def test_rotation_of_gpu_weights_lives_on_the_gpu():
+    """A model built on the GPU (synthetic benchmarks) gets its shared Hadamard rotation there too."""
+    qw = quantize_weight(torch.randn(64, 256, device=DEV) * 0.02, "int4", 128, rotations={})
+    assert qw.rotation.matrix.device.type == "cuda"
+    x = torch.randn(3, 256, device=DEV).bfloat16()
+    mode = MODES["w4a16"]
+    assert rel_err(triton_linear.linear(x, qw, mode, None), linear_oracle(x, qw, mode, None)) < TOL
