@@ -8,10 +8,11 @@ import torch
 from conftest import tiny_model
 from selfspec.bench.upper_acceptance import (TeacherForced, agreement, agreements, continuations, full_int8,
                                              full_widened, predicted_speedup, rounds_from_agreement, set_weights,
-                                             tokens_per_round, upper_floor, upper_lsq, upper_rtn)
+                                             upper_floor, upper_lsq, upper_rtn)
 from selfspec.engine.llm import LLM
 from selfspec.model import Linear, Transformer
 from selfspec.quant.formats import minmax_quant
+from selfspec.spec.policy import expected_tokens
 from selfspec.spec.recipes import resolve_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,10 +36,10 @@ def test_rounds_from_agreement(agree, k, rounds):
     assert rounds_from_agreement(agree, k) == rounds
 
 
-def test_tokens_per_round_and_speedup():
-    assert tokens_per_round(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
-    assert tokens_per_round(1.0, 4) == 5
-    assert tokens_per_round(0.0, 4) == 1
+def test_expected_tokens_and_speedup():
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    assert expected_tokens(1.0, 4) == 5
+    assert expected_tokens(0.0, 4) == 1
     assert predicted_speedup(0.5, 2, 0.5) == pytest.approx(1.75 / 2)
 
 

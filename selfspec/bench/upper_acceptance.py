@@ -33,6 +33,7 @@ from selfspec.model import Linear, Transformer
 from selfspec.quant.formats import (DenseWeight, Int4Weight, Int8PlanesWeight, affine_dequant_, fit_group_size,
                                     minmax_quant)
 from selfspec.quant.modes import MODES
+from selfspec.spec.policy import expected_tokens
 from selfspec.spec.recipes import resolve_recipe
 from selfspec.spec.sampling import SamplingParams
 
@@ -135,14 +136,9 @@ def rounds_from_agreement(agree: list[bool], k: int) -> list[int]:
     return rounds
 
 
-def tokens_per_round(a: float, k: int) -> float:
-    """Expected tokens per round with k drafts at i.i.d. per-token acceptance a."""
-    return k + 1.0 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-
-
 def predicted_speedup(a: float, k: int, c: float) -> float:
     """Over AR in the verify mode, a verify pass of k+1 tokens costing one AR step, a draft step c of one."""
-    return tokens_per_round(a, k) / (1 + k * c)
+    return expected_tokens(a, k) / (1 + k * c)
 
 
 def set_weights(model: Transformer, originals: dict[str, torch.Tensor], build: Build, g: int) -> None:
@@ -277,7 +273,7 @@ def table(agree: dict, names: list[str], ks=(2, 4, 8), costs=(0.5, 0.83)) -> str
     for name in names:
         per_task = [mean_agreement(agree[t][name]) for t in tasks]
         a = mean_agreement([row for t in tasks for row in agree[t][name]])  # over all positions
-        cells = [name, *(f"{x:.3f}" for x in per_task), *(f"{tokens_per_round(a, k):.2f}" for k in ks),
+        cells = [name, *(f"{x:.3f}" for x in per_task), *(f"{expected_tokens(a, k):.2f}" for k in ks),
                  *(f"{predicted_speedup(a, k, c):.2f}x" for c in costs for k in ks), NOTES[name]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
