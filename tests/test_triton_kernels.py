@@ -246,7 +246,8 @@ def test_swiglu_reads_the_halves_of_a_fused_output():
     torch.testing.assert_close(triton_small.swiglu(gate, up), reference_op("swiglu")(gate, up))
 
 
-@pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("int4", "w4a4"), ("int8", "w8a16")])
+@pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("planes", "upper"), ("int4", "w4a16"),
+                                               ("int4", "w4a4"), ("int8", "w8a16")])
 def test_tile_configs_compute_the_same_linear(storage, mode_name):
     """Each tile config (one K pass or K split with partials added in order; x W^T or (W x^T)^T) computes the
     same linear."""

@@ -22,7 +22,9 @@ KERNELS = {"bf16": ("dense", "bf16"), "w8a16": ("int8", "w8a16"), "w8a8": ("int8
            "full": ("planes", "full")}
 
 
-def candidates(group_fmt: bool) -> list[tlin.TileConfig]:
+def candidates(group_fmt: bool, nibble_kernel: bool) -> list[tlin.TileConfig]:
+    if nibble_kernel:  # _nibble_kernel: wider N tiles, never swapped
+        return [tlin.TileConfig(n, k, s) for n, k, s in itertools.product((64, 128, 256), (64, 128), (1, 2, 4, 8, 16))]
     ks = (64, 128) if group_fmt else (128, 256)
     return [tlin.TileConfig(n, k, s, 4, 3, swap) for n, k, s, swap
             in itertools.product((32, 64, 128), ks, (1, 2, 4, 8, 16), (False, True))]
@@ -48,7 +50,7 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
 
             current = tlin.tile_config(fmt, act, n, k, getattr(weight, "group_size", 0))
             results = []
-            for cfg in candidates(fmt >= tlin.INT4.value):
+            for cfg in candidates(fmt >= tlin.INT4.value, fmt in (tlin.INT4.value, tlin.UPPER.value) and not act):
                 if cfg.split_k > triton.cdiv(k, cfg.block_k):
                     continue
                 results.append((cost(cfg), cfg))

@@ -1,12 +1,15 @@
 """Triton GEMM y = x @ W^T (+ bias) read straight from every stored weight format.
 
-One kernel, specialised at compile time by how it reads W (FMT) and whether activations are quantized (ACT):
-- weight-only modes (bf16, w8a16, w4a16, upper, full) dequantize the weight tile in registers and run a
+_linear_kernel, specialised at compile time by how it reads W (FMT) and whether activations are quantized (ACT):
+- weight-only modes (bf16, w8a16, full) dequantize the weight tile in registers and run a
   bf16 tl.dot with fp32 accumulation;
 - activation-quantized modes (w8a8, w4a8, w4a4) quantize x per token (`act_quant`: int8 codes and a row
   scale), run an int8 tl.dot with int32 accumulation per K tile, and apply the weight's affine per tile:
       y = sx * sum_tiles(s * dot(xq, q - shift) + (lo + shift * s) * sum(xq))
   where unsigned weight codes are shifted into the signed int8 range and the shift is folded into the offset.
+_nibble_kernel covers one nibble plane (w4a16, upper) with bf16 activations: it feeds the tensor cores the codes
+themselves and applies each group's affine after the dot, which keeps it bound by memory rather than by
+converting every weight through fp32.
 
 Batch invariance (a row's output never depends on M): the tile config, the number of K splits included, is a
 function of (format, mode, N, K) only, BLOCK_M is fixed, each program walks its K range in order, and the
@@ -16,6 +19,7 @@ a decode GEMM (M = 1..64) put enough programs on the GPU to stream the weight at
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +39,7 @@ INT4 = tl.constexpr(2)  # nibbles
 UPPER = tl.constexpr(3)  # the upper nibble plane of the INT8-plane format, alone
 FULL = tl.constexpr(4)  # both planes: q8 = 16 * upper + lower
 
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no inline PTX
 BLOCK_M = 16  # fixed for every M (see the module docstring); the smallest tl.dot tile
 
 
@@ -168,7 +173,7 @@ def _linear_kernel(
             else:
                 acc += d
         else:
-            if FMT >= INT4:
+            if FMT >= INT4:  # FULL (single nibble planes go to _nibble_kernel)
                 w = (q.to(tl.float32) * s[:, None] + lo[:, None]).to(tl.bfloat16)
             elif FMT == INT8:
                 w = q.to(tl.float32).to(tl.bfloat16)  # via fp32: exact for int8 codes
@@ -183,6 +188,91 @@ def _linear_kernel(
     if not PARTIALS:
         _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, FMT, ACT, HAS_BIAS)
     else:  # fp32 partial sums [SPLIT_K, M, N], added in split order by _split_k_reduce
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+
+# Four bytes -> their eight nibbles as bf16 128 + c: masks, then byte permutes that put 0x43 above each nibble
+# (bf16 0x4300 is 128 and its 7 mantissa bits count 1s), two codes per 32-bit register.
+_NIBBLES_ASM = tl.constexpr("""
+{
+.reg .b32 lo, hi;
+and.b32 lo, $4, 0x0F0F0F0F;
+shr.b32 hi, $4, 4;
+and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $0, lo, 0x43, 0x4140;
+prmt.b32 $1, lo, 0x43, 0x4342;
+prmt.b32 $2, hi, 0x43, 0x4140;
+prmt.b32 $3, hi, 0x43, 0x4342;
+}
+""")
+CODE_OFFSET = tl.constexpr(128)  # the codes the tensor cores see are 128 + c: exact in bf16, cheap to build
+
+
+@triton.jit
+def _codes(b, ASM: tl.constexpr):
+    """bf16 128 + c of the low and the high nibbles of bytes b (byte permutes on the GPU; the interpreter, which
+    runs no PTX, computes the same values with integer ops)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_NIBBLES_ASM, "=r,=r,=r,=r,r", [b], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=4)
+    else:
+        lo = ((b & 15).to(tl.float32) + 128).to(tl.bfloat16)
+        hi = ((b >> 4).to(tl.float32) + 128).to(tl.bfloat16)
+    return lo, hi
+
+
+@triton.jit
+def _nibble_dot(xe, xo, b, acc, ASM: tl.constexpr):
+    """acc + x @ (128 + codes)^T for one tile of nibble bytes b [BLOCK_N, BLOCK_K / 2]: byte j holds k = 2j (low
+    nibble) and 2j + 1 (high), so the even and odd columns of x meet the two nibbles without interleaving them."""
+    lo, hi = _codes(b, ASM)
+    acc = tl.dot(xe, tl.trans(lo), acc)
+    return tl.dot(xo, tl.trans(hi), acc)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _nibble_kernel(
+    x_ptr, w_ptr, scale_ptr, lo_ptr, bias_ptr, y_ptr, part_ptr,
+    M, N, K, K_CHUNK, stride_xm, stride_wn, stride_sn, stride_ym,
+    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PARTIALS: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr,
+):
+    """One nibble plane (INT4, UPPER) with bf16 activations. Each K tile is one quant group, whose affine
+    is applied after the dot:  x . (lo + s q) = s (x . q) + lo sum(x),  so the tensor cores read exact integer
+    codes and no weight is scaled or converted through fp32 (which would bound the kernel by conversions, not
+    by memory). sum(x) comes from the tensor cores too (a dot with ones). Same grid and split-K as
+    _linear_kernel; every row goes through the same instructions whatever M is."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * K_CHUNK
+    k_end = tl.minimum(K, k_start + K_CHUNK)
+    # Pointers advance one tile per step (K is a multiple of GROUP and BLOCK_K divides GROUP: no K mask).
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_start + tl.arange(0, BLOCK_K)[None, :]
+    w_off = offs_n[:, None] * stride_wn + k_start // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
+    x_mask = (offs_m < M)[:, None]
+    w_mask = (offs_n < N)[:, None]
+    ones = tl.full((BLOCK_K // 2, BLOCK_N), 1.0, tl.float32).to(tl.bfloat16)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):  # this program's K range, in order
+        x = tl.load(x_ptrs, mask=x_mask, other=0)
+        xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+        if EVEN_N:
+            b = tl.load(w_ptr + w_off)
+        else:
+            b = tl.load(w_ptr + w_off, mask=w_mask, other=0)
+        d = _nibble_dot(xe, xo, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), ASM)
+        x_sum = tl.dot(xo, ones, tl.dot(xe, ones))  # [BLOCK_M, BLOCK_N]: each row's sum, on every column
+        s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, FMT)  # BLOCK_K divides GROUP
+        acc += d * s[None, :] + x_sum * (lo - s * CODE_OFFSET)[None, :]
+        x_ptrs += BLOCK_K
+        w_off += BLOCK_K // 2
+    if not PARTIALS:
+        _epilogue(acc, None, scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, FMT, False, HAS_BIAS)
+    else:
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
         tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
 
@@ -229,8 +319,14 @@ def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
 
     Chosen by `python -m selfspec.bench.tune_linear` on an H100 (Llama-3-8B layers, M = 1 and 9, under CUDA
     graphs, weights streamed from HBM): INT8 codes stream best in K tiles of 256, group-wise formats in tiles of
-    one group (<= 128) with K split in at least two, and INT4 codes with INT8 activations as the dot's left
-    operand (swapped)."""
+    one group (<= 128), INT4 codes with INT8 activations as the dot's left operand (swapped), and one nibble
+    plane with bf16 activations (_nibble_kernel) in N tiles of 256 with K split into enough pieces for about
+    384 programs."""
+    if fmt in (INT4.value, UPPER.value) and not act:
+        block_n = 256
+        n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, min(group, 128))
+        split_k = 1 << max(0, (384 // n_tiles).bit_length() - 1)  # the power of two <= 384 / n_tiles
+        return TileConfig(block_n, min(group, 128), max(1, min(k_tiles, 16, split_k)), num_stages=2)
     int4_act = act and fmt >= INT4.value
     block_n = 64 if int4_act or n > 32768 else 32
     if fmt >= INT4.value:
@@ -291,13 +387,20 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
     part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x2.device) if cfg.split_k > 1 else None
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n), cfg.split_k)
     flags = dict(FMT=fmt, ACT=act, HAS_BIAS=bias is not None)
-    _linear_kernel[grid](
-        x2, xs, w, w2, scale, lo, bias, y, part,
-        m, n, k, k_chunk, x2.stride(0), w.stride(0), 0 if lo is None else lo.stride(0), y.stride(0),
-        SHIFT=_shift(fmt) if act else 0, GROUP=getattr(weight, "group_size", 0), BLOCK_M=BLOCK_M,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIALS=part is not None, SWAP=cfg.swap, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **flags,
-    )
+    group = getattr(weight, "group_size", 0)
+    strides = (x2.stride(0), w.stride(0), 0 if lo is None else lo.stride(0), y.stride(0))
+    if fmt in (INT4.value, UPPER.value) and not act:
+        _nibble_kernel[grid](
+            x2, w, scale, lo, bias, y, part, m, n, k, k_chunk, *strides, FMT=fmt, GROUP=group,
+            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            PARTIALS=part is not None, EVEN_N=n % cfg.block_n == 0, ASM=not _INTERPRETING,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        _linear_kernel[grid](
+            x2, xs, w, w2, scale, lo, bias, y, part, m, n, k, k_chunk, *strides,
+            SHIFT=_shift(fmt) if act else 0, GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, PARTIALS=part is not None, SWAP=cfg.swap, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **flags)
     if part is not None:
         _split_k_reduce[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, 64))](
             part, xs, scale, bias, y, m, n, y.stride(0), SPLIT_K=cfg.split_k, BLOCK_M=BLOCK_M, BLOCK_N=64,
