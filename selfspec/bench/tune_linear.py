@@ -50,7 +50,7 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
 
             current = tlin.tile_config(fmt, act, n, k, getattr(weight, "group_size", 0))
             results = []
-            for cfg in candidates(fmt >= tlin.INT4.value, fmt in (tlin.INT4.value, tlin.UPPER.value) and not act):
+            for cfg in candidates(fmt >= tlin.INT4.value, fmt >= tlin.INT4.value and not act):
                 if cfg.split_k > triton.cdiv(k, cfg.block_k):
                     continue
                 results.append((cost(cfg), cfg))

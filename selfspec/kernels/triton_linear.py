@@ -1,14 +1,14 @@
 """Triton GEMM y = x @ W^T (+ bias) read straight from every stored weight format.
 
 _linear_kernel, specialised at compile time by how it reads W (FMT) and whether activations are quantized (ACT):
-- weight-only modes (bf16, w8a16, full) dequantize the weight tile in registers and run a
+- weight-only modes (bf16, w8a16) dequantize the weight tile in registers and run a
   bf16 tl.dot with fp32 accumulation;
 - activation-quantized modes (w8a8, w4a8, w4a4) quantize x per token (`act_quant`: int8 codes and a row
   scale), run an int8 tl.dot with int32 accumulation per K tile, and apply the weight's affine per tile:
       y = sx * sum_tiles(s * dot(xq, q - shift) + (lo + shift * s) * sum(xq))
   where unsigned weight codes are shifted into the signed int8 range and the shift is folded into the offset.
-_nibble_kernel covers one nibble plane (w4a16, upper) with bf16 activations: it feeds the tensor cores the codes
-themselves and applies each group's affine after the dot, which keeps it bound by memory rather than by
+_nibble_kernel covers the nibble formats with bf16 activations (w4a16, upper, full): it feeds the tensor cores
+the codes themselves and applies each group's affine after the dot, which keeps it bound by memory rather than by
 converting every weight through fp32.
 
 Batch invariance (a row's output never depends on M): the tile config, the number of K splits included, is a
@@ -173,9 +173,7 @@ def _linear_kernel(
             else:
                 acc += d
         else:
-            if FMT >= INT4:  # FULL (single nibble planes go to _nibble_kernel)
-                w = (q.to(tl.float32) * s[:, None] + lo[:, None]).to(tl.bfloat16)
-            elif FMT == INT8:
+            if FMT == INT8:
                 w = q.to(tl.float32).to(tl.bfloat16)  # via fp32: exact for int8 codes
             else:
                 w = q.to(tl.bfloat16)
@@ -222,6 +220,37 @@ def _codes(b, ASM: tl.constexpr):
     return lo, hi
 
 
+# The two planes' bytes (4 + 4) -> the signed 8-bit codes q8 - 128 at the even and the odd k: upper nibble
+# shifted over the lower one, the sign bit flipped.
+_PLANES_ASM = tl.constexpr("""
+{
+.reg .b32 a, b;
+and.b32 a, $2, 0x0F0F0F0F;
+shl.b32 a, a, 4;
+and.b32 b, $3, 0x0F0F0F0F;
+or.b32 a, a, b;
+xor.b32 $0, a, 0x80808080;
+and.b32 a, $2, 0xF0F0F0F0;
+shr.b32 b, $3, 4;
+and.b32 b, b, 0x0F0F0F0F;
+or.b32 a, a, b;
+xor.b32 $1, a, 0x80808080;
+}
+""")
+
+
+@triton.jit
+def _plane_codes(u, l, ASM: tl.constexpr):
+    """bf16 q8 - 128 (q8 = 16 upper + lower) at the even and the odd k of the plane bytes u and l."""
+    if ASM:
+        even, odd = tl.inline_asm_elementwise(_PLANES_ASM, "=r,=r,r,r", [u, l], dtype=(tl.int8, tl.int8),
+                                              is_pure=True, pack=4)
+        return even.to(tl.bfloat16), odd.to(tl.bfloat16)  # int8 -> bf16 is a cheap conversion
+    even = ((u & 15).to(tl.float32) * 16 + (l & 15).to(tl.float32) - 128).to(tl.bfloat16)
+    odd = ((u >> 4).to(tl.float32) * 16 + (l >> 4).to(tl.float32) - 128).to(tl.bfloat16)
+    return even, odd
+
+
 @triton.jit
 def _nibble_dot(xe, xo, b, acc, ASM: tl.constexpr):
     """acc + x @ (128 + codes)^T for one tile of nibble bytes b [BLOCK_N, BLOCK_K / 2]: byte j holds k = 2j (low
@@ -233,12 +262,12 @@ def _nibble_dot(xe, xo, b, acc, ASM: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _nibble_kernel(
-    x_ptr, w_ptr, scale_ptr, lo_ptr, bias_ptr, y_ptr, part_ptr,
+    x_ptr, w_ptr, w2_ptr, scale_ptr, lo_ptr, bias_ptr, y_ptr, part_ptr,
     M, N, K, K_CHUNK, stride_xm, stride_wn, stride_sn, stride_ym,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PARTIALS: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr,
 ):
-    """One nibble plane (INT4, UPPER) with bf16 activations. Each K tile is one quant group, whose affine
+    """Nibble formats (INT4, UPPER, FULL) with bf16 activations. Each K tile is one quant group, whose affine
     is applied after the dot:  x . (lo + s q) = s (x . q) + lo sum(x),  so the tensor cores read exact integer
     codes and no weight is scaled or converted through fp32 (which would bound the kernel by conversions, not
     by memory). sum(x) comes from the tensor cores too (a dot with ones). Same grid and split-K as
@@ -264,10 +293,20 @@ def _nibble_kernel(
             b = tl.load(w_ptr + w_off)
         else:
             b = tl.load(w_ptr + w_off, mask=w_mask, other=0)
-        d = _nibble_dot(xe, xo, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), ASM)
+        if FMT == FULL:  # the lower plane has the upper plane's layout
+            if EVEN_N:
+                b2 = tl.load(w2_ptr + w_off)
+            else:
+                b2 = tl.load(w2_ptr + w_off, mask=w_mask, other=0)
+            even, odd = _plane_codes(b, b2, ASM)
+            d = tl.dot(xo, tl.trans(odd), tl.dot(xe, tl.trans(even)))
+            offset = -128.0
+        else:
+            d = _nibble_dot(xe, xo, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), ASM)
+            offset = CODE_OFFSET
         x_sum = tl.dot(xo, ones, tl.dot(xe, ones))  # [BLOCK_M, BLOCK_N]: each row's sum, on every column
         s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, FMT)  # BLOCK_K divides GROUP
-        acc += d * s[None, :] + x_sum * (lo - s * CODE_OFFSET)[None, :]
+        acc += d * s[None, :] + x_sum * (lo - s * offset)[None, :]
         x_ptrs += BLOCK_K
         w_off += BLOCK_K // 2
     if not PARTIALS:
@@ -319,11 +358,11 @@ def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
 
     Chosen by `python -m selfspec.bench.tune_linear` on an H100 (Llama-3-8B layers, M = 1 and 9, under CUDA
     graphs, weights streamed from HBM): INT8 codes stream best in K tiles of 256, group-wise formats in tiles of
-    one group (<= 128), INT4 codes with INT8 activations as the dot's left operand (swapped), and one nibble
-    plane with bf16 activations (_nibble_kernel) in N tiles of 256 with K split into enough pieces for about
-    384 programs."""
-    if fmt in (INT4.value, UPPER.value) and not act:
-        block_n = 256
+    one group (<= 128), INT4 codes with INT8 activations as the dot's left operand (swapped), and nibbles with
+    bf16 activations (_nibble_kernel) in N tiles of 256 (128 when both planes are read) with K split into enough
+    pieces for about 384 programs."""
+    if fmt >= INT4.value and not act:
+        block_n = 128 if fmt == FULL.value else 256
         n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, min(group, 128))
         split_k = 1 << max(0, (384 // n_tiles).bit_length() - 1)  # the power of two <= 384 / n_tiles
         return TileConfig(block_n, min(group, 128), max(1, min(k_tiles, 16, split_k)), num_stages=2)
@@ -389,9 +428,9 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
     flags = dict(FMT=fmt, ACT=act, HAS_BIAS=bias is not None)
     group = getattr(weight, "group_size", 0)
     strides = (x2.stride(0), w.stride(0), 0 if lo is None else lo.stride(0), y.stride(0))
-    if fmt in (INT4.value, UPPER.value) and not act:
+    if fmt >= INT4.value and not act:
         _nibble_kernel[grid](
-            x2, w, scale, lo, bias, y, part, m, n, k, k_chunk, *strides, FMT=fmt, GROUP=group,
+            x2, w, w2, scale, lo, bias, y, part, m, n, k, k_chunk, *strides, FMT=fmt, GROUP=group,
             HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             PARTIALS=part is not None, EVEN_N=n % cfg.block_n == 0, ASM=not _INTERPRETING,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
