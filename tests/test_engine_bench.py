@@ -1,10 +1,11 @@
-"""Serving benchmark pieces: the closed loop on a tiny model (tokens == solo greedy, metrics), the truncated
-ShareGPT reader, percentiles."""
+"""Serving benchmark pieces: the closed loop on a tiny model (tokens == solo greedy, metrics), repeated AR/spec
+pairs (best of each and each pair's spec/AR), the truncated ShareGPT reader, percentiles."""
 import pytest
 import torch
 
 from conftest import tiny_model
-from selfspec.bench.serve import make_engine, percentiles, read_json_array_head, run_closed_loop
+from selfspec.bench.serve import (HEADER, bench_recipe, make_engine, markdown_row, pair_speedups, percentiles,
+                                  read_json_array_head, run_closed_loop)
 from selfspec.engine.llm import build
 from selfspec.spec.recipes import resolve_recipe
 from selfspec.spec.sampling import SamplingParams
@@ -49,6 +50,29 @@ def test_replayed_acceptance_runs_through_the_engine(llm):
     assert rounds == engine.stats().num_row_rounds > 0
     assert engine.stats().num_accepted_tokens == sum(min(trace[i % len(trace)], 3) for i in range(rounds))
     assert r["output_tokens"] == 5 * 8 and r["mean_gamma"] == 3
+
+
+def test_pair_speedups_are_per_pair_not_best_of():
+    runs = {"ar": [{"tokens_per_s": t} for t in (100.0, 80.0, 100.0)],
+            "spec": [{"tokens_per_s": t} for t in (90.0, 96.0, 105.0)]}
+    r = pair_speedups(runs)
+    assert r["speedup_per_pair"] == pytest.approx([0.9, 1.2, 1.05])
+    assert (r["speedup_median"], r["speedup_min"], r["speedup_max"]) == pytest.approx((1.05, 0.9, 1.2))
+
+
+def test_bench_recipe_reports_best_of_and_each_pair(llm):
+    prompts = random_prompts(4)
+    params = SamplingParams(max_new_tokens=4)
+    refs = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
+    (row,) = bench_recipe(llm, prompts, [2], params, 4, refs, repeats=3)
+    runs = row["tokens_per_s_all_runs"]
+    assert row["mismatches"] == 0
+    assert row["speedup"] == pytest.approx(max(runs["spec"]) / max(runs["ar"]))
+    assert row["speedup_per_pair"] == pytest.approx([s / a for a, s in zip(runs["ar"], runs["spec"])])
+    assert row["speedup_min"] <= row["speedup_median"] <= row["speedup_max"]
+    cells = markdown_row(row).split(" | ")
+    assert len(cells) == HEADER.splitlines()[0].count(" | ") + 1
+    assert cells[5] == f"{row['speedup_median']:.2f}x ({row['speedup_min']:.2f}-{row['speedup_max']:.2f}, 3 pairs)"
 
 
 def test_read_json_array_head_stops_at_a_cut_record():

@@ -1,12 +1,16 @@
-"""Gamma policy: expected tokens, cost estimates, exploration order, and the choice with given costs."""
+"""Gamma policy: expected tokens, cost estimates, exploration order, the choice with given costs, and the probe
+schedule against a simulated engine."""
+import random
+
 import pytest
 
 from selfspec.spec.policy import GammaPolicy, expected_tokens
 
 
-def measured(verify: dict[int, float], draft_ratio: float, acceptance: float, batch: int, max_gamma: int = 8):
+def measured(verify: dict[int, float], draft_ratio: float, acceptance: float, batch: int, max_gamma: int = 8,
+             **kw):
     """A policy that has seen plain decoding at `verify`'s sizes and drafts costing draft_ratio x verify(B)."""
-    p = GammaPolicy(max_gamma)
+    p = GammaPolicy(max_gamma, **kw)
     for tokens, s in verify.items():
         p.observe_round(tokens, 0, 0.0, s)
     p.observe_round(batch, 1, draft_ratio * p.verify_estimate(batch), p.verify_estimate(2 * batch))
@@ -78,12 +82,87 @@ def test_verify_estimate_interpolates_and_extrapolates():
     assert p.verify_estimate(1) == pytest.approx(1.0)
 
 
-def test_probes_re_time_the_option_not_taken():
-    """Speculating, a plain round every probe_every rounds re-times verify(B); decoding plainly, a round of
-    the best k every 4 x probe_every rounds re-times drafting and acceptance."""
-    p = measured({n: 1.0 for n in (1, 2, 4, 8, 16)}, draft_ratio=0.3, acceptance=0.8, batch=1)
+def test_probes_re_time_the_option_not_taken_and_back_off():
+    """Speculating, a plain round re-times verify(B) after probe_every rounds; decoding plainly, a drafting round
+    re-times drafting and acceptance after 4 x probe_every rounds. Each probe that leaves the choice as it was
+    doubles the interval, up to max_probe_every."""
+    p = measured({n: 1.0 for n in (1, 2, 4, 8, 16)}, draft_ratio=0.3, acceptance=0.8, batch=1, max_probe_every=16)
     p.probe_every = 4
-    assert [p.choose(1) for _ in range(10)] == [3, 3, 3, 3, 0, 3, 3, 3, 3, 0]
-    q = measured({n: 1.0 for n in (1, 2, 4, 8, 16)}, draft_ratio=1.0, acceptance=0.8, batch=1)
-    q.probe_every = 2
-    assert [q.choose(1) for _ in range(18)] == [0] * 8 + [1] + [0] * 8 + [1]
+    assert [p.choose(1) for _ in range(4 + 1 + 8 + 1 + 16 + 1 + 16 + 1)] == \
+        [3] * 4 + [0] + [3] * 8 + [0] + [3] * 16 + [0] + [3] * 16 + [0]
+    q = measured({n: 1.0 for n in (1, 2, 4, 8, 16)}, draft_ratio=1.0, acceptance=0.8, batch=1, probe_every=2,
+                 max_probe_every=32)
+    assert [q.choose(1) for _ in range(8 + 1 + 16 + 1 + 32 + 1 + 32 + 1)] == \
+        [0] * 8 + [1] + [0] * 16 + [1] + [0] * 32 + [1] + [0] * 32 + [1]
+
+
+def test_probe_schedule_restarts_when_the_batch_moves_or_the_choice_flips():
+    q = measured({n: 1.0 for n in (8, 9, 16, 32)}, draft_ratio=1.0, acceptance=0.8, batch=8, probe_every=2,
+                 max_probe_every=32)
+    assert [q.choose(8) for _ in range(8 + 1 + 16 + 1 + 32 + 1)] == [0] * 8 + [1] + [0] * 16 + [1] + [0] * 32 + [1]
+    assert [q.choose(9) for _ in range(33)] == [0] * 32 + [1]  # 8 -> 9: the same question, backed off
+    assert [q.choose(16) for _ in range(9)] == [0] * 8 + [1]  # 8 -> 16: probed again soon
+    for _ in range(20):  # drafts became cheap
+        q.observe_round(16, 1, 0.1, 1.0)
+    k = q.choose(16)
+    assert k > 1 and [q.choose(16) for _ in range(3)] == [k, 0, k]  # speculating: plain probes from the base
+
+
+def test_a_probe_drafts_the_k_losing_least_time_not_the_best_k():
+    """A verify pass of 2+ tokens per row costs 3x one of 1, a draft step as much as the latter, acceptance 0.8:
+    3 drafts have the best throughput (still half of plain decoding's), 1 draft the cheapest loss."""
+    p = measured({1: 1.0, 2: 3.0, 4: 3.0, 8: 3.0, 16: 3.0}, draft_ratio=1.0, acceptance=0.8, batch=1, probe_every=2)
+    assert max(range(1, 9), key=lambda k: p.throughput(1, k)) == 3 and p.throughput(1, 3) < 0.6 * p.throughput(1, 0)
+    assert [p.choose(1) for _ in range(9)] == [0] * 8 + [1]
+
+
+def serve(p: GammaPolicy, rounds: int, batch: int, draft_ratio: float, acceptance: float, rng: random.Random,
+          verify=lambda tokens: 1.0) -> list[int]:
+    """Let the policy drive `rounds` simulated rounds over `batch` rows: a draft step costs draft_ratio x
+    verify(B), a row accepts each draft with probability `acceptance` until its first rejection, timings jitter
+    by 3%. Returns the k of every round."""
+    ks = []
+    for _ in range(rounds):
+        k = p.choose(batch)
+        jitter = lambda: rng.uniform(0.97, 1.03)  # noqa: E731
+        p.observe_round(batch, k, k * draft_ratio * verify(batch) * jitter(), verify(batch * (k + 1)) * jitter())
+        accepted = []
+        for _ in range(batch):
+            n = 0
+            while n < k and rng.random() < acceptance:
+                n += 1
+            accepted.append(n)
+        p.observe_acceptance(k, accepted)
+        ks.append(k)
+    return ks
+
+
+def test_probes_cost_under_1pct_when_drafts_cost_as_much_as_verify():
+    """The H100 case: speculation never pays; the probes are the only drafting rounds and stay under 1% of them
+    (fixed-interval probing drafted in 1.5%), yet keep coming, and draft 1 token."""
+    ks = serve(GammaPolicy(), 5000, 8, draft_ratio=1.0, acceptance=0.5, rng=random.Random(0))
+    probes = [i for i, k in enumerate(ks) if k]
+    assert len(probes) < 0.01 * len(ks)
+    assert probes[-1] > len(ks) - 130 and {ks[i] for i in probes} == {1}
+
+
+def test_settles_on_speculation_quickly_when_drafts_are_cheap():
+    ks = serve(GammaPolicy(), 1000, 8, draft_ratio=0.2, acceptance=0.9, rng=random.Random(0))
+    assert ks[:2] == [0, 1] and ks[2] >= 2  # measure plain, explore 1 draft, then speculate
+    assert sum(k >= 2 for k in ks[2:]) >= 0.97 * len(ks[2:])  # plain probes back off too
+
+
+def test_follows_a_change_of_costs():
+    """Drafts turn cheap after 3000 plain rounds (only probes can see it; at most a few capped intervals), and
+    dear again after 3000 speculative ones (every round sees it)."""
+    rng = random.Random(0)
+    p = GammaPolicy()
+    assert sum(k > 0 for k in serve(p, 3000, 8, 1.0, 0.9, rng)) < 30
+    ks = serve(p, 3000, 8, 0.2, 0.9, rng)
+    switch = next(i for i, k in enumerate(ks) if k >= 2)
+    assert switch <= 3 * p.max_probe_every
+    assert sum(k >= 2 for k in ks[switch:]) >= 0.98 * len(ks[switch:])
+    ks = serve(p, 3000, 8, 1.0, 0.9, rng)
+    switch = next(i for i, k in enumerate(ks) if k == 0)
+    assert switch <= 20
+    assert sum(k > 0 for k in ks[switch + 10:]) < 0.01 * len(ks[switch + 10:])

@@ -126,12 +126,11 @@ def test_greedy_lossless_up_to_the_context_limit():
 
 
 def test_accept_greedy_unit():
-    logits = torch.full((4, 10), -1.0)
-    logits[0, 3] = logits[1, 5] = logits[2, 7] = logits[3, 1] = 1.0
-    assert accept_greedy([3, 5, 7], logits) == (3, 1)
-    assert accept_greedy([3, 5, 6], logits) == (2, 7)
-    assert accept_greedy([4, 5, 7], logits) == (0, 3)
-    assert accept_greedy([], logits[:1]) == (0, 3)
+    target = [3, 5, 7, 1]  # the verify pass's argmax at the pending token and each draft
+    assert accept_greedy([3, 5, 7], target) == (3, 1)
+    assert accept_greedy([3, 5, 6], target) == (2, 7)
+    assert accept_greedy([4, 5, 7], target) == (0, 3)
+    assert accept_greedy([], target[:1]) == (0, 3)
 
 
 # ---------------------------------------------------------------- (b) rollback leaves the AR cache

@@ -13,7 +13,11 @@ is no solo check.
 
 selfspec bench serve [--model M | --shape S [--prompt-tokens 512] [--trace FILE]] [--recipes planes qspec]
                      [--datasets sharegpt gsm8k humaneval mtbench] [--batch-sizes 1 8 16 32] [--requests 64]
-                     [--max-new-tokens 128] [--device cuda] [--out FILE.json]
+                     [--max-new-tokens 128] [--repeats 1] [--device cuda] [--out FILE.json]
+
+With `--repeats N` each batch size runs N AR/spec pairs back to back: "spec/AR" is best spec over best AR, and
+the spec/AR ratio of each pair is reported too (median, min-max; JSON `speedup_per_pair`), so noise can be told
+from a real gap.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import argparse
 import gzip
 import json
 import random
+import statistics
 import sys
 import time
 
@@ -176,7 +181,7 @@ def bench_recipe(llm: selfspec.LLM, prompts: list[list[int]], batch_sizes: list[
                  max_gamma: int, refs: list[list[int]] | None, repeats: int = 1,
                  replay: list[int] | None = None) -> list[dict]:
     """AR and speculative runs alternate on one engine per batch size (`repeats` pairs, so load drift hits both
-    alike); each side reports its fastest run."""
+    alike); each side reports its fastest run, and the spec/AR ratio of every pair is kept (median, min, max)."""
     rows = []
     for b in batch_sizes:
         engine = make_engine(llm, prompts, b, params.max_new_tokens, max_gamma, replay)
@@ -189,6 +194,7 @@ def bench_recipe(llm: selfspec.LLM, prompts: list[list[int]], batch_sizes: list[
                "synthetic": replay is not None, "ar": ar, "spec": spec,
                "speedup": spec["tokens_per_s"] / ar["tokens_per_s"],
                "tokens_per_s_all_runs": {side: [r["tokens_per_s"] for r in rs] for side, rs in runs.items()}}
+        row |= pair_speedups(runs)
         if refs is not None:  # batched greedy (AR and speculative) == solo greedy, request by request
             row["mismatches"] = sum(t != r for rs in runs.values() for run in rs for t, r in zip(run["tokens"], refs))
         for rs in runs.values():
@@ -202,8 +208,17 @@ def bench_recipe(llm: selfspec.LLM, prompts: list[list[int]], batch_sizes: list[
     return rows
 
 
-HEADER = ("| recipe (draft -> verify) | batch | AR tok/s | spec tok/s | spec/AR | acceptance | mean gamma | "
-          "TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | batched == solo |\n|---|---|---|---|---|---|---|---|---|---|")
+def pair_speedups(runs: dict[str, list[dict]]) -> dict:
+    """Spec/AR throughput of each AR/spec pair (run back to back, so drift hits both alike): every ratio, the
+    median and the extremes."""
+    ratios = [s["tokens_per_s"] / a["tokens_per_s"] for a, s in zip(runs["ar"], runs["spec"])]
+    return {"speedup_per_pair": ratios, "speedup_median": statistics.median(ratios),
+            "speedup_min": min(ratios), "speedup_max": max(ratios)}
+
+
+HEADER = ("| recipe (draft -> verify) | batch | AR tok/s | spec tok/s | spec/AR | spec/AR per pair: median (min-max) | "
+          "acceptance | mean gamma | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | batched == solo |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def markdown_row(r: dict) -> str:
@@ -212,9 +227,15 @@ def markdown_row(r: dict) -> str:
     check = "-" if "mismatches" not in r else ("yes" if r["mismatches"] == 0 else f"NO ({r['mismatches']})")
     label = " SYNTHETIC, acceptance replayed" if r["synthetic"] else ""
     return (f"| {r['recipe']} ({r['draft']} -> {r['verify']}){label} | {r['batch']} | {r['ar']['tokens_per_s']:.2f} | "
-            f"{s['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {acc} | {s['mean_gamma']:.2f} | "
+            f"{s['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {spread(r)} | {acc} | {s['mean_gamma']:.2f} | "
             f"{s['ttft_s']['p50']:.2f} / {s['ttft_s']['p99']:.2f} | "
             f"{1e3 * s['itl_s']['p50']:.0f} / {1e3 * s['itl_s']['p99']:.0f} | {check} |")
+
+
+def spread(r: dict) -> str:
+    """The per-pair spec/AR cell: median (min-max, pairs)."""
+    n = len(r["speedup_per_pair"])
+    return f"{r['speedup_median']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}, {n} pairs)"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -235,7 +256,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
-    p.add_argument("--repeats", type=int, default=1, help="AR/spec run pairs per batch size (best of each)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="AR/spec run pairs per batch size (best of each, and each pair's spec/AR)")
     p.add_argument("--no-check", action="store_true", help="skip the solo greedy reference runs")
     p.add_argument("--out", default=None, help="write the JSON results here")
 

@@ -14,7 +14,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 import selfspec
@@ -47,10 +46,10 @@ class ReplayAcceptance:
         self.accepted = accepted
         self.i = 0
 
-    def __call__(self, drafts: list[int], verify_logits: torch.Tensor) -> tuple[int, int]:
+    def __call__(self, drafts: list[int], target: list[int]) -> tuple[int, int]:
         n = min(self.accepted[self.i % len(self.accepted)], len(drafts))
         self.i += 1
-        return n, int(verify_logits[n].argmax())
+        return n, target[n]
 
 
 def task_prompts(tasks: list[str], n: int) -> dict[str, list]:

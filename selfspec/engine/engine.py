@@ -280,16 +280,16 @@ class Engine:
         width = max(sizes)
         for s, n in zip(seqs, sizes):
             self.cache.extend(s.id, n)
-        toks = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, (s, n) in enumerate(zip(seqs, sizes)):
-            toks[i, :n] = torch.tensor(s.prompt[s.prefilled:s.prefilled + n])
+        toks = torch.tensor([s.prompt[s.prefilled:s.prefilled + n] + [0] * (width - n) for s, n in zip(seqs, sizes)])
         real = torch.arange(width)[None] < torch.tensor(sizes)[:, None]
         start = torch.tensor([s.prefilled for s in seqs])[:, None]
         pos = (start + torch.arange(width)).clamp_max(self.max_len - 1)  # padding may run past the context
         logits = model(toks.to(dev), pos.to(dev), self.cache.view([s.id for s in seqs], real), self.llm.verify_mode)
         done = [s.prefilled + n == len(s.prompt) for s, n in zip(seqs, sizes)]
-        first = [pick(logits[i, n - 1], s.params, s.gen) if d else None
-                 for i, (s, n, d) in enumerate(zip(seqs, sizes, done))]
+        last = logits[torch.arange(len(seqs), device=dev), torch.tensor(sizes, device=dev) - 1]  # last prompt positions
+        top = last.argmax(-1).tolist()  # greedy rows' first tokens: one pass and one copy, not one per row
+        first = [(top[i] if s.params.greedy else pick(last[i], s.params, s.gen)) if d else None
+                 for i, (s, d) in enumerate(zip(seqs, done))]
         now = time.perf_counter()
         for s, n, d, tok in zip(seqs, sizes, done, first):
             s.prefilled += n

@@ -20,7 +20,7 @@ from selfspec.quant.modes import Mode
 from selfspec.spec.sampling import SamplingParams, sample, to_probs
 from selfspec.spec.verify import accept_greedy, accept_rejection
 
-GreedyAcceptance = Callable[[list[int], torch.Tensor], tuple[int, int]]  # (drafts, verify logits) -> (n, next)
+GreedyAcceptance = Callable[[list[int], list[int]], tuple[int, int]]  # (drafts, verify argmaxes) -> (n, next)
 
 
 @dataclass
@@ -82,8 +82,9 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Mode | 
     toks = torch.tensor([[r.pending] + d for r, d in zip(rows, drafts)], device=dev)
     pos = torch.tensor([r.length for r in rows], device=dev)[:, None] + torch.arange(k + 1, device=dev)
     logits = model(toks, pos, cache, verify)
-    accepted = [accept(d, lg) if r.params.greedy else accept_rejection(d, qq, to_probs(lg, r.params), r.gen)
-                for r, d, qq, lg in zip(rows, drafts, q, logits)]
+    targets = logits.argmax(-1).tolist()  # greedy rows' verify tokens: one pass and one copy, not one per row
+    accepted = [accept(d, t) if r.params.greedy else accept_rejection(d, qq, to_probs(lg, r.params), r.gen)
+                for r, d, qq, lg, t in zip(rows, drafts, q, logits, targets)]
     t2 = time.perf_counter()
     out = []
     for r, d, (n, nxt) in zip(rows, drafts, accepted):

@@ -10,10 +10,24 @@ Costs are learned as the engine runs (exponential moving averages):
 - draft cost as a ratio to the verify cost of a pass of the same size (B tokens), per batch size
   (the nearest measured batch size stands in for an unmeasured one).
 Exploration: an unmeasured batch size first runs plain decoding once (measures verify(B)); while no draft
-step was ever measured, it then drafts 1 token once (measures the draft ratio and acceptance). Probes keep the
-estimates fresh (a first measurement may be a slow outlier, and the losing option is otherwise never re-timed):
-every `probe_every` speculative rounds at a batch size one plain round re-times verify(B), and every
-4 x probe_every plain rounds one round of the best k re-times drafting and acceptance.
+step was ever measured, it then drafts 1 token once (measures the draft ratio and acceptance).
+
+Probes keep the estimates fresh (a first measurement may be a slow outlier, and the losing option is otherwise
+never re-timed): while speculating, a plain round re-times verify(B) every `probe_every` rounds; while decoding
+plainly, a drafting round re-times the draft step and acceptance every 4 x probe_every rounds. A probe of the
+losing option is a lost round, so probing is cost-bounded:
+- each probe that leaves the choice as it was doubles the interval, up to `max_probe_every` (128 rounds: once
+  backed off, probes are under 0.8% of rounds, whatever they lose);
+- the interval restarts at its base when the choice changes (a probe, or drift seen by the rounds themselves,
+  flipped it) or when the batch size moves by more than a quarter from where the schedule started (the costs
+  there are another question); the cost of the cap is latency in following a change the probes alone can see
+  (e.g. drafts getting cheaper while decoding plainly: a few capped intervals, as each probe moves the
+  estimates by alpha);
+- a drafting probe runs the k estimated to lose the least time against plain decoding of the same tokens,
+  k * draft(B) + verify(B * (k+1)) - E(k) * verify(B), not the k of the best throughput. Each extra draft
+  costs a draft step and a wider verify and adds a^k tokens, so when speculation loses by a wide margin (drafts
+  as dear as verify steps, as on the H100) that is k = 1, the cheapest round that still measures the draft step
+  and acceptance; when speculation nearly pays it is near the best k, whose verify width the choice hinges on.
 """
 from __future__ import annotations
 
@@ -37,17 +51,23 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 class GammaPolicy:
-    def __init__(self, max_gamma: int = 8, alpha: float = 0.2, margin: float = 0.05, probe_every: int = 16):
+    def __init__(self, max_gamma: int = 8, alpha: float = 0.2, margin: float = 0.05, probe_every: int = 16,
+                 max_probe_every: int = 128):
         self.max_gamma = max_gamma
         self.alpha = alpha
         self.margin = margin
         self.probe_every = probe_every
-        self.streak: dict[int, tuple[bool, int]] = {}  # batch size -> (speculating, rounds in a row)
+        self.max_probe_every = max_probe_every
         self.accepted = Ema(alpha)  # accepted drafts per round ...
         self.trials = Ema(alpha)  # ... and acceptance trials per round (accepted + 1 if a draft was rejected)
         self.verify_cost: dict[int, Ema] = {}  # tokens in the pass -> seconds
         self.draft_ratio: dict[int, Ema] = {}  # batch size -> draft step seconds / verify(B tokens) seconds
         self.last_gamma = 0
+        # the probe schedule: the choice it follows, the batch size it started at, rounds since it last probed
+        self.speculating: bool | None = None
+        self.schedule_batch = 0
+        self.since_probe = 0
+        self.probe_interval = probe_every
 
     # ---------------------------------------------------------------- observations
 
@@ -95,27 +115,37 @@ class GammaPolicy:
         base = self.verify_estimate(batch)
         return None if base is None else self.draft_ratio[nearest].value * base
 
+    def round_cost(self, batch: int, k: int) -> float:
+        """Estimated seconds of a round with k drafts over `batch` rows (requires measurements)."""
+        draft = k * self.draft_estimate(batch) if k else 0.0
+        return draft + self.verify_estimate(batch * (k + 1))
+
     def throughput(self, batch: int, k: int) -> float:
         """Estimated tokens per second per row of a round with k drafts (requires measurements)."""
-        if k == 0:
-            return 1.0 / self.verify_estimate(batch)
-        cost = k * self.draft_estimate(batch) + self.verify_estimate(batch * (k + 1))
-        return expected_tokens(self.acceptance, k) / cost
+        tokens = expected_tokens(self.acceptance, k) if k else 1.0
+        return tokens / self.round_cost(batch, k)
 
     # ---------------------------------------------------------------- the choice
 
     def choose(self, batch: int) -> int:
         """Drafts per row for the next round over `batch` rows."""
         k = self._choose(batch)
-        speculating, n = self.streak.get(batch, (k > 0, 0))
-        if (k > 0) != speculating:
-            speculating, n = k > 0, 0
-        n += 1
-        if self.max_gamma and n > (self.probe_every if speculating else 4 * self.probe_every):
-            k, n = (0 if speculating else self._best(batch)), 0  # probe the other option once
-        self.streak[batch] = (speculating, n)
+        self._follow(batch, k > 0)
+        self.since_probe += 1
+        if self.max_gamma and self.since_probe > self.probe_interval:
+            k = 0 if k else self._probe(batch)  # re-time the option not taken, once
+            self.since_probe = 0
+            self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)  # undone if the choice flips
         self.last_gamma = k
         return k
+
+    def _follow(self, batch: int, speculating: bool) -> None:
+        """Restart the probe schedule at its base interval when the choice changes or the batch size moves by
+        more than a quarter."""
+        moved = max(batch, self.schedule_batch) > 1.25 * min(batch, self.schedule_batch)
+        if speculating != self.speculating or moved:
+            self.speculating, self.schedule_batch, self.since_probe = speculating, batch, 0
+            self.probe_interval = self.probe_every if speculating else 4 * self.probe_every
 
     def _choose(self, batch: int) -> int:
         if self.max_gamma == 0 or batch not in self.verify_cost:
@@ -126,7 +156,14 @@ class GammaPolicy:
         return best if self.throughput(batch, best) > self.throughput(batch, 0) * (1 + self.margin) else 0
 
     def _best(self, batch: int) -> int:
-        """The k >= 1 with the most estimated tokens per second (1 while nothing is measured)."""
-        if self.acceptance is None or not self.draft_ratio or batch not in self.verify_cost:
-            return min(1, self.max_gamma)
+        """The k >= 1 with the most estimated tokens per second."""
         return max(range(1, self.max_gamma + 1), key=lambda k: self.throughput(batch, k))
+
+    def _probe(self, batch: int) -> int:
+        """The k >= 1 a probe of drafting runs: the least estimated time lost against plain decoding of the same
+        tokens (1 while nothing is measured)."""
+        plain = self.verify_estimate(batch)
+        if self.acceptance is None or not self.draft_ratio or plain is None:
+            return min(1, self.max_gamma)
+        return min(range(1, self.max_gamma + 1),
+                   key=lambda k: self.round_cost(batch, k) - expected_tokens(self.acceptance, k) * plain)

@@ -10,9 +10,8 @@ import torch
 from selfspec.spec.sampling import sample
 
 
-def accept_greedy(drafts: list[int], verify_logits: torch.Tensor) -> tuple[int, int]:
-    """drafts [k]; verify_logits [k+1, V] at the pending token and each draft."""
-    target = verify_logits.argmax(-1).tolist()
+def accept_greedy(drafts: list[int], target: list[int]) -> tuple[int, int]:
+    """drafts [k]; target [k+1]: the verify pass's argmax at the pending token and each draft."""
     n = 0
     while n < len(drafts) and drafts[n] == target[n]:
         n += 1
