@@ -149,7 +149,7 @@ def test_attention_decode_matches_reference_and_is_invariant_in_queries():
     torch.manual_seed(3)
     k_all, v_all = kv_cache(2, 2, 704, 32)
     q = torch.randn(2, 4, 5, 32).bfloat16()  # GQA: 4 query heads on 2 kv heads
-    # Each row at its own positions; row 0's 5 queries straddle the first key chunk's end (512).
+    # Each row at its own positions; row 0's 5 queries straddle a key chunk's end (512, a multiple of CHUNK).
     pos = torch.stack((torch.arange(509, 514), torch.arange(30, 35)))
     table = rows_table(2)
     out = triton_attention.attention(q, k_all, v_all, table, pos)  # the whole buffer, stale slots past pos included
@@ -181,7 +181,7 @@ def test_paged_attention_matches_reference_and_contiguous_and_is_row_invariant(b
     k, v = kv_cache(3, 2, 640, 32)
     k_pool, v_pool, table = scatter_to_pool(k, v, bs, gen)
     q = torch.randn(3, 4, t, 32).bfloat16()  # GQA: 4 query heads on 2 kv heads
-    lengths = torch.tensor([530, 37, 200])  # rows of different lengths; row 0 straddles the 512-key chunk
+    lengths = torch.tensor([530, 37, 200])  # rows of different lengths; row 0 straddles a chunk end (512)
     pos = lengths[:, None] + torch.arange(t)  # each row's queries after its own history (causal offsets)
     out = triton_attention.attention(q, k_pool, v_pool, table, pos)
     assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
