@@ -246,6 +246,19 @@ def test_swiglu_reads_the_halves_of_a_fused_output():
     torch.testing.assert_close(triton_small.swiglu(gate, up), reference_op("swiglu")(gate, up))
 
 
+@pytest.mark.parametrize("storage,mode_name", [("int4", "w4a8"), ("planes", "w4a4")])
+def test_int8_activations_in_groups_of_32(storage, mode_name):
+    """Groups under 64 take _linear_kernel's interleaved path (an int8 dot over half a group would be too short)."""
+    torch.manual_seed(12)
+    mode = MODES[mode_name]
+    weight = quantize_weight(torch.randn(40, 96), storage, 32)
+    assert not triton_linear.uses_nibble_kernel(triton_linear.kernel_format(weight, mode), True, 32)
+    x = torch.randn(5, 96).bfloat16()
+    y = triton_linear.linear(x, weight, mode, None)
+    assert rel_err(y, linear_oracle(x, weight, mode, None)) < TOL
+    assert torch.equal(triton_linear.linear(x[2:3], weight, mode, None), y[2:3])
+
+
 @pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("planes", "upper"), ("int4", "w4a16"),
                                                ("int4", "w4a4"), ("int8", "w8a16")])
 def test_tile_configs_compute_the_same_linear(storage, mode_name):

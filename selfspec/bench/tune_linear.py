@@ -50,7 +50,8 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
 
             current = tlin.tile_config(fmt, act, n, k, getattr(weight, "group_size", 0))
             results = []
-            for cfg in candidates(fmt >= tlin.INT4.value, fmt >= tlin.INT4.value and not act):
+            nibble = tlin.uses_nibble_kernel(fmt, act, getattr(weight, "group_size", 0))
+            for cfg in candidates(fmt >= tlin.INT4.value, nibble):
                 if cfg.split_k > triton.cdiv(k, cfg.block_k):
                     continue
                 results.append((cost(cfg), cfg))

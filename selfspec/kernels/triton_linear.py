@@ -1,15 +1,15 @@
 """Triton GEMM y = x @ W^T (+ bias) read straight from every stored weight format.
 
 _linear_kernel, specialised at compile time by how it reads W (FMT) and whether activations are quantized (ACT):
-- weight-only modes (bf16, w8a16) dequantize the weight tile in registers and run a
-  bf16 tl.dot with fp32 accumulation;
-- activation-quantized modes (w8a8, w4a8, w4a4) quantize x per token (`act_quant`: int8 codes and a row
+- weight-only modes (bf16, w8a16) dequantize the weight tile in registers and run a bf16 tl.dot with fp32
+  accumulation;
+- activation-quantized modes on INT8 and both planes quantize x per token (`act_quant`: int8 codes and a row
   scale), run an int8 tl.dot with int32 accumulation per K tile, and apply the weight's affine per tile:
       y = sx * sum_tiles(s * dot(xq, q - shift) + (lo + shift * s) * sum(xq))
   where unsigned weight codes are shifted into the signed int8 range and the shift is folded into the offset.
-_nibble_kernel covers the nibble formats with bf16 activations (w4a16, upper, full): it feeds the tensor cores
-the codes themselves and applies each group's affine after the dot, which keeps it bound by memory rather than by
-converting every weight through fp32.
+_nibble_kernel covers the nibble formats (w4a16, upper, full; w4a8 and w4a4 with the same act_quant): it feeds the
+tensor cores the codes themselves and applies each group's affine after the dot, which keeps it bound by memory
+rather than by converting every weight through fp32.
 
 Batch invariance (a row's output never depends on M): the tile config, the number of K splits included, is a
 function of (format, mode, N, K) only, BLOCK_M is fixed, each program walks its K range in order, and the
@@ -251,6 +251,25 @@ def _plane_codes(u, l, ASM: tl.constexpr):
     return even, odd
 
 
+# Four bytes -> their low and their high nibbles as int8 codes 0..15 (for the int8 tensor cores).
+_NIBBLES_I8_ASM = tl.constexpr("""
+{
+and.b32 $0, $2, 0x0F0F0F0F;
+shr.b32 $1, $2, 4;
+and.b32 $1, $1, 0x0F0F0F0F;
+}
+""")
+
+
+@triton.jit
+def _int8_codes(b, ASM: tl.constexpr):
+    """int8 codes 0..15 of the low and the high nibbles of bytes b."""
+    if ASM:
+        return tl.inline_asm_elementwise(_NIBBLES_I8_ASM, "=r,=r,r", [b], dtype=(tl.int8, tl.int8), is_pure=True,
+                                         pack=4)
+    return (b & 15).to(tl.int8), (b >> 4).to(tl.int8)
+
+
 @triton.jit
 def _nibble_dot(xe, xo, b, acc, ASM: tl.constexpr):
     """acc + x @ (128 + codes)^T for one tile of nibble bytes b [BLOCK_N, BLOCK_K / 2]: byte j holds k = 2j (low
@@ -262,16 +281,17 @@ def _nibble_dot(xe, xo, b, acc, ASM: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _nibble_kernel(
-    x_ptr, w_ptr, w2_ptr, scale_ptr, lo_ptr, bias_ptr, y_ptr, part_ptr,
+    x_ptr, xs_ptr, w_ptr, w2_ptr, scale_ptr, lo_ptr, bias_ptr, y_ptr, part_ptr,
     M, N, K, K_CHUNK, stride_xm, stride_wn, stride_sn, stride_ym,
-    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PARTIALS: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr,
+    FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIALS: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr,
 ):
-    """Nibble formats (INT4, UPPER, FULL) with bf16 activations. Each K tile is one quant group, whose affine
-    is applied after the dot:  x . (lo + s q) = s (x . q) + lo sum(x),  so the tensor cores read exact integer
-    codes and no weight is scaled or converted through fp32 (which would bound the kernel by conversions, not
-    by memory). sum(x) comes from the tensor cores too (a dot with ones). Same grid and split-K as
-    _linear_kernel; every row goes through the same instructions whatever M is."""
+    """Nibble formats: INT4, UPPER and FULL with bf16 activations, INT4 and UPPER with int8 activation codes
+    (ACT). Each K tile is one quant group, whose affine is applied after the dot:
+        x . (lo + s q) = s (x . q) + lo sum(x)
+    so the tensor cores read exact integer codes and no weight is scaled or converted through fp32 (which would
+    bound the kernel by conversions, not by memory). sum(x) comes from the tensor cores too (a dot with ones).
+    Same grid and split-K as _linear_kernel; every row goes through the same instructions whatever M is."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -284,7 +304,10 @@ def _nibble_kernel(
     w_off = offs_n[:, None] * stride_wn + k_start // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
     x_mask = (offs_m < M)[:, None]
     w_mask = (offs_n < N)[:, None]
-    ones = tl.full((BLOCK_K // 2, BLOCK_N), 1.0, tl.float32).to(tl.bfloat16)
+    if ACT:
+        ones = tl.full((BLOCK_K // 2, BLOCK_N), 1, tl.int8)
+    else:
+        ones = tl.full((BLOCK_K // 2, BLOCK_N), 1.0, tl.float32).to(tl.bfloat16)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):  # this program's K range, in order
         x = tl.load(x_ptrs, mask=x_mask, other=0)
@@ -293,7 +316,12 @@ def _nibble_kernel(
             b = tl.load(w_ptr + w_off)
         else:
             b = tl.load(w_ptr + w_off, mask=w_mask, other=0)
-        if FMT == FULL:  # the lower plane has the upper plane's layout
+        if ACT:  # int8 codes 0..15 on int8 tensor cores, exact int32 sums per tile
+            lo_c, hi_c = _int8_codes(b, ASM)
+            d = tl.dot(xo, tl.trans(hi_c), tl.dot(xe, tl.trans(lo_c), out_dtype=tl.int32), out_dtype=tl.int32)
+            d = d.to(tl.float32)
+            offset = 0.0
+        elif FMT == FULL:  # the lower plane has the upper plane's layout
             if EVEN_N:
                 b2 = tl.load(w2_ptr + w_off)
             else:
@@ -304,13 +332,16 @@ def _nibble_kernel(
         else:
             d = _nibble_dot(xe, xo, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), ASM)
             offset = CODE_OFFSET
-        x_sum = tl.dot(xo, ones, tl.dot(xe, ones))  # [BLOCK_M, BLOCK_N]: each row's sum, on every column
+        if ACT:
+            x_sum = tl.dot(xo, ones, tl.dot(xe, ones, out_dtype=tl.int32), out_dtype=tl.int32).to(tl.float32)
+        else:
+            x_sum = tl.dot(xo, ones, tl.dot(xe, ones))  # [BLOCK_M, BLOCK_N]: each row's sum, on every column
         s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, FMT)  # BLOCK_K divides GROUP
         acc += d * s[None, :] + x_sum * (lo - s * offset)[None, :]
         x_ptrs += BLOCK_K
         w_off += BLOCK_K // 2
     if not PARTIALS:
-        _epilogue(acc, None, scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, FMT, False, HAS_BIAS)
+        _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, FMT, ACT, HAS_BIAS)
     else:
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
         tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
@@ -353,19 +384,27 @@ class TileConfig:
     swap: bool = False  # W as the dot's left operand (y^T = W x^T)
 
 
+def uses_nibble_kernel(fmt: int, act: bool, group: int) -> bool:
+    """_nibble_kernel takes the nibble formats but both planes with int8 activations (w8a8 etc. on planes) and
+    int8 activations in groups under 64: its even/odd halves give an int8 dot K = group / 2, and int8 tensor
+    cores need K >= 32."""
+    return fmt >= INT4.value and not (act and (fmt == FULL.value or group < 64))
+
+
 def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
     """The tiles of a GEMM: from the weight and the mode only, never from M (batch invariance).
 
     Chosen by `python -m selfspec.bench.tune_linear` on an H100 (Llama-3-8B layers, M = 1 and 9, under CUDA
-    graphs, weights streamed from HBM): INT8 codes stream best in K tiles of 256, group-wise formats in tiles of
-    one group (<= 128), INT4 codes with INT8 activations as the dot's left operand (swapped), and nibbles with
-    bf16 activations (_nibble_kernel) in N tiles of 256 (128 when both planes are read) with K split into enough
-    pieces for about 384 programs."""
-    if fmt >= INT4.value and not act:
-        block_n = 128 if fmt == FULL.value else 256
+    graphs, weights streamed from HBM): INT8 codes stream best in K tiles of 256, both planes with int8
+    activations in tiles of one group (<= 128) as the dot's left operand (swapped), and nibbles (_nibble_kernel)
+    in N tiles of 256 (128 when both planes are read; 64 with int8 activations) with K split into enough pieces
+    for about 384 programs (512 with int8 activations)."""
+    if uses_nibble_kernel(fmt, act, group):
+        block_n = 64 if act else 128 if fmt == FULL.value else 256
         n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, min(group, 128))
-        split_k = 1 << max(0, (384 // n_tiles).bit_length() - 1)  # the power of two <= 384 / n_tiles
-        return TileConfig(block_n, min(group, 128), max(1, min(k_tiles, 16, split_k)), num_stages=2)
+        programs = 512 if act else 384
+        split_k = 1 << max(0, (programs // n_tiles).bit_length() - 1)  # the power of two <= programs / n_tiles
+        return TileConfig(block_n, min(group, 128), max(1, min(k_tiles, 16, split_k)), num_stages=3 if act else 2)
     int4_act = act and fmt >= INT4.value
     block_n = 64 if int4_act or n > 32768 else 32
     if fmt >= INT4.value:
@@ -428,9 +467,9 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
     flags = dict(FMT=fmt, ACT=act, HAS_BIAS=bias is not None)
     group = getattr(weight, "group_size", 0)
     strides = (x2.stride(0), w.stride(0), 0 if lo is None else lo.stride(0), y.stride(0))
-    if fmt >= INT4.value and not act:
+    if uses_nibble_kernel(fmt, act, group):
         _nibble_kernel[grid](
-            x2, w, w2, scale, lo, bias, y, part, m, n, k, k_chunk, *strides, FMT=fmt, GROUP=group,
+            x2, xs, w, w2, scale, lo, bias, y, part, m, n, k, k_chunk, *strides, FMT=fmt, ACT=act, GROUP=group,
             HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             PARTIALS=part is not None, EVEN_N=n % cfg.block_n == 0, ASM=not _INTERPRETING,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
