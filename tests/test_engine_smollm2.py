@@ -2,7 +2,6 @@
 and leaving a batch of 12, each with exactly the tokens (and text, with a stop string) of a solo greedy run."""
 import pytest
 
-import selfspec
 from selfspec.bench.prompts import PROMPTS
 from selfspec.engine.engine import Engine
 from selfspec.spec.sampling import SamplingParams
@@ -14,8 +13,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return selfspec.load(None, "planes")
+def llm(smollm2):
+    return smollm2("planes")
 
 
 def test_32_concurrent_requests_equal_solo_greedy(llm):

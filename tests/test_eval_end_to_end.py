@@ -24,6 +24,9 @@ MATH = [{"question": "What is $2+3$?", "answer": "5", "data_source": "MATH500", 
         {"question": "What is $6 \\cdot 7$?", "answer": "42", "data_source": "MATH500", "gid": 4}]
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """A tiny random Llama with a byte tokenizer (long context: the 8-shot prompt is ~2,300 bytes) + data files."""

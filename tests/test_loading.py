@@ -174,8 +174,10 @@ def test_gguf_roundtrip(tiny, tmp_path, name):
 
 
 @pytest.fixture(scope="module")
-def smol():
-    return load_gguf(SMOL)
+def smol(smollm2_resolved):
+    """load_gguf(SMOL), as the session's resolve(None) read it (test_resolve_default_model: the same file)."""
+    config, weights, _, _ = smollm2_resolved
+    return config, weights
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +210,9 @@ def test_smollm2_weights_match_transformers(smol, smol_transformers):
         torch.testing.assert_close(weights[k], smol_transformers[k], msg=k)
 
 
-def test_tokenizer_from_gguf_is_cached(cache):
+def test_tokenizer_from_gguf_is_cached(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"  # its own: the session's resolve(None) may have filled the module's cache
+    monkeypatch.setenv("SELFSPEC_CACHE", str(cache))
     t0 = time.perf_counter()
     first = load_tokenizer(SMOL)
     t1 = time.perf_counter()
@@ -222,8 +226,9 @@ def test_tokenizer_from_gguf_is_cached(cache):
     assert second.chat_template is not None
 
 
-def test_resolve_default_model():
-    config, weights, tokenizer, description = resolve(None)
+def test_resolve_default_model(smollm2_resolved):
+    assert named_model_path("smollm2-135m") == SMOL  # so resolve(None) is load_gguf(SMOL), plus a tokenizer
+    config, weights, tokenizer, description = smollm2_resolved
     assert config.n_layers == 30 and "model.embed_tokens.weight" in weights
     assert tokenizer is not None and tokenizer.decode(tokenizer("Hi there").input_ids) == "Hi there"
     assert description.startswith("smollm2-135m")

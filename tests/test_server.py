@@ -30,6 +30,8 @@ from selfspec.serve.loadtest import run_load
 MODEL = "smollm2-135m"
 TIMEOUT_S = 120
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @dataclass
 class LiveServer:
@@ -77,8 +79,8 @@ def wait_idle(srv: LiveServer) -> None:
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return selfspec.load()
+def llm(smollm2):
+    return smollm2()  # what `selfspec serve` loads: the default model and recipe
 
 
 @pytest.fixture(scope="module")

@@ -104,10 +104,12 @@ def test_linear_matches_reference_and_is_batch_invariant(storage, mode_name, n, 
     assert y.shape == (1, 9, n) and y.dtype == torch.bfloat16
     oracle = linear_oracle(x[0], weight, mode, bias)
     assert rel_err(reference_op("linear", storage)(x, weight, mode, bias)[0], oracle) < TOL
-    for m in (1, 3, 9):
-        assert rel_err(triton_linear.linear(x[:, :m], weight, mode, bias)[0], oracle[:m]) < TOL
+    # Interpreted launches are slow: M = 1 (row 0 alone) and M = 9 (y) are not launched a second time.
+    alone = [triton_linear.linear(x[:, i:i + 1], weight, mode, bias)[0] for i in range(9)]
+    for m, ym in ((1, alone[0]), (3, triton_linear.linear(x[:, :3], weight, mode, bias)[0]), (9, y[0])):
+        assert rel_err(ym, oracle[:m]) < TOL
     for i in range(9):  # a row alone gives the same bits as among 9
-        assert torch.equal(triton_linear.linear(x[:, i:i + 1], weight, mode, bias)[0, 0], y[0, i])
+        assert torch.equal(alone[i][0], y[0, i])
 
 
 @pytest.mark.parametrize("bits", [8, 4])
