@@ -24,8 +24,8 @@ class Linear(nn.Module):
         self.weight: QuantWeight = DenseWeight(weight)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
-    def forward(self, x: torch.Tensor, mode: Mode) -> torch.Tensor:
-        return linear(x, self.weight, mode, self.bias)
+    def forward(self, x: torch.Tensor, mode: Mode, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, self.weight, mode, self.bias, residual)
 
 
 def concat_bias(sd: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
@@ -61,7 +61,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(sd[p + "k_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache, layer: int, mode: Mode) -> torch.Tensor:
+                cache: KVCache, layer: int, mode: Mode, residual: torch.Tensor) -> torch.Tensor:
+        """residual + attention(x): the output projection adds the residual as it writes its output."""
         b, t, _ = x.shape
         hd = self.cfg.head_dim
         q, k, v = (z.view(b, t, -1, hd) for z in self.wqkv(x, mode).split(self.sizes, dim=-1))
@@ -71,7 +72,7 @@ class Attention(nn.Module):
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         k_pool, v_pool, table = cache.write(layer, pos, k, v)
         out = attention(q, k_pool, v_pool, table, pos)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1), mode)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1), mode, residual)
 
 
 class FeedForward(nn.Module):
@@ -80,9 +81,10 @@ class FeedForward(nn.Module):
         self.gate_up = Linear(torch.cat([sd[p + "gate_proj.weight"], sd[p + "up_proj.weight"]]))
         self.down = Linear(sd[p + "down_proj.weight"])
 
-    def forward(self, x: torch.Tensor, mode: Mode) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mode: Mode, residual: torch.Tensor) -> torch.Tensor:
+        """residual + feed_forward(x), the residual added by the down projection."""
         gate, up = self.gate_up(x, mode).chunk(2, dim=-1)
-        return self.down(swiglu(gate, up), mode)
+        return self.down(swiglu(gate, up), mode, residual)
 
 
 class Block(nn.Module):
@@ -95,8 +97,8 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(sd, p + "mlp.")
 
     def forward(self, x, pos, cos, sin, cache, layer, mode):
-        x = x + self.attention(self.attention_norm(x), pos, cos, sin, cache, layer, mode)
-        return x + self.feed_forward(self.ffn_norm(x), mode)
+        x = self.attention(self.attention_norm(x), pos, cos, sin, cache, layer, mode, residual=x)
+        return self.feed_forward(self.ffn_norm(x), mode, residual=x)
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:

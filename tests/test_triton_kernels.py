@@ -277,6 +277,23 @@ def test_tile_configs_compute_the_same_linear(storage, mode_name):
         cfg = triton_linear.TileConfig(block_n=16, block_k=64, split_k=split, swap=swap)
         y = triton_linear._launch(xq, xs, weight, fmt, act, None, cfg)
         assert rel_err(y, oracle) < TOL, f"split {split} swap {swap}"
+    assert not triton_linear._TILE_COUNTS[x.device].any()  # every split launch left its tile counts at zero
+
+
+@pytest.mark.parametrize("storage,mode_name", [("int4", "w4a16"), ("planes", "w4a8"), ("int8", "w8a8"),
+                                               ("dense", "bf16")])
+def test_residual_is_added_as_a_bf16_add_after_the_product(storage, mode_name):
+    """linear(..., residual=r) is bitwise linear(...) + r, with K split (partials added by the tile's last program)
+    or not, and leaves the tile counters zero for the next launch."""
+    torch.manual_seed(13)
+    mode = MODES[mode_name]
+    w = torch.randn(72, 192)
+    weight = quantize_weight(w.bfloat16() if storage == "dense" else w, storage, 64)
+    x, r = torch.randn(2, 5, 192).bfloat16(), torch.randn(2, 5, 72).bfloat16()
+    assert torch.equal(triton_linear.linear(x, weight, mode, None, r), triton_linear.linear(x, weight, mode, None) + r)
+    ref = reference_op("linear", storage)
+    assert torch.equal(ref(x, weight, mode, None, r), ref(x, weight, mode, None) + r)
+    assert not triton_linear._TILE_COUNTS[x.device].any()
 
 
 def test_rotate_matches_reference_and_is_batch_invariant():

@@ -8,10 +8,12 @@ from selfspec.quant.formats import QuantWeight
 from selfspec.quant.modes import Mode
 
 
-def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias), W read as `mode` says; + residual, when given, in the same pass over the output."""
     if weight.rotation is not None:  # stored as W H: (x H)(W H)^T = x W^T, with outliers spread before act quant
         x = rotate(x, weight.rotation.matrix)
-    return kernels.lookup("linear", weight.storage, x.device.type)(x, weight, mode, bias)
+    return kernels.lookup("linear", weight.storage, x.device.type)(x, weight, mode, bias, residual)
 
 
 def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,9 @@ from selfspec.quant.formats import STORAGES, QuantWeight
 from selfspec.quant.modes import Mode
 
 
-def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) in the mode's precision, returned in x's dtype (+ residual, added in that dtype)."""
     weight.check(mode)
     if mode.name == "fp32":
         dtype = torch.float32
@@ -21,8 +23,8 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     if mode.act_bits is not None:
         x = fake_quantize_per_token(x, mode.act_bits)
     w = weight.dequantize(mode).to(dtype)
-    y = F.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))
-    return y.to(x.dtype)
+    y = F.linear(x.to(dtype), w, None if bias is None else bias.to(dtype)).to(x.dtype)
+    return y if residual is None else y + residual
 
 
 for _storage in STORAGES:

@@ -23,6 +23,7 @@ import triton.language as tl
 from selfspec.cache.paged import KEY_TILE, check_block_size
 from selfspec.errors import SelfspecError
 from selfspec.kernels import register
+from selfspec.kernels.launch import launch_options, start, wait
 from selfspec.kernels.reference import attention as reference_attention
 
 BLOCK_T = 16  # queries per program: fixed, whatever T is
@@ -35,7 +36,10 @@ def _attention_chunk_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, S, BS, W, H, N_REP, N_CHUNKS, qk_scale,
     stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    start(PDL)
+    wait(PDL)
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
     c = tl.program_id(2)
@@ -83,8 +87,10 @@ def _attention_chunk_kernel(
 @triton.jit(do_not_specialize=["T", "S"])
 def _attention_merge_kernel(
     pos_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, T, S, H, N_CHUNKS, stride_ob, stride_oh, stride_ot,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
+    start(PDL)
+    wait(PDL)
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -137,9 +143,10 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
         q, k_pool, v_pool, table, pos, m, l, acc, t, s, bs, w, h, h // k_pool.shape[1], n_chunks,
         math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3],
         D=d, BLOCK_D=block_d, BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S, CHUNK=CHUNK, num_warps=4, num_stages=2,
+        **launch_options(),
     )
     _attention_merge_kernel[(triton.cdiv(t, BLOCK_T), b * h)](
         pos, m, l, acc, out, t, s, h, n_chunks, *out.stride()[:3],
-        D=d, BLOCK_D=block_d, BLOCK_T=BLOCK_T, CHUNK=CHUNK, num_warps=4,
+        D=d, BLOCK_D=block_d, BLOCK_T=BLOCK_T, CHUNK=CHUNK, num_warps=4, **launch_options(),
     )
     return out

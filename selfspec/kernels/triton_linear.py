@@ -13,13 +13,17 @@ rather than by converting every weight through fp32.
 
 Batch invariance (a row's output never depends on M): the tile config, the number of K splits included, is a
 function of (format, mode, N, K) only, BLOCK_M is fixed, each program walks its K range in order, and the
-SPLIT_K partial sums are added by a second kernel in split order (no atomics). So a row goes through the same
-instructions whatever M is; the other rows of its BLOCK_M tile never enter its sums. Splitting K is what lets
-a decode GEMM (M = 1..64) put enough programs on the GPU to stream the weight at memory speed.
+SPLIT_K partial sums of a tile are added in split order by whichever of its programs finishes last (a counter
+per tile says which; the sum never depends on who adds it). So a row goes through the same instructions
+whatever M is; the other rows of its BLOCK_M tile never enter its sums. Splitting K is what lets a decode GEMM
+(M = 1..64) put enough programs on the GPU to stream the weight at memory speed; adding the partials in the
+GEMM itself saves a second launch per linear.
+
+The epilogue can add a residual (y = x @ W^T + r, rounded as the bf16 product and then the bf16 sum would be),
+which saves the separate add after each block's output projection.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +31,7 @@ import triton
 import triton.language as tl
 
 from selfspec.kernels import register
+from selfspec.kernels.launch import INTERPRETING, launch_options, prefetch_l2, start, wait
 from selfspec.kernels.reference import linear as reference_linear
 from selfspec.kernels.reference import rotate as reference_rotate
 from selfspec.quant.formats import STORAGES, DenseWeight, QuantWeight
@@ -39,7 +44,6 @@ INT4 = tl.constexpr(2)  # nibbles
 UPPER = tl.constexpr(3)  # the upper nibble plane of the INT8-plane format, alone
 FULL = tl.constexpr(4)  # both planes: q8 = 16 * upper + lower
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no inline PTX
 BLOCK_M = 16  # fixed for every M (see the module docstring); the smallest tl.dot tile
 
 
@@ -51,8 +55,11 @@ def _round_half_even(v):
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, QMAX: tl.constexpr, BLOCK: tl.constexpr):
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, QMAX: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
     """One row: scale = max|x| / QMAX, q = round(x / scale) (quant/act.py, exactly)."""
+    start(PDL)
+    wait(PDL)
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_xm
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -75,7 +82,7 @@ def act_quant(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     _act_quant_kernel[(m,)](x, q, scale, k, x.stride(0), QMAX=2.0 ** (bits - 1) - 1,
-                            BLOCK=min(triton.next_power_of_2(k), 1024))
+                            BLOCK=min(triton.next_power_of_2(k), 1024), **launch_options())
     return q, scale
 
 
@@ -120,9 +127,10 @@ def _signed(q, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
-              FMT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Row (activation) scale, per-channel INT8 scale, bias; store bf16."""
+def _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm,
+              FMT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """Row (activation) scale, per-channel INT8 scale, bias; store bf16 (plus the residual, added to the bf16
+    product in fp32 and rounded again: what `y + r` on bf16 tensors does)."""
     if ACT:
         acc = acc * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
     if FMT == INT8:
@@ -130,16 +138,44 @@ def _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, M, N, str
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)[None, :]
     y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(tl.bfloat16), mask=y_mask)
+    y = acc.to(tl.bfloat16)
+    if HAS_RES:
+        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=y_mask, other=0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=y_mask)
+
+
+@triton.jit
+def _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N,
+            stride_ym, stride_rm, FMT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+            HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Store the tile, or with SPLIT_K > 1 store this program's fp32 partial [SPLIT_K, M, N] and let the tile's
+    last program to finish add all partials, in split order, and store the tile."""
+    if SPLIT_K == 1:
+        _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm,
+                  FMT, ACT, HAS_BIAS, HAS_RES)
+    else:
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        tile_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(tile_ptrs + tl.program_id(2) * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the count is released
+        count = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(count, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # fixed order: the same sum whatever M is and whoever adds it
+                total += tl.load(tile_ptrs + s * M * N, mask=mask, other=0, cache_modifier=".cg")
+            _epilogue(total, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
+                      stride_rm, FMT, ACT, HAS_BIAS, HAS_RES)
+            tl.atomic_xchg(count, 0)  # zero again for the next launch
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every M (no M == 1 or M % 16 variant)
 def _linear_kernel(
-    x_ptr, xs_ptr, w_ptr, w2_ptr, scale_ptr, lo_ptr, bias_ptr, y_ptr, part_ptr,
-    M, N, K, K_CHUNK, stride_xm, stride_wn, stride_sn, stride_ym,
+    x_ptr, xs_ptr, w_ptr, w2_ptr, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, K_CHUNK, stride_xm, stride_wn, stride_sn, stride_ym, stride_rm,
     FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIALS: tl.constexpr,
-    SWAP: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
 ):
     # M tiles vary fastest, so the programs sharing one N tile of W run together and hit it in L2.
     pid_m = tl.program_id(0)
@@ -147,6 +183,12 @@ def _linear_kernel(
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    start(PDL)
+    if FMT == DENSE or FMT == INT8:  # the first W tile, one request per 64 elements (<= 128 bytes) of a row
+        rows = w_ptr + tl.minimum(offs_n, N - 1) * stride_wn
+        for c in tl.static_range(0, BLOCK_K, 64):
+            prefetch_l2(rows + tl.minimum(pid_k * K_CHUNK + c, K - 1), PDL)
+    wait(PDL)
     if SWAP:  # y^T = W x^T: the weight tile is the dot's left operand, fed to the tensor cores from registers
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -183,11 +225,8 @@ def _linear_kernel(
                 acc = tl.dot(x, tl.trans(w), acc)
     if SWAP:
         acc = tl.trans(acc)
-    if not PARTIALS:
-        _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, FMT, ACT, HAS_BIAS)
-    else:  # fp32 partial sums [SPLIT_K, M, N], added in split order by _split_k_reduce
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+    _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
+            stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
 
 
 # Four bytes -> their eight nibbles as bf16 128 + c: masks, then byte permutes that put 0x43 above each nibble
@@ -281,10 +320,11 @@ def _nibble_dot(xe, xo, b, acc, ASM: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _nibble_kernel(
-    x_ptr, xs_ptr, w_ptr, w2_ptr, scale_ptr, lo_ptr, bias_ptr, y_ptr, part_ptr,
-    M, N, K, K_CHUNK, stride_xm, stride_wn, stride_sn, stride_ym,
-    FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIALS: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr,
+    x_ptr, xs_ptr, w_ptr, w2_ptr, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, K_CHUNK, stride_xm, stride_wn, stride_sn, stride_ym, stride_rm,
+    FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Nibble formats: INT4, UPPER and FULL with bf16 activations, INT4 and UPPER with int8 activation codes
     (ACT). Each K tile is one quant group, whose affine is applied after the dot:
@@ -299,6 +339,15 @@ def _nibble_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = pid_k * K_CHUNK
     k_end = tl.minimum(K, k_start + K_CHUNK)
+    start(PDL)
+    # This program's first two W tiles (a tile row is BLOCK_K / 2 <= 64 bytes, within one 128-byte line).
+    rows = tl.minimum(offs_n, N - 1) * stride_wn
+    first = rows + tl.minimum(k_start, K - BLOCK_K) // 2
+    prefetch_l2(w_ptr + first, PDL)
+    prefetch_l2(w_ptr + rows + tl.minimum(k_start + BLOCK_K, K - BLOCK_K) // 2, PDL)
+    if FMT == FULL:
+        prefetch_l2(w2_ptr + first, PDL)
+    wait(PDL)
     # Pointers advance one tile per step (K is a multiple of GROUP and BLOCK_K divides GROUP: no K mask).
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_start + tl.arange(0, BLOCK_K)[None, :]
     w_off = offs_n[:, None] * stride_wn + k_start // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
@@ -340,24 +389,8 @@ def _nibble_kernel(
         acc += d * s[None, :] + x_sum * (lo - s * offset)[None, :]
         x_ptrs += BLOCK_K
         w_off += BLOCK_K // 2
-    if not PARTIALS:
-        _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, FMT, ACT, HAS_BIAS)
-    else:
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _split_k_reduce(part_ptr, xs_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym,
-                    FMT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):  # fixed order: the same sum whatever M is
-        acc += tl.load(part_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :], mask=mask, other=0)
-    _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, FMT, ACT, HAS_BIAS)
+    _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
+            stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
 
 
 def kernel_format(weight: QuantWeight, mode: Mode) -> int | None:
@@ -437,52 +470,63 @@ def _tensors(weight: QuantWeight, fmt: int) -> tuple:
     return weight.upper, weight.lower if fmt == FULL.value else None, weight.scale, weight.lo
 
 
-def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """The reference `linear` (any leading dims), on the Triton kernel where it covers the case."""
     weight.check(mode)
     fmt = kernel_format(weight, mode)
-    if fmt is None or x.dtype != torch.bfloat16:
+    if fmt is None or x.dtype != torch.bfloat16 or (residual is not None and residual.dtype != torch.bfloat16):
         # Not covered (fp32 mode, float32/fp16 activations, odd group sizes): the reference, explicitly.
-        return reference_linear(x, weight, mode, bias)
+        return reference_linear(x, weight, mode, bias, residual)
     n, k = weight.shape
     x2 = x.reshape(-1, k).contiguous()
     act = mode.act_bits is not None
     xs = None
     if act:
         x2, xs = act_quant(x2, mode.act_bits)
+    r2 = None if residual is None else residual.reshape(-1, n)
+    if r2 is not None and r2.stride(-1) != 1:
+        r2 = r2.contiguous()
     group = getattr(weight, "group_size", 0)
     cfg = tile_config(fmt, act, n, k, group)
-    return _launch(x2, xs, weight, fmt, act, bias, cfg).view(*x.shape[:-1], n)
+    return _launch(x2, xs, weight, fmt, act, bias, cfg, r2).view(*x.shape[:-1], n)
+
+
+_TILE_COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: how many programs of each tile have finished
+
+
+def _tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters for `tiles` output tiles. Every launch leaves them zero again, so one buffer serves
+    every split-K GEMM on the device in stream order (CUDA graphs included); it grows, never in a graph capture:
+    decode passes, the graphed ones, run eagerly first."""
+    counts = _TILE_COUNTS.get(device)
+    if counts is None or counts.numel() < tiles:
+        counts = _TILE_COUNTS[device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+    return counts
 
 
 def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt: int, act: bool,
-            bias: torch.Tensor | None, cfg: TileConfig) -> torch.Tensor:
-    """y [M, N] = x2 [M, K] @ W^T under one tile config (the benchmark's tuner calls this directly)."""
+            bias: torch.Tensor | None, cfg: TileConfig, r2: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = x2 [M, K] @ W^T (+ r2 [M, N]) under one tile config (the benchmark's tuner calls this)."""
     (m, k), n = x2.shape, weight.shape[0]
     w, w2, scale, lo = _tensors(weight, fmt)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x2.device) if cfg.split_k > 1 else None
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n), cfg.split_k)
-    flags = dict(FMT=fmt, ACT=act, HAS_BIAS=bias is not None)
+    part = counts = None
+    if cfg.split_k > 1:
+        part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x2.device)
+        counts = _tile_counts(x2.device, grid[0] * grid[1])
     group = getattr(weight, "group_size", 0)
-    strides = (x2.stride(0), w.stride(0), 0 if lo is None else lo.stride(0), y.stride(0))
+    args = (x2, xs, w, w2, scale, lo, bias, r2, y, part, counts, m, n, k, k_chunk, x2.stride(0), w.stride(0),
+            0 if lo is None else lo.stride(0), y.stride(0), 0 if r2 is None else r2.stride(0))
+    flags = dict(FMT=fmt, ACT=act, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=BLOCK_M,
+                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
+                 num_stages=cfg.num_stages, **launch_options())
     if uses_nibble_kernel(fmt, act, group):
-        _nibble_kernel[grid](
-            x2, xs, w, w2, scale, lo, bias, y, part, m, n, k, k_chunk, *strides, FMT=fmt, ACT=act, GROUP=group,
-            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            PARTIALS=part is not None, EVEN_N=n % cfg.block_n == 0, ASM=not _INTERPRETING,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _nibble_kernel[grid](*args, EVEN_N=n % cfg.block_n == 0, ASM=not INTERPRETING, **flags)
     else:
-        _linear_kernel[grid](
-            x2, xs, w, w2, scale, lo, bias, y, part, m, n, k, k_chunk, *strides,
-            SHIFT=_shift(fmt) if act else 0, GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, PARTIALS=part is not None, SWAP=cfg.swap, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **flags)
-    if part is not None:
-        _split_k_reduce[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, 64))](
-            part, xs, scale, bias, y, m, n, y.stride(0), SPLIT_K=cfg.split_k, BLOCK_M=BLOCK_M, BLOCK_N=64,
-            num_warps=4, **flags)
+        _linear_kernel[grid](*args, SHIFT=_shift(fmt) if act else 0, SWAP=cfg.swap, **flags)
     return y
 
 

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from selfspec.kernels import register
+from selfspec.kernels.launch import launch_options, start, wait
 
 
 def _warps(block: int) -> int:
@@ -14,7 +15,9 @@ def _warps(block: int) -> int:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    start(PDL)
+    wait(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -32,13 +35,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(d)
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, d, x2.stride(0), eps, BLOCK=block, num_warps=_warps(block))
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, d, x2.stride(0), eps, BLOCK=block, num_warps=_warps(block),
+                                    **launch_options())
     return y.view(x.shape)
 
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, T, stride_xb, stride_xh, stride_xt,
-                 HALF: tl.constexpr, BLOCK: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    start(PDL)
+    wait(PDL)
     row = tl.program_id(0)  # one (b, h, t) row
     t = row % T
     h = (row // T) % H
@@ -68,12 +74,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     y = torch.empty((b, h, t, d), dtype=x.dtype, device=x.device)
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     _rope_kernel[(b * h * t,)](x, cos, sin, y, h, t, *x.stride()[:3], HALF=d // 2,
-                                BLOCK=triton.next_power_of_2(d // 2), num_warps=1)
+                                BLOCK=triton.next_power_of_2(d // 2), num_warps=1, **launch_options())
     return y
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, y_ptr, H, stride_g, stride_u, BLOCK: tl.constexpr):
+def _swiglu_kernel(g_ptr, u_ptr, y_ptr, H, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    start(PDL)
+    wait(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
@@ -92,5 +100,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g2, u2 = (z if z.stride(-1) == 1 else z.contiguous() for z in (g2, u2))
     y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     _swiglu_kernel[(g2.shape[0], triton.cdiv(h, 1024))](g2, u2, y, h, g2.stride(0), u2.stride(0), BLOCK=1024,
-                                                        num_warps=4)
+                                                        num_warps=4, **launch_options())
     return y.view(gate.shape)

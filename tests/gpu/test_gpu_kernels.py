@@ -56,6 +56,8 @@ def test_linear(storage, mode_name, n, k):
     for i in (5, 63):
         assert torch.equal(triton_linear.linear(x[i:i + 1], weight, mode, bias), y[i:i + 1]), f"row {i} alone"
     assert torch.equal(triton_linear.linear(x_big, weight, mode, bias)[:64], y)  # prefill: many M tiles
+    r = torch.randn(64, n, device=DEV).bfloat16()
+    assert torch.equal(triton_linear.linear(x, weight, mode, bias, r), y + r)  # the residual add in the epilogue
 
 
 def test_linear_head():
