@@ -51,6 +51,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+@register("rope_and_store")
+def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    bs = k_pool.shape[2]
+    blocks, offsets = slots // bs, slots % bs
+    # Index pair (block, offset) around the head slice gives [B, T, Hkv, D], the layout of k.transpose(1, 2).
+    k_pool[blocks, :, offsets] = rope(k, cos, sin).transpose(1, 2).to(k_pool.dtype)
+    v_pool[blocks, :, offsets] = v.transpose(1, 2).to(v_pool.dtype)
+    return rope(q, cos, sin)
+
+
 @register("swiglu")
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
