@@ -13,7 +13,7 @@ from torch import nn
 from selfspec.cache import KVCache
 from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
-from selfspec.kernels import attention, linear, rms_norm, rope, swiglu
+from selfspec.kernels import attention, linear, rms_norm, rope_and_store, swiglu
 from selfspec.quant.formats import DenseWeight, QuantWeight, quantize_weight
 from selfspec.quant.modes import MODES, Mode
 
@@ -60,7 +60,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(sd[p + "q_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(sd[p + "k_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                 cache: KVCache, layer: int, mode: Mode, residual: torch.Tensor) -> torch.Tensor:
         """residual + attention(x): the output projection adds the residual as it writes its output."""
         b, t, _ = x.shape
@@ -68,9 +68,8 @@ class Attention(nn.Module):
         q, k, v = (z.view(b, t, -1, hd) for z in self.wqkv(x, mode).split(self.sizes, dim=-1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        k_pool, v_pool, table = cache.write(layer, pos, k, v)
+        k_pool, v_pool, table = cache.pools(layer)
+        q = rope_and_store(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cos, sin, k_pool, v_pool, slots)
         out = attention(q, k_pool, v_pool, table, pos)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1), mode, residual)
 
@@ -96,8 +95,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(sd[p + "post_attention_layernorm.weight"], cfg.norm_eps)
         self.feed_forward = FeedForward(sd, p + "mlp.")
 
-    def forward(self, x, pos, cos, sin, cache, layer, mode):
-        x = self.attention(self.attention_norm(x), pos, cos, sin, cache, layer, mode, residual=x)
+    def forward(self, x, pos, cos, sin, slots, cache, layer, mode):
+        x = self.attention(self.attention_norm(x), pos, cos, sin, slots, cache, layer, mode, residual=x)
         return self.feed_forward(self.ffn_norm(x), mode, residual=x)
 
 
@@ -177,9 +176,10 @@ class Transformer(nn.Module):
         """The final-norm hidden states [B, T, dim]; writes the KV of every position into `cache`."""
         x = self.embed[tokens]
         pos = pos.expand(tokens.shape)
-        cos, sin = self.cos[pos], self.sin[pos]
+        # Angles and cache slots of the positions: the same for every layer, computed once.
+        cos, sin, slots = self.cos[pos], self.sin[pos], cache.slots(pos)
         for i, layer in enumerate(self.layers):
-            x = layer(x, pos, cos, sin, cache, i, mode)
+            x = layer(x, pos, cos, sin, slots, cache, i, mode)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, mode: Mode) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Paged KV cache: block accounting (allocate, extend, rollback, free) and the batch view's scatter/gather
+"""Paged KV cache: block accounting (allocate, extend, rollback, free) and the batch view's slots and pools
 against the contiguous cache."""
 import pytest
 import torch
@@ -6,6 +6,7 @@ import torch
 from selfspec.cache import KVCache
 from selfspec.cache.paged import TRASH, PagedKVCache
 from selfspec.errors import SelfspecError
+from selfspec.kernels import rope_and_store
 from selfspec.kernels.reference import gather_blocks
 
 L, HKV, D, BS = 2, 2, 4, 4
@@ -13,6 +14,14 @@ L, HKV, D, BS = 2, 2, 4, 4
 
 def make(num_blocks=8):
     return PagedKVCache(L, num_blocks, HKV, BS, D, torch.float32)
+
+
+def store(cache, layer, pos, k, v):
+    """Store k, v [B, Hkv, T, D] at positions pos [B, T] as the model does; return the layer's pools and table."""
+    k_pool, v_pool, table = cache.pools(layer)
+    cos, sin = torch.ones(*pos.shape, D), torch.zeros(*pos.shape, D)  # angle 0: RoPE is the identity
+    rope_and_store(k, k, v, cos, sin, k_pool, v_pool, cache.slots(pos))
+    return k_pool, v_pool, table
 
 
 def test_block_accounting_and_rollback():
@@ -52,16 +61,32 @@ def test_view_matches_contiguous_cache():
         # History first (prefill), then a T=2 pass at each row's own positions.
         for i, n in enumerate(lens):
             k, v = torch.randn(1, HKV, n, D), torch.randn(1, HKV, n, D)
-            c.view([str(i)]).write(layer, torch.arange(n)[None], k, v)
+            store(c.view([str(i)]), layer, torch.arange(n)[None], k, v)
             ref.k[layer, i, :, :n], ref.v[layer, i, :, :n] = k[0], v[0]
         k, v = torch.randn(2, HKV, 2, D), torch.randn(2, HKV, 2, D)
-        k_pool, v_pool, table = c.view(["0", "1"]).write(layer, pos, k, v)
+        k_pool, v_pool, table = store(c.view(["0", "1"]), layer, pos, k, v)
         keys, values = gather_blocks(k_pool, table), gather_blocks(v_pool, table)
-        rk, rv, _ = ref.write(layer, pos, k, v)
+        rk, rv, _ = store(ref, layer, pos, k, v)
         assert keys.shape == (2, HKV, 12, D)  # the longest table: 3 blocks of 4
         for i, n in enumerate(lens):
             torch.testing.assert_close(keys[i, :, : n + 2], rk[i, :, : n + 2], rtol=0, atol=0)
             torch.testing.assert_close(values[i, :, : n + 2], rv[i, :, : n + 2], rtol=0, atol=0)
+
+
+def test_contiguous_cache_slots_are_one_block_per_row():
+    ref = KVCache(L, 2, HKV, 16, D, torch.float32)
+    n_slots = ref.k.shape[3]  # 64: max_len rounded up to whole attention tiles
+    assert ref.slots(torch.tensor([[3, 4], [9, 10]])).tolist() == [[3, 4], [n_slots + 9, n_slots + 10]]
+
+
+def test_view_slots_follow_the_block_tables():
+    c = make(8)
+    c.allocate("a", 6)
+    c.allocate("b", 2)
+    view = c.view(["a", "b"])
+    a, b = c.tables["a"], c.tables["b"]  # position p: slot p % BS of block table[p // BS]
+    want = [[a[1] * BS, a[1] * BS + 1], [b[0] * BS, b[0] * BS + 1]]
+    assert view.slots(torch.tensor([[4, 5], [0, 1]])).tolist() == want
 
 
 def test_view_pads_tables_with_the_trash_block_to_the_longest():
@@ -86,6 +111,8 @@ def test_padding_goes_to_the_trash_block():
     k = torch.ones(2, HKV, 4, D)
     real = torch.tensor([[True, True, False, False], [True, True, True, True]])
     pos = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])
-    c.view(["a", "b"], real).write(0, pos, k, k)
+    view = c.view(["a", "b"], real)
+    assert (view.slots(pos)[0, 2:] // BS == TRASH).all()
+    store(view, 0, pos, k, k)
     a_block = c.tables["a"][0]
     assert c.k[0, a_block, :, :2].eq(1).all() and c.k[0, a_block, :, 2:].eq(0).all()

@@ -22,7 +22,7 @@ from triton.runtime import interpreter  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from selfspec.errors import SelfspecError  # noqa: E402
-from selfspec.kernels import reference_op, triton_attention, triton_linear, triton_small  # noqa: E402
+from selfspec.kernels import reference, reference_op, triton_attention, triton_linear, triton_small  # noqa: E402
 from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
@@ -223,13 +223,68 @@ def test_rms_norm():
     assert torch.equal(triton_small.rms_norm(x[1:2, 2:], w, 1e-6), y[1:2, 2:])
 
 
-def test_rope():
-    torch.manual_seed(6)
-    x = torch.randn(2, 5, 3, 64).bfloat16().transpose(1, 2)  # [B, H, T, D] as a strided view, as the model has
-    cos, sin = rope_angles(torch.stack((torch.arange(10, 15), torch.arange(40, 45))), 32)  # per-row positions
-    y = triton_small.rope(x, cos, sin)
-    torch.testing.assert_close(y, reference_op("rope")(x, cos, sin))
-    assert torch.equal(triton_small.rope(x[1:, :, 2:3], cos[1:, 2:3], sin[1:, 2:3]), y[1:, :, 2:3])
+def fused_qkv(b: int, t: int, hq: int, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, Hq, T, D], k, v [B, Hkv, T, D] as the model has them: strided views of one fused projection output."""
+    qkv = torch.randn(b, t, (hq + 2 * hkv) * d).bfloat16()
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return tuple(x.view(b, t, -1, d).transpose(1, 2) for x in (q, k, v))
+
+
+def paged_slots(pos: torch.Tensor, table: torch.Tensor, bs: int) -> torch.Tensor:
+    return table.gather(1, pos // bs) * bs + pos % bs
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_rope_and_store_matches_reference_bitwise(layout):
+    torch.manual_seed(13)
+    b, t, hq, hkv, d = 3, 4, 6, 2, 32  # GQA; 6 query heads: a masked tail in the block of heads
+    q, k, v = fused_qkv(b, t, hq, hkv, d)
+    pos = torch.stack((torch.arange(21, 25), torch.arange(5, 9), torch.arange(0, 4)))  # each row its own
+    cos, sin = rope_angles(pos, d // 2)
+    if layout == "contiguous":  # one block of 32 slots per row
+        n, bs = b, 32
+        slots = torch.arange(b)[:, None] * bs + pos
+    else:  # blocks of 4 at shuffled ids; row 2 is padding: its table is all trash block 0
+        n, bs = 16, 4
+        table = torch.randperm(n - 1)[:14].view(2, 7) + 1
+        slots = paged_slots(pos, torch.cat((table, torch.zeros(1, 7, dtype=torch.long))), bs)
+    k_pool, v_pool = torch.randn(n, hkv, bs, d).bfloat16(), torch.randn(n, hkv, bs, d).bfloat16()
+    ref_k_pool, ref_v_pool = k_pool.clone(), v_pool.clone()
+    before_k, before_v = k_pool.clone(), v_pool.clone()
+
+    q_out = triton_small.rope_and_store(q, k, v, cos, sin, k_pool, v_pool, slots)
+    ref_q = reference_op("rope_and_store")(q, k, v, cos, sin, ref_k_pool, ref_v_pool, slots)
+    assert torch.equal(q_out, ref_q) and torch.equal(ref_q, reference.rope(q, cos, sin))
+    assert torch.equal(k_pool, ref_k_pool) and torch.equal(v_pool, ref_v_pool)
+    k_rot = reference.rope(k, cos, sin)
+    for row in range(b):
+        for i in range(t):  # token (row, i) sits at its slot
+            block, offset = divmod(int(slots[row, i]), bs)
+            assert torch.equal(k_pool[block, :, offset], k_rot[row, :, i])
+            assert torch.equal(v_pool[block, :, offset], v[row, :, i])
+    written = torch.zeros(n * bs, dtype=torch.bool)
+    written[slots.flatten()] = True
+    untouched = ~written.view(n, bs)  # [N, bs]: index of the [N, bs, Hkv, D] views
+    assert torch.equal(k_pool.transpose(1, 2)[untouched], before_k.transpose(1, 2)[untouched])
+    assert torch.equal(v_pool.transpose(1, 2)[untouched], before_v.transpose(1, 2)[untouched])
+    alone = triton_small.rope_and_store(q[1:2], k[1:2], v[1:2], cos[1:2], sin[1:2], k_pool, v_pool, slots[1:2])
+    assert torch.equal(alone, q_out[1:2])  # a row alone gives the bits it gets among others
+
+
+def test_rope_and_store_falls_back_to_reference_outside_bf16():
+    """float32 q/k/v (the CPU tests' models) into a bf16 cache take the reference: k, v rounded to the pools' dtype."""
+    torch.manual_seed(14)
+    q, k, v = (x.float() for x in fused_qkv(2, 3, 4, 2, 16))
+    pos = torch.stack((torch.arange(3), torch.arange(10, 13)))
+    cos, sin = rope_angles(pos, 8)
+    slots = torch.arange(2)[:, None] * 16 + pos
+    k_pool, v_pool = torch.randn(2, 2, 16, 16).bfloat16(), torch.randn(2, 2, 16, 16).bfloat16()
+    ref_k_pool, ref_v_pool = k_pool.clone(), v_pool.clone()
+    q_out = triton_small.rope_and_store(q, k, v, cos, sin, k_pool, v_pool, slots)
+    ref_q = reference_op("rope_and_store")(q, k, v, cos, sin, ref_k_pool, ref_v_pool, slots)
+    assert q_out.dtype == torch.float32 and torch.equal(q_out, ref_q)
+    assert torch.equal(k_pool, ref_k_pool) and torch.equal(v_pool, ref_v_pool)
+    assert torch.equal(v_pool[1, :, 10:13], v[1].bfloat16())
 
 
 def test_swiglu():

@@ -22,16 +22,15 @@ class KVCache:
         self.max_len = max_len
         self.length = 0  # positions 0..length-1 hold committed tokens' KV
 
-    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, T, D] at positions pos [B, T]; return this layer's whole key/value buffers
-        [B, Hkv, slots, D] as pools of one block per row, and the block table [B, 1]. Slots past a query's
-        position are masked by attention, so no slicing is needed: no host sync and fixed shapes, which CUDA
-        graphs require."""
-        rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
-        # [B, S, Hkv, D] views: the index pair (row, pos) picks one slot per written token.
-        self.k[layer].transpose(1, 2)[rows, pos] = k.transpose(1, 2).to(self.k.dtype)
-        self.v[layer].transpose(1, 2)[rows, pos] = v.transpose(1, 2).to(self.v.dtype)
+    def slots(self, pos: torch.Tensor) -> torch.Tensor:
+        """Positions pos [B, T] -> the slots [B, T] where their k/v go in this cache's pools: row b is block b,
+        so slot = b * slots_per_row + pos."""
+        return self.table * self.k.shape[3] + pos
+
+    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This layer's whole key/value buffers [B, Hkv, slots, D] as pools of one block per row, and the block
+        table [B, 1]. Slots past a query's position are masked by attention, so no slicing is needed: no host
+        sync and fixed shapes, which CUDA graphs require."""
         return self.k[layer], self.v[layer], self.table
 
     def commit(self, length: int) -> None:

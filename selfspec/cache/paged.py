@@ -84,8 +84,9 @@ class PagedKVCache:
 
 
 class PagedBatchView:
-    """The cache as one forward pass over a batch sees it: `write` scatters new k/v into each row's blocks and
-    returns what attention reads them through: this layer's pools [N, Hkv, bs, D] and the block table [B, W].
+    """The cache as one forward pass over a batch sees it: `slots` says where each new token's k/v go in the
+    pools, `pools` gives what attention reads them through: a layer's pools [N, Hkv, bs, D] and the block
+    table [B, W].
 
     table [B, W]: each row's block ids, padded with the trash block (padding sits past the row's positions, so
     attention masks it). real [B, T] (optional): False marks padding tokens, whose k/v go to the trash block.
@@ -96,21 +97,16 @@ class PagedBatchView:
         self.table = table
         self.real = None if real is None else real.to(table.device)
 
-    def slots(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions [B, T] -> (block id, offset) [B, T] each."""
+    def slots(self, pos: torch.Tensor) -> torch.Tensor:
+        """Positions [B, T] -> pool slots [B, T]: block id * block_size + offset in the block."""
         bs = self.cache.block_size
         index = pos // bs
         if self.real is None:
-            return self.table.gather(1, index), pos % bs
-        # Padding may sit past the row's table (or past the context): send it to the trash block.
-        blocks = self.table.gather(1, index.masked_fill(~self.real, 0)).masked_fill(~self.real, TRASH)
-        return blocks, pos % bs
+            blocks = self.table.gather(1, index)
+        else:  # padding may sit past the row's table (or past the context): send it to the trash block
+            blocks = self.table.gather(1, index.masked_fill(~self.real, 0)).masked_fill(~self.real, TRASH)
+        return blocks * bs + pos % bs
 
-    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        blocks, offsets = self.slots(pos)
-        kl, vl = self.cache.k[layer], self.cache.v[layer]  # [N, Hkv, bs, D]
-        # Index pair (block, offset) around the head slice gives [B, T, Hkv, D], the layout of k.transpose(1, 2).
-        kl[blocks, :, offsets] = k.transpose(1, 2).to(kl.dtype)
-        vl[blocks, :, offsets] = v.transpose(1, 2).to(vl.dtype)
-        return kl, vl, self.table
+    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This layer's pools [N, Hkv, bs, D] (keys, values) and the block table [B, W]."""
+        return self.cache.k[layer], self.cache.v[layer], self.table

@@ -33,6 +33,6 @@ def reference_op(op: str, variant: str = "") -> Callable:
 
 import selfspec.kernels.reference  # noqa: E402,F401  (registers the references)
 import selfspec.kernels.gpu  # noqa: E402,F401  (registers the Triton kernels where Triton can run)
-from selfspec.kernels.ops import attention, linear, rms_norm, rope, swiglu  # noqa: E402
+from selfspec.kernels.ops import attention, linear, rms_norm, rope_and_store, swiglu  # noqa: E402
 
-__all__ = ["register", "lookup", "reference_op", "linear", "rms_norm", "rope", "attention", "swiglu"]
+__all__ = ["register", "lookup", "reference_op", "linear", "rms_norm", "rope_and_store", "attention", "swiglu"]

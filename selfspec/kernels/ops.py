@@ -25,9 +25,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return kernels.lookup("rms_norm", "", x.device.type)(x, weight, eps)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos, sin [B, T, D]: the angles of each row's own positions."""
-    return kernels.lookup("rope", "", x.device.type)(x, cos, sin)
+def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """RoPE on q and k, rope(k) and v stored into the KV pools; returns rope(q) [B, Hq, T, D].
+
+    q [B, Hq, T, D], k, v [B, Hkv, T, D] (any strides); cos, sin [B, T, D] float32; pools [N, Hkv, bs, D] (the
+    layout `attention` reads); slots [B, T] int64: token (b, t) goes to pool[s // bs, :, s % bs], s = slots[b, t].
+    k and v are rounded to the pools' dtype."""
+    return kernels.lookup("rope_and_store", "", q.device.type)(q, k, v, cos, sin, k_pool, v_pool, slots)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

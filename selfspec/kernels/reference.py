@@ -44,13 +44,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
-@register("rope")
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE (HF layout); x [B, H, T, D], cos/sin [B, T, D]."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     cos, sin = cos[:, None], sin[:, None]  # one angle per row and position, shared by the heads
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+@register("rope_and_store")
+def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    bs = k_pool.shape[2]
+    blocks, offsets = slots // bs, slots % bs
+    # Index pair (block, offset) around the head slice gives [B, T, Hkv, D], the layout of k.transpose(1, 2).
+    k_pool[blocks, :, offsets] = rope(k, cos, sin).transpose(1, 2).to(k_pool.dtype)
+    v_pool[blocks, :, offsets] = v.transpose(1, 2).to(v_pool.dtype)
+    return rope(q, cos, sin)
 
 
 @register("swiglu")

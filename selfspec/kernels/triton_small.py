@@ -1,13 +1,15 @@
-"""Triton row-wise ops: rms_norm, rope (rotate-half), swiglu. One program per row (or elementwise): a row's
-output never depends on how many rows there are."""
+"""Triton row-wise ops: rms_norm, rope_and_store (rotate-half RoPE + KV store), swiglu. One program per row or
+token (or elementwise): a row's output never depends on how many rows there are."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from selfspec.errors import SelfspecError
 from selfspec.kernels import register
 from selfspec.kernels.launch import launch_options, start, wait
+from selfspec.kernels.reference import rope_and_store as reference_rope_and_store
 
 
 def _warps(block: int) -> int:
@@ -41,41 +43,77 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, T, stride_xb, stride_xh, stride_xt,
-                 HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rotate_half(x_ptr, offs, mask, c1, c2, s1, s2, HALF: tl.constexpr):
+    """RoPE of the rows at x_ptr + offs (their first halves) in fp32: each product rounded, as the reference computes it."""
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF + offs, mask=mask, other=0).to(tl.float32)
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+
+@triton.jit
+def _rope_and_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_pool_ptr, v_pool_ptr,
+                           T, HQ, HKV, BS, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                           stride_vb, stride_vh, stride_vt, stride_kpn, stride_kph, stride_kps,
+                           stride_vpn, stride_vph, stride_vps,
+                           HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                           PDL: tl.constexpr):
     start(PDL)
     wait(PDL)
-    row = tl.program_id(0)  # one (b, h, t) row
+    row = tl.program_id(0)  # one (b, t) token with all its heads: its angles and its slot are loaded once
+    b = row // T
     t = row % T
-    h = (row // T) % H
-    b = row // (T * H)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < HALF
-    x_row = x_ptr + b * stride_xb + h * stride_xh + t * stride_xt
-    x1 = tl.load(x_row + offs, mask=mask, other=0).to(tl.float32)
-    x2 = tl.load(x_row + HALF + offs, mask=mask, other=0).to(tl.float32)
-    cs_row = (b * T + t) * 2 * HALF  # cos/sin [B, T, D]: each row's own positions
-    c1 = tl.load(cos_ptr + cs_row + offs, mask=mask, other=0)
-    c2 = tl.load(cos_ptr + cs_row + HALF + offs, mask=mask, other=0)
-    s1 = tl.load(sin_ptr + cs_row + offs, mask=mask, other=0)
-    s2 = tl.load(sin_ptr + cs_row + HALF + offs, mask=mask, other=0)
-    y_row = y_ptr + row * 2 * HALF
-    dtype = y_ptr.dtype.element_ty
-    tl.store(y_row + offs, (x1 * c1 - x2 * s1).to(dtype), mask=mask)  # rotate_half: (-x2, x1)
-    tl.store(y_row + HALF + offs, (x2 * c2 + x1 * s2).to(dtype), mask=mask)
+    offs = tl.arange(0, BLOCK)[None, :]
+    in_half = offs < HALF
+    cs_row = row * 2 * HALF  # cos/sin [B, T, D]: each row's own positions
+    c1 = tl.load(cos_ptr + cs_row + offs, mask=in_half, other=0)
+    c2 = tl.load(cos_ptr + cs_row + HALF + offs, mask=in_half, other=0)
+    s1 = tl.load(sin_ptr + cs_row + offs, mask=in_half, other=0)
+    s2 = tl.load(sin_ptr + cs_row + HALF + offs, mask=in_half, other=0)
+
+    hq = tl.arange(0, BLOCK_HQ)[:, None]
+    q_mask = (hq < HQ) & in_half
+    q1, q2 = _rotate_half(q_ptr + b * stride_qb + t * stride_qt, hq * stride_qh + offs, q_mask, c1, c2, s1, s2, HALF)
+    q_out = q_out_ptr + ((b * HQ + hq) * T + t) * 2 * HALF + offs  # [B, Hq, T, D], contiguous
+    dtype = q_out_ptr.dtype.element_ty
+    tl.store(q_out, q1.to(dtype), mask=q_mask)
+    tl.store(q_out + HALF, q2.to(dtype), mask=q_mask)
+
+    slot = tl.load(slots_ptr + row)
+    hkv = tl.arange(0, BLOCK_HKV)[:, None]
+    kv_mask = (hkv < HKV) & in_half
+    k1, k2 = _rotate_half(k_ptr + b * stride_kb + t * stride_kt, hkv * stride_kh + offs, kv_mask, c1, c2, s1, s2, HALF)
+    k_dst = k_pool_ptr + (slot // BS) * stride_kpn + (slot % BS) * stride_kps + hkv * stride_kph + offs
+    tl.store(k_dst, k1.to(dtype), mask=kv_mask)
+    tl.store(k_dst + HALF, k2.to(dtype), mask=kv_mask)
+    v_src = v_ptr + b * stride_vb + t * stride_vt + hkv * stride_vh + offs
+    v_dst = v_pool_ptr + (slot // BS) * stride_vpn + (slot % BS) * stride_vps + hkv * stride_vph + offs
+    tl.store(v_dst, tl.load(v_src, mask=kv_mask), mask=kv_mask)
+    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask), mask=kv_mask)
 
 
-@register("rope", "", "cuda")
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE; x [B, H, T, D] (any strides), cos/sin [B, T, D] float32."""
-    b, h, t, d = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    y = torch.empty((b, h, t, d), dtype=x.dtype, device=x.device)
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    _rope_kernel[(b * h * t,)](x, cos, sin, y, h, t, *x.stride()[:3], HALF=d // 2,
-                                BLOCK=triton.next_power_of_2(d // 2), num_warps=1, **launch_options())
-    return y
+@register("rope_and_store", "", "cuda")
+def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The reference rope_and_store (kernels/ops.py) in one launch, one program per token; q, k, v any strides."""
+    if not q.dtype == k.dtype == v.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16:
+        return reference_rope_and_store(q, k, v, cos, sin, k_pool, v_pool, slots)  # bf16 only, like attention
+    if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        raise SelfspecError("the KV pools must be contiguous along head_dim")
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    cos, sin, slots = cos.float().contiguous(), sin.float().contiguous(), slots.contiguous()
+    q_out = torch.empty((b, hq, t, d), dtype=q.dtype, device=q.device)
+    block = triton.next_power_of_2(d // 2)
+    block_hq = triton.next_power_of_2(hq)
+    # No mul + add fused into an fma: the reference rounds each product, and the bits must match it.
+    _rope_and_store_kernel[(b * t,)](
+        q, k, v, cos, sin, slots, q_out, k_pool, v_pool, t, hq, hkv, k_pool.shape[2], *q.stride()[:3],
+        *k.stride()[:3], *v.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3], HALF=d // 2, BLOCK=block,
+        BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(hkv), num_warps=_warps(block_hq * block),
+        enable_fp_fusion=False, **launch_options(),
+    )
+    return q_out
 
 
 @triton.jit

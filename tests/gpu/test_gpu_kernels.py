@@ -30,7 +30,8 @@ M_SPLITS = (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)
 
 def test_the_op_table_dispatches_cuda_to_triton():
     for op, variant, fn in [("attention", "", triton_attention.attention), ("rms_norm", "", triton_small.rms_norm),
-                            ("rope", "", triton_small.rope), ("swiglu", "", triton_small.swiglu)]:
+                            ("rope_and_store", "", triton_small.rope_and_store),
+                            ("swiglu", "", triton_small.swiglu)]:
         assert lookup(op, variant, DEV) is fn
     for storage in STORAGES:
         assert lookup("linear", storage, DEV) is triton_linear.linear
@@ -88,7 +89,7 @@ def test_attention_decode_and_verify(hq, hkv, d):
     # Verify 9 drafted tokens at the end of a 1.5k context (row 0) and of a 0.3k one (row 1).
     pos = torch.stack((torch.arange(1492, 1501, device=DEV), torch.arange(300, 309, device=DEV)))
     rows = torch.arange(2, device=DEV)[:, None]  # a contiguous cache: one block per row
-    out = triton_attention.attention(q, k_all, v_all, rows, pos)  # whole buffers, as KVCache.write returns
+    out = triton_attention.attention(q, k_all, v_all, rows, pos)  # whole buffers, as KVCache.pools returns
     oracle = attention_oracle(q, k_all, v_all, pos)
     assert rel_err(out, oracle) < TOL
     assert rel_err(reference_op("attention")(q, k_all, v_all, rows, pos), oracle) < TOL
@@ -150,14 +151,21 @@ def test_rms_norm():
     torch.testing.assert_close(triton_small.rms_norm(qn, w[:128], 1e-6), reference_op("rms_norm")(qn, w[:128], 1e-6))
 
 
-def test_rope():
-    torch.manual_seed(6)
-    x = torch.randn(2, 9, 32, 128, device=DEV).bfloat16().transpose(1, 2)  # [B, H, T, D] strided, as the model
+def test_rope_and_store():
+    """Bitwise the reference: rotated q, and rotated k and v at their slots of a paged cache (blocks of 64)."""
+    torch.manual_seed(13)
+    b, t, hq, hkv, d = 2, 9, 32, 8, 128
+    qkv = torch.randn(b, t, (hq + 2 * hkv) * d, device=DEV).bfloat16()  # q, k, v: views of the fused projection
+    q, k, v = (x.view(b, t, -1, d).transpose(1, 2) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
     pos = torch.stack((torch.arange(1492, 1501, device=DEV), torch.arange(7, 16, device=DEV)))
-    cos, sin = rope_angles(pos, 64)
-    y = triton_small.rope(x, cos, sin)
-    torch.testing.assert_close(y, reference_op("rope")(x, cos, sin))
-    assert torch.equal(triton_small.rope(x[1:, :, 4:5], cos[1:, 4:5], sin[1:, 4:5]), y[1:, :, 4:5])
+    cos, sin = rope_angles(pos, d // 2)
+    k_pool, v_pool = (torch.randn(64, hkv, 64, d, device=DEV).bfloat16() for _ in range(2))
+    table = torch.randperm(63, device=DEV)[:48].view(2, 24) + 1  # 24 blocks per row at shuffled ids, not trash 0
+    slots = table.gather(1, pos // 64) * 64 + pos % 64
+    ref_k_pool, ref_v_pool = k_pool.clone(), v_pool.clone()
+    y = triton_small.rope_and_store(q, k, v, cos, sin, k_pool, v_pool, slots)
+    assert torch.equal(y, reference_op("rope_and_store")(q, k, v, cos, sin, ref_k_pool, ref_v_pool, slots))
+    assert torch.equal(k_pool, ref_k_pool) and torch.equal(v_pool, ref_v_pool)
 
 
 def test_swiglu():
