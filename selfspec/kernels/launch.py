@@ -1,13 +1,12 @@
-"""Programmatic dependent launch (Hopper): a kernel of a decode step is launched while the one before it in the
-stream finishes, and waits for that kernel's results only where it needs them.
+"""Programmatic dependent launch (Hopper): each Triton kernel of a decode step is launched before the one ahead of
+it in the stream has fully completed, and waits for that kernel's results itself (`wait`), first thing.
 
-At batch 1 a decode step is some ten small kernels per layer whose launch, ramp-up and tail cost as much as
-their work. With PDL each Triton kernel lets the next one launch as soon as all its own programs have started
-(`start`); the next one's programs take SMs as they free up, and a GEMM sends its first weight tiles (which no
-kernel writes) towards L2 (`prefetch_l2`) before it waits. Every kernel launched this way calls `wait` before it
-reads anything an earlier kernel wrote and before it writes anything, so data (and the memory a CUDA graph's pool
-hands from one kernel to the next) keeps stream order; the wait returns once the previous kernel has completed,
-and that kernel completed only after its own wait, so the order holds along the whole chain.
+At batch 1 a decode step is some ten small kernels per layer, and the gap between two of them (the launch of the
+next, after the last program of the previous has exited) is a visible part of the step. Launched this way, the
+next kernel's launch overlaps the previous one's completion; its programs wait on the GPU for the results. Every
+such kernel waits before it reads or writes any memory, so data (and the memory a CUDA graph's pool hands from
+one kernel to the next) keeps stream order along the whole chain. Letting the next kernel launch earlier still
+(as soon as all programs of the previous one have started) measured slower: its waiting programs hold SM slots.
 Off in Triton's interpreter (it runs no PTX) and with SELFSPEC_PDL=0; needs compute capability 9.0 or newer.
 """
 from __future__ import annotations
@@ -18,7 +17,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -36,22 +35,7 @@ def launch_options() -> dict:
 
 
 @triton.jit
-def start(PDL: tl.constexpr):
-    """Let the next kernel in the stream launch once every program of this one has got here."""
-    if PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
 def wait(PDL: tl.constexpr):
     """Block until the previous kernel in the stream has completed and its writes are visible."""
     if PDL:
         gdc_wait()
-
-
-@triton.jit
-def prefetch_l2(ptrs, PDL: tl.constexpr):
-    """Ask for the 128-byte lines at ptrs in L2 (no registers filled): for data no kernel writes, before `wait`."""
-    if PDL:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)

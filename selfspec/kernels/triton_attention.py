@@ -23,7 +23,7 @@ import triton.language as tl
 from selfspec.cache.paged import KEY_TILE, check_block_size
 from selfspec.errors import SelfspecError
 from selfspec.kernels import register
-from selfspec.kernels.launch import launch_options, start, wait
+from selfspec.kernels.launch import launch_options, wait
 from selfspec.kernels.reference import attention as reference_attention
 
 BLOCK_T = 16  # queries per program: fixed, whatever T is
@@ -38,7 +38,6 @@ def _attention_chunk_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    start(PDL)
     wait(PDL)
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
@@ -89,7 +88,6 @@ def _attention_merge_kernel(
     pos_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, T, S, H, N_CHUNKS, stride_ob, stride_oh, stride_ot,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
-    start(PDL)
     wait(PDL)
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from selfspec.kernels import register
-from selfspec.kernels.launch import INTERPRETING, launch_options, prefetch_l2, start, wait
+from selfspec.kernels.launch import INTERPRETING, launch_options, wait
 from selfspec.kernels.reference import linear as reference_linear
 from selfspec.kernels.reference import rotate as reference_rotate
 from selfspec.quant.formats import STORAGES, DenseWeight, QuantWeight
@@ -58,7 +58,6 @@ def _round_half_even(v):
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, QMAX: tl.constexpr, BLOCK: tl.constexpr,
                       PDL: tl.constexpr):
     """One row: scale = max|x| / QMAX, q = round(x / scale) (quant/act.py, exactly)."""
-    start(PDL)
     wait(PDL)
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_xm
@@ -183,11 +182,6 @@ def _linear_kernel(
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    start(PDL)
-    if FMT == DENSE or FMT == INT8:  # the first W tile, one request per 64 elements (<= 128 bytes) of a row
-        rows = w_ptr + tl.minimum(offs_n, N - 1) * stride_wn
-        for c in tl.static_range(0, BLOCK_K, 64):
-            prefetch_l2(rows + tl.minimum(pid_k * K_CHUNK + c, K - 1), PDL)
     wait(PDL)
     if SWAP:  # y^T = W x^T: the weight tile is the dot's left operand, fed to the tensor cores from registers
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -339,14 +333,6 @@ def _nibble_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = pid_k * K_CHUNK
     k_end = tl.minimum(K, k_start + K_CHUNK)
-    start(PDL)
-    # This program's first two W tiles (a tile row is BLOCK_K / 2 <= 64 bytes, within one 128-byte line).
-    rows = tl.minimum(offs_n, N - 1) * stride_wn
-    first = rows + tl.minimum(k_start, K - BLOCK_K) // 2
-    prefetch_l2(w_ptr + first, PDL)
-    prefetch_l2(w_ptr + rows + tl.minimum(k_start + BLOCK_K, K - BLOCK_K) // 2, PDL)
-    if FMT == FULL:
-        prefetch_l2(w2_ptr + first, PDL)
     wait(PDL)
     # Pointers advance one tile per step (K is a multiple of GROUP and BLOCK_K divides GROUP: no K mask).
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_start + tl.arange(0, BLOCK_K)[None, :]

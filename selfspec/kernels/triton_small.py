@@ -8,7 +8,7 @@ import triton.language as tl
 
 from selfspec.errors import SelfspecError
 from selfspec.kernels import register
-from selfspec.kernels.launch import launch_options, start, wait
+from selfspec.kernels.launch import launch_options, wait
 from selfspec.kernels.reference import rope_and_store as reference_rope_and_store
 
 
@@ -18,7 +18,6 @@ def _warps(block: int) -> int:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    start(PDL)
     wait(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -57,7 +56,6 @@ def _rope_and_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_o
                            stride_vpn, stride_vph, stride_vps,
                            HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
                            PDL: tl.constexpr):
-    start(PDL)
     wait(PDL)
     row = tl.program_id(0)  # one (b, t) token with all its heads: its angles and its slot are loaded once
     b = row // T
@@ -118,7 +116,6 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
 
 @triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, y_ptr, H, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    start(PDL)
     wait(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
