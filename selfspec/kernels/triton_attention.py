@@ -3,12 +3,13 @@
 Keys are read through a block table: key s of row b is pool[table[b, s // BS], kv_head, s % BS], so the paged
 cache is read in place (no gather); the contiguous cache is the case of one block of S slots per row.
 
-Flash-decoding: the keys are cut into chunks of a fixed size (CHUNK); one program per (query tile, head, chunk)
-runs an online softmax over its chunk's key blocks, in order, with fp32 scores and accumulators; a second
-kernel merges each query's chunk partials in chunk order. A decode step has one query per head, so splitting
-the keys is what puts enough programs on the GPU.
+Flash-decoding: the keys are cut into chunks of a fixed size (CHUNK); one program per (tile of query rows, kv
+head, chunk) runs an online softmax over its chunk's key blocks, in order, with fp32 scores and accumulators; a
+second kernel merges each query's chunk partials in chunk order. A tile's rows are the (query, head) pairs of
+the query heads that share one kv head (GQA), so each key block is read once for all of them. A decode step has
+one query per head, so splitting the keys is what puts enough programs on the GPU.
 Batch invariance across the number of queries: a query's scores, running max and sums only ever involve its
-own row; a key block past its position is fully masked for it, which leaves its state bit-for-bit unchanged
+own row, and its tile is fixed by its own position in the query-major order; a key block past its position is fully masked for it, which leaves its state bit-for-bit unchanged
 (the max stays, exp2(0) = 1 rescales, p = 0 adds exact zeros); the chunks are fixed and merged in order, and a
 chunk past its position is skipped. So it gets the same result alone or among other queries.
 """
@@ -33,26 +34,30 @@ CHUNK = 256  # keys per chunk: fixed, whatever T and S are (H100, 8B heads: 256 
 
 @triton.jit(do_not_specialize=["T", "S"])  # one binary for every number of queries and keys
 def _attention_chunk_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, S, BS, W, H, N_REP, N_CHUNKS, qk_scale,
+    q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, S, BS, W, HKV, N_REP, N_CHUNKS, qk_scale,
     stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait(PDL)
-    pid_t = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_r = tl.program_id(0)
+    bkv = tl.program_id(1)
     c = tl.program_id(2)
-    b = bh // H
-    h = bh % H
-    kv_h = h // N_REP  # GQA: query head h reads kv head h // N_REP (repeat_interleave)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    b = bkv // HKV
+    kv_h = bkv % HKV
+    # GQA: the rows of a tile are the (query, head) pairs of one kv head, query-major, so the N_REP heads that
+    # share it read each key once. A pair's tile is fixed by its own query and head, whatever T is.
+    r = pid_r * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = r // N_REP
+    h = kv_h * N_REP + r % N_REP
+    live = t < T
     offs_d = tl.arange(0, BLOCK_D)
-    q_mask = (offs_t < T)[:, None] & (offs_d < D)[None, :]
-    # Padding queries read key 0 only (no NaN); a position past the table's S keys reads all S of them.
-    pos = tl.minimum(tl.load(pos_ptr + b * T + offs_t, mask=offs_t < T, other=0), S - 1)
+    q_mask = live[:, None] & (offs_d < D)[None, :]
+    # Padding rows read key 0 only (no NaN); a position past the table's S keys reads all S of them.
+    pos = tl.minimum(tl.load(pos_ptr + b * T + t, mask=live, other=0), S - 1)
     end = tl.minimum(tl.max(pos, axis=0) + 1, (c + 1) * CHUNK)  # keys this program reads
-    if c * CHUNK < end:  # else no query of this tile reaches the chunk: the merge skips it
-        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :],
+    if c * CHUNK < end:  # else no row of this tile reaches the chunk: the merge skips it
+        q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
                     mask=q_mask, other=0)
         k_head = k_ptr + kv_h * stride_kh
         v_head = v_ptr + kv_h * stride_vh
@@ -71,16 +76,16 @@ def _attention_chunk_kernel(
             scores = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain: qk_scale folds in log2(e)
             scores = tl.where(offs_s[None, :] <= pos[:, None], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            # A query that reaches no key of the chunk keeps m = -inf: exp2(-inf - -inf) would be NaN.
+            # A row that reaches no key of the chunk keeps m = -inf: exp2(-inf - -inf) would be NaN.
             alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m_i - m_new))
             p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp2(scores - m_new[:, None]))
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
             m_i = m_new
-        row = (bh * N_CHUNKS + c) * T + offs_t  # partials [B * H, N_CHUNKS, T]
-        tl.store(m_ptr + row, m_i, mask=offs_t < T)
-        tl.store(l_ptr + row, l_i, mask=offs_t < T)
-        tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=(offs_t < T)[:, None])
+        row = ((b * HKV * N_REP + h) * N_CHUNKS + c) * T + t  # partials [B * H, N_CHUNKS, T]
+        tl.store(m_ptr + row, m_i, mask=live)
+        tl.store(l_ptr + row, l_i, mask=live)
+        tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=live[:, None])
 
 
 @triton.jit(do_not_specialize=["T", "S"])
@@ -137,8 +142,9 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     l = torch.empty_like(m)
     acc = torch.empty((b * h, n_chunks, t, block_d), dtype=torch.float32, device=q.device)
     out = torch.empty((b, h, t, d), dtype=q.dtype, device=q.device)
-    _attention_chunk_kernel[(triton.cdiv(t, BLOCK_T), b * h, n_chunks)](
-        q, k_pool, v_pool, table, pos, m, l, acc, t, s, bs, w, h, h // k_pool.shape[1], n_chunks,
+    hkv = k_pool.shape[1]
+    _attention_chunk_kernel[(triton.cdiv(t * (h // hkv), BLOCK_T), b * hkv, n_chunks)](
+        q, k_pool, v_pool, table, pos, m, l, acc, t, s, bs, w, hkv, h // hkv, n_chunks,
         math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3],
         D=d, BLOCK_D=block_d, BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S, CHUNK=CHUNK, num_warps=4, num_stages=2,
         **launch_options(),
