@@ -74,14 +74,20 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Mode | 
               accept: GreedyAcceptance = accept_greedy) -> tuple[list[list[int]], RoundTiming]:
     """One speculative round over a batch: k batched draft steps (T=1), one batched verify pass (T=k+1),
     acceptance per row. Returns each row's committed tokens; rows are updated only once every pass succeeded
-    (a failure leaves them as they were). The caller commits/truncates the cache to each row's new length."""
+    (a failure leaves them as they were). The caller commits/truncates the cache to each row's new length.
+    The drafts stay on the device until the verify pass is queued: on a GPU the host waits once per round."""
     dev = model.device
     t0 = time.perf_counter()
-    drafts, q = draft_tokens(model, cache, rows, k, draft) if k else ([[] for _ in rows], [None] * len(rows))
-    t1 = time.perf_counter()
-    toks = torch.tensor([[r.pending] + d for r, d in zip(rows, drafts)], device=dev)
+    pending = torch.tensor([r.pending for r in rows], device=dev)
+    if k:
+        drafted, q = draft_tokens(model, cache, rows, pending, k, draft)
+    else:
+        drafted, q = pending.new_empty((len(rows), 0)), [None] * len(rows)
+    toks = torch.cat((pending[:, None], drafted), 1)
     pos = torch.tensor([r.length for r in rows], device=dev)[:, None] + torch.arange(k + 1, device=dev)
     logits = model(toks, pos, cache, verify)
+    drafts = drafted.tolist()
+    t1 = time.perf_counter()  # the drafts are known (the verify pass was queued before)
     targets = logits.argmax(-1).tolist()  # greedy rows' verify tokens: one pass and one copy, not one per row
     accepted = [accept(d, t) if r.params.greedy else accept_rejection(d, qq, to_probs(lg, r.params), r.gen)
                 for r, d, qq, lg, t in zip(rows, drafts, q, logits, targets)]
@@ -100,24 +106,27 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Mode | 
     return out, RoundTiming(t1 - t0, t2 - t1)
 
 
-def draft_tokens(model: Transformer, cache, rows: list[Row], k: int,
-                 mode: Mode) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-    """Run k batched draft-mode steps from each row's pending token; their KV lands in the cache past each
-    row's length and is overwritten by the verify pass. Returns the drafts per row and (sampling rows) the
-    probabilities [k, V] each was drawn from."""
+def draft_tokens(model: Transformer, cache, rows: list[Row], pending: torch.Tensor, k: int,
+                 mode: Mode) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Run k batched draft-mode steps from each row's pending token ([B], on the device); their KV lands in the
+    cache past each row's length and is overwritten by the verify pass. Returns the drafts [B, k] on the device
+    and (sampling rows) the probabilities [k, V] each was drawn from. When every row is greedy, each step's
+    argmax feeds the next step on the device, with no host round trip between steps."""
     dev = model.device
-    drafts = [[] for _ in rows]
+    greedy = all(r.params.greedy for r in rows)
     probs = [[] for _ in rows]
-    toks = [r.pending for r in rows]
+    toks = pending
     base = torch.tensor([r.length for r in rows], device=dev)[:, None]
+    steps = []
     for i in range(k):
-        logits = model(torch.tensor(toks, device=dev)[:, None], base + i, cache, mode)[:, -1]
-        greedy = logits.argmax(-1).tolist()
-        for j, r in enumerate(rows):
-            if r.params.greedy:
-                toks[j] = greedy[j]
-            else:
-                probs[j].append(to_probs(logits[j], r.params))
-                toks[j] = sample(probs[j][-1], r.gen)
-            drafts[j].append(toks[j])
-    return drafts, [torch.stack(p) if p else None for p in probs]
+        logits = model(toks[:, None], base + i, cache, mode)[:, -1]
+        toks = logits.argmax(-1)
+        if not greedy:
+            picks = toks.tolist()
+            for j, r in enumerate(rows):
+                if not r.params.greedy:
+                    probs[j].append(to_probs(logits[j], r.params))
+                    picks[j] = sample(probs[j][-1], r.gen)
+            toks = torch.tensor(picks, device=dev)
+        steps.append(toks)
+    return torch.stack(steps, 1), [torch.stack(p) if p else None for p in probs]
