@@ -22,7 +22,8 @@ from triton.runtime import interpreter  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from selfspec.errors import SelfspecError  # noqa: E402
-from selfspec.kernels import reference, reference_op, triton_attention, triton_linear, triton_small  # noqa: E402
+from selfspec.kernels import reference, reference_op, semaphores, triton_attention  # noqa: E402
+from selfspec.kernels import triton_linear, triton_small  # noqa: E402
 from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
@@ -332,7 +333,7 @@ def test_tile_configs_compute_the_same_linear(storage, mode_name):
         cfg = triton_linear.TileConfig(block_n=16, block_k=64, split_k=split, swap=swap)
         y = triton_linear._launch(xq, xs, weight, fmt, act, None, cfg)
         assert rel_err(y, oracle) < TOL, f"split {split} swap {swap}"
-    assert not triton_linear._TILE_COUNTS[x.device].any()  # every split launch left its tile counts at zero
+    assert not semaphores._COUNTS[x.device].any()  # every split launch left its tile counts at zero
 
 
 @pytest.mark.parametrize("storage,mode_name", [("int4", "w4a16"), ("planes", "w4a8"), ("int8", "w8a8"),
@@ -348,7 +349,7 @@ def test_residual_is_added_as_a_bf16_add_after_the_product(storage, mode_name):
     assert torch.equal(triton_linear.linear(x, weight, mode, None, r), triton_linear.linear(x, weight, mode, None) + r)
     ref = reference_op("linear", storage)
     assert torch.equal(ref(x, weight, mode, None, r), ref(x, weight, mode, None) + r)
-    assert not triton_linear._TILE_COUNTS[x.device].any()
+    assert not semaphores._COUNTS[x.device].any()
 
 
 def test_rotate_matches_reference_and_is_batch_invariant():

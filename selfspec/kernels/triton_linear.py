@@ -13,8 +13,8 @@ rather than by converting every weight through fp32.
 
 Batch invariance (a row's output never depends on M): the tile config, the number of K splits included, is a
 function of (format, mode, N, K) only, BLOCK_M is fixed, each program walks its K range in order, and the
-SPLIT_K partial sums of a tile are added in split order by whichever of its programs finishes last (a counter
-per tile says which; the sum never depends on who adds it). So a row goes through the same instructions
+SPLIT_K partial sums of a tile are added in split order by whichever of its programs finishes last
+(kernels/semaphores.py; the sum never depends on who adds it). So a row goes through the same instructions
 whatever M is; the other rows of its BLOCK_M tile never enter its sums. Splitting K is what lets a decode GEMM
 (M = 1..64) put enough programs on the GPU to stream the weight at memory speed; adding the partials in the
 GEMM itself saves a second launch per linear.
@@ -33,6 +33,7 @@ import triton.language as tl
 from selfspec.kernels import register
 from selfspec.kernels.launch import INTERPRETING, launch_options, wait
 from selfspec.kernels.reference import linear as reference_linear
+from selfspec.kernels.semaphores import group_counts, last_to_arrive
 from selfspec.kernels.reference import rotate as reference_rotate
 from selfspec.quant.formats import STORAGES, DenseWeight, QuantWeight
 from selfspec.quant.modes import MODES, Mode
@@ -157,15 +158,12 @@ def _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_pt
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
         tile_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(tile_ptrs + tl.program_id(2) * M * N, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is stored before the count is released
-        count = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(count, 1, sem="acq_rel") == SPLIT_K - 1:
+        if last_to_arrive(count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT_K):
             total = tl.zeros(acc.shape, dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):  # fixed order: the same sum whatever M is and whoever adds it
                 total += tl.load(tile_ptrs + s * M * N, mask=mask, other=0, cache_modifier=".cg")
             _epilogue(total, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
                       stride_rm, FMT, ACT, HAS_BIAS, HAS_RES)
-            tl.atomic_xchg(count, 0)  # zero again for the next launch
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every M (no M == 1 or M % 16 variant)
@@ -478,19 +476,6 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     return _launch(x2, xs, weight, fmt, act, bias, cfg, r2).view(*x.shape[:-1], n)
 
 
-_TILE_COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: how many programs of each tile have finished
-
-
-def _tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 counters for `tiles` output tiles. Every launch leaves them zero again, so one buffer serves
-    every split-K GEMM on the device in stream order (CUDA graphs included); it grows, never in a graph capture:
-    decode passes, the graphed ones, run eagerly first."""
-    counts = _TILE_COUNTS.get(device)
-    if counts is None or counts.numel() < tiles:
-        counts = _TILE_COUNTS[device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
-    return counts
-
-
 def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt: int, act: bool,
             bias: torch.Tensor | None, cfg: TileConfig, r2: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ W^T (+ r2 [M, N]) under one tile config (the benchmark's tuner calls this)."""
@@ -502,7 +487,7 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
     part = counts = None
     if cfg.split_k > 1:
         part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x2.device)
-        counts = _tile_counts(x2.device, grid[0] * grid[1])
+        counts = group_counts(x2.device, grid[0] * grid[1])
     group = getattr(weight, "group_size", 0)
     args = (x2, xs, w, w2, scale, lo, bias, r2, y, part, counts, m, n, k, k_chunk, x2.stride(0), w.stride(0),
             0 if lo is None else lo.stride(0), y.stride(0), 0 if r2 is None else r2.stride(0))

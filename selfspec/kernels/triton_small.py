@@ -43,7 +43,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @triton.jit
 def _rotate_half(x_ptr, offs, mask, c1, c2, s1, s2, HALF: tl.constexpr):
-    """RoPE of the rows at x_ptr + offs (their first halves) in fp32: each product rounded, as the reference computes it."""
+    """RoPE of the rows at x_ptr + offs (their first halves) in fp32, each product rounded as in the reference."""
     x1 = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.float32)
     x2 = tl.load(x_ptr + HALF + offs, mask=mask, other=0).to(tl.float32)
     return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
