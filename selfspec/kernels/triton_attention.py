@@ -4,16 +4,14 @@ Keys are read through a block table: key s of row b is pool[table[b, s // BS], k
 cache is read in place (no gather); the contiguous cache is the case of one block of S slots per row.
 
 Flash-decoding: the keys are cut into chunks of a fixed size (CHUNK); one program per (tile of query rows, kv
-head, chunk) runs an online softmax over its chunk's key blocks, in order, with fp32 scores and accumulators;
-the tile's last program to finish merges each row's chunk partials in chunk order (kernels/semaphores.py).
-A tile's rows are the (query, head) pairs of the query heads that share one kv head (GQA), so each key block is
-read once for all of them. A decode step has one query per head, so splitting the keys is what puts enough
-programs on the GPU.
+head, chunk) runs an online softmax over its chunk's key blocks, in order, with fp32 scores and accumulators; a
+second kernel merges each query's chunk partials in chunk order. A tile's rows are the (query, head) pairs of
+the query heads that share one kv head (GQA), so each key block is read once for all of them. A decode step has
+one query per head, so splitting the keys is what puts enough programs on the GPU.
 Batch invariance across the number of queries: a query's scores, running max and sums only ever involve its
-own row, and its tile is fixed by its own place in the query-major order; a key block past its position is
-fully masked for it, which leaves its state bit-for-bit unchanged (the max stays, exp2(0) = 1 rescales, p = 0
-adds exact zeros); the chunks are fixed and merged in order, and a chunk past its position is skipped. So it
-gets the same result alone or among other queries.
+own row, and its tile is fixed by its own position in the query-major order; a key block past its position is fully masked for it, which leaves its state bit-for-bit unchanged
+(the max stays, exp2(0) = 1 rescales, p = 0 adds exact zeros); the chunks are fixed and merged in order, and a
+chunk past its position is skipped. So it gets the same result alone or among other queries.
 """
 from __future__ import annotations
 
@@ -28,7 +26,6 @@ from selfspec.errors import SelfspecError
 from selfspec.kernels import register
 from selfspec.kernels.launch import launch_options, wait
 from selfspec.kernels.reference import attention as reference_attention
-from selfspec.kernels.semaphores import group_counts, last_to_arrive
 
 BLOCK_T = 16  # queries per program: fixed, whatever T is
 BLOCK_S = KEY_TILE  # keys per step of the online softmax: fixed, so every query sums its keys in the same order
@@ -37,9 +34,8 @@ CHUNK = 256  # keys per chunk: fixed, whatever T and S are (H100, 8B heads: 256 
 
 @triton.jit(do_not_specialize=["T", "S"])  # one binary for every number of queries and keys
 def _attention_chunk_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, count_ptr, T, S, BS, W, HKV, N_REP,
-    N_CHUNKS, qk_scale, stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh,
-    stride_vs, stride_ob, stride_oh, stride_ot,
+    q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, S, BS, W, HKV, N_REP, N_CHUNKS, qk_scale,
+    stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -86,46 +82,51 @@ def _attention_chunk_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
             m_i = m_new
-        first = (b * HKV * N_REP + h) * N_CHUNKS * T + t  # partials [B * H, N_CHUNKS, T]: chunk 0 of each row
-        tl.store(m_ptr + first + c * T, m_i, mask=live)
-        tl.store(l_ptr + first + c * T, l_i, mask=live)
-        tl.store(acc_ptr + (first + c * T)[:, None] * BLOCK_D + offs_d[None, :], acc, mask=live[:, None])
-        n_used = tl.max(pos, axis=0) // CHUNK + 1  # the tile's programs that got here
-        if last_to_arrive(count_ptr + pid_r * tl.num_programs(1) + bkv, n_used):
-            out = _merge(m_ptr, l_ptr, acc_ptr, first, pos, live, n_used, T, BLOCK_T, BLOCK_D, CHUNK)
-            tl.store(o_ptr + b * stride_ob + h[:, None] * stride_oh + t[:, None] * stride_ot + offs_d[None, :],
-                     out.to(tl.bfloat16), mask=q_mask)
+        row = ((b * HKV * N_REP + h) * N_CHUNKS + c) * T + t  # partials [B * H, N_CHUNKS, T]
+        tl.store(m_ptr + row, m_i, mask=live)
+        tl.store(l_ptr + row, l_i, mask=live)
+        tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=live[:, None])
 
 
-@triton.jit
-def _merge(m_ptr, l_ptr, acc_ptr, first, pos, live, n_chunks, T, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-           CHUNK: tl.constexpr):
-    """Each row's chunk partials (rows at `first`, chunk c at + c * T) merged in chunk order -> its output."""
+@triton.jit(do_not_specialize=["T", "S"])
+def _attention_merge_kernel(
+    pos_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, T, S, H, N_CHUNKS, stride_ob, stride_oh, stride_ot,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
+):
+    wait(PDL)
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
+    pos = tl.minimum(tl.load(pos_ptr + b * T + offs_t, mask=offs_t < T, other=0), S - 1)  # as the chunk kernel
     m = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_T,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for c in range(0, n_chunks):  # in chunk order; chunk 0 holds key 0 for everyone
-        row = first + c * T
-        used = live & (c * CHUNK <= pos)  # a chunk past a row's position is not read for it
-        m_c = tl.load(m_ptr + row, mask=used, other=float("-inf"), cache_modifier=".cg")
-        l_c = tl.load(l_ptr + row, mask=used, other=0, cache_modifier=".cg")
-        acc_c = tl.load(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=used[:, None], other=0,
-                        cache_modifier=".cg")
-        m_new = tl.maximum(m, m_c)  # finite: chunk 0 gives every row a finite max
+    for c in range(0, tl.max(pos, axis=0) // CHUNK + 1):  # in chunk order; chunk 0 holds key 0 for everyone
+        row = (bh * N_CHUNKS + c) * T + offs_t
+        used = (offs_t < T) & (c * CHUNK <= pos)  # a chunk past a query's position is not read for it
+        m_c = tl.load(m_ptr + row, mask=used, other=float("-inf"))
+        l_c = tl.load(l_ptr + row, mask=used, other=0)
+        acc_c = tl.load(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=used[:, None], other=0)
+        m_new = tl.maximum(m, m_c)  # finite: chunk 0 gives every query a finite max
         alpha = tl.exp2(m - m_new)
         beta = tl.exp2(m_c - m_new)
         l = l * alpha + l_c * beta
         acc = acc * alpha[:, None] + acc_c * beta[:, None]
         m = m_new
-    return acc / l[:, None]
+    out = acc / l[:, None]
+    o_mask = (offs_t < T)[:, None] & (offs_d < D)[None, :]
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_t[:, None] * stride_ot + offs_d[None, :],
+             out.to(tl.bfloat16), mask=o_mask)
 
 
 @register("attention", "", "cuda")
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
               q_pos: torch.Tensor) -> torch.Tensor:
     """q [B, Hq, T, D] at positions q_pos [B, T]; pools [N, Hkv, bs, D], block table [B, W] (kernels/ops.py):
-    the reference attention in one kernel, reading the keys in place."""
+    the reference attention, in two kernels, reading the keys in place."""
     if not q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16:
         return reference_attention(q, k_pool, v_pool, table, q_pos)  # bf16 only: other dtypes take the reference
     b, h, t, d = q.shape
@@ -142,11 +143,14 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     acc = torch.empty((b * h, n_chunks, t, block_d), dtype=torch.float32, device=q.device)
     out = torch.empty((b, h, t, d), dtype=q.dtype, device=q.device)
     hkv = k_pool.shape[1]
-    grid = (triton.cdiv(t * (h // hkv), BLOCK_T), b * hkv, n_chunks)
-    _attention_chunk_kernel[grid](
-        q, k_pool, v_pool, table, pos, m, l, acc, out, group_counts(q.device, grid[0] * grid[1]), t, s, bs, w, hkv,
-        h // hkv, n_chunks, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3],
-        *v_pool.stride()[:3], *out.stride()[:3], D=d, BLOCK_D=block_d, BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S,
-        CHUNK=CHUNK, num_warps=4, num_stages=2, **launch_options(),
+    _attention_chunk_kernel[(triton.cdiv(t * (h // hkv), BLOCK_T), b * hkv, n_chunks)](
+        q, k_pool, v_pool, table, pos, m, l, acc, t, s, bs, w, hkv, h // hkv, n_chunks,
+        math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3],
+        D=d, BLOCK_D=block_d, BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S, CHUNK=CHUNK, num_warps=4, num_stages=2,
+        **launch_options(),
+    )
+    _attention_merge_kernel[(triton.cdiv(t, BLOCK_T), b * h)](
+        pos, m, l, acc, out, t, s, h, n_chunks, *out.stride()[:3],
+        D=d, BLOCK_D=block_d, BLOCK_T=BLOCK_T, CHUNK=CHUNK, num_warps=4, **launch_options(),
     )
     return out
