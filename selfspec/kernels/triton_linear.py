@@ -414,12 +414,14 @@ def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
     Chosen by `python -m selfspec.bench.tune_linear` on an H100 (Llama-3-8B layers, M = 1 and 9, under CUDA
     graphs, weights streamed from HBM): INT8 codes stream best in K tiles of 256, both planes with int8
     activations in tiles of one group (<= 128) as the dot's left operand (swapped), and nibbles (_nibble_kernel)
-    in N tiles of 256 (128 when both planes are read; 64 with int8 activations) with K split into enough pieces
-    for about 384 programs (512 with int8 activations)."""
+    in N tiles of 256 (128 when both planes are read; 64 with int8 activations) with K split into as many
+    pieces (a power of two) as keep the programs within 256 (384 for both planes, 512 with int8 activations):
+    about two 256-wide programs fit on each of an H100's 132 SMs at once, and a second wave cost the q/k/v
+    projection 17.5 vs 13.9-14.5 us (docs/bench-h100/tune-final.json)."""
     if uses_nibble_kernel(fmt, act, group):
         block_n = 64 if act else 128 if fmt == FULL.value else 256
         n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, min(group, 128))
-        programs = 512 if act else 384
+        programs = 512 if act else 384 if fmt == FULL.value else 256
         split_k = 1 << max(0, (programs // n_tiles).bit_length() - 1)  # the power of two <= programs / n_tiles
         return TileConfig(block_n, min(group, 128), max(1, min(k_tiles, 16, split_k)), num_stages=3 if act else 2)
     int4_act = act and fmt >= INT4.value
