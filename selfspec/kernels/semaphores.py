@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from selfspec.errors import SelfspecError
+
 _COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: how many programs of each group have arrived
 
 
@@ -16,6 +18,9 @@ def group_counts(device: torch.device, groups: int) -> torch.Tensor:
     graph capture: decode passes, the graphed ones, run eagerly first."""
     counts = _COUNTS.get(device)
     if counts is None or counts.numel() < groups:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise SelfspecError(f"a GEMM of {groups} tiles first seen inside a CUDA graph capture: run the pass once "
+                                "eagerly before capturing it (engine/graphs.py does)")
         counts = _COUNTS[device] = torch.zeros(max(groups, 1 << 16), dtype=torch.int32, device=device)
     return counts
 

@@ -10,7 +10,9 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from selfspec.kernels import lookup, reference_op, triton_attention, triton_linear, triton_small  # noqa: E402
+from selfspec.errors import SelfspecError  # noqa: E402
+from selfspec.kernels import lookup, reference_op, semaphores, triton_attention  # noqa: E402
+from selfspec.kernels import triton_linear, triton_small  # noqa: E402
 from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
@@ -59,6 +61,25 @@ def test_linear(storage, mode_name, n, k):
     assert torch.equal(triton_linear.linear(x_big, weight, mode, bias)[:64], y)  # prefill: many M tiles
     r = torch.randn(64, n, device=DEV).bfloat16()
     assert torch.equal(triton_linear.linear(x, weight, mode, bias, r), y + r)  # the residual add in the epilogue
+
+
+def test_split_k_counters_are_made_before_a_graph_capture():
+    """The split-K arrival counters are allocated eagerly: a GEMM first seen inside a capture is refused with a
+    clear error; run once eagerly, the same GEMM captures and replays to the eager bits."""
+    torch.manual_seed(14)
+    weight = quantize_weight(torch.randn(4096, 4096, device=DEV), "int4", 128)
+    x = torch.randn(1, 4096, device=DEV).bfloat16()
+    mode = MODES["w4a16"]
+    semaphores._COUNTS.clear()
+    with pytest.raises(SelfspecError, match="eagerly"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            triton_linear.linear(x, weight, mode, None)
+    y = triton_linear.linear(x, weight, mode, None)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = triton_linear.linear(x, weight, mode, None)
+    graph.replay()
+    assert torch.equal(y_graph, y)
 
 
 def test_linear_head():
