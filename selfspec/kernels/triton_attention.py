@@ -9,9 +9,10 @@ second kernel merges each query's chunk partials in chunk order. A tile's rows a
 the query heads that share one kv head (GQA), so each key block is read once for all of them. A decode step has
 one query per head, so splitting the keys is what puts enough programs on the GPU.
 Batch invariance across the number of queries: a query's scores, running max and sums only ever involve its
-own row, and its tile is fixed by its own position in the query-major order; a key block past its position is fully masked for it, which leaves its state bit-for-bit unchanged
-(the max stays, exp2(0) = 1 rescales, p = 0 adds exact zeros); the chunks are fixed and merged in order, and a
-chunk past its position is skipped. So it gets the same result alone or among other queries.
+own row, and its tile is fixed by its own place in the query-major order; a key block past its position is
+fully masked for it, which leaves its state bit-for-bit unchanged (the max stays, exp2(0) = 1 rescales, p = 0
+adds exact zeros); the chunks are fixed and merged in order, and a chunk past its position is skipped. So it
+gets the same result alone or among other queries.
 """
 from __future__ import annotations
 

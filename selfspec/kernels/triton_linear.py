@@ -33,8 +33,8 @@ import triton.language as tl
 from selfspec.kernels import register
 from selfspec.kernels.launch import INTERPRETING, launch_options, wait
 from selfspec.kernels.reference import linear as reference_linear
-from selfspec.kernels.semaphores import group_counts, last_to_arrive
 from selfspec.kernels.reference import rotate as reference_rotate
+from selfspec.kernels.semaphores import group_counts, last_to_arrive
 from selfspec.quant.formats import STORAGES, DenseWeight, QuantWeight
 from selfspec.quant.modes import MODES, Mode
 

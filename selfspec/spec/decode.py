@@ -79,12 +79,13 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Mode | 
     dev = model.device
     t0 = time.perf_counter()
     pending = torch.tensor([r.pending for r in rows], device=dev)
+    lengths = torch.tensor([r.length for r in rows], device=dev)[:, None]
     if k:
-        drafted, q = draft_tokens(model, cache, rows, pending, k, draft)
+        drafted, q = draft_tokens(model, cache, rows, pending, lengths, k, draft)
     else:
         drafted, q = pending.new_empty((len(rows), 0)), [None] * len(rows)
     toks = torch.cat((pending[:, None], drafted), 1)
-    pos = torch.tensor([r.length for r in rows], device=dev)[:, None] + torch.arange(k + 1, device=dev)
+    pos = lengths + torch.arange(k + 1, device=dev)
     logits = model(toks, pos, cache, verify)
     drafts = drafted.tolist()
     t1 = time.perf_counter()  # the drafts are known (the verify pass was queued before)
@@ -106,20 +107,19 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Mode | 
     return out, RoundTiming(t1 - t0, t2 - t1)
 
 
-def draft_tokens(model: Transformer, cache, rows: list[Row], pending: torch.Tensor, k: int,
-                 mode: Mode) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """Run k batched draft-mode steps from each row's pending token ([B], on the device); their KV lands in the
-    cache past each row's length and is overwritten by the verify pass. Returns the drafts [B, k] on the device
-    and (sampling rows) the probabilities [k, V] each was drawn from. When every row is greedy, each step's
-    argmax feeds the next step on the device, with no host round trip between steps."""
+def draft_tokens(model: Transformer, cache, rows: list[Row], pending: torch.Tensor, lengths: torch.Tensor,
+                 k: int, mode: Mode) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Run k batched draft-mode steps from each row's pending token ([B], on the device) at its length ([B, 1]);
+    their KV lands in the cache past each row's length and is overwritten by the verify pass. Returns the drafts
+    [B, k] on the device and (sampling rows) the probabilities [k, V] each was drawn from. When every row is
+    greedy, each step's argmax feeds the next step on the device, with no host round trip between steps."""
     dev = model.device
     greedy = all(r.params.greedy for r in rows)
     probs = [[] for _ in rows]
     toks = pending
-    base = torch.tensor([r.length for r in rows], device=dev)[:, None]
     steps = []
     for i in range(k):
-        logits = model(toks[:, None], base + i, cache, mode)[:, -1]
+        logits = model(toks[:, None], lengths + i, cache, mode)[:, -1]
         toks = logits.argmax(-1)
         if not greedy:
             picks = toks.tolist()
