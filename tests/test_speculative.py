@@ -3,6 +3,7 @@ and rejection sampling emits the verify distribution."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ import torch
 from conftest import dequantize_once, tiny_model
 from selfspec.engine.llm import build
 from selfspec.engine.stats import GenerationStats
-from selfspec.spec.decode import decode
+from selfspec.quant.modes import MODES
+from selfspec.spec.decode import Row, decode, run_round
 from selfspec.spec.recipes import resolve_recipe
 from selfspec.spec.sampling import SamplingParams, sample, to_probs
 from selfspec.spec.verify import accept_greedy, accept_rejection
@@ -123,6 +125,28 @@ def test_greedy_lossless_up_to_the_context_limit():
     for gamma in (1, 3, 6, 32):
         out = llm.generate(prompt, SamplingParams(max_new_tokens=100, ignore_eos=True), gamma=gamma)
         assert out.token_ids == ref, gamma
+
+
+class TimedModel:
+    """A stand-in model whose passes take a known time per mode (draft 10 ms, verify 30 ms)."""
+    device = torch.device("cpu")
+
+    def __init__(self, draft, verify):
+        self.cost = {draft.name: 0.01, verify.name: 0.03}
+
+    def __call__(self, tokens, pos, cache, mode):
+        time.sleep(self.cost[mode.name])
+        return torch.randn(*tokens.shape, 11)
+
+
+def test_round_time_splits_into_draft_and_verify():
+    """The round's draft time is its k draft steps and its verify time the verify pass (the gamma policy
+    compares them), however the passes are queued."""
+    draft, verify = MODES["upper"], MODES["full"]
+    rows = [Row(3, 5, SamplingParams(max_new_tokens=8), None, GenerationStats()) for _ in range(2)]
+    _, timing = run_round(TimedModel(draft, verify), None, rows, 3, draft, verify)
+    assert 0.03 <= timing.draft_s < 0.03 + 0.025
+    assert 0.03 <= timing.verify_s < 0.03 + 0.025
 
 
 def test_accept_greedy_unit():

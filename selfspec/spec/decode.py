@@ -75,7 +75,7 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Mode | 
     """One speculative round over a batch: k batched draft steps (T=1), one batched verify pass (T=k+1),
     acceptance per row. Returns each row's committed tokens; rows are updated only once every pass succeeded
     (a failure leaves them as they were). The caller commits/truncates the cache to each row's new length.
-    The drafts stay on the device until the verify pass is queued: on a GPU the host waits once per round."""
+    The drafts stay on the device between steps: on a GPU the host waits twice per round (drafts, verify)."""
     dev = model.device
     t0 = time.perf_counter()
     pending = torch.tensor([r.pending for r in rows], device=dev)
@@ -84,11 +84,11 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Mode | 
         drafted, q = draft_tokens(model, cache, rows, pending, lengths, k, draft)
     else:
         drafted, q = pending.new_empty((len(rows), 0)), [None] * len(rows)
+    drafts = drafted.tolist()  # waiting for the drafts here keeps draft_s and verify_s (the policy reads them) apart
+    t1 = time.perf_counter()
     toks = torch.cat((pending[:, None], drafted), 1)
     pos = lengths + torch.arange(k + 1, device=dev)
     logits = model(toks, pos, cache, verify)
-    drafts = drafted.tolist()
-    t1 = time.perf_counter()  # the drafts are known (the verify pass was queued before)
     targets = logits.argmax(-1).tolist()  # greedy rows' verify tokens: one pass and one copy, not one per row
     accepted = [accept(d, t) if r.params.greedy else accept_rejection(d, qq, to_probs(lg, r.params), r.gen)
                 for r, d, qq, lg, t in zip(rows, drafts, q, logits, targets)]
