@@ -23,8 +23,9 @@ KERNELS = {"bf16": ("dense", "bf16"), "w8a16": ("int8", "w8a16"), "w8a8": ("int8
 
 
 def candidates(group_fmt: bool, nibble_kernel: bool) -> list[tlin.TileConfig]:
-    if nibble_kernel:  # _nibble_kernel: wider N tiles, never swapped
-        return [tlin.TileConfig(n, k, s) for n, k, s in itertools.product((64, 128, 256), (64, 128), (1, 2, 4, 8, 16))]
+    if nibble_kernel:  # _nibble_kernel: wider N tiles, never swapped, one group (128) per K tile
+        return [tlin.TileConfig(n, 128, s, 4, stages)
+                for n, s, stages in itertools.product((64, 128, 256), (2, 4, 8, 16), (2, 3))]
     ks = (64, 128) if group_fmt else (128, 256)
     return [tlin.TileConfig(n, k, s, 4, 3, swap) for n, k, s, swap
             in itertools.product((32, 64, 128), ks, (1, 2, 4, 8, 16), (False, True))]

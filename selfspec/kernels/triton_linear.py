@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from selfspec.kernels import register
 from selfspec.kernels.launch import INTERPRETING, launch_options, wait
@@ -310,19 +311,31 @@ def _nibble_dot(xe, xo, b, acc, ASM: tl.constexpr):
     return tl.dot(xo, tl.trans(hi), acc)
 
 
+@triton.jit
+def _widen_k(a, b):
+    """a [M, G] and b [G, N] -> [M, 2G] and [2G, N] with zero columns / rows interleaved: the same a @ b, for a
+    dot's K >= 16."""
+    a = tl.reshape(tl.join(a, tl.zeros_like(a)), (a.shape[0], 2 * a.shape[1]))
+    b = tl.reshape(tl.permute(tl.join(b, tl.zeros_like(b)), (0, 2, 1)), (2 * b.shape[0], b.shape[1]))
+    return a, b
+
+
 @triton.jit(do_not_specialize=["M"])
 def _nibble_kernel(
-    x_ptr, xs_ptr, w_ptr, w2_ptr, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, K_CHUNK, stride_xm, stride_wn, stride_sn, stride_ym, stride_rm,
+    x_ptr, xs_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, K_CHUNK, stride_xm, stride_sn, stride_ym, stride_rm,
     FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    GROUPS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Nibble formats: INT4, UPPER and FULL with bf16 activations, INT4 and UPPER with int8 activation codes
     (ACT). Each K tile is one quant group, whose affine is applied after the dot:
         x . (lo + s q) = s (x . q) + lo sum(x)
     so the tensor cores read exact integer codes and no weight is scaled or converted through fp32 (which would
-    bound the kernel by conversions, not by memory). sum(x) comes from the tensor cores too (a dot with ones).
+    bound the kernel by conversions, not by memory). The weight tiles come by TMA (w_desc, w2_desc: the
+    descriptors of the nibble planes), which keeps more bytes in flight than per-thread loads. The lo sum(x)
+    terms are kept per group (each row's sum of x, each column's offset) and added once after the loop, as one
+    small fp32 product: GROUPS (a power of two) covers this program's groups.
     Same grid and split-K as _linear_kernel; every row goes through the same instructions whatever M is."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -332,47 +345,51 @@ def _nibble_kernel(
     k_start = pid_k * K_CHUNK
     k_end = tl.minimum(K, k_start + K_CHUNK)
     wait(PDL)
-    # Pointers advance one tile per step (K is a multiple of GROUP and BLOCK_K divides GROUP: no K mask).
+    # K is a multiple of GROUP and BLOCK_K divides GROUP: no K mask.
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_start + tl.arange(0, BLOCK_K)[None, :]
-    w_off = offs_n[:, None] * stride_wn + k_start // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
     x_mask = (offs_m < M)[:, None]
-    w_mask = (offs_n < N)[:, None]
+    groups = tl.arange(0, GROUPS)
+    sums = tl.zeros((BLOCK_M, GROUPS), dtype=tl.float32)  # row sums of x per group
+    offsets = tl.zeros((GROUPS, BLOCK_N), dtype=tl.float32)  # what multiplies them: lo - s * code offset
     if ACT:
         ones = tl.full((BLOCK_K // 2, BLOCK_N), 1, tl.int8)
-    else:
-        ones = tl.full((BLOCK_K // 2, BLOCK_N), 1.0, tl.float32).to(tl.bfloat16)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    i = 0
     for k0 in range(k_start, k_end, BLOCK_K):  # this program's K range, in order
         x = tl.load(x_ptrs, mask=x_mask, other=0)
         xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
-        if EVEN_N:
-            b = tl.load(w_ptr + w_off)
-        else:
-            b = tl.load(w_ptr + w_off, mask=w_mask, other=0)
+        b = w_desc.load([pid_n * BLOCK_N, k0 // 2])
         if ACT:  # int8 codes 0..15 on int8 tensor cores, exact int32 sums per tile
             lo_c, hi_c = _int8_codes(b, ASM)
             d = tl.dot(xo, tl.trans(hi_c), tl.dot(xe, tl.trans(lo_c), out_dtype=tl.int32), out_dtype=tl.int32)
             d = d.to(tl.float32)
-            offset = 0.0
         elif FMT == FULL:  # the lower plane has the upper plane's layout
-            if EVEN_N:
-                b2 = tl.load(w2_ptr + w_off)
-            else:
-                b2 = tl.load(w2_ptr + w_off, mask=w_mask, other=0)
-            even, odd = _plane_codes(b, b2, ASM)
+            even, odd = _plane_codes(b, w2_desc.load([pid_n * BLOCK_N, k0 // 2]), ASM)
             d = tl.dot(xo, tl.trans(odd), tl.dot(xe, tl.trans(even)))
             offset = -128.0
         else:
             d = _nibble_dot(xe, xo, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), ASM)
             offset = CODE_OFFSET
-        if ACT:
-            x_sum = tl.dot(xo, ones, tl.dot(xe, ones, out_dtype=tl.int32), out_dtype=tl.int32).to(tl.float32)
-        else:
-            x_sum = tl.dot(xo, ones, tl.dot(xe, ones))  # [BLOCK_M, BLOCK_N]: each row's sum, on every column
         s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, FMT)  # BLOCK_K divides GROUP
-        acc += d * s[None, :] + x_sum * (lo - s * offset)[None, :]
+        if ACT:  # exact int32 sums from the int8 tensor cores (a dot with ones) measured faster here
+            x_sum = tl.dot(xo, ones, tl.dot(xe, ones, out_dtype=tl.int32), out_dtype=tl.int32).to(tl.float32)
+            acc += d * s[None, :] + x_sum * lo[None, :]
+        else:
+            acc += d * s[None, :]
+            sums = tl.where(groups[None, :] == i, tl.sum(x.to(tl.float32), axis=1)[:, None], sums)
+            offsets = tl.where(groups[:, None] == i, (lo - s * offset)[None, :], offsets)
         x_ptrs += BLOCK_K
-        w_off += BLOCK_K // 2
+        i += 1
+    if not ACT:
+        if GROUPS < 16:  # GROUPS is a power of two: widen it to 16
+            sums, offsets = _widen_k(sums, offsets)
+        if GROUPS < 8:
+            sums, offsets = _widen_k(sums, offsets)
+        if GROUPS < 4:
+            sums, offsets = _widen_k(sums, offsets)
+        if GROUPS < 2:
+            sums, offsets = _widen_k(sums, offsets)
+        acc += tl.dot(sums, offsets, input_precision="ieee")
     _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
             stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
 
@@ -386,6 +403,9 @@ def kernel_format(weight: QuantWeight, mode: Mode) -> int | None:
     group = weight.group_size
     if group < 32 or group & (group - 1):  # a tile must fit in a group and int8 dots need K >= 32
         return None
+    planes = [weight.packed] if weight.storage == "int4" else [weight.upper, weight.lower]
+    if any(p.data_ptr() % 16 or p.stride(1) != 1 or p.stride(0) % 16 for p in planes):
+        return None  # TMA reads the nibble planes: 16-byte aligned rows
     if weight.storage == "int4":
         return INT4.value
     return UPPER.value if mode.weight_bits == 4 else FULL.value
@@ -413,17 +433,22 @@ def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
 
     Chosen by `python -m selfspec.bench.tune_linear` on an H100 (Llama-3-8B layers, M = 1 and 9, under CUDA
     graphs, weights streamed from HBM): INT8 codes stream best in K tiles of 256, both planes with int8
-    activations in tiles of one group (<= 128) as the dot's left operand (swapped), and nibbles (_nibble_kernel)
-    in N tiles of 256 (128 when both planes are read; 64 with int8 activations) with K split into as many
-    pieces (a power of two) as keep the programs within 256 (384 for both planes, 512 with int8 activations):
-    about two 256-wide programs fit on each of an H100's 132 SMs at once, and a second wave cost the q/k/v
-    projection 17.5 vs 13.9-14.5 us (docs/bench-h100/tune-final.json)."""
+    activations in tiles of one group (<= 128) as the dot's left operand (swapped). Nibbles (_nibble_kernel) with
+    bf16 activations: N tiles of 128 and K split into chunks of about 8 groups of 128, or into more pieces while
+    that leaves under 256 programs (docs/bench-h100/tune-tma-deferred-sums.json); with int8 activations:
+    N tiles of 64 and as many K pieces (a power of two) as keep the programs within 512."""
     if uses_nibble_kernel(fmt, act, group):
-        block_n = 64 if act else 128 if fmt == FULL.value else 256
-        n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, min(group, 128))
-        programs = 512 if act else 384 if fmt == FULL.value else 256
-        split_k = 1 << max(0, (programs // n_tiles).bit_length() - 1)  # the power of two <= programs / n_tiles
-        return TileConfig(block_n, min(group, 128), max(1, min(k_tiles, 16, split_k)), num_stages=3 if act else 2)
+        block_k = min(group, 128)
+        k_tiles = triton.cdiv(k, block_k)
+        if act:
+            block_n, n_tiles = 64, triton.cdiv(n, 64)
+            split_k = 1 << max(0, (512 // n_tiles).bit_length() - 1)  # the power of two <= 512 / n_tiles
+        else:
+            block_n, n_tiles = 128, triton.cdiv(n, 128)
+            split_k = 1 << max(0, (k // 1024).bit_length() - 1)  # the power of two <= K / 1024
+            while n_tiles * split_k < 256 and split_k < 16:
+                split_k *= 2
+        return TileConfig(block_n, block_k, max(1, min(k_tiles, 16, split_k)), num_stages=3)
     int4_act = act and fmt >= INT4.value
     block_n = 64 if int4_act or n > 32768 else 32
     if fmt >= INT4.value:
@@ -491,15 +516,20 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
         part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x2.device)
         counts = group_counts(x2.device, grid[0] * grid[1])
     group = getattr(weight, "group_size", 0)
-    args = (x2, xs, w, w2, scale, lo, bias, r2, y, part, counts, m, n, k, k_chunk, x2.stride(0), w.stride(0),
-            0 if lo is None else lo.stride(0), y.stride(0), 0 if r2 is None else r2.stride(0))
     flags = dict(FMT=fmt, ACT=act, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=BLOCK_M,
                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages, **launch_options())
+    tail = (y, part, counts, m, n, k, k_chunk, x2.stride(0))
+    strides = (0 if lo is None else lo.stride(0), y.stride(0), 0 if r2 is None else r2.stride(0))
     if uses_nibble_kernel(fmt, act, group):
-        _nibble_kernel[grid](*args, EVEN_N=n % cfg.block_n == 0, ASM=not INTERPRETING, **flags)
+        block = [cfg.block_n, cfg.block_k // 2]
+        descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
+        groups = triton.next_power_of_2(k_chunk // cfg.block_k)
+        _nibble_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *tail, *strides, GROUPS=groups,
+                             ASM=not INTERPRETING, **flags)
     else:
-        _linear_kernel[grid](*args, SHIFT=_shift(fmt) if act else 0, SWAP=cfg.swap, **flags)
+        _linear_kernel[grid](x2, xs, w, w2, scale, lo, bias, r2, *tail, w.stride(0), *strides,
+                             SHIFT=_shift(fmt) if act else 0, SWAP=cfg.swap, **flags)
     return y
 
 
