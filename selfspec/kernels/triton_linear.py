@@ -88,21 +88,16 @@ def act_quant(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _load_weight(w_ptr, w2_ptr, offs_n, k0, N, K, stride_wn, FMT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] tile of W at columns k0..: stored floats, int8 codes, or unsigned codes
-    unpacked from nibbles in registers (each stored byte is loaded once)."""
+def _load_weight(w_desc, w2_desc, n0, k0, FMT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] tile of W at row n0, column k0, by TMA (zeros past the edges): stored floats, int8
+    codes, or unsigned codes unpacked from nibbles in registers (each stored byte is loaded once)."""
     if FMT == DENSE or FMT == INT8:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-        q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
+        q = w_desc.load([n0, k0])
     else:
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte b holds k = 2b (low nibble) and 2b + 1 (high)
-        ptrs = offs_n[:, None] * stride_wn + offs_b[None, :]
-        mask = (offs_n < N)[:, None] & (offs_b < K // 2)[None, :]
-        b = tl.load(w_ptr + ptrs, mask=mask, other=0)
+        b = w_desc.load([n0, k0 // 2])  # byte b holds k = 2b (low nibble) and 2b + 1 (high)
         q = tl.interleave(b & 15, b >> 4)
         if FMT == FULL:  # the lower plane has the upper plane's layout
-            b = tl.load(w2_ptr + ptrs, mask=mask, other=0)
+            b = w2_desc.load([n0, k0 // 2])
             q = (q << 4) | tl.interleave(b & 15, b >> 4)
     return q
 
@@ -169,8 +164,8 @@ def _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_pt
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every M (no M == 1 or M % 16 variant)
 def _linear_kernel(
-    x_ptr, xs_ptr, w_ptr, w2_ptr, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, K_CHUNK, stride_xm, stride_wn, stride_sn, stride_ym, stride_rm,
+    x_ptr, xs_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, K_CHUNK, stride_xm, stride_sn, stride_ym, stride_rm,
     FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
@@ -191,7 +186,7 @@ def _linear_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0)
-        q = _load_weight(w_ptr, w2_ptr, offs_n, k0, N, K, stride_wn, FMT, BLOCK_K)
+        q = _load_weight(w_desc, w2_desc, pid_n * BLOCK_N, k0, FMT, BLOCK_K)
         if FMT >= INT4:  # BLOCK_K divides GROUP, so the tile lies in one group
             s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, FMT)
         if ACT:
@@ -394,21 +389,26 @@ def _nibble_kernel(
             stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
 
 
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether TMA can read t's rows: a 16-byte aligned base and row stride, contiguous rows."""
+    return t.data_ptr() % 16 == 0 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
 def kernel_format(weight: QuantWeight, mode: Mode) -> int | None:
-    """How the kernel reads `weight` in `mode`, or None where it does not cover the pair."""
+    """How the kernels read `weight` in `mode`, or None where they do not cover the pair."""
     if weight.storage == "dense":
-        return DENSE.value if mode.name == "bf16" else None  # fp32: the reference's fp32 GEMM
-    if weight.storage == "int8":
-        return INT8.value
-    group = weight.group_size
-    if group < 32 or group & (group - 1):  # a tile must fit in a group and int8 dots need K >= 32
+        fmt = DENSE.value if mode.name == "bf16" else None  # fp32: the reference's fp32 GEMM
+    elif weight.storage == "int8":
+        fmt = INT8.value
+    elif weight.group_size < 32 or weight.group_size & (weight.group_size - 1):
+        fmt = None  # a tile must fit in a group and int8 dots need K >= 32
+    elif weight.storage == "int4":
+        fmt = INT4.value
+    else:
+        fmt = UPPER.value if mode.weight_bits == 4 else FULL.value
+    if fmt is None or not all(_tma_ready(t) for t in _tensors(weight, fmt)[:2] if t is not None):
         return None
-    planes = [weight.packed] if weight.storage == "int4" else [weight.upper, weight.lower]
-    if any(p.data_ptr() % 16 or p.stride(1) != 1 or p.stride(0) % 16 for p in planes):
-        return None  # TMA reads the nibble planes: 16-byte aligned rows
-    if weight.storage == "int4":
-        return INT4.value
-    return UPPER.value if mode.weight_bits == 4 else FULL.value
+    return fmt
 
 
 @dataclass(frozen=True)
@@ -519,17 +519,18 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
     flags = dict(FMT=fmt, ACT=act, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=BLOCK_M,
                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages, **launch_options())
-    tail = (y, part, counts, m, n, k, k_chunk, x2.stride(0))
-    strides = (0 if lo is None else lo.stride(0), y.stride(0), 0 if r2 is None else r2.stride(0))
-    if uses_nibble_kernel(fmt, act, group):
-        block = [cfg.block_n, cfg.block_k // 2]
-        descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
+    args = (y, part, counts, m, n, k, k_chunk, x2.stride(0), 0 if lo is None else lo.stride(0), y.stride(0),
+            0 if r2 is None else r2.stride(0))
+    nibbles = uses_nibble_kernel(fmt, act, group)
+    block = [cfg.block_n, cfg.block_k // 2 if fmt >= INT4.value else cfg.block_k]
+    descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
+    if nibbles:
         groups = triton.next_power_of_2(k_chunk // cfg.block_k)
-        _nibble_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *tail, *strides, GROUPS=groups,
-                             ASM=not INTERPRETING, **flags)
+        _nibble_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, GROUPS=groups, ASM=not INTERPRETING,
+                             **flags)
     else:
-        _linear_kernel[grid](x2, xs, w, w2, scale, lo, bias, r2, *tail, w.stride(0), *strides,
-                             SHIFT=_shift(fmt) if act else 0, SWAP=cfg.swap, **flags)
+        _linear_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, SHIFT=_shift(fmt) if act else 0,
+                             SWAP=cfg.swap, **flags)
     return y
 
 
