@@ -336,6 +336,17 @@ def test_tile_configs_compute_the_same_linear(storage, mode_name):
     assert not semaphores._COUNTS[x.device].any()  # every split launch left its tile counts at zero
 
 
+def test_nibble_tiles_per_program_stay_bounded():
+    """The nibble kernel holds a row sum and an offset per K tile of its range: the tile rule never gives a program
+    more than MAX_TILES_PER_PROGRAM tiles, at any model's shapes."""
+    for n, k, group in [(n, k, g) for n in (64, 896, 4096, 28672, 151936) for k in (192, 896, 4096, 4864, 14336, 18944)
+                        for g in (32, 64, 128) if k % g == 0]:
+        cfg = triton_linear.tile_config(triton_linear.INT4.value, False, n, k, group)
+        tiles = -(-k // cfg.block_k)
+        assert -(-tiles // cfg.split_k) <= triton_linear.MAX_TILES_PER_PROGRAM, (n, k, group, cfg)
+        assert cfg.split_k & (cfg.split_k - 1) == 0 and cfg.block_k <= group
+
+
 @pytest.mark.parametrize("storage,mode_name", [("int4", "w4a16"), ("planes", "w4a8"), ("int8", "w8a8"),
                                                ("dense", "bf16")])
 def test_residual_is_added_as_a_bf16_add_after_the_product(storage, mode_name):

@@ -47,6 +47,7 @@ UPPER = tl.constexpr(3)  # the upper nibble plane of the INT8-plane format, alon
 FULL = tl.constexpr(4)  # both planes: q8 = 16 * upper + lower
 
 BLOCK_M = 16  # fixed for every M (see the module docstring); the smallest tl.dot tile
+MAX_TILES_PER_PROGRAM = 16  # _nibble_kernel keeps a row sum and an offset per K tile of its range in registers
 
 
 @triton.jit
@@ -434,8 +435,9 @@ def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
     Chosen by `python -m selfspec.bench.tune_linear` on an H100 (Llama-3-8B layers, M = 1 and 9, under CUDA
     graphs, weights streamed from HBM): INT8 codes stream best in K tiles of 256, both planes with int8
     activations in tiles of one group (<= 128) as the dot's left operand (swapped). Nibbles (_nibble_kernel) with
-    bf16 activations: N tiles of 128 and K split into chunks of about 8 groups of 128, or into more pieces while
-    that leaves under 256 programs (docs/bench-h100/tune-tma-deferred-sums.json); with int8 activations:
+    bf16 activations: N tiles of 128 and K split into chunks of about 8 K tiles, or into more pieces (up to 16)
+    while that leaves under 256 programs, never more than MAX_TILES_PER_PROGRAM tiles per program
+    (docs/bench-h100/tune-tma-deferred-sums.json); with int8 activations:
     N tiles of 64 and as many K pieces (a power of two) as keep the programs within 512."""
     if uses_nibble_kernel(fmt, act, group):
         block_k = min(group, 128)
@@ -445,9 +447,11 @@ def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
             split_k = 1 << max(0, (512 // n_tiles).bit_length() - 1)  # the power of two <= 512 / n_tiles
         else:
             block_n, n_tiles = 128, triton.cdiv(n, 128)
-            split_k = 1 << max(0, (k // 1024).bit_length() - 1)  # the power of two <= K / 1024
-            while n_tiles * split_k < 256 and split_k < 16:
+            split_k = 1 << max(0, (k_tiles // 8).bit_length() - 1)  # the power of two <= k_tiles / 8
+            while split_k < k_tiles and (k_tiles > split_k * MAX_TILES_PER_PROGRAM
+                                         or (n_tiles * split_k < 256 and split_k < 16)):
                 split_k *= 2
+            return TileConfig(block_n, block_k, split_k)
         return TileConfig(block_n, block_k, max(1, min(k_tiles, 16, split_k)), num_stages=3)
     int4_act = act and fmt >= INT4.value
     block_n = 64 if int4_act or n > 32768 else 32
