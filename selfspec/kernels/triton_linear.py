@@ -10,6 +10,8 @@ _linear_kernel, specialised at compile time by how it reads W (FMT) and whether 
 _nibble_kernel covers the nibble formats (w4a16, upper, full; w4a8 and w4a4 with the same act_quant): it feeds the
 tensor cores the codes themselves and applies each group's affine after the dot, which keeps it bound by memory
 rather than by converting every weight through fp32.
+Both kernels read their weight tiles by TMA (tensor descriptors, zeros past the edges): Hopper's copy engine keeps
+more bytes in flight per SM than per-thread loads do.
 
 Batch invariance (a row's output never depends on M): the tile config, the number of K splits included, is a
 function of (format, mode, N, K) only, BLOCK_M is fixed, each program walks its K range in order, and the
