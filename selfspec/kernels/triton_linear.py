@@ -324,16 +324,17 @@ def _nibble_kernel(
     M, N, K, K_CHUNK, stride_xm, stride_sn, stride_ym, stride_rm,
     FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    GROUPS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    TILES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Nibble formats: INT4, UPPER and FULL with bf16 activations, INT4 and UPPER with int8 activation codes
-    (ACT). Each K tile is one quant group, whose affine is applied after the dot:
+    (ACT). A K tile lies in one quant group, whose affine is applied after the dot:
         x . (lo + s q) = s (x . q) + lo sum(x)
     so the tensor cores read exact integer codes and no weight is scaled or converted through fp32 (which would
     bound the kernel by conversions, not by memory). The weight tiles come by TMA (w_desc, w2_desc: the
-    descriptors of the nibble planes), which keeps more bytes in flight than per-thread loads. The lo sum(x)
-    terms are kept per group (each row's sum of x, each column's offset) and added once after the loop, as one
-    small fp32 product: GROUPS (a power of two) covers this program's groups.
+    descriptors of the nibble planes), which keeps more bytes in flight than per-thread loads. With bf16
+    activations the lo sum(x) terms are kept per K tile (each row's sum of x, each column's offset) and added once
+    after the loop as one small fp32 product (TILES, a power of two, covers this program's tiles); with int8
+    activations sum(x) comes exact from an int8 dot with ones, per tile.
     Same grid and split-K as _linear_kernel; every row goes through the same instructions whatever M is."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -346,9 +347,9 @@ def _nibble_kernel(
     # K is a multiple of GROUP and BLOCK_K divides GROUP: no K mask.
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_start + tl.arange(0, BLOCK_K)[None, :]
     x_mask = (offs_m < M)[:, None]
-    groups = tl.arange(0, GROUPS)
-    sums = tl.zeros((BLOCK_M, GROUPS), dtype=tl.float32)  # row sums of x per group
-    offsets = tl.zeros((GROUPS, BLOCK_N), dtype=tl.float32)  # what multiplies them: lo - s * code offset
+    tiles = tl.arange(0, TILES)
+    sums = tl.zeros((BLOCK_M, TILES), dtype=tl.float32)  # row sums of x per K tile
+    offsets = tl.zeros((TILES, BLOCK_N), dtype=tl.float32)  # what multiplies them: lo - s * code offset
     if ACT:
         ones = tl.full((BLOCK_K // 2, BLOCK_N), 1, tl.int8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -374,18 +375,18 @@ def _nibble_kernel(
             acc += d * s[None, :] + x_sum * lo[None, :]
         else:
             acc += d * s[None, :]
-            sums = tl.where(groups[None, :] == i, tl.sum(x.to(tl.float32), axis=1)[:, None], sums)
-            offsets = tl.where(groups[:, None] == i, (lo - s * offset)[None, :], offsets)
+            sums = tl.where(tiles[None, :] == i, tl.sum(x.to(tl.float32), axis=1)[:, None], sums)
+            offsets = tl.where(tiles[:, None] == i, (lo - s * offset)[None, :], offsets)
         x_ptrs += BLOCK_K
         i += 1
     if not ACT:
-        if GROUPS < 16:  # GROUPS is a power of two: widen it to 16
+        if TILES < 16:  # TILES is a power of two: widen it to 16
             sums, offsets = _widen_k(sums, offsets)
-        if GROUPS < 8:
+        if TILES < 8:
             sums, offsets = _widen_k(sums, offsets)
-        if GROUPS < 4:
+        if TILES < 4:
             sums, offsets = _widen_k(sums, offsets)
-        if GROUPS < 2:
+        if TILES < 2:
             sums, offsets = _widen_k(sums, offsets)
         acc += tl.dot(sums, offsets, input_precision="ieee")
     _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
@@ -531,8 +532,8 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
     block = [cfg.block_n, cfg.block_k // 2 if fmt >= INT4.value else cfg.block_k]
     descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
     if nibbles:
-        groups = triton.next_power_of_2(k_chunk // cfg.block_k)
-        _nibble_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, GROUPS=groups, ASM=not INTERPRETING,
+        tiles = triton.next_power_of_2(k_chunk // cfg.block_k)
+        _nibble_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, TILES=tiles, ASM=not INTERPRETING,
                              **flags)
     else:
         _linear_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, SHIFT=_shift(fmt) if act else 0,
