@@ -448,14 +448,14 @@ def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
         if act:
             block_n, n_tiles = 64, triton.cdiv(n, 64)
             split_k = 1 << max(0, (512 // n_tiles).bit_length() - 1)  # the power of two <= 512 / n_tiles
+            split_k = max(1, min(k_tiles, 16, split_k))
         else:
             block_n, n_tiles = 128, triton.cdiv(n, 128)
             split_k = 1 << max(0, (k_tiles // 8).bit_length() - 1)  # the power of two <= k_tiles / 8
             while split_k < k_tiles and (k_tiles > split_k * MAX_TILES_PER_PROGRAM
                                          or (n_tiles * split_k < 256 and split_k < 16)):
                 split_k *= 2
-            return TileConfig(block_n, block_k, split_k)
-        return TileConfig(block_n, block_k, max(1, min(k_tiles, 16, split_k)), num_stages=3)
+        return TileConfig(block_n, block_k, split_k)
     int4_act = act and fmt >= INT4.value
     block_n = 64 if int4_act or n > 32768 else 32
     if fmt >= INT4.value:
@@ -494,7 +494,8 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     weight.check(mode)
     fmt = kernel_format(weight, mode)
     if fmt is None or x.dtype != torch.bfloat16 or (residual is not None and residual.dtype != torch.bfloat16):
-        # Not covered (fp32 mode, float32/fp16 activations, odd group sizes): the reference, explicitly.
+        # Not covered (fp32 mode, float32/fp16 activations, odd group sizes, weights TMA cannot read): the
+        # reference, explicitly.
         return reference_linear(x, weight, mode, bias, residual)
     n, k = weight.shape
     x2 = x.reshape(-1, k).contiguous()
@@ -528,10 +529,9 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
                  num_stages=cfg.num_stages, **launch_options())
     args = (y, part, counts, m, n, k, k_chunk, x2.stride(0), 0 if lo is None else lo.stride(0), y.stride(0),
             0 if r2 is None else r2.stride(0))
-    nibbles = uses_nibble_kernel(fmt, act, group)
     block = [cfg.block_n, cfg.block_k // 2 if fmt >= INT4.value else cfg.block_k]
     descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
-    if nibbles:
+    if uses_nibble_kernel(fmt, act, group):
         tiles = triton.next_power_of_2(k_chunk // cfg.block_k)
         _nibble_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, TILES=tiles, ASM=not INTERPRETING,
                              **flags)
