@@ -336,6 +336,24 @@ def test_tile_configs_compute_the_same_linear(storage, mode_name):
     assert not semaphores._COUNTS[x.device].any()  # every split launch left its tile counts at zero
 
 
+@pytest.mark.parametrize("storage,mode_name", [("int4", "w4a16"), ("planes", "full"), ("planes", "w4a8")])
+def test_group_affine_in_any_layout_and_groups_over_several_tiles(storage, mode_name):
+    """The formats store scale and lo group-major; the kernels read any layout (row-major copies give the same
+    bits). A program walks 8 K tiles, four per group of 256, each tile's affine loaded one tile ahead."""
+    torch.manual_seed(11)
+    mode = MODES[mode_name]
+    weight = quantize_weight(torch.randn(48, 512), storage, 256)
+    assert weight.scale.stride() == weight.lo.stride() == (1, 48)
+    x = torch.randn(5, 512).bfloat16()
+    fmt, act = triton_linear.kernel_format(weight, mode), mode.act_bits is not None
+    xq, xs = triton_linear.act_quant(x, mode.act_bits) if act else (x, None)
+    cfg = triton_linear.TileConfig(block_n=16, block_k=64, split_k=1)
+    y = triton_linear._launch(xq, xs, weight, fmt, act, None, cfg)
+    assert rel_err(y, linear_oracle(x, weight, mode, None)) < TOL
+    weight.scale, weight.lo = weight.scale.contiguous(), weight.lo.contiguous()
+    assert torch.equal(triton_linear._launch(xq, xs, weight, fmt, act, None, cfg), y)
+
+
 def test_nibble_tiles_per_program_stay_bounded():
     """The nibble kernel holds a row sum and an offset per K tile of its range: the tile rule never gives a program
     more than MAX_TILES_PER_PROGRAM tiles, at any model's shapes."""

@@ -25,7 +25,7 @@ KERNELS = {"bf16": ("dense", "bf16"), "w8a16": ("int8", "w8a16"), "w8a8": ("int8
 def candidates(group_fmt: bool, nibble_kernel: bool) -> list[tlin.TileConfig]:
     if nibble_kernel:  # _nibble_kernel: wider N tiles, never swapped, one group (128) per K tile
         return [tlin.TileConfig(n, 128, s, 4, stages)
-                for n, s, stages in itertools.product((64, 128, 256), (2, 4, 8, 16), (2, 3))]
+                for n, s, stages in itertools.product((64, 128, 256), (1, 2, 4, 8, 16), (2, 3))]
     ks = (64, 128) if group_fmt else (128, 256)
     return [tlin.TileConfig(n, k, s, 4, 3, swap) for n, k, s, swap
             in itertools.product((32, 64, 128), ks, (1, 2, 4, 8, 16), (False, True))]
@@ -67,7 +67,8 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
             best_t, best = results[0]
             row = {"kernel": kname, "gemm": gemm, "n": n, "k": k, "best": best.__dict__, "best_us": 1000 * best_t / len(ms),
                    "current": current.__dict__, "current_us": 1000 * cost(current) / len(ms),
-                   "weight_mb": weight.nbytes() / 1e6}
+                   "weight_mb": weight.nbytes() / 1e6,
+                   "candidates": [{**cfg.__dict__, "us": 1000 * t / len(ms)} for t, cfg in results]}
             rows.append(row)
             print(f"{kname:6s} {gemm:8s} best {row['best_us']:7.1f} us {best}  current {row['current_us']:7.1f} us",
                   flush=True)

@@ -1,7 +1,9 @@
 """Triton causal attention with GQA and per-row position offsets: query (b, t) reads keys 0..q_pos[b, t].
 
 Keys are read through a block table: key s of row b is pool[table[b, s // BS], kv_head, s % BS], so the paged
-cache is read in place (no gather); the contiguous cache is the case of one block of S slots per row.
+cache is read in place (no gather); the contiguous cache is the case of one block of S slots per row. Where
+blocks hold whole key tiles (BS a multiple of BLOCK_S, the contiguous cache included), a tile's keys share one
+block id, read once per tile instead of once per key.
 
 Flash-decoding: the keys are cut into chunks of a fixed size (CHUNK); one program per (tile of query rows, kv
 head, chunk) runs an online softmax over its chunk's key blocks, in order, with fp32 scores and accumulators; a
@@ -38,7 +40,7 @@ def _attention_chunk_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, S, BS, W, HKV, N_REP, N_CHUNKS, qk_scale,
     stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    PDL: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     wait(PDL)
     pid_r = tl.program_id(0)
@@ -68,11 +70,14 @@ def _attention_chunk_kernel(
         for s0 in range(c * CHUNK, end, BLOCK_S):
             offs_s = s0 + tl.arange(0, BLOCK_S)
             kv_mask = (offs_s < end)[:, None] & (offs_d < D)[None, :]
-            block = tl.load(table_ptr + b * W + offs_s // BS, mask=offs_s < end, other=0)  # each key's block
+            if TILE_IN_BLOCK:  # one block id for the whole tile: no per-key lookup before the K/V loads
+                block = tl.load(table_ptr + b * W + s0 // BS)
+            else:
+                block = tl.load(table_ptr + b * W + offs_s // BS, mask=offs_s < end, other=0)[:, None]
             slot = offs_s % BS
-            k = tl.load(k_head + block[:, None] * stride_kn + slot[:, None] * stride_ks + offs_d[None, :],
+            k = tl.load(k_head + block * stride_kn + slot[:, None] * stride_ks + offs_d[None, :],
                         mask=kv_mask, other=0)
-            v = tl.load(v_head + block[:, None] * stride_vn + slot[:, None] * stride_vs + offs_d[None, :],
+            v = tl.load(v_head + block * stride_vn + slot[:, None] * stride_vs + offs_d[None, :],
                         mask=kv_mask, other=0)
             scores = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain: qk_scale folds in log2(e)
             scores = tl.where(offs_s[None, :] <= pos[:, None], scores, float("-inf"))
@@ -147,8 +152,8 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     _attention_chunk_kernel[(triton.cdiv(t * (h // hkv), BLOCK_T), b * hkv, n_chunks)](
         q, k_pool, v_pool, table, pos, m, l, acc, t, s, bs, w, hkv, h // hkv, n_chunks,
         math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3],
-        D=d, BLOCK_D=block_d, BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S, CHUNK=CHUNK, num_warps=4, num_stages=2,
-        **launch_options(),
+        D=d, BLOCK_D=block_d, BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S, CHUNK=CHUNK, TILE_IN_BLOCK=bs % BLOCK_S == 0,
+        num_warps=4, num_stages=2, **launch_options(),
     )
     _attention_merge_kernel[(triton.cdiv(t, BLOCK_T), b * h)](
         pos, m, l, acc, out, t, s, h, n_chunks, *out.stride()[:3],

@@ -50,6 +50,7 @@ FULL = tl.constexpr(4)  # both planes: q8 = 16 * upper + lower
 
 BLOCK_M = 16  # fixed for every M (see the module docstring); the smallest tl.dot tile
 MAX_TILES_PER_PROGRAM = 16  # _nibble_kernel keeps a row sum and an offset per K tile of its range in registers
+ONE_WAVE = 128  # programs: about one per SM of an H100 (132)
 
 
 @triton.jit
@@ -106,11 +107,12 @@ def _load_weight(w_desc, w2_desc, n0, k0, FMT: tl.constexpr, BLOCK_K: tl.constex
 
 
 @triton.jit
-def _group_affine(scale_ptr, lo_ptr, offs_n, g, N, stride_sn, FMT: tl.constexpr):
-    """(scale, lo) [BLOCK_N] of quant group g, for the codes _load_weight returns: w = lo + scale * q."""
+def _group_affine(scale_ptr, lo_ptr, offs_n, g, N, stride_sn, stride_sg, FMT: tl.constexpr):
+    """(scale, lo) [BLOCK_N] of quant group g, for the codes _load_weight returns: w = lo + scale * q. The
+    formats store them group-major (stride_sn == 1), so a tile's values are one contiguous run."""
     mask = offs_n < N
-    s = tl.load(scale_ptr + offs_n * stride_sn + g, mask=mask, other=0)
-    lo = tl.load(lo_ptr + offs_n * stride_sn + g, mask=mask, other=0)
+    s = tl.load(scale_ptr + offs_n * stride_sn + g * stride_sg, mask=mask, other=0)
+    lo = tl.load(lo_ptr + offs_n * stride_sn + g * stride_sg, mask=mask, other=0)
     if FMT == UPPER:  # Int8PlanesWeight.upper_affine: scale 16 s, lo + 7.5 s
         lo = lo + s * 7.5
         s = s * 16
@@ -168,7 +170,7 @@ def _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_pt
 @triton.jit(do_not_specialize=["M"])  # one binary for every M (no M == 1 or M % 16 variant)
 def _linear_kernel(
     x_ptr, xs_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, K_CHUNK, stride_xm, stride_sn, stride_ym, stride_rm,
+    M, N, K, K_CHUNK, stride_xm, stride_sn, stride_sg, stride_ym, stride_rm,
     FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
@@ -191,7 +193,7 @@ def _linear_kernel(
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0)
         q = _load_weight(w_desc, w2_desc, pid_n * BLOCK_N, k0, FMT, BLOCK_K)
         if FMT >= INT4:  # BLOCK_K divides GROUP, so the tile lies in one group
-            s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, FMT)
+            s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
         if ACT:
             if SWAP:
                 d = tl.dot(_signed(q, SHIFT), tl.trans(x), out_dtype=tl.int32).to(tl.float32)
@@ -321,7 +323,7 @@ def _widen_k(a, b):
 @triton.jit(do_not_specialize=["M"])
 def _nibble_kernel(
     x_ptr, xs_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, K_CHUNK, stride_xm, stride_sn, stride_ym, stride_rm,
+    M, N, K, K_CHUNK, stride_xm, stride_sn, stride_sg, stride_ym, stride_rm,
     FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     TILES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
@@ -353,8 +355,14 @@ def _nibble_kernel(
     if ACT:
         ones = tl.full((BLOCK_K // 2, BLOCK_N), 1, tl.int8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Each tile's group affine is loaded one tile ahead: used at once, its load would stall every tile on a
+    # memory round trip (the pipeliner only prefetches the dot operands).
+    s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, k_start // GROUP, N, stride_sn, stride_sg, FMT)
     i = 0
     for k0 in range(k_start, k_end, BLOCK_K):  # this program's K range, in order
+        s, lo = s_next, lo_next  # BLOCK_K divides GROUP: one group per tile
+        g_next = tl.minimum((k0 + BLOCK_K) // GROUP, K // GROUP - 1)  # the last tile reloads its own group
+        s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, g_next, N, stride_sn, stride_sg, FMT)
         x = tl.load(x_ptrs, mask=x_mask, other=0)
         xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
         b = w_desc.load([pid_n * BLOCK_N, k0 // 2])
@@ -369,7 +377,6 @@ def _nibble_kernel(
         else:
             d = _nibble_dot(xe, xo, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), ASM)
             offset = CODE_OFFSET
-        s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, FMT)  # BLOCK_K divides GROUP
         if ACT:  # exact int32 sums from the int8 tensor cores (a dot with ones) measured faster here
             x_sum = tl.dot(xo, ones, tl.dot(xe, ones, out_dtype=tl.int32), out_dtype=tl.int32).to(tl.float32)
             acc += d * s[None, :] + x_sum * lo[None, :]
@@ -438,9 +445,10 @@ def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
     Chosen by `python -m selfspec.bench.tune_linear` on an H100 (Llama-3-8B layers, M = 1 and 9, under CUDA
     graphs, weights streamed from HBM): INT8 codes stream best in K tiles of 256, both planes with int8
     activations in tiles of one group (<= 128) as the dot's left operand (swapped). Nibbles (_nibble_kernel) with
-    bf16 activations: N tiles of 128 and K split into chunks of about 8 K tiles, or into more pieces (up to 16)
-    while that leaves under 256 programs, never more than MAX_TILES_PER_PROGRAM tiles per program
-    (docs/bench-h100/tune-tma-deferred-sums.json); with int8 activations:
+    bf16 activations, never more than MAX_TILES_PER_PROGRAM K tiles per program: one nibble plane in N tiles of 256
+    and K in as few pieces as that allows where this still gives a wave of programs (gate/up and down of 8B
+    models; docs/bench-h100/tune-group-major-scales.json); else N tiles of 128 and K split into chunks of about 8
+    K tiles, or into more pieces (up to 16) while that leaves under 256 programs; with int8 activations:
     N tiles of 64 and as many K pieces (a power of two) as keep the programs within 512."""
     if uses_nibble_kernel(fmt, act, group):
         block_k = min(group, 128)
@@ -450,6 +458,9 @@ def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
             split_k = 1 << max(0, (512 // n_tiles).bit_length() - 1)  # the power of two <= 512 / n_tiles
             split_k = max(1, min(k_tiles, 16, split_k))
         else:
+            fewest = 1 << (triton.cdiv(k_tiles, MAX_TILES_PER_PROGRAM) - 1).bit_length()  # pieces, a power of two
+            if fmt != FULL.value and triton.cdiv(n, 256) * fewest >= ONE_WAVE:
+                return TileConfig(256, block_k, fewest)  # long programs over wide tiles still fill the GPU
             block_n, n_tiles = 128, triton.cdiv(n, 128)
             split_k = 1 << max(0, (k_tiles // 8).bit_length() - 1)  # the power of two <= k_tiles / 8
             while split_k < k_tiles and (k_tiles > split_k * MAX_TILES_PER_PROGRAM
@@ -527,7 +538,8 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
     flags = dict(FMT=fmt, ACT=act, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=BLOCK_M,
                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages, **launch_options())
-    args = (y, part, counts, m, n, k, k_chunk, x2.stride(0), 0 if lo is None else lo.stride(0), y.stride(0),
+    stride_sn, stride_sg = (0, 0) if lo is None else lo.stride()  # scale has lo's layout
+    args = (y, part, counts, m, n, k, k_chunk, x2.stride(0), stride_sn, stride_sg, y.stride(0),
             0 if r2 is None else r2.stride(0))
     block = [cfg.block_n, cfg.block_k // 2 if fmt >= INT4.value else cfg.block_k]
     descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]

@@ -50,15 +50,22 @@ def affine_dequant_(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> t
     return q
 
 
+def group_major(t: torch.Tensor) -> torch.Tensor:
+    """t [N, G] stored group by group (strides (1, N)): a GEMM tile reads one group's values for a run of
+    adjacent rows, which then lie side by side in memory."""
+    return t.t().contiguous().t()
+
+
 def minmax_quant(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric round-to-nearest per group: returns (q uint8 [N, K], scale [N, G], lo [N, G])."""
+    """Asymmetric round-to-nearest per group: returns (q uint8 [N, K], scale [N, G], lo [N, G]), scale and lo
+    group-major."""
     n, k = w.shape
     wg = w.float().view(n, k // group_size, group_size)
     lo, hi = wg.amin(-1), wg.amax(-1)
     qmax = 2**bits - 1
     scale = ((hi - lo) / qmax).clamp_min(1e-10)
     q = ((wg - lo[..., None]) / scale[..., None]).round().clamp(0, qmax)
-    return q.view(n, k).to(torch.uint8), scale, lo
+    return q.view(n, k).to(torch.uint8), group_major(scale), group_major(lo)
 
 
 class QuantWeight(nn.Module):
