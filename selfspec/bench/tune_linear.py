@@ -55,7 +55,7 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
             for cfg in candidates(fmt >= tlin.INT4.value, nibble):
                 if cfg.split_k > triton.cdiv(k, cfg.block_k):
                     continue
-                if nibble and triton.cdiv(k, cfg.split_k * cfg.block_k) > tlin.MAX_TILES_PER_PROGRAM:
+                if nibble and not act and triton.cdiv(k, cfg.split_k * cfg.block_k) > tlin.MAX_TILES_PER_PROGRAM:
                     continue
                 results.append((cost(cfg), cfg))
             results.sort(key=lambda r: r[0])
