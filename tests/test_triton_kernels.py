@@ -354,6 +354,43 @@ def test_group_affine_in_any_layout_and_groups_over_several_tiles(storage, mode_
     assert torch.equal(triton_linear._launch(xq, xs, weight, fmt, act, None, cfg), y)
 
 
+def test_group_affine_loads_stay_inside_their_tensors():
+    """Programs past K (split-K's remainder: 8 pieces of 4 tiles) and last tiles load their group affine ahead
+    of use: every load stays inside scale and lo (here views between two guard rows that no load may touch)."""
+    torch.manual_seed(12)
+    weight = quantize_weight(torch.randn(40, 256), "int4", 64)
+    guarded = {}
+    for name in ("scale", "lo"):
+        t = getattr(weight, name)  # [N, G], group-major
+        buf = torch.zeros(t.shape[1] + 2, t.shape[0])
+        buf[1:-1] = t.t()
+        setattr(weight, name, buf[1:-1].t())
+        guarded[name] = [(r.data_ptr(), r.data_ptr() + r.nbytes) for r in (buf[0], buf[-1])]
+    touched = []
+    masked_load, load = interpreter.InterpreterBuilder.create_masked_load, interpreter.InterpreterBuilder.create_load
+
+    def record_masked(self, ptrs, mask, *args, **kwargs):
+        touched.extend(np.broadcast_to(ptrs.data, mask.data.shape)[mask.data].tolist())
+        return masked_load(self, ptrs, mask, *args, **kwargs)
+
+    def record(self, ptr, *args, **kwargs):
+        touched.extend(np.atleast_1d(ptr.data).tolist())
+        return load(self, ptr, *args, **kwargs)
+
+    x = torch.randn(3, 256).bfloat16()
+    oracle = linear_oracle(x, weight, MODES["w4a16"], None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter.InterpreterBuilder, "create_masked_load", record_masked)
+        mp.setattr(interpreter.InterpreterBuilder, "create_load", record)
+        cfg = triton_linear.TileConfig(block_n=16, block_k=64, split_k=8)
+        y = triton_linear._launch(x, None, weight, triton_linear.INT4.value, False, None, cfg)
+    assert rel_err(y, oracle) < TOL
+    scale_start = weight.scale.data_ptr()
+    assert any(scale_start <= a < scale_start + weight.scale.nbytes for a in touched)  # the loads were seen
+    for name, zones in guarded.items():
+        assert not [a for a in touched for lo, hi in zones if lo <= a < hi], f"a load read past {name}"
+
+
 def test_nibble_tiles_per_program_stay_bounded():
     """The nibble kernel holds a row sum and an offset per K tile of its range: the tile rule never gives a program
     more than MAX_TILES_PER_PROGRAM tiles, at any model's shapes."""

@@ -356,12 +356,15 @@ def _nibble_kernel(
         ones = tl.full((BLOCK_K // 2, BLOCK_N), 1, tl.int8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Each tile's group affine is loaded one tile ahead: used at once, its load would stall every tile on a
-    # memory round trip (the pipeliner only prefetches the dot operands).
-    s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, k_start // GROUP, N, stride_sn, stride_sg, FMT)
+    # memory round trip (the pipeliner only prefetches the dot operands). The group is clamped to the last one:
+    # a program past K (split-K's remainder) and every program's last tile load a group they do not use.
+    last_group = K // GROUP - 1
+    s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, tl.minimum(k_start // GROUP, last_group), N,
+                                    stride_sn, stride_sg, FMT)
     i = 0
     for k0 in range(k_start, k_end, BLOCK_K):  # this program's K range, in order
         s, lo = s_next, lo_next  # BLOCK_K divides GROUP: one group per tile
-        g_next = tl.minimum((k0 + BLOCK_K) // GROUP, K // GROUP - 1)  # the last tile reloads its own group
+        g_next = tl.minimum((k0 + BLOCK_K) // GROUP, last_group)
         s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, g_next, N, stride_sn, stride_sg, FMT)
         x = tl.load(x_ptrs, mask=x_mask, other=0)
         xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
