@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 429")
     s.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks in the pool (default: max-batch x 1024 tokens)")
-    s.add_argument("--block-size", type=int, default=16, help="tokens per KV block (divides 64 or is a multiple of 64)")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV block (divides 128 or is a multiple of 128)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown before they are cancelled")
     return parser

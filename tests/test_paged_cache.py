@@ -99,7 +99,7 @@ def test_view_pads_tables_with_the_trash_block_to_the_longest():
 def test_block_size_must_fit_the_attention_tile():
     for bs in (1, 16, 64, 256):
         PagedKVCache(L, 2, HKV, bs, D, torch.float32)
-    with pytest.raises(SelfspecError, match="divide 64 or be a multiple"):
+    with pytest.raises(SelfspecError, match="divide 128 or be a multiple"):
         PagedKVCache(L, 2, HKV, 24, D, torch.float32)
 
 

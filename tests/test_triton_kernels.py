@@ -150,7 +150,7 @@ def rows_table(b: int) -> torch.Tensor:
 
 def test_attention_decode_matches_reference_and_is_invariant_in_queries():
     torch.manual_seed(3)
-    k_all, v_all = kv_cache(2, 2, 704, 32)
+    k_all, v_all = kv_cache(2, 2, 768, 32)
     q = torch.randn(2, 4, 5, 32).bfloat16()  # GQA: 4 query heads on 2 kv heads
     # Each row at its own positions; row 0's 5 queries straddle a key chunk's end (512, a multiple of CHUNK).
     pos = torch.stack((torch.arange(509, 514), torch.arange(30, 35)))
@@ -198,7 +198,7 @@ def test_paged_attention_matches_reference_and_contiguous_and_is_row_invariant(b
 
 def test_paged_attention_padding_rows_and_bad_block_size():
     """A padding row (all trash blocks, position 0) leaves the real rows' bits alone; a block size that neither
-    divides the 64-key tile nor is a multiple of it is refused."""
+    divides the 128-key tile nor is a multiple of it is refused."""
     torch.manual_seed(11)
     k, v = kv_cache(2, 2, 64, 32)
     k_pool, v_pool, table = scatter_to_pool(k, v, 16, torch.Generator().manual_seed(0))
@@ -209,7 +209,7 @@ def test_paged_attention_padding_rows_and_bad_block_size():
     assert torch.equal(out[:2], triton_attention.attention(q[:2], k_pool, v_pool, table, pos[:2]))
     assert out[2].isfinite().all()
     odd = torch.randn(4, 2, 24, 32).bfloat16()  # blocks of 24 slots
-    with pytest.raises(SelfspecError, match="divide 64"):
+    with pytest.raises(SelfspecError, match="divide 128"):
         triton_attention.attention(q, odd, odd, padded, pos)
 
 

@@ -14,7 +14,7 @@ import torch
 from selfspec.errors import SelfspecError
 
 TRASH = 0
-KEY_TILE = 64  # keys per online-softmax step of the attention kernel (kernels/triton_attention.py BLOCK_S)
+KEY_TILE = 128  # keys per online-softmax step of the attention kernel (kernels/triton_attention.py BLOCK_S)
 
 
 def check_block_size(block_size: int) -> None:

@@ -31,7 +31,10 @@ from selfspec.kernels.launch import launch_options, wait
 from selfspec.kernels.reference import attention as reference_attention
 
 BLOCK_T = 16  # queries per program: fixed, whatever T is
-BLOCK_S = KEY_TILE  # keys per step of the online softmax: fixed, so every query sums its keys in the same order
+# Keys per step of the online softmax: fixed, so every query sums its keys in the same order. H100, 8B heads, 8
+# warps (docs/bench-h100/attention-key-tiles.json): 128 keys took 9.0 us at batch 1 and 1k keys against 11.1 for
+# 64, and 118 vs 112 us at batch 32 x 9 queries (256: 6.8 and 147).
+BLOCK_S = KEY_TILE
 CHUNK = 256  # keys per chunk: fixed, whatever T and S are (H100, 8B heads: 256 beat 512 and 128 at 1k-4k keys)
 
 
@@ -153,7 +156,7 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
         q, k_pool, v_pool, table, pos, m, l, acc, t, s, bs, w, hkv, h // hkv, n_chunks,
         math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3],
         D=d, BLOCK_D=block_d, BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S, CHUNK=CHUNK, TILE_IN_BLOCK=bs % BLOCK_S == 0,
-        num_warps=4, num_stages=2, **launch_options(),
+        num_warps=8, num_stages=2, **launch_options(),
     )
     _attention_merge_kernel[(triton.cdiv(t, BLOCK_T), b * h)](
         pos, m, l, acc, out, t, s, h, n_chunks, *out.stride()[:3],

@@ -151,8 +151,8 @@ def test_paged_attention(bs, t):
 
 def test_attention_prefill():
     torch.manual_seed(4)
-    k = torch.randn(1, 8, 704, 128, device=DEV).bfloat16()
-    v = torch.randn(1, 8, 704, 128, device=DEV).bfloat16()
+    k = torch.randn(1, 8, 768, 128, device=DEV).bfloat16()
+    v = torch.randn(1, 8, 768, 128, device=DEV).bfloat16()
     q = torch.randn(1, 32, 700, 128, device=DEV).bfloat16()
     pos = torch.arange(700, device=DEV)[None]
     row = torch.zeros(1, 1, dtype=torch.long, device=DEV)
