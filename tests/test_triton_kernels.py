@@ -355,8 +355,8 @@ def test_group_affine_in_any_layout_and_groups_over_several_tiles(storage, mode_
 
 
 def test_group_affine_loads_stay_inside_their_tensors():
-    """Programs past K (split-K's remainder: 8 pieces of 4 tiles) and last tiles load their group affine ahead
-    of use: every load stays inside scale and lo (here views between two guard rows that no load may touch)."""
+    """Programs past K (4 K tiles split 8 ways leave 4 programs without a tile) and last tiles load a group affine
+    ahead of use: every load stays inside scale and lo (here views between two guard rows no load may touch)."""
     torch.manual_seed(12)
     weight = quantize_weight(torch.randn(40, 256), "int4", 64)
     guarded = {}
