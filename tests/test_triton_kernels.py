@@ -317,6 +317,13 @@ def test_int8_activations_in_groups_of_32(storage, mode_name):
     assert torch.equal(triton_linear.linear(x[2:3], weight, mode, None), y[2:3])
 
 
+def launch(x: torch.Tensor, weight, mode, cfg: triton_linear.TileConfig) -> torch.Tensor:
+    """The kernel under one tile config, with the activation quantization `linear` does first."""
+    fmt, act = triton_linear.kernel_format(weight, mode), mode.act_bits is not None
+    xq, xs = triton_linear.act_quant(x, mode.act_bits) if act else (x, None)
+    return triton_linear._launch(xq, xs, weight, fmt, act, None, cfg)
+
+
 @pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("planes", "upper"), ("int4", "w4a16"),
                                                ("int4", "w4a4"), ("int8", "w8a16")])
 def test_tile_configs_compute_the_same_linear(storage, mode_name):
@@ -326,12 +333,9 @@ def test_tile_configs_compute_the_same_linear(storage, mode_name):
     mode = MODES[mode_name]
     weight = quantize_weight(torch.randn(40, 256), storage, 64)
     x = torch.randn(3, 256).bfloat16()
-    fmt, act = triton_linear.kernel_format(weight, mode), mode.act_bits is not None
-    xq, xs = triton_linear.act_quant(x, mode.act_bits) if act else (x, None)
     oracle = linear_oracle(x, weight, mode, None)
     for split, swap in ((1, False), (3, True), (8, False), (1, True)):  # 3 leaves the last split a shorter K range
-        cfg = triton_linear.TileConfig(block_n=16, block_k=64, split_k=split, swap=swap)
-        y = triton_linear._launch(xq, xs, weight, fmt, act, None, cfg)
+        y = launch(x, weight, mode, triton_linear.TileConfig(block_n=16, block_k=64, split_k=split, swap=swap))
         assert rel_err(y, oracle) < TOL, f"split {split} swap {swap}"
     assert not semaphores._COUNTS[x.device].any()  # every split launch left its tile counts at zero
 
@@ -345,13 +349,11 @@ def test_group_affine_in_any_layout_and_groups_over_several_tiles(storage, mode_
     weight = quantize_weight(torch.randn(48, 512), storage, 256)
     assert weight.scale.stride() == weight.lo.stride() == (1, 48)
     x = torch.randn(5, 512).bfloat16()
-    fmt, act = triton_linear.kernel_format(weight, mode), mode.act_bits is not None
-    xq, xs = triton_linear.act_quant(x, mode.act_bits) if act else (x, None)
     cfg = triton_linear.TileConfig(block_n=16, block_k=64, split_k=1)
-    y = triton_linear._launch(xq, xs, weight, fmt, act, None, cfg)
+    y = launch(x, weight, mode, cfg)
     assert rel_err(y, linear_oracle(x, weight, mode, None)) < TOL
     weight.scale, weight.lo = weight.scale.contiguous(), weight.lo.contiguous()
-    assert torch.equal(triton_linear._launch(xq, xs, weight, fmt, act, None, cfg), y)
+    assert torch.equal(launch(x, weight, mode, cfg), y)
 
 
 def test_group_affine_loads_stay_inside_their_tensors():
@@ -382,8 +384,7 @@ def test_group_affine_loads_stay_inside_their_tensors():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(interpreter.InterpreterBuilder, "create_masked_load", record_masked)
         mp.setattr(interpreter.InterpreterBuilder, "create_load", record)
-        cfg = triton_linear.TileConfig(block_n=16, block_k=64, split_k=8)
-        y = triton_linear._launch(x, None, weight, triton_linear.INT4.value, False, None, cfg)
+        y = launch(x, weight, MODES["w4a16"], triton_linear.TileConfig(block_n=16, block_k=64, split_k=8))
     assert rel_err(y, oracle) < TOL
     scale_start = weight.scale.data_ptr()
     assert any(scale_start <= a < scale_start + weight.scale.nbytes for a in touched)  # the loads were seen
