@@ -362,7 +362,8 @@ def test_block_accounting_under_a_random_schedule(llm, seed):
         if next_id == 24 and not engine.has_work():
             break
     assert sorted(finished, key=int) == [str(i) for i in range(24)]
-    assert engine.stats().num_preemptions > 0 and any(o.finish_reason == "abort" for o in finished.values())
+    assert {o.finish_reason for o in finished.values()} == {"length", "abort"}  # no error: no pass ran out of blocks
+    assert engine.stats().num_preemptions > 0
     assert_idle(engine)
     for rid, o in finished.items():
         prompt, params = requests[rid]
