@@ -134,7 +134,7 @@ class Engine:
         on_gpu = llm.model.device.type == "cuda"
         self.runner = PagedGraphedModel(llm.model, self.cache, self.max_len) if on_gpu else llm.model
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in arrival order: the newest is preempted first
+        self.running: list[Sequence] = []  # in admission (FCFS: arrival) order; the newest is preempted first
         self.counters = _Counters()
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, object]] = []
