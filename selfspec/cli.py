@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help="sequences the engine generates together (results do not depend on it)")
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
-    add_model_args(s)  # here --gamma caps the drafted tokens per round; the engine's policy picks within it
+    add_model_args(s)  # here --gamma caps drafts per round (a request's gamma too); the policy picks within it
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: --model or smollm2-135m)")

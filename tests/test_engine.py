@@ -1,5 +1,7 @@
 """Serving engine on tiny random models: batched (speculative) greedy == solo greedy for every request as
-requests join and leave, chunked prefill, aborts and errors free blocks, validation, thread-safe inbox."""
+requests join and leave, chunked prefill, preemption and resume, aborts and errors free blocks, block accounting
+under a random schedule, validation, thread-safe inbox."""
+import random
 import threading
 
 import pytest
@@ -10,6 +12,7 @@ from selfspec.engine.engine import Engine, QueueFull
 from selfspec.engine.graphs import PagedGraphedModel, bucket, pad_into
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
+from selfspec.serve.metrics import ServerMetrics
 from selfspec.spec.recipes import resolve_recipe
 from selfspec.spec.sampling import SamplingParams
 
@@ -47,7 +50,7 @@ def run(engine, feed=None):
 
 def assert_idle(engine):
     s = engine.stats()
-    assert (s.waiting, s.running, s.kv_blocks_used, engine.reserved) == (0, 0, 0, 0)
+    assert (s.waiting, s.running, s.kv_blocks_used) == (0, 0, 0)
 
 
 def test_batched_greedy_equals_solo_as_requests_join_and_leave(llm):
@@ -260,3 +263,109 @@ def test_add_request_from_another_thread(llm):
         finished |= {o.request_id for o in engine.step() if o.finished}
     assert finished == {str(i) for i in range(8)}
     assert_idle(engine)
+
+
+def steps_to_finish(engine, request_id):
+    """Step until request_id finishes; -> (its tokens, the steps it took)."""
+    tokens, step = [], 0
+    while True:
+        step += 1
+        for o in engine.step():
+            if o.request_id == request_id:
+                tokens += o.new_token_ids
+                if o.finished:
+                    return tokens, step
+
+
+def test_a_small_request_is_not_held_up_by_a_max_context_one(llm):
+    """The big request may grow to fill the whole pool (prompt + max_new_tokens = 32 blocks of 16); it holds only
+    what it has written, so a small request arriving beside it finishes within 2x the steps it takes alone."""
+    small = [7, 8, 9]
+    solo_engine = Engine(llm, max_batch=4, block_size=16, num_blocks=32)
+    solo_engine.add_request("small", small, greedy(12), gamma=2)
+    solo_tokens, solo_steps = steps_to_finish(solo_engine, "small")
+    engine = Engine(llm, max_batch=4, block_size=16, num_blocks=32)
+    engine.add_request("big", prompts(1, seed=9)[0], greedy(engine.max_len), gamma=2)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("small", small, greedy(12), gamma=2)
+    tokens, steps = steps_to_finish(engine, "small")
+    assert tokens == solo_tokens == llm.generate(small, greedy(12), gamma=0).token_ids
+    assert steps <= 2 * solo_steps, (steps, solo_steps)
+    engine.abort("big")
+    engine.step()
+    assert_idle(engine)
+
+
+def test_preempted_requests_resume_with_unchanged_greedy_output(llm):
+    """Six requests whose worst cases (up to 14 blocks each) far exceed a 20-block pool: the engine admits them on
+    current need, preempts the newest when the pool runs out and re-prefills it (prompt + tokens so far) on resume.
+    Every output is exactly the solo greedy one, the pool ends empty and /metrics counts the preemptions."""
+    ps = prompts(6, seed=10)
+    gammas = [None, 0, 2, 3, None, 1]
+    refs = [llm.generate(p, greedy(40), gamma=0).token_ids for p in ps]
+    engine = Engine(llm, max_batch=6, block_size=4, num_blocks=20, prefill_chunk=8)
+    for i, p in enumerate(ps):
+        engine.add_request(str(i), p, greedy(40), gamma=gammas[i])
+    out, _ = run(engine)
+    assert [out[str(i)][0] for i in range(6)] == refs
+    assert all(out[str(i)][1].finish_reason == "length" for i in range(6))
+    s = engine.stats()
+    assert s.num_preemptions > 0
+    assert f"selfspec:num_preemptions_total {s.num_preemptions:.1f}" in ServerMetrics(engine.stats).render().decode()
+    assert_idle(engine)
+
+
+def test_request_gamma_is_capped_at_the_engine_gamma(llm):
+    """gamma 8 on an engine run with max_gamma 2 drafts 2 tokens per round (a clamp, not an error)."""
+    engine = Engine(llm, max_batch=2, block_size=4, num_blocks=40, max_gamma=2)
+    engine.add_request("a", [5, 6, 7], greedy(12), gamma=8)
+    out, _ = run(engine)
+    toks, final = out["a"]
+    stats = final.generation.stats
+    assert toks == llm.generate([5, 6, 7], greedy(12), gamma=0).token_ids
+    assert stats.rounds > 0 and stats.draft_proposed == 2 * stats.rounds
+    assert engine.stats().num_draft_tokens == 2 * engine.stats().num_row_rounds
+
+
+def assert_blocks_owned_once(engine):
+    cache = engine.cache
+    owned = [b for table in cache.tables.values() for b in table]
+    assert len(owned) == len(set(owned)), "a block is in two block tables"
+    assert sorted(owned + cache.free_blocks) == list(range(1, cache.num_blocks + 1)), "a block is lost or doubled"
+    assert engine.stats().kv_blocks_used == len(owned)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_block_accounting_under_a_random_schedule(llm, seed):
+    """Requests join (varied prompts, lengths, gammas, greedy and sampling), finish, get aborted and preempted on a
+    tight pool; after every step each block has at most one owner and none is lost; at the end the pool is empty
+    and every greedy request that ran to its length produced its solo output."""
+    rng = random.Random(seed)
+    engine = Engine(llm, max_batch=5, block_size=4, num_blocks=24, prefill_chunk=12, max_gamma=3)
+    requests, finished, next_id = {}, {}, 0
+    for step in range(400):
+        if next_id < 24 and rng.random() < 0.3:
+            prompt = [rng.randrange(3, 200) for _ in range(rng.randrange(1, 30))]
+            params = greedy(rng.randrange(1, 40)) if rng.random() < 0.7 else SamplingParams(
+                temperature=1.0, top_k=20, seed=next_id, max_new_tokens=rng.randrange(1, 40), ignore_eos=True)
+            requests[str(next_id)] = (prompt, params)
+            engine.add_request(str(next_id), prompt, params, gamma=rng.choice([None, 0, 1, 3, 5]))
+            next_id += 1
+        live = [r for r in requests if r not in finished]
+        if live and rng.random() < 0.05:
+            engine.abort(rng.choice(live))
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o
+        assert_blocks_owned_once(engine)
+        if next_id == 24 and not engine.has_work():
+            break
+    assert sorted(finished, key=int) == [str(i) for i in range(24)]
+    assert {o.finish_reason for o in finished.values()} == {"length", "abort"}  # no error: no pass ran out of blocks
+    assert engine.stats().num_preemptions > 0
+    assert_idle(engine)
+    for rid, o in finished.items():
+        prompt, params = requests[rid]
+        if o.finish_reason == "length" and params.greedy:
+            assert o.generation.token_ids == llm.generate(prompt, params, gamma=0).token_ids, rid

@@ -1,5 +1,7 @@
-"""Paged KV cache: block accounting (allocate, extend, rollback, free) and the batch view's slots and pools
-against the contiguous cache."""
+"""Paged KV cache: block accounting (allocate, extend, rollback, free; under random operations too) and the batch
+view's slots and pools against the contiguous cache."""
+import random
+
 import pytest
 import torch
 
@@ -44,6 +46,44 @@ def test_block_accounting_and_rollback():
     c.free("a")  # idempotent
     c.free("b")
     assert c.blocks_used == 0 and sorted(c.free_blocks) == list(range(1, 9))
+
+
+def assert_partition(c):
+    """Every block is either free or in exactly one table, and each table covers its sequence's length."""
+    owned = [b for table in c.tables.values() for b in table]
+    assert sorted(owned + c.free_blocks) == list(range(1, c.num_blocks + 1))
+    assert all(len(c.tables[s]) >= c.blocks_for(n) for s, n in c.lengths.items())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_operations_keep_each_block_with_one_owner(seed):
+    """blocks_needed predicts what extend takes; a refused extend takes nothing; the pool ends empty."""
+    rng = random.Random(seed)
+    c = make(12)
+    for _ in range(300):
+        seq = str(rng.randrange(6))
+        op = rng.choice(["extend", "truncate", "free"])
+        if seq not in c.tables:
+            c.allocate(seq)
+        elif op == "extend":
+            n, free = rng.randrange(0, 12), len(c.free_blocks)
+            need = c.blocks_needed(seq, n)
+            if need > free:
+                with pytest.raises(SelfspecError, match="out of blocks"):
+                    c.extend(seq, n)
+                assert len(c.free_blocks) == free
+            else:
+                c.extend(seq, n)
+                assert free - len(c.free_blocks) == need and c.blocks_needed(seq, n) == 0
+                c.truncate(seq, c.lengths[seq] + rng.randrange(0, n + 1))  # commit part of what was written
+        elif op == "truncate":
+            c.truncate(seq, rng.randrange(0, c.lengths[seq] + 1))
+        else:
+            c.free(seq)
+        assert_partition(c)
+    for seq in list(c.tables):
+        c.free(seq)
+    assert c.blocks_used == 0 and not c.tables
 
 
 @torch.inference_mode()

@@ -51,13 +51,16 @@ class PagedKVCache:
         self.tables[seq], self.lengths[seq] = [], 0
         self.extend(seq, n_tokens)
 
+    def blocks_needed(self, seq: str, n_tokens: int) -> int:
+        """Blocks `extend(seq, n_tokens)` would take from the pool (what a scheduler budgets for a pass)."""
+        return max(0, self.blocks_for(self.lengths[seq] + n_tokens) - len(self.tables[seq]))
+
     def extend(self, seq: str, n_tokens: int) -> None:
         """Make room for positions up to length + n_tokens - 1 (what the next pass writes)."""
-        table = self.tables[seq]
-        need = self.blocks_for(self.lengths[seq] + n_tokens) - len(table)
+        need = self.blocks_needed(seq, n_tokens)
         if need > len(self.free_blocks):
             raise SelfspecError(f"KV cache out of blocks: '{seq}' needs {need}, {len(self.free_blocks)} free")
-        table.extend(self.free_blocks.pop() for _ in range(need))
+        self.tables[seq].extend(self.free_blocks.pop() for _ in range(need))
 
     def truncate(self, seq: str, length: int) -> None:
         """Commit positions 0..length-1 and free every block past them (exact rollback of rejected drafts)."""

@@ -1,13 +1,19 @@
 """Serving engine: continuous batching over a paged KV cache, with batched speculative rounds.
 
-One `step()`: drain the inbox (new requests, aborts), admit waiting requests FCFS while the batch and the KV
-pool allow, prefill one chunk (a token budget shared FCFS by newcomers, one batched forward), then one batched
+One `step()`: drain the inbox (new requests, aborts), plan the step (`_schedule`), then run it (`_execute`): one
+prefill chunk (a token budget shared FCFS by the sequences still prefilling, one batched forward), then one batched
 round over every sequence past prefill: k draft steps and one verify pass, each row accepting its own number
-of tokens and rolling its own cache back. k comes from the gamma policy (spec/policy.py) unless a request
-overrides it; rows are grouped by k and each group runs its own batched passes.
+of tokens and rolling its own cache back. k comes from the gamma policy (spec/policy.py) unless a request asks
+for its own, which is capped at the engine's max_gamma (the server's --gamma); rows are grouped by k and each
+group runs its own batched passes.
 
-Admission reserves each request's worst case (prompt + max_new_tokens + max drafts) in blocks, so a running
-sequence never runs out of cache; blocks are allocated as positions are written and freed on rollback.
+KV blocks follow current need, as in vLLM's scheduler: each step gives every running sequence, oldest first, the
+blocks its passes will write (its prefill chunk; k + 1 positions of its round). When the pool runs short, the
+newest running sequence is preempted: its blocks go back to the pool and it waits at the head of the queue, to
+be prefilled again (prompt + the tokens it generated, the pending one aside) once blocks free up; its output is
+unchanged. Newcomers are admitted FCFS after that, and only while one block per running sequence stays free for
+the next round's growth. Blocks are freed on rollback as well. A request is refused only if its worst case
+(prompt + max_new_tokens + drafts) exceeds the whole pool, so the oldest sequence always makes progress.
 Threads: add_request/abort only touch a locked inbox; step() (one thread) drains it.
 On CUDA the rounds' passes (AR and draft steps, verify passes) replay CUDA graphs, batches padded to power-of-two
 buckets (engine/graphs.py `PagedGraphedModel`); prefill runs eagerly.
@@ -59,6 +65,7 @@ class EngineStats:
     num_drafts: int  # rows that drafted, summed over rounds
     num_draft_tokens: int
     num_accepted_tokens: int
+    num_preemptions: int  # sequences sent back to the queue to free KV blocks (recomputed on resume)
     gamma: int  # last chosen by the policy
     acceptance: float | None  # the policy's per-token acceptance estimate
 
@@ -69,12 +76,28 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     gamma: int | None  # None: the policy's
-    blocks: int  # reserved worst case
     gen: torch.Generator | None
     arrival: float
     out: Generation
-    prefilled: int = 0
-    row: Row | None = None  # set once the prompt is prefilled and the first token drawn
+    prefilled: int = 0  # positions of the context in the cache
+    row: Row | None = None  # set once the context is prefilled (and, the first time, the first token drawn)
+
+    @property
+    def context(self) -> list[int]:
+        """What the cache holds before decoding: the prompt, and on resume after a preemption every generated
+        token but the last one (the row's pending token, which the next round writes)."""
+        return self.prompt + self.out.token_ids[:-1]
+
+    @property
+    def context_len(self) -> int:
+        return len(self.prompt) + max(0, len(self.out.token_ids) - 1)
+
+
+@dataclass
+class StepPlan:
+    """One step's passes: a batched prefill chunk, then one batched round per draft count k."""
+    prefill: list[Sequence]
+    rounds: dict[int, list[Sequence]]
 
 
 @dataclass
@@ -83,6 +106,7 @@ class _Counters:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_preemptions: int = 0
 
 
 class Engine:
@@ -110,8 +134,7 @@ class Engine:
         on_gpu = llm.model.device.type == "cuda"
         self.runner = PagedGraphedModel(llm.model, self.cache, self.max_len) if on_gpu else llm.model
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.reserved = 0  # blocks reserved by running sequences
+        self.running: list[Sequence] = []  # in admission (FCFS: arrival) order; the newest is preempted first
         self.counters = _Counters()
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, object]] = []
@@ -122,20 +145,23 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, chat: bool = False,
                     gamma: int | None = None) -> None:
+        """Queue a request. `gamma` (drafted tokens per round; None: the policy's) is capped at the engine's
+        max_gamma."""
         if not isinstance(request_id, str) or not request_id:
             raise SelfspecError("request_id must be a non-empty string")
         if not isinstance(params, SamplingParams):
             raise SelfspecError(f"params must be a SamplingParams, got {type(params).__name__}")
         if gamma is not None:
             check_gamma(gamma)
+            gamma = min(gamma, self.policy.max_gamma)  # graphs and the policy's timings stop at max_gamma
         ids = self.llm.encode(prompt, chat)
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_len - len(ids)))
         drafts = 0 if self.llm.draft_mode is None else self.policy.max_gamma if gamma is None else gamma
         blocks = self.cache.blocks_for(min(self.max_len, len(ids) + params.max_new_tokens + drafts))
-        if blocks > self.cache.num_blocks:
+        if blocks > self.cache.num_blocks:  # it could not finish even alone
             raise SelfspecError(f"the request needs up to {blocks} KV blocks (prompt {len(ids)} + max_new_tokens "
                                 f"{params.max_new_tokens} + {drafts} drafts); the pool has {self.cache.num_blocks}")
-        seq = Sequence(request_id, ids, params, gamma, blocks, make_generator(params, self.llm.model.device),
+        seq = Sequence(request_id, ids, params, gamma, make_generator(params, self.llm.model.device),
                        time.perf_counter(), Generation("", [], "length", GenerationStats(prompt_tokens=len(ids))))
         with self._lock:
             if request_id in self._live:
@@ -159,7 +185,7 @@ class Engine:
         c = self.counters
         return EngineStats(self._queued, len(self.running), self.cache.num_blocks, self.cache.blocks_used,
                            c.num_row_rounds, c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
-                           self.policy.last_gamma, self.policy.acceptance)
+                           c.num_preemptions, self.policy.last_gamma, self.policy.acceptance)
 
     def warm_up(self) -> None:
         """Capture the CUDA graph of every decode pass the engine can replay (each batch bucket up to max_batch:
@@ -182,12 +208,10 @@ class Engine:
     # ---------------------------------------------------------------- the scheduler
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: admit, one prefill chunk, one batched (speculative) round."""
+        """One iteration: plan (blocks, preemptions, admissions), one prefill chunk, one batched round per k."""
         outputs: list[RequestOutput] = []
         self._drain(outputs)
-        self._admit()
-        self._prefill(outputs)
-        self._decode(outputs)
+        self._execute(self._schedule(), outputs)
         return outputs
 
     def _drain(self, outputs: list[RequestOutput]) -> None:
@@ -201,17 +225,104 @@ class Engine:
             if seq is not None:
                 self._finish(seq, "abort", outputs)
 
-    def _admit(self) -> None:
+    def _schedule(self) -> StepPlan:
+        """Running sequences first, oldest first: each gets the blocks its passes write, the newest being
+        preempted while the pool is short; then newcomers, unless someone was preempted (vLLM's schedule())."""
+        prefill: list[Sequence] = []
+        for s in self.running:
+            if s.row is None:
+                if not self._fits_prefill(prefill, s):
+                    break
+                prefill.append(s)
+        completing = [s for s in prefill if s.prefilled + self._chunk(s) == s.context_len]
+        auto = sum(s.gamma is None for s in self.running if s.row is not None or s in completing)
+        k_auto = self.policy.choose(auto) if auto else 0
+        plan, spare, preempted = StepPlan([], {}), len(self.cache.free_blocks), False
+        queue = deque(self.running)
+        while queue:
+            seq = queue.popleft()
+            chunk, k = self._passes(seq, seq in prefill, k_auto)
+            need = self.cache.blocks_needed(seq.id, chunk + (0 if k is None else k + 1))
+            while need > spare and queue:
+                spare += self._preempt(queue.pop())
+                preempted = True
+            if need > spare:  # only older sequences hold blocks: this one waits for them
+                self._preempt(seq)
+                preempted = True
+                continue
+            spare -= need
+            self._plan(plan, seq, chunk, k)
+        if not preempted:
+            self._admit(plan, spare, k_auto)
+        return plan
+
+    def _admit(self, plan: StepPlan, spare: int, k_auto: int) -> None:
+        """Waiting sequences FCFS into this step's prefill chunk while the batch, the chunk's token budget and the
+        pool allow; one block per running sequence stays spare, so that the next round's growth does not at once
+        preempt what was just prefilled."""
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            if self.reserved + seq.blocks > self.cache.num_blocks:
+            if not self._fits_prefill(plan.prefill, seq):
+                break
+            chunk, k = self._passes(seq, True, k_auto)
+            need = self.cache.blocks_for(chunk + (0 if k is None else k + 1))
+            if need + len(self.running) > spare:
                 break  # FCFS: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
             with self._lock:
                 self._queued -= 1
-            self.reserved += seq.blocks
             self.cache.allocate(seq.id)
-            self.running.append(seq)
+            self.running.append(seq)  # the newest: a preempted sequence resumes only after every older one
+            spare -= need
+            self._plan(plan, seq, chunk, k)
+
+    def _preempt(self, seq: Sequence) -> int:
+        """Send a running sequence back to the head of the queue and free its blocks; it is prefilled again
+        (recomputed) on resume. -> the blocks freed."""
+        used = self.cache.blocks_used
+        self.running.remove(seq)
+        self.cache.free(seq.id)
+        seq.prefilled, seq.row = 0, None
+        self.waiting.appendleft(seq)
+        with self._lock:
+            self._queued += 1
+        self.counters.num_preemptions += 1
+        return used - self.cache.blocks_used
+
+    def _chunk(self, seq: Sequence) -> int:
+        """Context tokens of seq's next prefill chunk."""
+        return min(seq.context_len - seq.prefilled, self.prefill_chunk)
+
+    def _fits_prefill(self, batch: list[Sequence], seq: Sequence) -> bool:
+        """Whether seq's chunk joins the batch within prefill_chunk tokens, padding counted (rows x longest)."""
+        width = max([self._chunk(s) for s in batch] + [self._chunk(seq)])
+        return not batch or (len(batch) + 1) * width <= self.prefill_chunk
+
+    def _passes(self, seq: Sequence, prefilling: bool, k_auto: int) -> tuple[int, int | None]:
+        """This step's passes over seq: its prefill chunk (0: none) and its round's drafts (None: no round; a
+        sequence whose chunk completes its context joins this step's round)."""
+        chunk = self._chunk(seq) if prefilling else 0
+        if seq.row is None and seq.prefilled + chunk < seq.context_len:
+            return chunk, None
+        length = seq.prefilled + chunk if seq.row is None else seq.row.length
+        if self.llm.draft_mode is None:
+            return chunk, 0
+        return chunk, min(k_auto if seq.gamma is None else seq.gamma, self.max_len - length - 1)
+
+    @staticmethod
+    def _plan(plan: StepPlan, seq: Sequence, chunk: int, k: int | None) -> None:
+        if chunk:
+            plan.prefill.append(seq)
+        if k is not None:
+            plan.rounds.setdefault(k, []).append(seq)
+
+    def _execute(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
+        if plan.prefill:
+            self._isolated(plan.prefill, self._prefill_chunk, outputs)
+        for k, seqs in sorted(plan.rounds.items()):
+            seqs = [s for s in seqs if s in self.running]  # its prefill may have ended it (error, EOS, length)
+            if seqs:
+                self._isolated(seqs, lambda group, outs, k=k: self._round(group, k, outs), outputs)
 
     def _finish(self, seq: Sequence, reason: str, outputs: list[RequestOutput], error: str | None = None) -> None:
         """End a request that did not end by its own tokens (abort, error)."""
@@ -222,7 +333,6 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
-            self.reserved -= seq.blocks
             self.cache.free(seq.id)
         else:
             self.waiting.remove(seq)
@@ -257,65 +367,40 @@ class Engine:
         outputs.append(RequestOutput(seq.id, kept, text, finished, seq.out.finish_reason if finished else None,
                                      seq.out))
 
-    # ---------------------------------------------------------------- prefill
-
-    def _prefill(self, outputs: list[RequestOutput]) -> None:
-        """Newcomers FCFS while the padded chunk (rows x longest chunk) fits in prefill_chunk tokens."""
-        batch, width = [], 0
-        for seq in self.running:
-            if seq.row is not None:
-                continue
-            n = min(len(seq.prompt) - seq.prefilled, self.prefill_chunk)
-            if batch and (len(batch) + 1) * max(width, n) > self.prefill_chunk:
-                break
-            batch.append(seq)
-            width = max(width, n)
-        if batch:
-            self._isolated(batch, self._prefill_chunk, outputs)
+    # ---------------------------------------------------------------- prefill and rounds
 
     @torch.inference_mode()
     def _prefill_chunk(self, seqs: list[Sequence], outputs: list[RequestOutput]) -> None:
         model, dev = self.llm.model, self.llm.model.device
-        sizes = [min(len(s.prompt) - s.prefilled, self.prefill_chunk) for s in seqs]
+        contexts = [s.context for s in seqs]
+        resumed = [bool(s.out.token_ids) for s in seqs]  # preempted: the pending token is drawn already
+        sizes = [self._chunk(s) for s in seqs]
         width = max(sizes)
         for s, n in zip(seqs, sizes):
             self.cache.extend(s.id, n)
-        toks = torch.tensor([s.prompt[s.prefilled:s.prefilled + n] + [0] * (width - n) for s, n in zip(seqs, sizes)])
+        toks = torch.tensor([c[s.prefilled:s.prefilled + n] + [0] * (width - n)
+                             for s, c, n in zip(seqs, contexts, sizes)])
         real = torch.arange(width)[None] < torch.tensor(sizes)[:, None]
         start = torch.tensor([s.prefilled for s in seqs])[:, None]
         pos = (start + torch.arange(width)).clamp_max(self.max_len - 1)  # padding may run past the context
         logits = model(toks.to(dev), pos.to(dev), self.cache.view([s.id for s in seqs], real), self.llm.verify_mode)
-        done = [s.prefilled + n == len(s.prompt) for s, n in zip(seqs, sizes)]
-        last = logits[torch.arange(len(seqs), device=dev), torch.tensor(sizes, device=dev) - 1]  # last prompt positions
+        done = [s.prefilled + n == len(c) for s, c, n in zip(seqs, contexts, sizes)]
+        last = logits[torch.arange(len(seqs), device=dev), torch.tensor(sizes, device=dev) - 1]  # last positions
         top = last.argmax(-1).tolist()  # greedy rows' first tokens: one pass and one copy, not one per row
-        first = [(top[i] if s.params.greedy else pick(last[i], s.params, s.gen)) if d else None
-                 for i, (s, d) in enumerate(zip(seqs, done))]
+        first = [(top[i] if s.params.greedy else pick(last[i], s.params, s.gen)) if d and not r else None
+                 for i, (s, d, r) in enumerate(zip(seqs, done, resumed))]
         now = time.perf_counter()
-        for s, n, d, tok in zip(seqs, sizes, done, first):
+        for s, n, d, r, tok in zip(seqs, sizes, done, resumed, first):
             s.prefilled += n
             self.cache.truncate(s.id, s.prefilled)
-            if d:
+            if d and r:
+                s.row = Row(s.out.token_ids[-1], s.prefilled, s.params, s.gen, s.out.stats)
+            elif d:
                 s.out.stats.prefill_s = now - s.arrival  # time to first token, queueing included
                 s.row = Row(tok, s.prefilled, s.params, s.gen, s.out.stats)
-        for s, d in zip(seqs, done):
-            if d:
+        for s, d, r in zip(seqs, done, resumed):
+            if d and not r:
                 self._emit(s, [s.row.pending], outputs)
-
-    # ---------------------------------------------------------------- batched speculative rounds
-
-    def _decode(self, outputs: list[RequestOutput]) -> None:
-        ready = [s for s in self.running if s.row is not None]
-        if not ready:
-            return
-        auto = sum(s.gamma is None for s in ready)
-        k_auto = self.policy.choose(auto) if auto else 0
-        groups: dict[int, list[Sequence]] = {}
-        for s in ready:
-            k = k_auto if s.gamma is None else s.gamma
-            k = 0 if self.llm.draft_mode is None else min(k, self.max_len - s.row.length - 1)
-            groups.setdefault(k, []).append(s)
-        for k, seqs in sorted(groups.items()):
-            self._isolated(seqs, lambda group, outs, k=k: self._round(group, k, outs), outputs)
 
     def _round(self, seqs: list[Sequence], k: int, outputs: list[RequestOutput]) -> None:
         for s in seqs:

@@ -97,7 +97,7 @@ def generate_batched(llm: LLM, prompts: dict[str, list[int]], params: SamplingPa
     # Every row's worst case fits at once: the longest prompt + max_new_tokens + the drafts of a round.
     longest = min(llm.model.cfg.max_seq_len, max(map(len, prompts.values())) + params.max_new_tokens + gamma)
     engine = Engine(llm, max_batch=batch, block_size=BLOCK_SIZE, num_blocks=batch * -(-longest // BLOCK_SIZE),
-                    max_queue=batch, prefill_chunk=PREFILL_CHUNK)
+                    max_queue=batch, prefill_chunk=PREFILL_CHUNK, max_gamma=gamma)  # the engine caps a request's gamma
     pending = deque(prompts.items())
     in_flight = 0
     while pending or engine.has_work():

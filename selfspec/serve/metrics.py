@@ -1,7 +1,7 @@
 """Prometheus metrics on a private registry (names follow vLLM's, prefixed `selfspec:`).
 
 Request-level series (finished requests, tokens, latencies) are recorded as outputs are dispatched; engine-level
-series (queue, batch, KV blocks, speculative counters) are read at scrape time from the runner's latest
+series (queue, batch, KV blocks, preemptions, speculative counters) are read at scrape time from the runner's latest
 `EngineStats` snapshot, so a scrape never touches the engine from the HTTP thread.
 """
 from __future__ import annotations
@@ -29,6 +29,8 @@ class EngineStatsCollector(Collector):
         yield GaugeMetricFamily("selfspec:num_requests_running", "Requests in the running batch", s.running)
         yield GaugeMetricFamily("selfspec:kv_blocks_used", "KV cache blocks held by requests", s.kv_blocks_used)
         yield GaugeMetricFamily("selfspec:kv_blocks_total", "KV cache blocks in the pool", s.kv_blocks_total)
+        yield CounterMetricFamily("selfspec:num_preemptions", "Requests preempted to free KV blocks (recomputed "
+                                  "on resume)", s.num_preemptions)
         yield CounterMetricFamily("selfspec:spec_decode_num_drafts", "Sequences that drafted, summed over rounds",
                                   s.num_drafts)
         yield CounterMetricFamily("selfspec:spec_decode_num_draft_tokens", "Tokens proposed by the draft mode",

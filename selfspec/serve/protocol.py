@@ -1,6 +1,7 @@
 """OpenAI request and response shapes (pydantic). Requests are strict: a wrong type is an error, not a coercion.
 
-Extra per-request fields beyond OpenAI's: `top_k`, `gamma` (drafted tokens per round), `ignore_eos`.
+Extra per-request fields beyond OpenAI's: `top_k`, `gamma` (drafted tokens per round, capped at the server's --gamma),
+`ignore_eos`.
 """
 from __future__ import annotations
 
