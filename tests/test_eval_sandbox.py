@@ -2,6 +2,7 @@
 network) and passes it only if its source ran to the end."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -9,8 +10,10 @@ import uuid
 
 import pytest
 
+from selfspec.cli import main
 from selfspec.eval import sandbox
 from selfspec.eval.sandbox import SandboxUnavailable, namespace_problem, run_python
+from test_eval_end_to_end import setup  # noqa: F401  (fixture: a tiny model and HumanEval-style items)
 
 NEEDS_NAMESPACES = pytest.mark.skipif(namespace_problem() is not None,
                                       reason=f"no sandbox on this machine: {namespace_problem()}")
@@ -182,3 +185,18 @@ def test_memory_is_bounded_in_total_across_processes():
     assert result.passed, result.output
     got = [int(x) for x in result.output.split()]
     assert len(got) == 4 and 0 < sum(got) <= 1024, got
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_eval_stops_before_generating_unless_unsafe_sandbox(setup, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sandbox, "namespace_problem", lambda: "forced by the test")
+    argv = ["eval", "--model", str(setup / "model"), "--tasks", "humaneval", "--modes", "w4a4", "--recipes", "",
+            "--limit", "2", "--max-new-tokens", "4", "--out", str(tmp_path / "out"),
+            "--data", f"humaneval={setup / 'humaneval.jsonl'}"]
+    assert main(argv) == 2
+    assert "--unsafe-sandbox" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before loading the model
+    assert main(argv + ["--unsafe-sandbox"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "out" / "w4a4" / "humaneval.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["answer"] in ("passed", "failed") and not r["error"] for r in records)
