@@ -164,6 +164,31 @@ def test_host_processes_are_invisible():
 
 
 @NEEDS_NAMESPACES
+def test_it_cannot_signal_its_parent_or_the_host():
+    program = (f"import os, signal\nos.kill(1, signal.SIGKILL)  # its init ignores it\n"
+               f"try:\n    os.kill({os.getpid()}, signal.SIGKILL)\nexcept ProcessLookupError:\n    print('no such')")
+    result = run_python(program)
+    assert result.passed and result.output.strip() == "no such"
+
+
+@NEEDS_NAMESPACES
+def test_processes_left_behind_die_with_the_sandbox():
+    marker = f"{time.time_ns() % 10**9}.5"  # a unique `sleep` argument to look for on the host
+    program = (f"import os\nif os.fork() == 0:\n    os.setsid()\n    for fd in range(3):\n        os.close(fd)\n"
+               f"    os.execv('/usr/bin/sleep', ['sleep', {marker!r}])\nimport time\ntime.sleep(0.3)")
+    assert run_python(program).passed
+
+    def cmdline(pid: str) -> bytes:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:  # gone meanwhile
+            return b""
+
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and marker.encode() in cmdline(p)]
+
+
+@NEEDS_NAMESPACES
 def test_process_count_is_bounded_even_as_root():
     program = ("import os, time\nforked = 0\ntry:\n    for _ in range(300):\n        if os.fork() == 0:\n"
                "            time.sleep(30)\n            os._exit(0)\n        forked += 1\n"

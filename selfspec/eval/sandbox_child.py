@@ -90,7 +90,8 @@ def exit_code(status: int) -> int:
 def launcher(config: dict) -> None:
     """Fork the creator, write its uid/gid maps once it has unshared, and exit with its exit code."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getuid() == 0:
+    config["as_root"] = os.getuid() == 0
+    if config["as_root"]:
         os.setgroups([])  # carry no supplementary group into the sandbox
         host_uid = host_gid = random.SystemRandom().randrange(1 << 30, 1 << 31)  # owns nothing on the host
     else:
@@ -232,11 +233,13 @@ def program(config: dict) -> None:
 
 def set_limits(config: dict) -> None:
     """Per process: CPU seconds, address space (memory_mb / processes, so all of them together stay within
-    memory_mb), file size; per sandbox uid: tasks (its init and the program's processes and threads)."""
+    memory_mb), file size; per sandbox uid: tasks, the program's processes and threads plus those of ours that
+    count (init; and the creator when it kept our uid, i.e. unless we are root)."""
     per_process = (config["memory_mb"] // config["processes"]) << 20
+    ours = 1 if config["as_root"] else 2
     for limit, value in ((resource.RLIMIT_CPU, config["cpu_s"]), (resource.RLIMIT_AS, per_process),
                          (resource.RLIMIT_FSIZE, config["file_mb"] << 20), (resource.RLIMIT_CORE, 0),
-                         (resource.RLIMIT_NPROC, config["processes"] + 1)):
+                         (resource.RLIMIT_NPROC, config["processes"] + ours)):
         resource.setrlimit(limit, (value, value))
 
 
