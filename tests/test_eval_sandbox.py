@@ -101,6 +101,14 @@ def test_runs_as_an_unprivileged_uid_without_capabilities():
 
 
 @NEEDS_NAMESPACES
+def test_no_nested_user_namespace_to_regain_capabilities():
+    program = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+               "print(libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))  # CLONE_NEWUSER")
+    result = run_python(program)
+    assert result.passed and result.output.split()[0] == "-1", result.output
+
+
+@NEEDS_NAMESPACES
 def test_no_host_files_only_system_directories_read_only(tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("host secret")

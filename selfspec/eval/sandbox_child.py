@@ -140,6 +140,8 @@ def init(config: dict) -> None:
         os.setresgid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
         os.setresuid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)  # keeps our capabilities in the new namespace
         socket.sethostname("sandbox")
+        with open("/proc/sys/user/max_user_namespaces", "w") as f:
+            f.write("0")  # no nested user namespace: the program can never hold a capability again
         build_root(config, sources)
         prctl(PR_SET_DUMPABLE, 0)  # the program (same uid) may not ptrace or read the memory of its init
     except OSError as e:
