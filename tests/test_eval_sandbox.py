@@ -72,6 +72,12 @@ def test_memory_is_limited(unsafe):
     assert result.status == "failed" and "MemoryError" in result.output
 
 
+def test_a_small_process_pool_fits_the_default_limits(unsafe):
+    program = ("import multiprocessing\nif __name__ == '__main__':\n    with multiprocessing.Pool(2) as pool:\n"
+               "        assert pool.map(abs, [-1, 2]) == [1, 2]")
+    assert run_python(program, unsafe=unsafe).passed
+
+
 def test_printing_is_capped_by_the_file_size_limit(unsafe):
     result = run_python("while True:\n    print('x' * 4096)", file_mb=1, timeout_s=5, unsafe=unsafe)
     assert result.status == "failed"

@@ -80,8 +80,8 @@ def check_sandbox(unsafe: bool = False) -> None:
             "the generated code could then read and write your files, use the network and signal your processes.")
 
 
-def run_python(source: str, timeout_s: float = 10.0, memory_mb: int = 1024, file_mb: int = 16,
-               processes: int = 4, unsafe: bool = False) -> SandboxResult:
+def run_python(source: str, timeout_s: float = 10.0, memory_mb: int = 2048, file_mb: int = 16,
+               processes: int = 8, unsafe: bool = False) -> SandboxResult:
     """Run `source` as a Python program in the sandbox; unsafe=True allows running it unconfined where
     namespaces are unavailable (never where they are)."""
     if memory_mb // processes < MIN_PROCESS_MB:
