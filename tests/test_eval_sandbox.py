@@ -94,6 +94,13 @@ def test_without_namespaces_it_refuses_unless_unsafe(monkeypatch):
 
 
 @NEEDS_NAMESPACES
+def test_a_setup_failure_is_reported_with_its_cause(monkeypatch):
+    monkeypatch.setattr(sandbox, "python_dirs", lambda: ["/nonexistent-python-prefix"])
+    problem = namespace_problem.__wrapped__()  # uncached
+    assert "No such file or directory" in problem and "/nonexistent-python-prefix" in problem, problem
+
+
+@NEEDS_NAMESPACES
 def test_runs_as_an_unprivileged_uid_without_capabilities():
     program = ("import os\nstatus = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
                "print(os.getuid(), os.getgid(), status['CapEff'].strip(), status['CapBnd'].strip(), "
