@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cached-only", action="store_true", help="generate nothing: report the results already in --out")
     e.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help="sequences the engine generates together (results do not depend on it)")
+    e.add_argument("--unsafe-sandbox", action="store_true",
+                   help="where Linux namespaces are unavailable, run HumanEval's generated code unconfined")
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
     add_model_args(s)  # here --gamma caps drafts per round (a request's gamma too); the policy picks within it
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")

@@ -29,7 +29,7 @@ def run_command(args: argparse.Namespace) -> None:
     out = Path(args.out or f"eval-results/{Path(args.model).stem if args.model else 'smollm2-135m'}")
     results = run_eval(args.model, tasks, modes, recipes, out, args.limit, args.seed, args.gamma,
                        args.max_new_tokens, args.chat, parse_data(args.data), args.group_size, args.device,
-                       args.cached_only, args.batch_size)
+                       args.cached_only, args.batch_size, args.unsafe_sandbox)
     title = f"{args.model or 'smollm2-135m'}, limit {args.limit or 'none'}, max {args.max_new_tokens} new tokens"
     write_report(out, plan_configs(modes, recipes), results, tasks, title)
     print((out / "summary.md").read_text())

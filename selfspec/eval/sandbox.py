@@ -1,22 +1,29 @@
-"""Run untrusted generated Python (HumanEval completions) in a child process, never in the engine's.
+"""Run untrusted generated Python (HumanEval completions) in a sandbox, never in the engine's process.
 
-Every run: a fresh temporary directory as cwd (deleted afterwards, HOME and TMPDIR point into it),
-`python -I`, a wall-clock timeout that kills the whole process group, and rlimits (CPU seconds, address
-space, file size, processes).
+A program passes only if its source ran to the end: the harness writes a random per-run token to a pipe after
+the last statement returns, so `sys.exit(0)` or `os._exit(0)` before the tests finish fails, as in the reference
+harness. (A program that digs the token out of its harness's frame could forge a pass; the token stops accidents,
+the namespaces contain what the code does.)
 
-Where Linux namespaces are available (root, or unprivileged user namespaces), the child also runs under
-`unshare --net --mount --pid`: no network interface but a downed loopback, its own PID namespace (every
-process it forks dies with it), and a private mount table in which every mount except /dev and the
-temporary directory is re-mounted read-only and /dev/shm is a private tmpfs; all capabilities are then
-dropped (`setpriv`), so it cannot re-mount anything writable. Writes outside the temporary directory fail.
-Without namespaces it falls back to a prelude that replaces `socket.socket` (stops casual network use,
-not a determined program) and writes outside the temporary directory are NOT prevented.
+The sandbox (sandbox_child.py builds it) runs the program in its own user, mount, PID, network, IPC, UTS and cgroup
+namespaces as uid 1000 mapped to an unprivileged host uid, with no capabilities and no_new_privs. Its root is a
+private tmpfs of `file_mb` MiB holding /tmp (the working directory, HOME and TMPDIR), /run and /dev/shm, a /dev
+with only null, zero and urandom, its own /proc, and read-only binds of /usr, /bin, /lib... and the Python
+installation; no other host file, no host process, no network interface but a downed loopback (so no host UNIX
+socket, abstract or not). Limits: a wall-clock timeout (the whole namespace dies with its init), CPU seconds,
+`processes` tasks (processes and threads: RLIMIT_NPROC binds because the host uid is not root), `memory_mb` of
+address space in all (memory_mb / processes per process), `file_mb` per file and for all files together.
+
+Where the kernel refuses namespaces, running the code is refused too, unless the caller passes unsafe=True
+(`selfspec eval --unsafe-sandbox`): then it runs unconfined in a temporary directory with rlimits only.
 """
 from __future__ import annotations
 
 import functools
+import json
 import os
 import resource
+import secrets
 import shutil
 import signal
 import subprocess
@@ -24,31 +31,22 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-# Namespaced: the directory stays writable (bind-mounted onto itself), everything else becomes read-only.
-NAMESPACE_SETUP = r"""
-set -e
-D="$PWD"
-mount --bind "$D" "$D"
-for t in $(findmnt -rn -o TARGET | sort -ru); do
-  case "$t" in "$D"|/dev|/dev/pts|/dev/null) ;; *) mount -o remount,bind,ro "$t" 2>/dev/null || true ;; esac
-done
-mount -t tmpfs -o size=16m tmpfs /dev/shm
-cd "$D"
-exec setpriv --no-new-privs --inh-caps=-all --bounding-set=-all "$@"
-"""
+from selfspec.errors import SelfspecError
+from selfspec.eval.sandbox_child import HARNESS, SETUP_ERROR
 
-NO_SOCKET_PRELUDE = (
-    "import socket, runpy, sys\n"
-    "def _refuse(*a, **k): raise OSError('network access is disabled in the selfspec sandbox')\n"
-    "socket.socket = socket.create_connection = socket.socketpair = _refuse\n"
-    "sys.argv = sys.argv[1:]\n"
-    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-)
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
+ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+       "MKL_NUM_THREADS": "1"}
+MIN_PROCESS_MB = 64  # the least address space a Python process starts in
+
+
+class SandboxUnavailable(SelfspecError):
+    pass
 
 
 @dataclass
 class SandboxResult:
-    status: str  # "passed" (exit 0), "failed" (non-zero exit) or "timeout"
+    status: str  # "passed" (ran to its end), "failed" (an exception, an exit, a signal) or "timeout"
     returncode: int | None
     output: str  # the tail of stdout + stderr
 
@@ -58,61 +56,96 @@ class SandboxResult:
 
 
 @functools.cache
-def namespaces_available() -> bool:
-    """Whether `unshare` can give us network, mount and PID namespaces here (checked once)."""
-    if shutil.which("unshare") is None or shutil.which("setpriv") is None:
-        return False
-    cmd = ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private"]
-    if os.geteuid() != 0:
-        cmd.insert(1, "--map-root-user")
+def namespace_problem() -> str | None:
+    """None where the sandbox can be built here, else why not (checked once, by running an empty program)."""
     try:
-        return subprocess.run(cmd + ["true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        result = _run("pass", 10.0, 256, 4, 4, confined=True)
+    except OSError as e:
+        return str(e)
+    if result.passed:
+        return None
+    lines = [line for line in result.output.splitlines() if line.startswith(SETUP_ERROR)]
+    return lines[-1][len(SETUP_ERROR):].strip() if lines else f"{result.status}: {result.output.strip()[-300:]}"
 
 
-def _limits(cpu_s: int, memory_mb: int, file_mb: int, processes: int):
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb << 20, file_mb << 20))
-        # Not enforced for uid 0; there the PID namespace bounds the processes' lifetime instead.
-        resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+def check_sandbox(unsafe: bool = False) -> None:
+    """Raise a SandboxUnavailable that says what to do if generated code cannot be sandboxed here."""
+    problem = namespace_problem()
+    if problem is not None and not unsafe:
+        raise SandboxUnavailable(
+            f"cannot sandbox generated code on this machine ({problem}). The sandbox needs Linux user, mount, "
+            "PID and network namespaces: run as root, or allow unprivileged user namespaces (sysctl "
+            "user.max_user_namespaces > 0; on Debian kernel.unprivileged_userns_clone=1, on Ubuntu "
+            "kernel.apparmor_restrict_unprivileged_userns=0). Or pass --unsafe-sandbox to run it without them: "
+            "the generated code could then read and write your files, use the network and signal your processes.")
 
-    return apply
+
+def run_python(source: str, timeout_s: float = 10.0, memory_mb: int = 2048, file_mb: int = 16,
+               processes: int = 8, unsafe: bool = False) -> SandboxResult:
+    """Run `source` as a Python program in the sandbox; unsafe=True allows running it unconfined where
+    namespaces are unavailable (never where they are)."""
+    if memory_mb // processes < MIN_PROCESS_MB:
+        raise ValueError(f"memory_mb={memory_mb} over processes={processes} leaves under {MIN_PROCESS_MB} MiB "
+                         "per process: raise memory_mb or lower processes")
+    check_sandbox(unsafe)
+    return _run(source, timeout_s, memory_mb, file_mb, processes, confined=namespace_problem() is None)
 
 
-def run_python(source: str, timeout_s: float = 10.0, memory_mb: int = 1024, file_mb: int = 16,
-               processes: int = 256, isolate: bool | None = None) -> SandboxResult:
-    """Run `source` as a Python program in the sandbox; isolate=None uses namespaces where available."""
-    isolate = namespaces_available() if isolate is None else isolate
-    workdir = tempfile.mkdtemp(prefix="selfspec-sandbox-")
+def _run(source: str, timeout_s: float, memory_mb: int, file_mb: int, processes: int,
+         confined: bool) -> SandboxResult:
+    token = secrets.token_hex(16).encode()
+    result_r, result_w = os.pipe()
+    workdir = None if confined else tempfile.mkdtemp(prefix="selfspec-sandbox-")
+    limits = {"cpu_s": int(timeout_s) + 1, "memory_mb": memory_mb, "file_mb": file_mb, "processes": processes}
     try:
-        with open(os.path.join(workdir, "program.py"), "w") as f:
-            f.write(source)
-        python = [sys.executable, "-I"]
-        if isolate:
-            cmd = ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private"]
-            if os.geteuid() != 0:
-                cmd.insert(1, "--map-root-user")
-            cmd += ["sh", "-c", NAMESPACE_SETUP, "sandbox", *python, "program.py"]
-        else:
-            cmd = [*python, "-c", NO_SOCKET_PRELUDE, "program.py"]
-        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_limits(int(timeout_s) + 1, memory_mb, file_mb, processes))
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            return SandboxResult("timeout", None, _tail(out))
-        return SandboxResult("passed" if proc.returncode == 0 else "failed", proc.returncode, _tail(out))
+        with tempfile.TemporaryFile() as out:  # a file, not a pipe: RLIMIT_FSIZE caps what the program prints
+            if confined:
+                config = {**limits, "python": sys.executable, "env": {**ENV, "HOME": "/tmp", "TMPDIR": "/tmp"},
+                          "python_dirs": python_dirs(), "result_fd": result_w}
+                proc = subprocess.Popen([sys.executable, "-I", CHILD, json.dumps(config)], cwd="/", env=ENV,
+                                        stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                        pass_fds=(result_w,), start_new_session=True)
+            else:
+                proc = subprocess.Popen([sys.executable, "-I", "-c", HARNESS, str(result_w)], cwd=workdir,
+                                        env={**ENV, "HOME": workdir, "TMPDIR": workdir}, stdin=subprocess.PIPE,
+                                        stdout=out, stderr=subprocess.STDOUT, pass_fds=(result_w,),
+                                        start_new_session=True, preexec_fn=functools.partial(rlimits, **limits))
+            os.close(result_w)
+            result_w = -1
+            timed_out = False
+            try:
+                proc.communicate(token + b"\n" + source.encode(), timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)  # confined: the PID namespace dies with its init
+                proc.wait()
+            os.set_blocking(result_r, False)
+            try:
+                reported = os.read(result_r, len(token) + 1)
+            except BlockingIOError:  # unconfined: a child it left behind holds the pipe open
+                reported = b""
+            status = "passed" if reported == token else "timeout" if timed_out else "failed"
+            return SandboxResult(status, None if timed_out else proc.returncode, tail(out))
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        os.close(result_r)
+        if result_w != -1:
+            os.close(result_w)
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _tail(out: bytes, limit: int = 2000) -> str:
-    return out[-limit:].decode("utf-8", "replace")
+def python_dirs() -> list[str]:
+    """The Python installation (and virtual environment) the program runs under, as the paths it knows them by."""
+    return sorted({sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix})
+
+
+def rlimits(cpu_s: int, memory_mb: int, file_mb: int, processes: int) -> None:
+    """Unconfined only: per-process limits; RLIMIT_NPROC counts all of the user's processes (none for root)."""
+    for limit, value in ((resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_AS, (memory_mb // processes) << 20),
+                         (resource.RLIMIT_FSIZE, file_mb << 20), (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(limit, (value, value))
+
+
+def tail(out, limit: int = 2000) -> str:
+    out.seek(max(0, out.seek(0, os.SEEK_END) - limit))
+    return out.read().decode("utf-8", "replace")

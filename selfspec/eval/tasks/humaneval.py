@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from selfspec.eval.data import package_file
-from selfspec.eval.sandbox import run_python
+from selfspec.eval.sandbox import check_sandbox, run_python
 from selfspec.eval.tasks import Item
 
 NAME = "humaneval"
@@ -27,6 +27,11 @@ def program(item: Item, completion: str) -> str:
     return f"{item.prompt}{completion}\n\n{item.reference}\n\ncheck({item.data['entry_point']})\n"
 
 
-def score(item: Item, text: str) -> tuple[str | None, bool]:
-    result = run_python(program(item, text), timeout_s=TIMEOUT_S)
+def score(item: Item, text: str, unsafe_sandbox: bool = False) -> tuple[str | None, bool]:
+    result = run_python(program(item, text), timeout_s=TIMEOUT_S, unsafe=unsafe_sandbox)
     return result.status, result.passed
+
+
+def check_scorable(unsafe_sandbox: bool) -> None:
+    """Fail before generating anything if the completions could not be run."""
+    check_sandbox(unsafe_sandbox)
