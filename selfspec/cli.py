@@ -86,14 +86,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
         if not args.json:
             print(text, end="", flush=True)
     r = llm.recipe
-    info = {"model": llm.description, "recipe": r.name, "storage": r.storage, "draft": r.draft,
-            "verify": r.verify, "gamma": llm.gamma}
+    drafts = r.draft is not None and llm.gamma > 0  # else the run is autoregressive: no draft, no gamma
+    info = {"model": llm.description, "recipe": r.name, "storage": r.storage, "draft": r.draft if drafts else None,
+            "verify": r.verify, "gamma": llm.gamma if drafts else 0}
     if args.json:
         print(json.dumps({"text": out.text, "finish_reason": out.finish_reason, **info, "stats": out.stats.to_dict()}))
     else:
         print()
-        print(f"[{info['model']} | recipe {r.name}: {r.storage} weights, draft {r.draft}, verify {r.verify}, "
-              f"gamma {llm.gamma}] {out.stats.summary()}", file=sys.stderr)
+        how = f"draft {r.draft}, verify {r.verify}, gamma {llm.gamma}" if drafts else f"verify {r.verify}, autoregressive"
+        print(f"[{info['model']} | recipe {r.name}: {r.storage} weights, {how}] {out.stats.summary()}", file=sys.stderr)
 
 
 # `selfspec bench NAME` -> selfspec.bench.MODULE.main(arguments); all on the GPU but `trace` (any device).

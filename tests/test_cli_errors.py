@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import selfspec
 import selfspec.loading
 from conftest import tiny_model
 from selfspec.cli import main
+from selfspec.engine.llm import Generation
+from selfspec.spec.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -195,3 +198,47 @@ def test_subprocess_exit_code_and_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("selfspec: error: ") and "does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+# Nothing cut short or miscounted without a word.
+
+
+def test_prompt_plus_new_tokens_past_the_context_is_refused(capsys, tiny_dirs):
+    """Like the server's context_length_exceeded: an error with the numbers, not an early finish_reason 'length'."""
+    rc, out, err = run(capsys, "--model", str(tiny_dirs[0]), "--prompt", "hello", "--max-new-tokens", "600")
+    assert_clean_error(rc, err, "context window is 512 tokens", "prompt (5 tokens)", "max-new-tokens (600)",
+                       "at most 507 new tokens")
+    assert out == ""
+    rc, out, err = run(capsys, "--model", str(tiny_dirs[0]), "--prompt", "hello", "--max-new-tokens", "507",
+                       "--json", "--recipe", "ar")
+    assert rc == 0, err  # exactly filling the context is fine
+
+
+@pytest.mark.parametrize("chunks", [["abc STOP def"], ["abc S", "TOP def", "gh"]], ids=["one round", "across rounds"])
+def test_token_ids_end_with_the_stop_string(tiny_dirs, chunks):
+    """token_ids and stats.new_tokens stop at the token that completes the stop string, as the text does."""
+    llm = selfspec.load(str(tiny_dirs[0]), "ar")
+    enc = llm.tokenizer.encode
+    params = SamplingParams(max_new_tokens=50, stop=["STOP"])
+    out, kept = Generation("", [], "length"), []
+    for chunk in chunks:
+        text, chunk_kept, finished = llm.append_tokens(out, enc(chunk), params)
+        kept += chunk_kept
+        if finished:
+            break
+    assert (out.text, out.finish_reason) == ("abc ", "stop")
+    assert out.token_ids == kept == enc("abc STOP")
+    assert out.stats.new_tokens == len(out.token_ids)
+
+
+def test_ar_banner_names_no_draft_or_gamma(capsys, tiny_dirs):
+    rc, out, err = run(capsys, "--model", str(tiny_dirs[0]), "--prompt", "hello", "--max-new-tokens", "3",
+                       "--recipe", "ar")
+    assert rc == 0, err
+    banner = err.splitlines()[-1]
+    assert "recipe ar" in banner and "autoregressive" in banner
+    assert "draft" not in banner.split("]")[0] and "gamma" not in banner
+    rc, out, err = run(capsys, "--model", str(tiny_dirs[0]), "--prompt", "hello", "--max-new-tokens", "3",
+                       "--recipe", "ar", "--json")
+    res = json.loads(out)
+    assert (res["draft"], res["gamma"]) == (None, 0)
