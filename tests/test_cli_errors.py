@@ -2,6 +2,7 @@
 argument errors are reported before any model is loaded."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import selfspec.loading
 from conftest import tiny_model
 from selfspec.cli import main
 from selfspec.engine.llm import Generation
+from selfspec.errors import SelfspecError
 from selfspec.spec.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,6 +103,8 @@ BEFORE_LOADING = {
     "group size 0": (["--group-size", "0"], "group size must be >= 1"),
     "group size -8": (["--group-size", "-8"], "group size must be >= 1"),
     "unknown device": (["--device", "tpu9"], "device 'tpu9'"),
+    # $'caf\xe9 \xff' in argv: Python keeps the undecodable bytes as lone surrogates
+    "non-UTF-8 prompt": (["--prompt", "caf\udce9 \udcff"], "the prompt is not valid UTF-8", "byte 0xe9", "iconv"),
 }
 
 
@@ -120,6 +124,20 @@ def test_argument_errors_before_loading(capsys, monkeypatch, case):
     assert not calls
     assert_clean_error(rc, err, *needles)
     assert out == ""
+
+
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])  # surrogateescape: stdin in the C locale
+def test_non_utf8_stdin(capsys, monkeypatch, errors):
+    monkeypatch.setattr(selfspec.loading, "resolve", lambda *a: pytest.fail("loaded"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 \xff"), encoding="utf-8", errors=errors))
+    rc, out, err = run(capsys)
+    assert_clean_error(rc, err, "not valid UTF-8", "0xe9", "iconv")
+
+
+def test_non_utf8_prompt_through_the_api(tiny_dirs):
+    llm = selfspec.load(str(tiny_dirs[0]), "ar")
+    with pytest.raises(SelfspecError, match="lone surrogate U\\+D800"):
+        llm.generate("caf\ud800", SamplingParams(max_new_tokens=2))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -242,3 +260,26 @@ def test_ar_banner_names_no_draft_or_gamma(capsys, tiny_dirs):
                        "--recipe", "ar", "--json")
     res = json.loads(out)
     assert (res["draft"], res["gamma"]) == (None, 0)
+
+
+# Benchmarks: their own help anywhere, a clean error where they need a GPU that is not there.
+
+CUDA_BENCHES = ["all", "steps", "gemm", "spec", "peer", "tune"]
+
+
+@pytest.mark.parametrize("name", CUDA_BENCHES + ["trace"])
+def test_bench_help_is_the_benchmarks_own(capsys, name):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", name, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert out.startswith(f"usage: selfspec bench {name} [-h]"), out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("name", CUDA_BENCHES)
+def test_gpu_bench_without_cuda(capsys, name):
+    rc = main(["bench", name])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert_clean_error(rc, err, f"selfspec bench {name}` needs a CUDA GPU")

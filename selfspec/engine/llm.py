@@ -46,8 +46,7 @@ class LLM:
         if isinstance(prompt, list):
             ids = prompt
         else:
-            if not prompt.strip():
-                raise SelfspecError("the prompt is empty; give some text with --prompt or on stdin")
+            check_prompt(prompt)
             if self.tokenizer is None:
                 raise SelfspecError("this model has no tokenizer files; pass token ids instead of text")
             if chat:
@@ -130,6 +129,20 @@ class LLM:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def check_prompt(prompt: str) -> None:
+    """A non-empty prompt of valid Unicode: undecodable input bytes (which Python keeps as lone surrogates) are
+    refused rather than replaced, since the model would otherwise see other text than the user wrote."""
+    if not prompt.strip():
+        raise SelfspecError("the prompt is empty; give some text with --prompt or on stdin")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(prompt[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise SelfspecError(f"the prompt is not valid UTF-8 ({what} at character {e.start}); convert it to UTF-8 "
+                            "first, e.g. with iconv -f latin1 -t utf-8") from None
 
 
 def check_gamma(gamma: int) -> None:
