@@ -91,8 +91,9 @@ class LLM:
         """Refuse, with the numbers, a request that would run past the context window (the server does too)."""
         context = self.model.cfg.max_seq_len
         if prompt_tokens + max_new_tokens > context:
+            why = " (its sliding window)" if context == self.model.cfg.sliding_window else ""
             raise SelfspecError(
-                f"the model's context window is {context} tokens, but the prompt ({prompt_tokens} tokens) plus "
+                f"the model's context window is {context} tokens{why}, but the prompt ({prompt_tokens} tokens) plus "
                 f"max-new-tokens ({max_new_tokens}) asks for {prompt_tokens + max_new_tokens}; shorten the prompt "
                 f"or ask for at most {context - prompt_tokens} new tokens"
             )
