@@ -114,11 +114,10 @@ def _refuse_unsupported(cfg: dict) -> None:
 
 def _hf_rope(cfg: dict, max_positions: int) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) from either config layout: rope_theta + rope_scaling (transformers < 5)
-    or rope_parameters (>= 5)."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and all(isinstance(v, dict) for v in params.values()) and params:
+    or rope_parameters (>= 5); as in transformers, a rope_scaling present wins."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
         raise SelfspecError("config.json: rope_parameters per layer type are not supported; give one rope setting")
-    params = {**(cfg.get("rope_scaling") or {}), **(params or {})}
     theta = float(params.get("rope_theta", cfg["rope_theta"]))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:

@@ -362,6 +362,28 @@ def test_unsupported_config_fields_are_refused_by_name(fields, needle):
         ModelConfig.from_hf(_hf_json("qwen2", **fields))
 
 
+ROPE_LAYOUTS = {
+    "rope_theta + rope_scaling": dict(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0}),
+    "rope_parameters": dict(rope_parameters={"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}),
+    "both: rope_scaling wins": dict(rope_theta=5e5, rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                    rope_parameters={"rope_theta": 1e4, "rope_type": "default"}),
+    "theta alone": dict(rope_theta=5e5, rope_scaling=None),
+    "yarn without original context": dict(rope_parameters={"rope_theta": 5e5, "rope_type": "yarn", "factor": 4.0}),
+}
+
+
+@pytest.mark.parametrize("layout", ROPE_LAYOUTS)
+def test_rope_layouts_as_transformers_reads_them(layout):
+    fields = ROPE_LAYOUTS[layout]
+    ours = ModelConfig.from_hf(_hf_json("llama", **fields))
+    hf = LlamaConfig.from_dict({**TINY, **fields}).rope_parameters
+    assert ours.rope_theta == hf["rope_theta"]
+    if hf["rope_type"] == "default":
+        assert ours.rope_scaling is None
+    else:
+        assert ours.rope_scaling == {k: v for k, v in hf.items() if k not in ("rope_theta", "type")}
+
+
 SLIDING = {  # config.json fields -> does transformers slide any layer?
     "mistral window": ("mistral", dict(sliding_window=40)),
     "mistral no window": ("mistral", dict(sliding_window=None)),
