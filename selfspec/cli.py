@@ -74,28 +74,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def read_stdin() -> str:
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError as e:
+        raise SelfspecError(f"stdin is not valid UTF-8 (byte 0x{e.object[e.start]:02x}); convert it to UTF-8 "
+                            "first, e.g. with iconv -f latin1 -t utf-8") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     import selfspec
+    from selfspec.engine.llm import check_prompt
     from selfspec.spec.sampling import SamplingParams
 
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    prompt = args.prompt if args.prompt is not None else read_stdin()
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens, args.stop)
-    if not prompt.strip():
-        raise SelfspecError("the prompt is empty; give some text with --prompt or on stdin")
+    check_prompt(prompt)
     llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device)
     out = None
     for text, _, out in llm.stream(prompt, params, chat=args.chat):
         if not args.json:
             print(text, end="", flush=True)
     r = llm.recipe
-    info = {"model": llm.description, "recipe": r.name, "storage": r.storage, "draft": r.draft,
-            "verify": r.verify, "gamma": llm.gamma}
+    drafts = r.draft is not None and llm.gamma > 0  # else the run is autoregressive: no draft, no gamma
+    info = {"model": llm.description, "recipe": r.name, "storage": r.storage, "draft": r.draft if drafts else None,
+            "verify": r.verify, "gamma": llm.gamma if drafts else 0}
     if args.json:
         print(json.dumps({"text": out.text, "finish_reason": out.finish_reason, **info, "stats": out.stats.to_dict()}))
     else:
         print()
-        print(f"[{info['model']} | recipe {r.name}: {r.storage} weights, draft {r.draft}, verify {r.verify}, "
-              f"gamma {llm.gamma}] {out.stats.summary()}", file=sys.stderr)
+        how = f"draft {r.draft}, verify {r.verify}, gamma {llm.gamma}" if drafts else f"verify {r.verify}, autoregressive"
+        print(f"[{info['model']} | recipe {r.name}: {r.storage} weights, {how}] {out.stats.summary()}", file=sys.stderr)
 
 
 # `selfspec bench NAME` -> selfspec.bench.MODULE.main(arguments); all on the GPU but `trace` (any device).
@@ -118,7 +127,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
         return
     import importlib
 
-    importlib.import_module(f"selfspec.bench.{GPU_BENCHES[args.bench][0]}").main(args.args)
+    import torch
+
+    wants_help = {"-h", "--help"} & set(args.args)
+    if args.bench != "trace" and not wants_help and not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+        raise SelfspecError(f"`selfspec bench {args.bench}` needs a CUDA GPU ({why}); "
+                            "`selfspec bench serve` and `selfspec bench trace` run on the CPU")
+    module = importlib.import_module(f"selfspec.bench.{GPU_BENCHES[args.bench][0]}")
+    module.main(args.args, prog=f"selfspec bench {args.bench}")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:

@@ -56,7 +56,7 @@ class Attention(nn.Module):
         names = [p + f"{x}_proj" for x in "qkv"]
         self.wqkv = Linear(torch.cat([sd[n + ".weight"] for n in names]), concat_bias(sd, names))
         self.sizes = [cfg.n_heads * cfg.head_dim] + 2 * [cfg.n_kv_heads * cfg.head_dim]
-        self.wo = Linear(sd[p + "o_proj.weight"])
+        self.wo = Linear(sd[p + "o_proj.weight"], sd.get(p + "o_proj.bias"))
         self.q_norm = RMSNorm(sd[p + "q_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(sd[p + "k_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
 
@@ -77,8 +77,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, sd: dict[str, torch.Tensor], p: str):
         super().__init__()
-        self.gate_up = Linear(torch.cat([sd[p + "gate_proj.weight"], sd[p + "up_proj.weight"]]))
-        self.down = Linear(sd[p + "down_proj.weight"])
+        names = [p + "gate_proj", p + "up_proj"]
+        self.gate_up = Linear(torch.cat([sd[n + ".weight"] for n in names]), concat_bias(sd, names))
+        self.down = Linear(sd[p + "down_proj.weight"], sd.get(p + "down_proj.bias"))
 
     def forward(self, x: torch.Tensor, mode: Mode, residual: torch.Tensor) -> torch.Tensor:
         """residual + feed_forward(x), the residual added by the down projection."""
@@ -101,13 +102,17 @@ class Block(nn.Module):
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2], with llama3 / linear scaling when the config asks for it."""
+    """Inverse frequencies [head_dim/2], scaled as the config's rope_scaling says (transformers' formulas)."""
     hd = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     rs = cfg.rope_scaling
     if rs is None:
         return inv
     kind = rs.get("rope_type", rs.get("type"))
+    if kind == "dynamic":  # NTK scaling starts past max_position_embeddings, which is where our context ends
+        return inv
+    if kind == "yarn":
+        return yarn_frequencies(inv, rs, cfg.rope_theta, hd)
     if kind == "linear":
         return inv / rs["factor"]
     if kind == "llama3":
@@ -119,7 +124,38 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
         mid = (1 - smooth) * inv / factor + smooth * inv
         is_mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
         return torch.where(is_mid, mid, scaled)
-    raise SelfspecError(f"unsupported rope scaling '{kind}'; supported: llama3, linear")
+    raise SelfspecError(f"unsupported rope scaling '{kind}'; supported: dynamic, linear, llama3, yarn")
+
+
+def yarn_frequencies(inv: torch.Tensor, rs: dict, theta: float, hd: int) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated (divided
+    by the factor), those that turn more than beta_fast times are kept, with a linear ramp between."""
+    factor, old_ctx = rs["factor"], rs["original_max_position_embeddings"]
+
+    def dim_of(turns: float) -> float:  # the (fractional) frequency index that turns `turns` times over old_ctx
+        return hd * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(rs.get("beta_fast") or 32), dim_of(rs.get("beta_slow") or 1)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, hd - 1)
+    ramp = ((torch.arange(hd // 2, dtype=torch.float64) - low) / (high - low or 0.001)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """YaRN scales cos and sin (so every attention logit) by this; 1 for the other types."""
+    rs = cfg.rope_scaling or {}
+    if rs.get("rope_type") != "yarn":
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return rs["attention_factor"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = rs["factor"], rs.get("mscale"), rs.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 class Transformer(nn.Module):
@@ -135,8 +171,9 @@ class Transformer(nn.Module):
         self.lm_head = DenseWeight(self.embed.data if self.tied else head)
         angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_frequencies(cfg))
         emb = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("cos", emb.cos().float(), persistent=False)
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        scale = rope_attention_factor(cfg)
+        self.register_buffer("cos", (emb.cos() * scale).float(), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).float(), persistent=False)
 
     def _apply(self, fn, *args, **kwargs):
         # .to()/.cuda() move parameters and buffers one by one, which would give the tied head its own copy.

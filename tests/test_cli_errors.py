@@ -2,6 +2,7 @@
 argument errors are reported before any model is loaded."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -11,9 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import selfspec
 import selfspec.loading
 from conftest import tiny_model
 from selfspec.cli import main
+from selfspec.engine.llm import Generation
+from selfspec.errors import SelfspecError
+from selfspec.spec.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,6 +103,8 @@ BEFORE_LOADING = {
     "group size 0": (["--group-size", "0"], "group size must be >= 1"),
     "group size -8": (["--group-size", "-8"], "group size must be >= 1"),
     "unknown device": (["--device", "tpu9"], "device 'tpu9'"),
+    # $'caf\xe9 \xff' in argv: Python keeps the undecodable bytes as lone surrogates
+    "non-UTF-8 prompt": (["--prompt", "caf\udce9 \udcff"], "the prompt is not valid UTF-8", "byte 0xe9", "iconv"),
 }
 
 
@@ -117,6 +124,20 @@ def test_argument_errors_before_loading(capsys, monkeypatch, case):
     assert not calls
     assert_clean_error(rc, err, *needles)
     assert out == ""
+
+
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])  # surrogateescape: stdin in the C locale
+def test_non_utf8_stdin(capsys, monkeypatch, errors):
+    monkeypatch.setattr(selfspec.loading, "resolve", lambda *a: pytest.fail("loaded"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 \xff"), encoding="utf-8", errors=errors))
+    rc, out, err = run(capsys)
+    assert_clean_error(rc, err, "not valid UTF-8", "0xe9", "iconv")
+
+
+def test_non_utf8_prompt_through_the_api(tiny_dirs):
+    llm = selfspec.load(str(tiny_dirs[0]), "ar")
+    with pytest.raises(SelfspecError, match="lone surrogate U\\+D800"):
+        llm.generate("caf\ud800", SamplingParams(max_new_tokens=2))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -195,3 +216,70 @@ def test_subprocess_exit_code_and_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("selfspec: error: ") and "does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+# Nothing cut short or miscounted without a word.
+
+
+def test_prompt_plus_new_tokens_past_the_context_is_refused(capsys, tiny_dirs):
+    """Like the server's context_length_exceeded: an error with the numbers, not an early finish_reason 'length'."""
+    rc, out, err = run(capsys, "--model", str(tiny_dirs[0]), "--prompt", "hello", "--max-new-tokens", "600")
+    assert_clean_error(rc, err, "context window is 512 tokens", "prompt (5 tokens)", "max-new-tokens (600)",
+                       "at most 507 new tokens")
+    assert out == ""
+    rc, out, err = run(capsys, "--model", str(tiny_dirs[0]), "--prompt", "hello", "--max-new-tokens", "507",
+                       "--json", "--recipe", "ar")
+    assert rc == 0, err  # exactly filling the context is fine
+
+
+@pytest.mark.parametrize("chunks", [["abc STOP def"], ["abc S", "TOP def", "gh"]], ids=["one round", "across rounds"])
+def test_token_ids_end_with_the_stop_string(tiny_dirs, chunks):
+    """token_ids and stats.new_tokens stop at the token that completes the stop string, as the text does."""
+    llm = selfspec.load(str(tiny_dirs[0]), "ar")
+    enc = llm.tokenizer.encode
+    params = SamplingParams(max_new_tokens=50, stop=["STOP"])
+    out, kept = Generation("", [], "length"), []
+    for chunk in chunks:
+        text, chunk_kept, finished = llm.append_tokens(out, enc(chunk), params)
+        kept += chunk_kept
+        if finished:
+            break
+    assert (out.text, out.finish_reason) == ("abc ", "stop")
+    assert out.token_ids == kept == enc("abc STOP")
+    assert out.stats.new_tokens == len(out.token_ids)
+
+
+def test_ar_banner_names_no_draft_or_gamma(capsys, tiny_dirs):
+    rc, out, err = run(capsys, "--model", str(tiny_dirs[0]), "--prompt", "hello", "--max-new-tokens", "3",
+                       "--recipe", "ar")
+    assert rc == 0, err
+    banner = err.splitlines()[-1]
+    assert "recipe ar" in banner and "autoregressive" in banner
+    assert "draft" not in banner.split("]")[0] and "gamma" not in banner
+    rc, out, err = run(capsys, "--model", str(tiny_dirs[0]), "--prompt", "hello", "--max-new-tokens", "3",
+                       "--recipe", "ar", "--json")
+    res = json.loads(out)
+    assert (res["draft"], res["gamma"]) == (None, 0)
+
+
+# Benchmarks: their own help anywhere, a clean error where they need a GPU that is not there.
+
+CUDA_BENCHES = ["all", "steps", "gemm", "spec", "peer", "tune"]
+
+
+@pytest.mark.parametrize("name", CUDA_BENCHES + ["trace"])
+def test_bench_help_is_the_benchmarks_own(capsys, name):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", name, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert out.startswith(f"usage: selfspec bench {name} [-h]"), out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("name", CUDA_BENCHES)
+def test_gpu_bench_without_cuda(capsys, name):
+    rc = main(["bench", name])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert_clean_error(rc, err, f"selfspec bench {name}` needs a CUDA GPU")

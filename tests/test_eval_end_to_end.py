@@ -3,12 +3,16 @@ per-item JSON, the summary, recipe == verify item by item, resuming from the cac
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
 import selfspec.loading
 from conftest import tiny_model
 from selfspec.cli import main
+from selfspec.eval.command import default_out_dir
 from selfspec.eval.tasks import Item, humaneval
 from test_cli_errors import save_byte_tokenizer
 
@@ -151,3 +155,17 @@ def test_cached_only_reports_without_generating(setup, tmp_path, monkeypatch):
             "--out", str(out), "--data", f"gsm8k={setup / 'gsm8k.jsonl'}", "--cached-only"]
     assert main(argv) == 0
     assert json.loads((out / "summary.json").read_text())["metrics"]["w4a4"]["gsm8k"] == {"n": 0}
+
+
+def test_default_output_is_ignored_and_published_results_are_elsewhere():
+    """Running `selfspec eval` from the repository root writes where no committed file lives."""
+    root = Path(__file__).resolve().parents[1]
+    out = default_out_dir(None) / "summary.md"
+    assert out == Path("eval-results/smollm2-135m/summary.md")
+    assert (root / "docs/eval/smollm2-135m/summary.json").is_file()  # the published results
+    if shutil.which("git") is None or not (root / ".git").exists():
+        assert "/eval-results/" in (root / ".gitignore").read_text().split()
+        return
+    git = ["git", "-C", str(root)]
+    assert subprocess.run([*git, "check-ignore", "-q", str(out)]).returncode == 0
+    assert subprocess.run([*git, "ls-files", "eval-results"], capture_output=True, text=True).stdout == ""

@@ -13,12 +13,16 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+import selfspec
+from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
 from selfspec.loading import load_gguf, load_hf_dir, load_tokenizer, resolve
 from selfspec.loading.named import NAMED_MODELS, named_model_path
+from selfspec.spec.sampling import SamplingParams
 
 from conftest import TINY  # one tiny shape for every test module
 
@@ -107,8 +111,11 @@ def test_hf_dir_matches_transformers(tiny, name):
 # --- GGUF written here, as llama.cpp's converter would --------------------------------------
 
 
-def _write_gguf(path: Path, cfg, state: dict[str, torch.Tensor], arch: str) -> None:
+def _write_gguf(path: Path, cfg, state: dict[str, torch.Tensor], arch: str, extra: dict | None = None) -> None:
+    """`extra`: more ARCH.* metadata (name -> uint32 value)."""
     w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (extra or {}).items():
+        w.add_uint32(f"{arch}.{key}", value)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -330,3 +337,126 @@ def test_dir_errors(tmp_path):
     (tmp_path / "config.json").write_text(LlamaConfig(**TINY).to_json_string())
     with pytest.raises(SelfspecError, match="no \\*.safetensors"):
         resolve(str(tmp_path))
+
+
+# --- every config field works or is refused by name -------------------------------------------
+
+
+def _hf_json(arch: str, **fields) -> dict:
+    return {**TINY, "model_type": arch, **fields}
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (dict(quantization_config={"quant_method": "gptq", "bits": 4}), "quantization_config \\(gptq\\)"),
+    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
+     "rope_type 'longrope' is not supported; supported: default, linear, dynamic, llama3, yarn"),
+    (dict(rope_parameters={"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor 0.5"),
+    (dict(rope_parameters={"full_attention": {"rope_theta": 1e4}, "sliding_attention": {"rope_theta": 1e4}}),
+     "rope_parameters per layer type"),
+    (dict(layer_types=["full_attention", "chunked_attention"]), "layer_types \\['chunked_attention'\\]"),
+])
+def test_unsupported_config_fields_are_refused_by_name(fields, needle):
+    with pytest.raises(SelfspecError, match=needle):
+        ModelConfig.from_hf(_hf_json("qwen2", **fields))
+
+
+ROPE_LAYOUTS = {
+    "rope_theta + rope_scaling": dict(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0}),
+    "rope_parameters": dict(rope_parameters={"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}),
+    "both: rope_scaling wins": dict(rope_theta=5e5, rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                    rope_parameters={"rope_theta": 1e4, "rope_type": "default"}),
+    "theta alone": dict(rope_theta=5e5, rope_scaling=None),
+    "yarn without original context": dict(rope_parameters={"rope_theta": 5e5, "rope_type": "yarn", "factor": 4.0}),
+}
+
+
+@pytest.mark.parametrize("layout", ROPE_LAYOUTS)
+def test_rope_layouts_as_transformers_reads_them(layout):
+    fields = ROPE_LAYOUTS[layout]
+    ours = ModelConfig.from_hf(_hf_json("llama", **fields))
+    hf = LlamaConfig.from_dict({**TINY, **fields}).rope_parameters
+    assert ours.rope_theta == hf["rope_theta"]
+    if hf["rope_type"] == "default":
+        assert ours.rope_scaling is None
+    else:
+        assert ours.rope_scaling == {k: v for k, v in hf.items() if k not in ("rope_theta", "type")}
+
+
+SLIDING = {  # config.json fields -> does transformers slide any layer?
+    "mistral window": ("mistral", dict(sliding_window=40)),
+    "mistral no window": ("mistral", dict(sliding_window=None)),
+    "mistral default window": ("mistral", {}),  # transformers' default: 4096
+    "qwen2 window off": ("qwen2", dict(sliding_window=40, use_sliding_window=False)),
+    "qwen2 upper layer slides": ("qwen2", dict(sliding_window=40, use_sliding_window=True, max_window_layers=1)),
+    "qwen2 no layer slides": ("qwen2", dict(sliding_window=40, use_sliding_window=True, max_window_layers=2)),
+    "qwen3 layer_types": ("qwen3", dict(sliding_window=40, use_sliding_window=True,
+                                        layer_types=["sliding_attention", "full_attention"])),
+    "llama ignores it": ("llama", dict(sliding_window=40)),
+}
+
+
+@pytest.mark.parametrize("case", SLIDING)
+def test_sliding_window_as_transformers_reads_it(case):
+    """Where transformers slides a layer, the context is clamped to the window (exact inside it); else untouched."""
+    arch, fields = SLIDING[case]
+    fields = {**fields, "max_position_embeddings": 8192}
+    ours = ModelConfig.from_hf(_hf_json(arch, **fields))
+    hf = AutoConfig.for_model(arch, **{**TINY, **fields})
+    windows = [hf.sliding_window] if arch == "mistral" else [
+        hf.sliding_window for t in getattr(hf, "layer_types", []) if t == "sliding_attention"]
+    window = next((w for w in windows if w is not None), None)
+    assert ours.sliding_window == window
+    assert ours.max_seq_len == (8192 if window is None else window)
+
+
+def test_generation_past_the_sliding_window_is_refused(tmp_path):
+    """A Mistral with a 40-token window: prefill parity inside it is in test_model_parity; past it, an error."""
+    hf = AutoModelForCausalLM.from_config(MistralConfig(**TINY, sliding_window=40))
+    hf.save_pretrained(tmp_path)
+    llm = selfspec.load(str(tmp_path), "ar")
+    assert llm.model.cfg.max_seq_len == 40
+    assert len(llm.generate(list(range(3, 33)), SamplingParams(max_new_tokens=10)).token_ids) <= 10
+    with pytest.raises(SelfspecError, match="context window is 40 tokens \\(its sliding window\\)"):
+        llm.generate(list(range(3, 33)), SamplingParams(max_new_tokens=11))
+
+
+def _save(path: Path, config: dict, state: dict[str, torch.Tensor]) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors")
+    return path
+
+
+def test_weights_that_disagree_with_the_config_are_refused(tiny, tmp_path):
+    cfg, state, _ = tiny["llama"]
+    config = cfg.to_dict()
+    extra = {**state, "model.layers.1.self_attn.o_proj.bias": torch.zeros(64)}  # attention_bias is false
+    with pytest.raises(SelfspecError, match="does not account for.*model.layers.1.self_attn.o_proj.bias"):
+        load_hf_dir(_save(tmp_path / "extra", config, extra))
+    with pytest.raises(SelfspecError, match="lacks: model.layers.0.mlp.gate_proj.bias, .* and 2 more"):  # mlp_bias is true
+        load_hf_dir(_save(tmp_path / "missing", {**config, "mlp_bias": True}, state))
+    wrong = {**state, "model.layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)}  # 2 kv heads of 16: 32 rows
+    with pytest.raises(SelfspecError, match="k_proj.weight has shape \\(64, 64\\), the config implies \\(32, 64\\)"):
+        load_hf_dir(_save(tmp_path / "shape", config, wrong))
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"rope.dimension_count": 8}, "llama.rope.dimension_count = 8 differs from the head size 16"),
+    ({"attention.value_length": 8}, "llama.attention.value_length = 8 differs"),
+    ({"attention.sliding_window_pattern": 2}, "llama.attention.sliding_window_pattern = 2 is not supported"),
+    ({"expert_count": 8}, "llama.expert_count = 8 is not supported"),
+])
+def test_gguf_metadata_not_implemented_is_refused(tiny, tmp_path, extra, needle):
+    cfg, state, _ = tiny["llama"]
+    _write_gguf(tmp_path / "m.gguf", cfg, state, "llama", extra)
+    with pytest.raises(SelfspecError, match=needle):
+        load_gguf(tmp_path / "m.gguf")
+
+
+def test_gguf_sliding_window_clamps_the_context(tiny, tmp_path):
+    cfg, state, _ = tiny["llama"]
+    _write_gguf(tmp_path / "m.gguf", cfg, state, "llama", {"attention.sliding_window": 100, "expert_count": 0})
+    config, _ = load_gguf(tmp_path / "m.gguf")
+    assert (config.sliding_window, config.max_seq_len) == (100, 100)

@@ -5,9 +5,10 @@ import dataclasses
 
 import pytest
 import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from conftest import LLAMA3_ROPE, tiny_model
-from selfspec.model import Transformer, rope_frequencies
+from selfspec.model import Transformer, rope_attention_factor, rope_frequencies
 from selfspec.quant.modes import MODES
 
 FP32 = MODES["fp32"]
@@ -20,6 +21,16 @@ CASES = {
     "qwen2": ("qwen2", dict(rope_theta=1e6)),  # q/k/v biases
     "qwen3": ("qwen3", dict(head_dim=32)),  # q/k norms; head_dim != hidden / heads
     "mistral": ("mistral", {}),
+    "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True)),  # q/k/v/o and gate/up/down biases
+    "qwen3-attention-bias": ("qwen3", dict(head_dim=32, attention_bias=True)),
+    "linear-rope": ("llama", dict(rope_parameters={"rope_theta": 10000.0, "rope_type": "linear", "factor": 4.0})),
+    # dynamic NTK scaling only starts past max_position_embeddings: plain RoPE inside it
+    "dynamic-rope": ("llama", dict(rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 4.0})),
+    # head_dim 16, original context 64: frequencies kept, interpolated and on the ramp; attention factor 1.14
+    "yarn-rope": ("qwen2", dict(rope_parameters={"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0,
+                                                 "original_max_position_embeddings": 64})),
+    # the context is clamped to the window, inside which sliding-window attention is full attention
+    "mistral-window": ("mistral", dict(sliding_window=40)),
 }
 
 
@@ -37,9 +48,11 @@ def hf_logits(hf, tokens: torch.Tensor) -> torch.Tensor:
 
 def test_config_features(case):
     """The config reader picked up what each case is about (else the parity below proves less)."""
-    name, cfg, model, _ = case
+    name, cfg, model, hf = case
     assert cfg.arch == CASES[name][0]
-    assert cfg.qkv_bias == (cfg.arch == "qwen2")
+    assert cfg.qkv_bias == (cfg.arch == "qwen2" or name in ("llama-biases", "qwen3-attention-bias"))
+    assert cfg.o_bias == (name in ("llama-biases", "qwen3-attention-bias"))
+    assert cfg.mlp_bias == (name == "llama-biases")
     assert cfg.qk_norm == (cfg.arch == "qwen3")
     assert cfg.tie_embeddings == (name == "llama-tied")
     if name == "llama-tied":  # the head is the embedding itself, not a copy
@@ -51,6 +64,17 @@ def test_config_features(case):
         assert (scaled == plain).any() and (scaled < plain).any()  # some bands kept, some scaled
     if name == "qwen3":
         assert cfg.head_dim == 32 and cfg.head_dim * cfg.n_heads != cfg.dim
+    if name.endswith("rope") and name != "llama3-rope":
+        kind = name.removesuffix("-rope")
+        plain = rope_frequencies(dataclasses.replace(cfg, rope_scaling=None))
+        hf_inv, hf_factor = ROPE_INIT_FUNCTIONS[kind](hf.config, seq_len=1)
+        torch.testing.assert_close(rope_frequencies(cfg).float(), hf_inv)
+        assert rope_attention_factor(cfg) == pytest.approx(hf_factor)
+        if kind == "yarn":
+            assert (rope_frequencies(cfg) == plain).any() and (rope_frequencies(cfg) < plain / 1.01).any()
+            assert rope_attention_factor(cfg) > 1.1
+    if name == "mistral-window":
+        assert (cfg.sliding_window, cfg.max_seq_len) == (40, 40)
 
 
 def test_prefill_matches_transformers(case):

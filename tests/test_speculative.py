@@ -120,10 +120,11 @@ def test_greedy_lossless_up_to_the_context_limit():
     """Near max_seq_len the draft count shrinks; output still equals AR and fills the context exactly."""
     llm = make_llm(RECIPES["planes-w4a4"], seed=2, max_position_embeddings=24)
     prompt = [5, 9, 200, 17, 3, 3, 80]
-    ref = llm.generate(prompt, SamplingParams(max_new_tokens=100, ignore_eos=True), gamma=0).token_ids
-    assert len(ref) == 24 - len(prompt)
+    room = 24 - len(prompt)
+    ref = llm.generate(prompt, SamplingParams(max_new_tokens=room, ignore_eos=True), gamma=0).token_ids
+    assert len(ref) == room
     for gamma in (1, 3, 6, 32):
-        out = llm.generate(prompt, SamplingParams(max_new_tokens=100, ignore_eos=True), gamma=gamma)
+        out = llm.generate(prompt, SamplingParams(max_new_tokens=room, ignore_eos=True), gamma=gamma)
         assert out.token_ids == ref, gamma
 
 

@@ -59,8 +59,8 @@ def table(rows: list[dict], copy_gb_s: float) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b", choices=list(SHAPES))
     ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 9, 16, 32, 64])
     ap.add_argument("--json", default=None, help="write the rows here")

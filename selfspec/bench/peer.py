@@ -59,8 +59,8 @@ def measure(shape: str, context: int, new_tokens: int, compiled: bool) -> list[d
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=64)

@@ -95,8 +95,8 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--trace", type=Path, nargs="+", default=sorted(TRACE_DIR.glob("*.json")))
     ap.add_argument("--gamma", type=int, nargs="+", default=[2, 4, 6])

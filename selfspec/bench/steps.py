@@ -82,8 +82,8 @@ def measure(shape: str, batches: list[int], context: int, verify_tokens: list[in
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16, 32])

@@ -92,8 +92,8 @@ def plot(step_rows: list[dict], gemm_rows: list[dict], traces: list[dict], out: 
     return paths
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     ap.add_argument("--context", type=int, default=1024)

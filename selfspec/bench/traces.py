@@ -62,8 +62,8 @@ def load(path: Path) -> dict:
         return json.load(f)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--recipe", default="planes")
     ap.add_argument("--tasks", nargs="+", default=["gsm8k", "humaneval"])

@@ -76,8 +76,8 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
 
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--json", default=None)
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))

@@ -22,7 +22,7 @@ MAX_GAMMA = 32
 @dataclass
 class Generation:
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # up to EOS (left out) or the token that completes a stop string (the text ends before it)
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats = field(default_factory=GenerationStats)
 
@@ -46,8 +46,7 @@ class LLM:
         if isinstance(prompt, list):
             ids = prompt
         else:
-            if not prompt.strip():
-                raise SelfspecError("the prompt is empty; give some text with --prompt or on stdin")
+            check_prompt(prompt)
             if self.tokenizer is None:
                 raise SelfspecError("this model has no tokenizer files; pass token ids instead of text")
             if chat:
@@ -70,7 +69,7 @@ class LLM:
         gamma = self.gamma if gamma is None else gamma
         check_gamma(gamma)
         ids = self.encode(prompt, chat)
-        params.max_new_tokens = min(params.max_new_tokens, self.model.cfg.max_seq_len - len(ids))
+        self.check_context(len(ids), params.max_new_tokens)
         out = Generation("", [], "length", GenerationStats(prompt_tokens=len(ids)))
         t0 = time.perf_counter()
         draft = self.draft_mode if gamma > 0 else None
@@ -88,6 +87,17 @@ class LLM:
             pass
         return out
 
+    def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuse, with the numbers, a request that would run past the context window (the server does too)."""
+        context = self.model.cfg.max_seq_len
+        if prompt_tokens + max_new_tokens > context:
+            why = " (its sliding window)" if context == self.model.cfg.sliding_window else ""
+            raise SelfspecError(
+                f"the model's context window is {context} tokens{why}, but the prompt ({prompt_tokens} tokens) plus "
+                f"max-new-tokens ({max_new_tokens}) asks for {prompt_tokens + max_new_tokens}; shorten the prompt "
+                f"or ask for at most {context - prompt_tokens} new tokens"
+            )
+
     def append_tokens(self, out: Generation, chunk: list[int], params: SamplingParams) -> tuple[str, list[int], bool]:
         """Add a round's committed tokens to `out`, cut at max_new_tokens, EOS and stop strings.
         Returns (new text, the tokens kept, finished); the serving engine uses it too."""
@@ -96,22 +106,44 @@ class LLM:
             eos_at = next((i for i, t in enumerate(chunk) if t in self.eos_ids), None)
             if eos_at is not None:
                 chunk, out.finish_reason = chunk[:eos_at], "stop"
-        new_text = self._extend(out, chunk, params)
+        new_text, chunk = self._extend(out, chunk, params)
         out.stats.new_tokens = len(out.token_ids)
         return new_text, chunk, out.finish_reason == "stop" or len(out.token_ids) >= params.max_new_tokens
 
-    def _extend(self, out: Generation, chunk: list[int], params: SamplingParams) -> str:
-        """Append tokens and return the new text, cut at the first stop string."""
+    def _extend(self, out: Generation, chunk: list[int], params: SamplingParams) -> tuple[str, list[int]]:
+        """Append tokens; return the new text, cut before the first stop string, and the tokens kept: those up to
+        the one that completes the stop string (the ones after it were never part of the output)."""
+        start = len(out.token_ids)
         out.token_ids.extend(chunk)
         if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        for s in params.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text, out.finish_reason = text[:cut], "stop"
+            return "", chunk
+        text = self._decode(out.token_ids)
+        if any(s in text for s in params.stop):
+            end = next(k for k in range(start + 1, len(out.token_ids) + 1)
+                       if any(s in self._decode(out.token_ids[:k]) for s in params.stop))
+            del out.token_ids[end:]
+            chunk, text = chunk[: end - start], self._decode(out.token_ids)
+            cut = min(i for i in (text.find(s) for s in params.stop) if i >= 0)
+            text, out.finish_reason = text[:cut], "stop"
         new, out.text = text[len(out.text):], text
-        return new
+        return new, chunk
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def check_prompt(prompt: str) -> None:
+    """A non-empty prompt of valid Unicode: undecodable input bytes (which Python keeps as lone surrogates) are
+    refused rather than replaced, since the model would otherwise see other text than the user wrote."""
+    if not prompt.strip():
+        raise SelfspecError("the prompt is empty; give some text with --prompt or on stdin")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(prompt[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise SelfspecError(f"the prompt is not valid UTF-8 ({what} at character {e.start}); convert it to UTF-8 "
+                            "first, e.g. with iconv -f latin1 -t utf-8") from None
 
 
 def check_gamma(gamma: int) -> None:

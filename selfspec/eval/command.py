@@ -24,9 +24,14 @@ def parse_data(pairs: list[str]) -> dict[str, Path]:
     return data
 
 
+def default_out_dir(model: str | None) -> Path:
+    """Where results go without --out: a git-ignored directory (the published results live in docs/eval)."""
+    return Path("eval-results") / (Path(model).stem if model else "smollm2-135m")
+
+
 def run_command(args: argparse.Namespace) -> None:
     tasks, modes, recipes = split(args.tasks), split(args.modes), split(args.recipes)
-    out = Path(args.out or f"eval-results/{Path(args.model).stem if args.model else 'smollm2-135m'}")
+    out = Path(args.out) if args.out else default_out_dir(args.model)
     results = run_eval(args.model, tasks, modes, recipes, out, args.limit, args.seed, args.gamma,
                        args.max_new_tokens, args.chat, parse_data(args.data), args.group_size, args.device,
                        args.cached_only, args.batch_size, args.unsafe_sandbox)

@@ -11,6 +11,7 @@ from gguf.quants import dequantize
 
 from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
+from selfspec.loading.weights import check_weights
 
 # GGUF architecture -> ModelConfig arch. Mistral GGUFs are written as "llama" by llama.cpp.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -34,6 +35,14 @@ LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# The `ARCH.*` metadata keys this loader implements; any other one would change the model in a way it does not.
+KNOWN_KEYS = {
+    "block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+    "attention.key_length", "attention.value_length", "attention.sliding_window",
+    "rope.freq_base", "rope.dimension_count",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length", "rope.scaling.finetuned",
+}
 
 
 def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -84,6 +93,7 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             raise SelfspecError(f"{path}: unexpected tensor '{name}' for architecture {arch}")
         # Copy what is still a read-only view of the memory-mapped file.
         weights[hf_name] = torch.from_numpy(data if data.flags.writeable else data.copy())
+    check_weights(config, weights, str(path))
     return config, weights
 
 
@@ -104,8 +114,18 @@ def _config(meta: dict, raw: dict[str, np.ndarray], arch: str, path: str | Path)
             raise SelfspecError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
 
+    for key, value in meta.items():
+        name = key.removeprefix(f"{arch}.")
+        dense_moe_key = name.startswith("expert_") and value == 0  # converters write expert counts of 0
+        if name != key and name not in KNOWN_KEYS and not dense_moe_key:
+            raise SelfspecError(f"{path}: GGUF metadata {key} = {value} is not supported (selfspec does not "
+                                "implement what it changes); convert the model without it or use another model")
     dim, n_heads = get("embedding_length"), get("attention.head_count")
     head_dim = get("attention.key_length", dim // n_heads)
+    for key in ("attention.value_length", "rope.dimension_count"):  # both must be the whole head here
+        if get(key, head_dim) != head_dim:
+            raise SelfspecError(f"{path}: GGUF metadata {arch}.{key} = {get(key)} differs from the head size "
+                                f"{head_dim}; partial rotary or distinct value heads are not supported")
     rope_theta = _f32(get("rope.freq_base", 10000.0))
     eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
 
@@ -113,9 +133,13 @@ def _config(meta: dict, raw: dict[str, np.ndarray], arch: str, path: str | Path)
     if "rope_freqs.weight" in raw:  # llama3-style scaling, baked into per-frequency factors
         rope_scaling = _llama3_rope_scaling(raw["rope_freqs.weight"], rope_theta, head_dim, path)
     elif get("rope.scaling.type", "none") != "none":
-        rope_scaling = {"rope_type": get("rope.scaling.type"), "factor": _f32(get("rope.scaling.factor"))}
-        if f"{arch}.rope.scaling.original_context_length" in meta:
-            rope_scaling["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
+        kind = get("rope.scaling.type")
+        if kind not in ("linear", "yarn"):
+            raise SelfspecError(f"{path}: GGUF rope scaling '{kind}' is not supported; supported: linear, yarn")
+        rope_scaling = {"rope_type": kind, "factor": _f32(get("rope.scaling.factor"))}
+        # transformers' fallback for the pretraining context, as in config.json
+        rope_scaling["original_max_position_embeddings"] = get("rope.scaling.original_context_length",
+                                                               get("context_length"))
 
     return ModelConfig(
         arch=GGUF_ARCHITECTURES[arch],
@@ -134,6 +158,9 @@ def _config(meta: dict, raw: dict[str, np.ndarray], arch: str, path: str | Path)
         tie_embeddings="output.weight" not in raw,
         qkv_bias="blk.0.attn_q.bias" in raw,
         qk_norm="blk.0.attn_q_norm.weight" in raw,
+        o_bias="blk.0.attn_output.bias" in raw,
+        mlp_bias="blk.0.ffn_down.bias" in raw,
+        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos_ids)),
     )

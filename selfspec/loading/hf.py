@@ -9,6 +9,7 @@ from safetensors import SafetensorError, safe_open
 
 from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
+from selfspec.loading.weights import check_weights
 
 
 def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -42,6 +43,7 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     # Tied models may omit lm_head (the embedding doubles as it); untied ones must have it.
     if not config.tie_embeddings and "lm_head.weight" not in weights:
         raise SelfspecError(f"{path}: lm_head.weight is missing and tie_word_embeddings is false")
+    check_weights(config, weights, str(path))
     return config, weights
 
 
