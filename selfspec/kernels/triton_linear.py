@@ -13,13 +13,15 @@ rather than by converting every weight through fp32.
 Both kernels read their weight tiles by TMA (tensor descriptors, zeros past the edges): Hopper's copy engine keeps
 more bytes in flight per SM than per-thread loads do.
 
-Batch invariance (a row's output never depends on M): the tile config, the number of K splits included, is a
-function of (format, mode, N, K) only, BLOCK_M is fixed, each program walks its K range in order, and the
-SPLIT_K partial sums of a tile are added in split order by whichever of its programs finishes last
-(kernels/semaphores.py; the sum never depends on who adds it). So a row goes through the same instructions
-whatever M is; the other rows of its BLOCK_M tile never enter its sums. Splitting K is what lets a decode GEMM
-(M = 1..64) put enough programs on the GPU to stream the weight at memory speed; adding the partials in the
-GEMM itself saves a second launch per linear.
+Batch invariance (a row's output never depends on M): what orders a row's adds (BLOCK_K, the number of K splits,
+the swap) is a function of (format, mode, N, K) only (`decode_config`), each program walks its K range in order,
+and the SPLIT_K partial sums of a tile are added in split order by whichever of its programs finishes last
+(kernels/semaphores.py; the sum never depends on who adds it). Splitting K is what lets a decode GEMM (M = 1..64)
+put enough programs on the GPU to stream the weight at memory speed; adding the partials in the GEMM itself saves
+a second launch per linear. Past BLOCK_M rows (`many_tokens`) the M and N tiles, warps and stages may grow where
+the GPU gives each row the same bits (measured, MANY_TOKENS), and one program may walk all K chunks of the split
+in turn, each from zero, adding them in split order as the partials are: the same sum without the partials'
+trip through memory.
 
 The epilogue can add a residual (y = x @ W^T + r, rounded as the bf16 product and then the bf16 sum would be),
 which saves the separate add after each block's output projection.
@@ -472,6 +474,7 @@ class TileConfig:
     swap: bool = False  # W as the dot's left operand (y^T = W x^T)
     block_m: int = BLOCK_M
     in_program: bool = False  # the split_k K chunks walked by one program (no partials in memory)
+    chunk_block_k: int = 0  # the BLOCK_K that sizes the split's K chunks (0: block_k), kept when block_k shrinks
 
 
 def uses_nibble_kernel(fmt: int, act: bool, group: int) -> bool:
@@ -533,14 +536,23 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
     return TileConfig(block_n, block_k, split_k, swap=int4_act)
 
 
-# Tiles for many tokens, per kernel and M bucket: (largest M, block_m, block_n, warps, stages, K chunks walked in
-# one program). Chosen by `python -m selfspec.bench.tune_linear --many` on an H100 (Llama-3-8B layers).
-MANY_TOKENS: dict[str, list[tuple[int, int, int, int, int, bool]]] = {
-    "bf16": [(64, 64, 128, 4, 3, False), (256, 128, 128, 8, 3, True), (1 << 62, 128, 256, 8, 3, True)],
-    "int8": [(64, 64, 128, 4, 3, False), (256, 128, 128, 8, 3, True), (1 << 62, 128, 128, 8, 3, True)],
-    "int8-act": [(64, 64, 128, 4, 3, False), (256, 128, 128, 8, 3, True), (1 << 62, 128, 128, 8, 3, True)],
-    "nibble": [(64, 64, 128, 4, 3, False), (256, 128, 128, 8, 3, True), (1 << 62, 128, 128, 8, 3, True)],
-    "nibble-act": [(64, 64, 128, 4, 3, False), (256, 128, 128, 8, 3, True), (1 << 62, 128, 128, 8, 3, True)],
+# Tiles for many tokens, per kernel kind and M bucket: (largest M of the bucket, tiles of a GEMM whose K is split,
+# tiles of one whose K is not), each tiles (block_m, block_n, block_k or 0 for the decode one, warps, stages, the
+# split's K chunks walked in one program), or None for the decode tiles. Chosen by
+# `python -m selfspec.bench.tune_linear --many` on an H100 (Llama-3-8B layers, M = 64, 256, 4096), among the
+# candidates that gave every row the decode tiles' bits there: bf16 for any M and N tile, 4 or 8 warps, wgmma or
+# mma and BLOCK_K 64 (the same chain of k16 MMAs into one accumulator); int8 activations for any M and N tile
+# (exact int32 dots per K tile, the same fp32 affine after each). The weight-only formats (w8a16, and the nibble
+# kernel with bf16 activations) changed bits under every tile tried, so they keep their decode tiles; so do the
+# swapped configs (not measured at many tokens).
+MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
+    "bf16": [(64, (64, 128, 0, 4, 3, False), (64, 128, 0, 4, 3, False)),
+             (256, (64, 128, 0, 4, 3, False), (128, 256, 64, 8, 3, False)),
+             (1 << 62, (128, 256, 64, 8, 3, True), (128, 256, 64, 8, 3, False))],
+    "int8-act": [(64, (64, 128, 0, 4, 3, False), (64, 128, 0, 4, 3, False)),
+                 (256, (64, 128, 0, 4, 3, False), (128, 128, 0, 8, 3, False)),
+                 (1 << 62, (128, 128, 0, 8, 3, True), (128, 128, 0, 8, 3, False))],
+    "nibble-act": [(64, None, None), (1 << 62, (64, 128, 0, 4, 3, True), (64, 128, 0, 4, 3, False))],
 }
 
 
@@ -554,12 +566,20 @@ def kernel_kind(fmt: int, act: bool, group: int) -> str:
 
 
 def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int) -> TileConfig:
-    """cfg with the M and N tiles, warps and stages of M's bucket; BLOCK_K, the split and the swap stay."""
-    for max_m, block_m, block_n, warps, stages, in_program in MANY_TOKENS[kernel_kind(fmt, act, group)]:
+    """cfg with the M and N tiles, warps and stages of M's bucket; the K split and its chunks stay, and so does
+    BLOCK_K but where MANY_TOKENS says a smaller one keeps the bits."""
+    if cfg.swap:
+        return cfg
+    for max_m, split_tiles, whole_tiles in MANY_TOKENS.get(kernel_kind(fmt, act, group), []):
         if m <= max_m:
-            return replace(cfg, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                           in_program=in_program and cfg.split_k > 1)
-    raise AssertionError("the last bucket takes every M")
+            tiles = split_tiles if cfg.split_k > 1 else whole_tiles
+            if tiles is None:
+                return cfg
+            block_m, block_n, block_k, warps, stages, in_program = tiles
+            block_k = block_k if block_k and cfg.block_k % block_k == 0 else cfg.block_k
+            return replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps,
+                           num_stages=stages, in_program=in_program and cfg.split_k > 1, chunk_block_k=cfg.block_k)
+    return cfg
 
 
 def _shift(fmt: int) -> int:
@@ -607,7 +627,8 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
     (m, k), n = x2.shape, weight.shape[0]
     w, w2, scale, lo = _tensors(weight, fmt)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
-    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    chunk_block_k = cfg.chunk_block_k or cfg.block_k
+    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), chunk_block_k) * chunk_block_k
     grid_split = 1 if cfg.in_program else cfg.split_k
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), grid_split)
     part = counts = None
