@@ -227,18 +227,50 @@ def _linear_kernel(
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n0 = pid_n * BLOCK_N
     wait(PDL)
     if IN_PROGRAM:  # all CHUNKS K chunks here, each from zero, added in order: the split-K sum, bit for bit
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for c in range(0, CHUNKS):
-            acc += _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, c * K_CHUNK,
-                                 tl.minimum(K, (c + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn, stride_sg, FMT,
-                                 ACT, SHIFT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
-    else:
-        acc = _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, pid_k * K_CHUNK,
-                            tl.minimum(K, (pid_k + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn, stride_sg, FMT, ACT,
-                            SHIFT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
+            acc += _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, pid_n * BLOCK_N,
+                                 c * K_CHUNK, tl.minimum(K, (c + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn,
+                                 stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
+    else:  # the loop of _linear_chunk written out here: through the helper, decode ran up to 10% slower (H100)
+        if SWAP:  # y^T = W x^T: the weight tile is the dot's left operand, fed to the tensor cores from registers
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_end = tl.minimum(K, (pid_k + 1) * K_CHUNK)
+        for k0 in range(pid_k * K_CHUNK, k_end, BLOCK_K):  # this program's K range, in order
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x_mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0)
+            q = _load_weight(w_desc, w2_desc, pid_n * BLOCK_N, k0, FMT, BLOCK_K)
+            if FMT >= INT4:  # BLOCK_K divides GROUP, so the tile lies in one group
+                s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
+            if ACT:
+                if SWAP:
+                    d = tl.dot(_signed(q, SHIFT), tl.trans(x), out_dtype=tl.int32).to(tl.float32)
+                else:
+                    d = tl.dot(x, tl.trans(_signed(q, SHIFT)), out_dtype=tl.int32).to(tl.float32)
+                if FMT >= INT4:
+                    x_sum = tl.sum(x.to(tl.int32), axis=1).to(tl.float32)
+                    if SWAP:
+                        acc += d * s[:, None] + (lo + SHIFT * s)[:, None] * x_sum[None, :]
+                    else:
+                        acc += d * s[None, :] + x_sum[:, None] * (lo + SHIFT * s)[None, :]
+                else:
+                    acc += d
+            else:
+                if FMT == INT8:
+                    w = q.to(tl.float32).to(tl.bfloat16)  # via fp32: exact for int8 codes
+                else:
+                    w = q.to(tl.bfloat16)
+                if SWAP:
+                    acc = tl.dot(w, tl.trans(x), acc)
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc)
+        if SWAP:
+            acc = tl.trans(acc)
     _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
             stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
 
@@ -474,7 +506,6 @@ class TileConfig:
     swap: bool = False  # W as the dot's left operand (y^T = W x^T)
     block_m: int = BLOCK_M
     in_program: bool = False  # the split_k K chunks walked by one program (no partials in memory)
-    chunk_block_k: int = 0  # the BLOCK_K that sizes the split's K chunks (0: block_k), kept when block_k shrinks
 
 
 def uses_nibble_kernel(fmt: int, act: bool, group: int) -> bool:
@@ -537,22 +568,22 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 
 
 # Tiles for many tokens, per kernel kind and M bucket: (largest M of the bucket, tiles of a GEMM whose K is split,
-# tiles of one whose K is not), each tiles (block_m, block_n, block_k or 0 for the decode one, warps, stages, the
-# split's K chunks walked in one program), or None for the decode tiles. Chosen by
-# `python -m selfspec.bench.tune_linear --many` on an H100 (Llama-3-8B layers, M = 64, 256, 4096), among the
-# candidates that gave every row the decode tiles' bits there: bf16 for any M and N tile, 4 or 8 warps, wgmma or
-# mma and BLOCK_K 64 (the same chain of k16 MMAs into one accumulator); int8 activations for any M and N tile
-# (exact int32 dots per K tile, the same fp32 affine after each). The weight-only formats (w8a16, and the nibble
-# kernel with bf16 activations) changed bits under every tile tried, so they keep their decode tiles; so do the
-# swapped configs (not measured at many tokens).
+# tiles of one whose K is not), each tiles (block_m, block_n, warps, stages, the split's K chunks walked in one
+# program), or None for the decode tiles. Measured on an H100 (`python -m selfspec.bench.tune_linear --many`,
+# Llama-3-8B layers, M = 64 to 4096), each candidate against the decode tiles' bits over all rows:
+# - int8 activations (int8-act, nibble-act): any M and N tile, warps, stages, mma or wgmma keep the bits (exact
+#   int32 dots per K tile, then the same fp32 affine per element);
+# - bf16 activations (bf16, int8 and nibble weights): warps, stages, N tiles and M tiles up to 32 keep the bits,
+#   but M tiles of 64 or more (where Triton issues Hopper's wgmma instead of mma.sync) changed 4e-5 to 1.5e-3 of
+#   the outputs of integer-coded weights (random bf16 weights showed none, but the Hadamard rotation's +-1
+#   weights are integers too): so these stay on mma.sync, M tiles of 32.
 MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
-    "bf16": [(64, (64, 128, 0, 4, 3, False), (64, 128, 0, 4, 3, False)),
-             (256, (64, 128, 0, 4, 3, False), (128, 256, 64, 8, 3, False)),
-             (1 << 62, (128, 256, 64, 8, 3, True), (128, 256, 64, 8, 3, False))],
-    "int8-act": [(64, (64, 128, 0, 4, 3, False), (64, 128, 0, 4, 3, False)),
-                 (256, (64, 128, 0, 4, 3, False), (128, 128, 0, 8, 3, False)),
-                 (1 << 62, (128, 128, 0, 8, 3, True), (128, 128, 0, 8, 3, False))],
-    "nibble-act": [(64, None, None), (1 << 62, (64, 128, 0, 4, 3, True), (64, 128, 0, 4, 3, False))],
+    "int8-act": [(64, (64, 128, 4, 3, False), (64, 128, 4, 3, False)),
+                 (256, (64, 128, 4, 3, False), (128, 128, 8, 3, False)),
+                 (1 << 62, (128, 128, 8, 3, True), (128, 128, 8, 3, False))],
+    "nibble-act": [(64, None, None), (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
+    **{kind: [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
+              (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))] for kind in ("bf16", "int8", "nibble")},
 }
 
 
@@ -566,20 +597,18 @@ def kernel_kind(fmt: int, act: bool, group: int) -> str:
 
 
 def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int) -> TileConfig:
-    """cfg with the M and N tiles, warps and stages of M's bucket; the K split and its chunks stay, and so does
-    BLOCK_K but where MANY_TOKENS says a smaller one keeps the bits."""
-    if cfg.swap:
+    """cfg with the M and N tiles, warps and stages of M's bucket; BLOCK_K, the split and the swap stay."""
+    if cfg.swap:  # not measured at many tokens
         return cfg
-    for max_m, split_tiles, whole_tiles in MANY_TOKENS.get(kernel_kind(fmt, act, group), []):
+    for max_m, split_tiles, whole_tiles in MANY_TOKENS[kernel_kind(fmt, act, group)]:
         if m <= max_m:
             tiles = split_tiles if cfg.split_k > 1 else whole_tiles
             if tiles is None:
                 return cfg
-            block_m, block_n, block_k, warps, stages, in_program = tiles
-            block_k = block_k if block_k and cfg.block_k % block_k == 0 else cfg.block_k
-            return replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps,
-                           num_stages=stages, in_program=in_program and cfg.split_k > 1, chunk_block_k=cfg.block_k)
-    return cfg
+            block_m, block_n, warps, stages, in_program = tiles
+            return replace(cfg, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
+                           in_program=in_program and cfg.split_k > 1)
+    raise AssertionError("the last bucket takes every M")
 
 
 def _shift(fmt: int) -> int:
@@ -627,8 +656,7 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
     (m, k), n = x2.shape, weight.shape[0]
     w, w2, scale, lo = _tensors(weight, fmt)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
-    chunk_block_k = cfg.chunk_block_k or cfg.block_k
-    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), chunk_block_k) * chunk_block_k
+    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     grid_split = 1 if cfg.in_program else cfg.split_k
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), grid_split)
     part = counts = None
