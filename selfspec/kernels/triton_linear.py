@@ -576,14 +576,18 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 # - bf16 activations (bf16, int8 and nibble weights): warps, stages, N tiles and M tiles up to 32 keep the bits,
 #   but M tiles of 64 or more (where Triton issues Hopper's wgmma instead of mma.sync) changed 4e-5 to 1.5e-3 of
 #   the outputs of integer-coded weights (random bf16 weights showed none, but the Hadamard rotation's +-1
-#   weights are integers too): so these stay on mma.sync, M tiles of 32.
+#   weights are integers too): so these stay on mma.sync, M tiles of 32;
+# - speed: each bucket's tiles beat the decode tiles at M = 64 to 4096 (gemm bench), but for the nibble kernel with
+#   bf16 activations at M <= 64, and where its decode tiles are 256 wide (one nibble plane over few K pieces: gate/up
+#   and down of 8B models), whose long programs stayed faster at every M: those keep their decode tiles.
 MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
     "int8-act": [(64, (64, 128, 4, 3, False), (64, 128, 4, 3, False)),
                  (256, (64, 128, 4, 3, False), (128, 128, 8, 3, False)),
                  (1 << 62, (128, 128, 8, 3, True), (128, 128, 8, 3, False))],
     "nibble-act": [(64, None, None), (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
+    "nibble": [(64, None, None), (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
     **{kind: [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
-              (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))] for kind in ("bf16", "int8", "nibble")},
+              (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))] for kind in ("bf16", "int8")},
 }
 
 
@@ -598,9 +602,10 @@ def kernel_kind(fmt: int, act: bool, group: int) -> str:
 
 def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int) -> TileConfig:
     """cfg with the M and N tiles, warps and stages of M's bucket; BLOCK_K, the split and the swap stay."""
-    if cfg.swap:  # not measured at many tokens
+    kind = kernel_kind(fmt, act, group)
+    if cfg.swap or (kind == "nibble" and cfg.block_n > 128):  # not measured / slower at many tokens (MANY_TOKENS)
         return cfg
-    for max_m, split_tiles, whole_tiles in MANY_TOKENS[kernel_kind(fmt, act, group)]:
+    for max_m, split_tiles, whole_tiles in MANY_TOKENS[kind]:
         if m <= max_m:
             tiles = split_tiles if cfg.split_k > 1 else whole_tiles
             if tiles is None:
