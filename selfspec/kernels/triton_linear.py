@@ -582,7 +582,7 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 #   and down of 8B models), whose long programs stayed faster at every M: those keep their decode tiles.
 MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
     "int8-act": [(64, (64, 128, 4, 3, False), (64, 128, 4, 3, False)),
-                 (256, (64, 128, 4, 3, False), (128, 128, 8, 3, False)),
+                 (256, (64, 128, 4, 3, True), (128, 128, 8, 3, False)),
                  (1 << 62, (128, 128, 8, 3, True), (128, 128, 8, 3, False))],
     "nibble-act": [(64, None, None), (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
     "nibble": [(64, None, None), (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
