@@ -5,6 +5,7 @@ kernels' logic (formats, offsets, masks, causal offsets) and that a row's result
 rows there are; tests/gpu/test_gpu_kernels.py checks the compiled kernels at real shapes.
 """
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -338,6 +339,30 @@ def test_tile_configs_compute_the_same_linear(storage, mode_name):
         y = launch(x, weight, mode, triton_linear.TileConfig(block_n=16, block_k=64, split_k=split, swap=swap))
         assert rel_err(y, oracle) < TOL, f"split {split} swap {swap}"
     assert not semaphores._COUNTS[x.device].any()  # every split launch left its tile counts at zero
+
+
+@pytest.mark.parametrize("storage,mode_name", [("dense", "bf16"), ("int8", "w8a16"), ("int8", "w8a8"),
+                                               ("int4", "w4a16"), ("int4", "w4a8"), ("planes", "w8a8")])
+def test_many_token_tiles_keep_every_rows_bits(storage, mode_name):
+    """The K chunks of a split walked in one program add up as the split's partials do, bit for bit, and larger M
+    and N tiles leave each row's bits as they are; linear takes those tiles past BLOCK_M rows."""
+    torch.manual_seed(9)
+    mode = MODES[mode_name]
+    weight = quantize_weight(torch.randn(40, 256).bfloat16() if storage == "dense" else torch.randn(40, 256),
+                             storage, 64)
+    x = torch.randn(20, 256).bfloat16()
+    swap = storage == "planes" and mode.act_bits is not None
+    split = triton_linear.TileConfig(block_n=16, block_k=64, split_k=3, swap=swap)
+    y = launch(x, weight, mode, split)
+    for cfg in (replace(split, in_program=True), replace(split, block_m=32, block_n=32, in_program=True)):
+        assert torch.equal(launch(x, weight, mode, cfg), y), cfg
+    x = torch.randn(80, 256).bfloat16()  # past decode's BLOCK_M and the first bucket
+    fmt, act = triton_linear.kernel_format(weight, mode), mode.act_bits is not None
+    retiled = triton_linear.kernel_kind(fmt, act, 64) in triton_linear.MANY_TOKENS and not swap
+    assert (triton_linear.tile_config(fmt, act, 40, 256, 64, 80).block_m > triton_linear.BLOCK_M) == retiled
+    y = triton_linear.linear(x, weight, mode, None)
+    for i in (0, 79):
+        assert torch.equal(y[i], triton_linear.linear(x[i:i + 1], weight, mode, None)[0])
 
 
 @pytest.mark.parametrize("storage,mode_name", [("int4", "w4a16"), ("planes", "full"), ("planes", "w4a8")])

@@ -1,6 +1,7 @@
-"""Per-layer GEMM time vs M for every mode, on the GPU: our op table vs cuBLAS BF16, and the bandwidth reached.
+"""Per-layer GEMM time vs M for every mode, on the GPU: our op table vs cuBLAS BF16 (and torch._int_mm, cuBLAS's
+int8 GEMM, for the int8-activation modes), and the bandwidth reached.
 
-python -m selfspec.bench.gemm [--shape llama-3-8b] [--m 1 2 4 8 9 16 32 64]
+python -m selfspec.bench.gemm [--shape llama-3-8b] [--m 1 16 64 256 1024 4096]
 """
 from __future__ import annotations
 
@@ -42,27 +43,41 @@ def measure(shape: str, ms: list[int], group_size: int = 128) -> list[dict]:
             t = graph_time_ms([lambda w=w, m=m: torch.nn.functional.linear(xs[m], w) for w in dense])
             rows.append({"gemm": name, "n": n, "k": k, "storage": "dense", "mode": "cublas-bf16", "m": m,
                          "ms": t, "gb_per_s": dense[0].nbytes / t / 1e6})
-        del ws, dense
+        codes = [(w * 1000).clamp(-127, 127).to(torch.int8).t() for w in ws]  # [K, N] column-major, as _int_mm wants
+        for m in ms:
+            if m <= 16:
+                continue  # torch._int_mm takes M > 16 only
+            xq = xs[m].to(torch.int8)
+            try:
+                t = graph_time_ms([lambda w=w: torch._int_mm(xq, w) for w in codes])
+            except RuntimeError as e:  # a torch build without this int8 GEMM: the other rows still stand
+                print(f"torch._int_mm at M={m}: {e}")
+                continue
+            rows.append({"gemm": name, "n": n, "k": k, "storage": "int8", "mode": "cublas-int8", "m": m,
+                         "ms": t, "gb_per_s": codes[0].nbytes / t / 1e6})
+        del ws, dense, codes
     return rows
 
 
 def table(rows: list[dict], copy_gb_s: float) -> str:
+    """Microseconds per GEMM, each with its ratio to cuBLAS BF16 at the same shape and M."""
     ms = sorted({r["m"] for r in rows})
-    out = ["| gemm | mode | " + " | ".join(f"M={m} us" for m in ms) + " | BW@M=1 (of copy) |",
+    out = ["| gemm | mode | " + " | ".join(f"M={m} us (x cuBLAS)" for m in ms) + " | BW@M=1 (of copy) |",
            "|---|---|" + "---|" * (len(ms) + 1)]
     keys = list(dict.fromkeys((r["gemm"], r["mode"]) for r in rows))
     for g, mode in keys:
         sel = {r["m"]: r for r in rows if r["gemm"] == g and r["mode"] == mode}
-        bw = sel[ms[0]]["gb_per_s"]
-        out.append(f"| {g} | {mode} | " + " | ".join(f"{1000 * sel[m]['ms']:.1f}" for m in ms)
-                   + f" | {bw:.0f} GB/s ({100 * bw / copy_gb_s:.0f}%) |")
+        cublas = {r["m"]: r["ms"] for r in rows if r["gemm"] == g and r["mode"] == "cublas-bf16"}
+        cells = [f"{1000 * sel[m]['ms']:.1f} ({sel[m]['ms'] / cublas[m]:.2f})" if m in sel else "-" for m in ms]
+        bw = f"{sel[ms[0]]['gb_per_s']:.0f} GB/s ({100 * sel[ms[0]]['gb_per_s'] / copy_gb_s:.0f}%)" if ms[0] in sel else "-"
+        out.append(f"| {g} | {mode} | " + " | ".join(cells) + f" | {bw} |")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b", choices=list(SHAPES))
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 9, 16, 32, 64])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     copy = copy_bandwidth()

@@ -1,12 +1,15 @@
-"""Search the linear kernel's tile configs per format on the GPU at decode sizes (M = 1 and 9).
+"""Search the linear kernel's tile configs per format on the GPU: at decode sizes (M = 1 and 9), or with --many
+the M and N tiles, warps and stages for many tokens (each candidate checked bit for bit against the decode tiles).
 
 python -m selfspec.bench.tune_linear [--shape llama-3-8b]   -> best config per (format, GEMM), vs the current one
+python -m selfspec.bench.tune_linear --many [--m 64 256 4096] -> MANY_TOKENS rows: fastest bit-exact tiles per bucket
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+from dataclasses import replace
 
 import torch
 import triton
@@ -76,13 +79,77 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
 
 
 
+# (block_m, block_n, warps, stages, K chunks in one program) per kernel kind (MANY_TOKENS says which kept the bits).
+_MMA_SYNC = [(32, 128, 4, 3, False), (32, 128, 4, 3, True), (32, 256, 8, 3, True), (32, 64, 4, 4, True),
+             (32, 128, 8, 3, True), (64, 128, 4, 3, True)]  # the last one on wgmma: shows the bits it changes
+_ANY = [(64, 128, 4, 3, False), (64, 128, 4, 3, True), (128, 128, 8, 3, True), (128, 256, 8, 2, True),
+        (128, 128, 4, 3, True)]
+MANY_CANDIDATES = {"bf16": _MMA_SYNC, "int8": _MMA_SYNC, "nibble": _MMA_SYNC, "int8-act": _ANY, "nibble-act": _ANY}
+MANY_KERNELS = {**KERNELS, "w4a4": ("int4", "w4a4")}
+
+
+def tune_many(shape: str, ms: tuple[int, ...], kernels: list[str], save: str | None = None) -> list[dict]:
+    """Per kernel, GEMM, M and candidate: microseconds and whether every row has the decode tiles' bits (written
+    to `save` after each GEMM, so a run cut short keeps what it measured)."""
+    rows = []
+    for kname in kernels:
+        storage, mode_name = MANY_KERNELS[kname]
+        mode = MODES[mode_name]
+        for gemm, n, k in layer_gemms(SHAPES[shape]):
+            w = torch.randn(n, k, device="cuda") * 0.02
+            weight = quantize_weight(w.bfloat16() if storage == "dense" else w, storage, 128)
+            group = getattr(weight, "group_size", 0)
+            fmt, act = tlin.kernel_format(weight, mode), mode.act_bits is not None
+            base = tlin.decode_config(fmt, act, n, k, group)
+            kind = tlin.kernel_kind(fmt, act, group)
+            dense = w.bfloat16()
+            for m in ms:
+                x = torch.randn(m, k, device="cuda").bfloat16()
+                xq, xs = tlin.act_quant(x, mode.act_bits) if act else (x, None)
+                ref = tlin._launch(xq, xs, weight, fmt, act, None, base)
+                row = {"kernel": kname, "kind": kind, "gemm": gemm, "n": n, "k": k, "m": m, "base": base.__dict__,
+                       "base_us": 1000 * graph_time_ms([lambda: tlin._launch(xq, xs, weight, fmt, act, None, base)]),
+                       "cublas_us": 1000 * graph_time_ms([lambda: torch.nn.functional.linear(x, dense)]),
+                       "candidates": []}
+                for bm, bn, warps, stages, in_program in MANY_CANDIDATES[kind]:
+                    if not in_program and base.split_k > 1 and m > 64:
+                        continue  # split partials in memory: only for few tokens
+                    cfg = replace(base, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
+                                  in_program=in_program and base.split_k > 1)
+                    try:
+                        same = torch.equal(tlin._launch(xq, xs, weight, fmt, act, None, cfg), ref)
+                        us = 1000 * graph_time_ms([lambda: tlin._launch(xq, xs, weight, fmt, act, None, cfg)])
+                    except Exception as e:  # noqa: BLE001 (a config past the shared memory: recorded, skipped)
+                        row["candidates"].append({**cfg.__dict__, "error": str(e)[:200]})
+                        continue
+                    row["candidates"].append({**cfg.__dict__, "us": us, "bitwise": same})
+                ok = [c for c in row["candidates"] if c.get("bitwise")]
+                best = min(ok, key=lambda c: c["us"]) if ok else None
+                rows.append(row)
+                print(f"{kname:6s} {gemm:8s} M={m:5d} decode {row['base_us']:8.1f} best "
+                      f"{best['us'] if best else float('nan'):8.1f} cuBLAS {row['cublas_us']:8.1f}  "
+                      f"{best and (best['block_m'], best['block_n'], best['num_warps'], best['num_stages'], best['in_program'])} "
+                      f"not bitwise: {[(c['block_m'], c['block_n'], c['num_warps']) for c in row['candidates'] if c.get('bitwise') is False]}",
+                      flush=True)
+            del weight, w, dense
+            if save:
+                with open(save, "w") as f:
+                    json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return rows
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    ap.add_argument("--kernels", nargs="+", default=None, choices=list(MANY_KERNELS))
+    ap.add_argument("--many", action="store_true", help="tiles for many tokens (M > 16), checked bit for bit")
+    ap.add_argument("--m", type=int, nargs="+", default=[64, 256, 4096])
     args = ap.parse_args(argv)
-    rows = tune(args.shape, (1, 9), args.kernels)
+    if args.many:
+        rows = tune_many(args.shape, tuple(args.m), args.kernels or list(MANY_KERNELS), args.json)
+    else:
+        rows = tune(args.shape, (1, 9), args.kernels or list(KERNELS))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

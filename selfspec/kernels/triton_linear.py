@@ -13,20 +13,22 @@ rather than by converting every weight through fp32.
 Both kernels read their weight tiles by TMA (tensor descriptors, zeros past the edges): Hopper's copy engine keeps
 more bytes in flight per SM than per-thread loads do.
 
-Batch invariance (a row's output never depends on M): the tile config, the number of K splits included, is a
-function of (format, mode, N, K) only, BLOCK_M is fixed, each program walks its K range in order, and the
-SPLIT_K partial sums of a tile are added in split order by whichever of its programs finishes last
-(kernels/semaphores.py; the sum never depends on who adds it). So a row goes through the same instructions
-whatever M is; the other rows of its BLOCK_M tile never enter its sums. Splitting K is what lets a decode GEMM
-(M = 1..64) put enough programs on the GPU to stream the weight at memory speed; adding the partials in the
-GEMM itself saves a second launch per linear.
+Batch invariance (a row's output never depends on M): what orders a row's adds (BLOCK_K, the number of K splits,
+the swap) is a function of (format, mode, N, K) only (`decode_config`), each program walks its K range in order,
+and the SPLIT_K partial sums of a tile are added in split order by whichever of its programs finishes last
+(kernels/semaphores.py; the sum never depends on who adds it). Splitting K is what lets a decode GEMM (M = 1..64)
+put enough programs on the GPU to stream the weight at memory speed; adding the partials in the GEMM itself saves
+a second launch per linear. Past BLOCK_M rows (`many_tokens`) the M and N tiles, warps and stages may grow where
+the GPU gives each row the same bits (measured, MANY_TOKENS), and one program may walk all K chunks of the split
+in turn, each from zero, adding them in split order as the partials are: the same sum without the partials'
+trip through memory.
 
 The epilogue can add a residual (y = x @ W^T + r, rounded as the bf16 product and then the bf16 sum would be),
 which saves the separate add after each block's output projection.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -48,7 +50,7 @@ INT4 = tl.constexpr(2)  # nibbles
 UPPER = tl.constexpr(3)  # the upper nibble plane of the INT8-plane format, alone
 FULL = tl.constexpr(4)  # both planes: q8 = 16 * upper + lower
 
-BLOCK_M = 16  # fixed for every M (see the module docstring); the smallest tl.dot tile
+BLOCK_M = 16  # decode's M tile (M <= 16); the smallest tl.dot tile
 MAX_TILES_PER_PROGRAM = 16  # _nibble_kernel keeps a row sum and an offset per K tile of its range in registers
 ONE_WAVE = 128  # programs: about one per SM of an H100 (132)
 
@@ -167,31 +169,21 @@ def _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_pt
                       stride_rm, FMT, ACT, HAS_BIAS, HAS_RES)
 
 
-@triton.jit(do_not_specialize=["M"])  # one binary for every M (no M == 1 or M % 16 variant)
-def _linear_kernel(
-    x_ptr, xs_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, K_CHUNK, stride_xm, stride_sn, stride_sg, stride_ym, stride_rm,
-    FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
-):
-    # M tiles vary fastest, so the programs sharing one N tile of W run together and hit it in L2.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    wait(PDL)
+@triton.jit
+def _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, k_start, k_end, M, N, K,
+                  stride_xm, stride_sn, stride_sg, FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SWAP: tl.constexpr):
+    """One K chunk [k_start, k_end) of a [BLOCK_M, BLOCK_N] tile, walked in order from a zero accumulator."""
     if SWAP:  # y^T = W x^T: the weight tile is the dot's left operand, fed to the tensor cores from registers
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_end = tl.minimum(K, (pid_k + 1) * K_CHUNK)
-    for k0 in range(pid_k * K_CHUNK, k_end, BLOCK_K):  # this program's K range, in order
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0)
-        q = _load_weight(w_desc, w2_desc, pid_n * BLOCK_N, k0, FMT, BLOCK_K)
+        q = _load_weight(w_desc, w2_desc, n0, k0, FMT, BLOCK_K)
         if FMT >= INT4:  # BLOCK_K divides GROUP, so the tile lies in one group
             s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
         if ACT:
@@ -218,6 +210,67 @@ def _linear_kernel(
                 acc = tl.dot(x, tl.trans(w), acc)
     if SWAP:
         acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])  # one binary for every M (no M == 1 or M % 16 variant)
+def _linear_kernel(
+    x_ptr, xs_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, K_CHUNK, CHUNKS, stride_xm, stride_sn, stride_sg, stride_ym, stride_rm,
+    FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, IN_PROGRAM: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
+):
+    # M tiles vary fastest, so the programs sharing one N tile of W run together and hit it in L2.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    wait(PDL)
+    if IN_PROGRAM:  # all CHUNKS K chunks here, each from zero, added in order: the split-K sum, bit for bit
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c in range(0, CHUNKS):
+            acc += _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, pid_n * BLOCK_N,
+                                 c * K_CHUNK, tl.minimum(K, (c + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn,
+                                 stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
+    else:  # the loop of _linear_chunk written out here: through the helper, decode ran up to 10% slower (H100)
+        if SWAP:  # y^T = W x^T: the weight tile is the dot's left operand, fed to the tensor cores from registers
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_end = tl.minimum(K, (pid_k + 1) * K_CHUNK)
+        for k0 in range(pid_k * K_CHUNK, k_end, BLOCK_K):  # this program's K range, in order
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x_mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0)
+            q = _load_weight(w_desc, w2_desc, pid_n * BLOCK_N, k0, FMT, BLOCK_K)
+            if FMT >= INT4:  # BLOCK_K divides GROUP, so the tile lies in one group
+                s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
+            if ACT:
+                if SWAP:
+                    d = tl.dot(_signed(q, SHIFT), tl.trans(x), out_dtype=tl.int32).to(tl.float32)
+                else:
+                    d = tl.dot(x, tl.trans(_signed(q, SHIFT)), out_dtype=tl.int32).to(tl.float32)
+                if FMT >= INT4:
+                    x_sum = tl.sum(x.to(tl.int32), axis=1).to(tl.float32)
+                    if SWAP:
+                        acc += d * s[:, None] + (lo + SHIFT * s)[:, None] * x_sum[None, :]
+                    else:
+                        acc += d * s[None, :] + x_sum[:, None] * (lo + SHIFT * s)[None, :]
+                else:
+                    acc += d
+            else:
+                if FMT == INT8:
+                    w = q.to(tl.float32).to(tl.bfloat16)  # via fp32: exact for int8 codes
+                else:
+                    w = q.to(tl.bfloat16)
+                if SWAP:
+                    acc = tl.dot(w, tl.trans(x), acc)
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc)
+        if SWAP:
+            acc = tl.trans(acc)
     _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
             stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
 
@@ -320,32 +373,12 @@ def _widen_k(a, b):
     return a, b
 
 
-@triton.jit(do_not_specialize=["M"])
-def _nibble_kernel(
-    x_ptr, xs_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, K_CHUNK, stride_xm, stride_sn, stride_sg, stride_ym, stride_rm,
-    FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    TILES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-):
-    """Nibble formats: INT4, UPPER and FULL with bf16 activations, INT4 and UPPER with int8 activation codes
-    (ACT). A K tile lies in one quant group, whose affine is applied after the dot:
-        x . (lo + s q) = s (x . q) + lo sum(x)
-    so the tensor cores read exact integer codes and no weight is scaled or converted through fp32 (which would
-    bound the kernel by conversions, not by memory). The weight tiles come by TMA (w_desc, w2_desc: the
-    descriptors of the nibble planes), which keeps more bytes in flight than per-thread loads. With bf16
-    activations the lo sum(x) terms are kept per K tile (each row's sum of x, each column's offset) and added once
-    after the loop as one small fp32 product (TILES, a power of two, covers this program's tiles); with int8
-    activations sum(x) comes exact from an int8 dot with ones, per tile.
-    Same grid and split-K as _linear_kernel; every row goes through the same instructions whatever M is."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = pid_k * K_CHUNK
-    k_end = tl.minimum(K, k_start + K_CHUNK)
-    wait(PDL)
+@triton.jit
+def _nibble_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, k_start, k_end, M, N, K,
+                  stride_xm, stride_sn, stride_sg, FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
+                  ASM: tl.constexpr):
+    """One K chunk [k_start, k_end) of a [BLOCK_M, BLOCK_N] tile of _nibble_kernel, from a zero accumulator."""
     # K is a multiple of GROUP and BLOCK_K divides GROUP: no K mask.
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_start + tl.arange(0, BLOCK_K)[None, :]
     x_mask = (offs_m < M)[:, None]
@@ -368,13 +401,13 @@ def _nibble_kernel(
         s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, g_next, N, stride_sn, stride_sg, FMT)
         x = tl.load(x_ptrs, mask=x_mask, other=0)
         xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
-        b = w_desc.load([pid_n * BLOCK_N, k0 // 2])
+        b = w_desc.load([n0, k0 // 2])
         if ACT:  # int8 codes 0..15 on int8 tensor cores, exact int32 sums per tile
             lo_c, hi_c = _int8_codes(b, ASM)
             d = tl.dot(xo, tl.trans(hi_c), tl.dot(xe, tl.trans(lo_c), out_dtype=tl.int32), out_dtype=tl.int32)
             d = d.to(tl.float32)
         elif FMT == FULL:  # the lower plane has the upper plane's layout
-            even, odd = _plane_codes(b, w2_desc.load([pid_n * BLOCK_N, k0 // 2]), ASM)
+            even, odd = _plane_codes(b, w2_desc.load([n0, k0 // 2]), ASM)
             d = tl.dot(xo, tl.trans(odd), tl.dot(xe, tl.trans(even)))
             offset = -128.0
         else:
@@ -399,6 +432,44 @@ def _nibble_kernel(
         if TILES < 2:
             sums, offsets = _widen_k(sums, offsets)
         acc += tl.dot(sums, offsets, input_precision="ieee")
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _nibble_kernel(
+    x_ptr, xs_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, K_CHUNK, CHUNKS, stride_xm, stride_sn, stride_sg, stride_ym, stride_rm,
+    FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    IN_PROGRAM: tl.constexpr, TILES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+):
+    """Nibble formats: INT4, UPPER and FULL with bf16 activations, INT4 and UPPER with int8 activation codes
+    (ACT). A K tile lies in one quant group, whose affine is applied after the dot:
+        x . (lo + s q) = s (x . q) + lo sum(x)
+    so the tensor cores read exact integer codes and no weight is scaled or converted through fp32 (which would
+    bound the kernel by conversions, not by memory). The weight tiles come by TMA (w_desc, w2_desc: the
+    descriptors of the nibble planes), which keeps more bytes in flight than per-thread loads. With bf16
+    activations the lo sum(x) terms are kept per K tile (each row's sum of x, each column's offset) and added once
+    after the loop as one small fp32 product (TILES, a power of two, covers this program's tiles); with int8
+    activations sum(x) comes exact from an int8 dot with ones, per tile.
+    Same grid, split-K and chunks in a program as _linear_kernel; every row goes through the same instructions whatever M is."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    wait(PDL)
+    if IN_PROGRAM:  # as _linear_kernel: the CHUNKS chunks in order, the split-K sum bit for bit
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c in range(0, CHUNKS):
+            acc += _nibble_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, c * K_CHUNK,
+                                 tl.minimum(K, (c + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn, stride_sg, FMT,
+                                 ACT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, TILES, ASM)
+    else:
+        acc = _nibble_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, pid_k * K_CHUNK,
+                            tl.minimum(K, (pid_k + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn, stride_sg, FMT, ACT,
+                            GROUP, BLOCK_M, BLOCK_N, BLOCK_K, TILES, ASM)
     _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
             stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
 
@@ -433,6 +504,8 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False  # W as the dot's left operand (y^T = W x^T)
+    block_m: int = BLOCK_M
+    in_program: bool = False  # the split_k K chunks walked by one program (no partials in memory)
 
 
 def uses_nibble_kernel(fmt: int, act: bool, group: int) -> bool:
@@ -442,8 +515,16 @@ def uses_nibble_kernel(fmt: int, act: bool, group: int) -> bool:
     return fmt >= INT4.value and not (act and (fmt == FULL.value or group < 64))
 
 
-def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
-    """The tiles of a GEMM: from the weight and the mode only, never from M (batch invariance).
+def tile_config(fmt: int, act: bool, n: int, k: int, group: int, m: int = 1) -> TileConfig:
+    """The tiles of a GEMM of M rows. What fixes a row's sums (BLOCK_K, the K split, the swap, and so the order
+    of every add) comes from the weight and the mode only (`decode_config`); the M and N tiles, the warps and the
+    stages follow M (`many_tokens`), which leaves every row's bits unchanged (tests/gpu/test_gpu_kernels.py)."""
+    cfg = decode_config(fmt, act, n, k, group)
+    return cfg if m <= BLOCK_M else many_tokens(cfg, fmt, act, group, m)
+
+
+def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
+    """The tiles of a GEMM of up to BLOCK_M rows: from the weight and the mode only.
 
     Chosen by `python -m selfspec.bench.tune_linear` on an H100 (Llama-3-8B layers, M = 1 and 9, under CUDA
     graphs, weights streamed from HBM): INT8 codes stream best in K tiles of 256, both planes with int8
@@ -486,6 +567,55 @@ def tile_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
     return TileConfig(block_n, block_k, split_k, swap=int4_act)
 
 
+# Tiles for many tokens, per kernel kind and M bucket: (largest M of the bucket, tiles of a GEMM whose K is split,
+# tiles of one whose K is not), each tiles (block_m, block_n, warps, stages, the split's K chunks walked in one
+# program), or None for the decode tiles. Measured on an H100 (`python -m selfspec.bench.tune_linear --many`,
+# Llama-3-8B layers, M = 64 to 4096), each candidate against the decode tiles' bits over all rows:
+# - int8 activations (int8-act, nibble-act): any M and N tile, warps, stages, mma or wgmma keep the bits (exact
+#   int32 dots per K tile, then the same fp32 affine per element);
+# - bf16 activations (bf16, int8 and nibble weights): warps, stages, N tiles and M tiles up to 32 keep the bits,
+#   but M tiles of 64 or more (where Triton issues Hopper's wgmma instead of mma.sync) changed 4e-5 to 1.5e-3 of
+#   the outputs of integer-coded weights (random bf16 weights showed none, but the Hadamard rotation's +-1
+#   weights are integers too): so these stay on mma.sync, M tiles of 32;
+# - speed: each bucket's tiles beat the decode tiles at M = 64 to 4096 (gemm bench), but for the nibble kernel with
+#   bf16 activations at M <= 64, and where its decode tiles are 256 wide (one nibble plane over few K pieces: gate/up
+#   and down of 8B models), whose long programs stayed faster at every M: those keep their decode tiles.
+MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
+    "int8-act": [(64, (64, 128, 4, 3, False), (64, 128, 4, 3, False)),
+                 (256, (64, 128, 4, 3, True), (128, 128, 8, 3, False)),
+                 (1 << 62, (128, 128, 8, 3, True), (128, 128, 8, 3, False))],
+    "nibble-act": [(64, None, None), (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
+    "nibble": [(64, None, None), (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
+    **{kind: [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
+              (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))] for kind in ("bf16", "int8")},
+}
+
+
+def kernel_kind(fmt: int, act: bool, group: int) -> str:
+    """Which row of MANY_TOKENS a GEMM takes."""
+    if uses_nibble_kernel(fmt, act, group):
+        return "nibble-act" if act else "nibble"
+    if act:
+        return "int8-act"
+    return "bf16" if fmt == DENSE.value else "int8"
+
+
+def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int) -> TileConfig:
+    """cfg with the M and N tiles, warps and stages of M's bucket; BLOCK_K, the split and the swap stay."""
+    kind = kernel_kind(fmt, act, group)
+    if cfg.swap or (kind == "nibble" and cfg.block_n > 128):  # not measured / slower at many tokens (MANY_TOKENS)
+        return cfg
+    for max_m, split_tiles, whole_tiles in MANY_TOKENS[kind]:
+        if m <= max_m:
+            tiles = split_tiles if cfg.split_k > 1 else whole_tiles
+            if tiles is None:
+                return cfg
+            block_m, block_n, warps, stages, in_program = tiles
+            return replace(cfg, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
+                           in_program=in_program and cfg.split_k > 1)
+    raise AssertionError("the last bucket takes every M")
+
+
 def _shift(fmt: int) -> int:
     """What moves a format's unsigned codes into the int8 range."""
     return {INT8.value: 0, INT4.value: 8, UPPER.value: 8, FULL.value: 128}[fmt]
@@ -521,7 +651,7 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     if r2 is not None and r2.stride(-1) != 1:
         r2 = r2.contiguous()
     group = getattr(weight, "group_size", 0)
-    cfg = tile_config(fmt, act, n, k, group)
+    cfg = tile_config(fmt, act, n, k, group, x2.shape[0])
     return _launch(x2, xs, weight, fmt, act, bias, cfg, r2).view(*x.shape[:-1], n)
 
 
@@ -532,18 +662,19 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
     w, w2, scale, lo = _tensors(weight, fmt)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n), cfg.split_k)
+    grid_split = 1 if cfg.in_program else cfg.split_k
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), grid_split)
     part = counts = None
-    if cfg.split_k > 1:
-        part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x2.device)
+    if grid_split > 1:
+        part = torch.empty((grid_split, m, n), dtype=torch.float32, device=x2.device)
         counts = group_counts(x2.device, grid[0] * grid[1])
     group = getattr(weight, "group_size", 0)
-    flags = dict(FMT=fmt, ACT=act, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=BLOCK_M,
-                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
-                 num_stages=cfg.num_stages, **launch_options())
+    flags = dict(FMT=fmt, ACT=act, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None,
+                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=grid_split,
+                 IN_PROGRAM=cfg.in_program, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options())
     stride_sn, stride_sg = (0, 0) if lo is None else lo.stride()  # scale has lo's layout
-    args = (y, part, counts, m, n, k, k_chunk, x2.stride(0), stride_sn, stride_sg, y.stride(0),
-            0 if r2 is None else r2.stride(0))
+    args = (y, part, counts, m, n, k, k_chunk, cfg.split_k if cfg.in_program else 1, x2.stride(0), stride_sn,
+            stride_sg, y.stride(0), 0 if r2 is None else r2.stride(0))
     block = [cfg.block_n, cfg.block_k // 2 if fmt >= INT4.value else cfg.block_k]
     descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
     if uses_nibble_kernel(fmt, act, group):
