@@ -19,6 +19,8 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import selfspec
 from selfspec.bench.prompts import PROMPTS
@@ -171,6 +173,13 @@ def test_disconnect_cancels_the_sequence_and_frees_its_blocks(srv):
 
 GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}
+
+
+def raw(body: dict, extra: str) -> str:
+    """`body` as JSON text with `extra` (raw JSON members, e.g. NaN that json.dumps would not write) appended;
+    a later duplicate key wins, as in Python's json."""
+    return json.dumps(body)[:-1] + ", " + extra + "}"
+
 BAD_INPUTS = [  # (what, path, body (dict, or raw text), status, error param or code that must be named)
     ("malformed JSON", "completions", '{"model": "x", "prompt": ', 400, None),
     ("body is a list", "completions", "[1, 2]", 400, None),
@@ -202,6 +211,22 @@ BAD_INPUTS = [  # (what, path, body (dict, or raw text), status, error param or 
     ("unknown parameter", "completions", {**GOOD, "frobnicate": 1}, 400, None),
     ("unsupported logprobs", "completions", {**GOOD, "logprobs": 5}, 400, None),
     ("batch of prompts", "completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt"),
+    # Python's json reads NaN / Infinity and lone "\ud800" escapes: each must be refused before the engine
+    ("temperature NaN", "completions", raw(GOOD, '"temperature": NaN'), 400, "temperature"),
+    ("temperature NaN, streamed", "completions", raw(GOOD, '"temperature": NaN, "stream": true'), 400,
+     "temperature"),
+    ("temperature NaN (chat)", "chat/completions", raw(CHAT, '"temperature": NaN'), 400, "temperature"),
+    ("temperature Infinity", "completions", raw(GOOD, '"temperature": Infinity'), 400, "temperature"),
+    ("temperature 1e-45", "completions", {**GOOD, "temperature": 1e-45}, 400, "temperature"),
+    ("top_p 1e-100", "completions", {**GOOD, "top_p": 1e-100}, 400, "top_p"),
+    ("seed beyond 64 bits", "completions", {**GOOD, "seed": 1180591620717411303424}, 400, "seed"),
+    ("seed beyond 64 bits (chat)", "chat/completions", {**CHAT, "seed": -(1 << 64)}, 400, "seed"),
+    ("lone surrogate in the prompt", "completions", raw(GOOD, '"prompt": "a\\ud800b"'), 400, None),
+    ("lone surrogate in chat content", "chat/completions",
+     raw(CHAT, '"messages": [{"role": "user", "content": "\\udfff"}]'), 400, None),
+    ("lone surrogate in the model name", "completions", raw(GOOD, '"model": "\\ud800"'), 400, None),
+    ("lone surrogate in a stop string", "completions", raw(GOOD, '"stop": ["\\ud800"]'), 400, None),
+    ("lone surrogate in a key", "completions", raw(GOOD, '"\\ud800": 1'), 400, None),
 ]
 
 
@@ -218,6 +243,75 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(srv):
     assert srv.metric("request_rejected_total", '{status="400"}') >= len(BAD_INPUTS) - 2
     assert srv.client().completions.create(**GOOD).choices[0].finish_reason in ("stop", "length")
     assert httpx.post(f"{srv.url}/v1/chat/completions", json=CHAT).status_code == 200
+    wait_idle(srv)
+
+
+# Any JSON value, the awkward ones often: NaN / inf, ints past 64 bits, lone surrogates, nesting.
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(min_value=1 << 63),
+                    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1e-45, 1e308]),
+                    st.text(max_size=8), st.sampled_from(["\ud800", "a\udfffb", "", " "]))
+ANY_JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
+                        | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+# Token budgets: refused (< 1, beyond the context) or small, so a body that passes validation generates little.
+MAX_TOKENS = st.one_of(st.integers(max_value=0), st.integers(min_value=10_000), st.integers(1, 2), ANY_JSON)
+TEXT = st.one_of(st.text(max_size=24), st.sampled_from(["Hello", "\ud800", "  ", "a\udc00"]))
+MESSAGE = st.one_of(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),
+                                           "content": TEXT | st.lists(st.fixed_dictionaries(
+                                               {"type": st.just("text"), "text": TEXT}), max_size=2) | ANY_JSON}),
+                    ANY_JSON)
+FIELDS = {  # each field: a plausible value often, any JSON value otherwise
+    "model": st.just(MODEL) | TEXT | ANY_JSON,
+    "temperature": st.floats(0, 2) | ANY_JSON, "top_p": st.floats(0, 1) | ANY_JSON,
+    "top_k": st.integers(-2, 50) | ANY_JSON, "seed": st.integers(-(1 << 64), 1 << 64) | ANY_JSON,
+    "stop": TEXT | st.lists(TEXT, max_size=3) | ANY_JSON, "n": st.integers(0, 2) | ANY_JSON,
+    "stream": st.booleans() | ANY_JSON, "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})
+    | ANY_JSON, "gamma": st.integers(-1, 20) | ANY_JSON, "ignore_eos": st.booleans() | ANY_JSON,
+    "user": ANY_JSON, "logprobs": ANY_JSON, "frobnicate": ANY_JSON,
+}
+ROUTES = {
+    "completions": {"prompt": TEXT | st.lists(st.integers(-5, 70_000), max_size=12) | st.lists(TEXT, max_size=2)
+                    | ANY_JSON, "max_tokens": MAX_TOKENS},
+    "chat/completions": {"messages": st.lists(MESSAGE, max_size=3) | ANY_JSON, "max_tokens": MAX_TOKENS,
+                         "max_completion_tokens": MAX_TOKENS},
+}
+
+
+@st.composite
+def bodies(draw, route: str) -> object:
+    """Mostly a valid request with one to three fields set to drawn values (so each odd value meets the code
+    behind validation too), sometimes any JSON value."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(ANY_JSON)
+    fields = {**FIELDS, **ROUTES[route]}
+    body = dict(GOOD if route == "completions" else CHAT)
+    for name in draw(st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=3, unique=True)):
+        body[name] = draw(fields[name])
+    return body
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_no_body_gets_a_server_error(srv, route):
+    """Whatever the client sends, it gets a 2xx or a 4xx with an OpenAI error body; a 200 stream holds no error
+    event and ends with [DONE]."""
+    http = httpx.Client(base_url=srv.url, timeout=TIMEOUT_S)
+
+    @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(bodies(route))
+    def check(body: object) -> None:
+        content = json.dumps(body)  # writes NaN / Infinity and "\ud800" escapes as Python's json reads them
+        with http.stream("POST", f"/v1/{route}", content=content,
+                         headers={"content-type": "application/json"}) as r:
+            text = r.read().decode()
+        assert r.status_code < 500, (r.status_code, text)
+        if r.status_code >= 400:
+            error = json.loads(text)["error"]
+            assert error["message"] and error["type"] == "invalid_request_error", error
+        elif r.headers["content-type"].startswith("text/event-stream"):
+            events = [line for line in text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events[:-1]), text
+
+    with http:
+        check()
     wait_idle(srv)
 
 
