@@ -8,6 +8,8 @@ import asyncio
 import json
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -315,6 +317,49 @@ def test_no_body_gets_a_server_error(srv, route):
     wait_idle(srv)
 
 
+# Sends one completion whose prompt is "hello world " * N (12 bytes each) from another process, so that building
+# and sending it does not compete with the server for this process's GIL; prints the status and error code.
+SEND_PROMPT = """
+import httpx, json, sys
+url, framing, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
+body = json.dumps({"model": "%s", "prompt": "hello world " * repeats, "max_tokens": 1}).encode()
+print("ready", flush=True)
+content = body if framing == "content-length" else iter([body[i:i + 65536] for i in range(0, len(body), 65536)])
+r = httpx.post(url + "/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=120)
+print(r.status_code, r.json()["error"]["code"], flush=True)
+""" % MODEL
+
+
+def health_latency_while_sending(srv: LiveServer, framing: str, repeats: int) -> tuple[float, str]:
+    """(slowest /health answer in seconds, the sender's "status code") while one big prompt is sent and answered."""
+    sender = subprocess.Popen([sys.executable, "-c", SEND_PROMPT, srv.url, framing, str(repeats)],
+                              stdout=subprocess.PIPE, text=True)
+    assert sender.stdout.readline() == "ready\n"
+    slowest = 0.0
+    with httpx.Client(base_url=srv.url) as http:
+        while sender.poll() is None:
+            start = time.perf_counter()
+            assert http.get("/health").status_code == 200
+            slowest = max(slowest, time.perf_counter() - start)
+            time.sleep(0.01)
+    return slowest, sender.stdout.read().strip()
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_body_over_the_limit_gets_413_and_health_stays_fast(srv, framing):
+    rejected = srv.metric("request_rejected_total", '{status="413"}')
+    slowest, answer = health_latency_while_sending(srv, framing, 440_000)  # 5.3 MB, over the 1 MiB default
+    assert answer == "413 request_too_large"
+    assert slowest < 0.1, f"/health took {slowest * 1000:.0f} ms"
+    assert srv.metric("request_rejected_total", '{status="413"}') == rejected + 1
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(srv):
+    slowest, answer = health_latency_while_sending(srv, "content-length", 80_000)  # 960 KB: ~0.5 s to tokenize
+    assert answer.startswith("400 ")  # the prompt is longer than the context
+    assert slowest < 0.1, f"/health took {slowest * 1000:.0f} ms"
+
+
 def test_a_failing_request_fails_alone(srv, llm, monkeypatch):
     real_append = llm.append_tokens
 
@@ -394,7 +439,8 @@ def test_small_load_with_disconnects_ends_idle(srv):
 
 
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-batch", "0"], ["--max-queue", "-1"],
-                                  ["--num-blocks", "0"], ["--shutdown-timeout", "-1"]])
+                                  ["--num-blocks", "0"], ["--shutdown-timeout", "-1"],
+                                  ["--max-request-bytes", "0"]])
 def test_serve_refuses_bad_arguments_before_loading(argv, capsys):
     assert main(["serve", *argv]) == 2
     assert capsys.readouterr().err.startswith("selfspec: error: --")

@@ -15,6 +15,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise SelfspecError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise SelfspecError(f"--num-blocks must be >= 1, got {args.num_blocks}")
+    if args.max_request_bytes < 1:
+        raise SelfspecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.shutdown_timeout < 0:
         raise SelfspecError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
 
@@ -37,5 +39,5 @@ def serve(args: argparse.Namespace) -> None:
           f"drafts per round) on http://{args.host}:{args.port}/v1", flush=True)
     # uvicorn lets in-flight requests finish for --shutdown-timeout seconds, then cancels them (their sequences
     # are aborted and their KV blocks freed); the app's lifespan then stops the engine thread.
-    uvicorn.run(create_app(engine, model_name), host=args.host, port=args.port,
+    uvicorn.run(create_app(engine, model_name, args.max_request_bytes), host=args.host, port=args.port,
                 timeout_graceful_shutdown=args.shutdown_timeout, log_level="info")
