@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from selfspec.cli import main
 from selfspec.engine.engine import Engine
 from selfspec.serve.app import create_app
 from selfspec.serve.loadtest import run_load
+from selfspec.serve.server import FLUSH_TIMEOUT_S, DrainingServer
 
 MODEL = "smollm2-135m"
 TIMEOUT_S = 120
@@ -54,11 +56,14 @@ class LiveServer:
 
 
 @contextmanager
-def serving(engine: Engine) -> Iterator[LiveServer]:
+def serving(engine: Engine, drain_timeout_s: float = 30.0,
+            flush_timeout_s: float = FLUSH_TIMEOUT_S) -> Iterator[LiveServer]:
+    """What `selfspec serve` runs, on a free port; uvicorn's log records reach pytest (log_config=None)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), log_level="warning",
-                                           timeout_graceful_shutdown=30))
+    app = create_app(engine, MODEL)
+    config = uvicorn.Config(app, log_level="warning", log_config=None, timeout_graceful_shutdown=flush_timeout_s)
+    server = DrainingServer(config, app.state.runner, drain_timeout_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     wait_until(lambda: server.started, 30, "the server did not start")
@@ -417,18 +422,66 @@ def test_full_queue_answers_429_and_shutdown_finishes_in_flight_requests(llm):
         waiting.close()
         wait_idle(small)
 
-        # 40 tokens: more than one speculative round can commit, so the request is still in flight at shutdown.
-        with http.stream("POST", url, json={**body, "max_tokens": 40}) as last:
+        # 60 tokens: more than one speculative round can commit, so the request is still in flight at shutdown.
+        with http.stream("POST", url, json={**body, "max_tokens": 60}) as last:
             lines = last.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
-            small.server.should_exit = True  # what SIGINT / SIGTERM do
+            small.server.handle_exit(signal.SIGTERM, None)  # what the signal handler calls
+            late = http.post(url, json={**body, "stream": False, "max_tokens": 1})  # still listening: a JSON 503
+            health = http.get(f"{small.url}/health")
             events = [json.loads(line[6:]) for line in [first, *lines] if line.startswith("data: {")]
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        assert health.status_code == 503 and health.json() == {"status": "shutting down"}
         assert events[0]["choices"][0]["finish_reason"] is None  # shutdown began mid-stream
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         small.thread.join(60)
         assert not small.thread.is_alive()
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{small.url}/health")
+
+
+LONG = {"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+
+
+def end_two_long_requests(srv: LiveServer, stop: Callable[[], None]) -> tuple[list[str], httpx.Response]:
+    """Run a long stream and a long non-streamed request, call `stop` once both generate, and return the stream's
+    data lines and the other's response."""
+    with ThreadPoolExecutor(2) as pool:
+        stream = pool.submit(lambda: httpx.post(f"{srv.url}/v1/completions", json={**LONG, "stream": True},
+                                                timeout=TIMEOUT_S).text)
+        plain = pool.submit(httpx.post, f"{srv.url}/v1/completions", json=LONG, timeout=TIMEOUT_S)
+        wait_until(lambda: srv.metric("num_requests_running") == 2 and srv.metric("generation_tokens_total") > 4,
+                   60, "the two requests did not start")
+        stop()
+        lines = [line for line in stream.result().splitlines() if line.startswith("data: ")]
+        return lines, plain.result()
+
+
+def assert_ended_cleanly(lines: list[str], plain: httpx.Response, caplog: pytest.LogCaptureFixture) -> None:
+    assert json.loads(lines[-2][6:])["error"]["code"] == "shutting_down" and lines[-1] == "data: [DONE]"
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "shutting_down"
+    assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR" and "ASGI" in r.message]
+
+
+def test_drain_past_the_shutdown_timeout_ends_requests_cleanly(llm, caplog):
+    with serving(Engine(llm, max_batch=4), drain_timeout_s=0.5) as small:
+        lines, plain = end_two_long_requests(small, lambda: small.server.handle_exit(signal.SIGTERM, None))
+        small.thread.join(60)
+        assert not small.thread.is_alive()
+    assert_ended_cleanly(lines, plain, caplog)
+    assert small.engine.stats().kv_blocks_used == 0
+
+
+def test_requests_the_server_cancels_end_cleanly(llm, caplog):
+    """Without the drain (uvicorn alone stopping), uvicorn cancels what runs past its own graceful timeout."""
+    with serving(Engine(llm, max_batch=4), flush_timeout_s=0.5) as small:
+        def stop() -> None:
+            small.server.should_exit = True
+        lines, plain = end_two_long_requests(small, stop)
+        small.thread.join(60)
+        assert not small.thread.is_alive()
+    assert_ended_cleanly(lines, plain, caplog)
+    assert small.engine.stats().kv_blocks_used == 0
 
 
 def test_small_load_with_disconnects_ends_idle(srv):

@@ -7,7 +7,9 @@ Error statuses (OpenAI's body `{"error": {"message", "type", "param", "code"}}` 
 404 invalid_request_error  unknown model (code `model_not_found`) or route
 413 invalid_request_error  a body over --max-request-bytes (code `request_too_large`)
 429 rate_limit_error       the engine's waiting queue is full (code `queue_full`, header Retry-After)
-503 server_error           the server is shutting down (code `shutting_down`)
+503 server_error           the server is shutting down (code `shutting_down`): a request that arrives during the
+                           drain, or one still running when the drain's time is up (a stream then ends with an
+                           error event and [DONE])
 500 server_error           a failure inside the request (the server and other requests go on)
 """
 from __future__ import annotations
@@ -46,10 +48,12 @@ from selfspec.serve.protocol import (
     ModelList,
     Usage,
 )
-from selfspec.serve.runner import EngineRunner, ServerShuttingDown
+from selfspec.serve.runner import SHUTDOWN, EngineRunner, ServerShuttingDown
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client has gone away
 RETRY_AFTER_S = 1
+SHUTDOWN_MESSAGE = "the server shut down before this request finished; retry on another instance"
+CANCELLED_SEND_S = 1.0  # how long a cancelled request's last words may wait on a client that stopped reading
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # OpenAI's chat default is the rest of the context; the engine reserves each request's worst case in KV blocks,
 # so that default would let only a few chats run at once. Capped here (a client may ask for more).
@@ -81,9 +85,11 @@ def create_app(engine: Engine, model_name: str, max_request_bytes: int = DEFAULT
         await asyncio.to_thread(runner.shutdown)
 
     app = FastAPI(title="selfspec", lifespan=lifespan)
+    app.state.runner = runner  # the server drains it on SIGINT / SIGTERM
     add_error_handlers(app, metrics)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes,
                        on_reject=lambda: metrics.rejected.labels("413").inc())
+    app.add_middleware(AnswerCancelled)  # outermost of ours: it sees every cancelled request
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -92,8 +98,8 @@ def create_app(engine: Engine, model_name: str, max_request_bytes: int = DEFAULT
 
     @app.get("/health")
     async def health() -> Response:
-        return JSONResponse({"status": "ok" if runner.alive else "engine thread stopped"},
-                            status_code=200 if runner.alive else 503)
+        status = "engine thread stopped" if not runner.alive else "shutting down" if not runner.accepting else "ok"
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -181,6 +187,50 @@ class BodySizeLimit:
         await send({"type": "http.response.body", "body": response.body})
 
 
+class AnswerCancelled:
+    """Ends a request the server cancels (uvicorn does when its graceful-shutdown time is up) with a clean answer
+    instead of uvicorn's plain-text 500 and logged traceback: a JSON 503 if nothing was sent yet, an error event
+    and [DONE] if an event stream was under way. Only the server cancels a request's task, and only to stop it."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = {"started": False, "stream": False, "done": False}
+
+        async def watched_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers", []))
+                sent["started"] = True
+                sent["stream"] = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["done"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except asyncio.CancelledError:
+            if sent["done"] or (sent["started"] and not sent["stream"]):
+                return
+            try:
+                async with asyncio.timeout(CANCELLED_SEND_S):
+                    await self.last_words(send, sent["started"])
+            except (TimeoutError, OSError):
+                pass  # the client is not reading: uvicorn closes the connection
+
+    @staticmethod
+    async def last_words(send: Send, stream_started: bool) -> None:
+        if stream_started:
+            body = (sse(shutdown_error()) + sse("[DONE]")).encode()
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        response = JSONResponse(shutdown_error().model_dump(), status_code=503)
+        await send({"type": "http.response.start", "status": 503, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
+
+
 def check_token_ids(llm: LLM, ids: list[int]) -> list[int]:
     vocab = llm.model.cfg.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -250,6 +300,8 @@ async def collect(runner: EngineRunner, request_id: str,
         runner.abort(request_id)  # no-op once finished; frees the sequence if the client left or we were cancelled
     if final is None or not final.finished:
         raise APIError(499, "the client closed the connection", code="client_closed_request")
+    if final.finish_reason == SHUTDOWN:
+        raise APIError(503, final.error or SHUTDOWN_MESSAGE, type="server_error", code="shutting_down")
     if final.finish_reason == "error":
         raise APIError(500, final.error or "the request failed inside the engine", type="server_error",
                        code="internal_error")
@@ -269,8 +321,14 @@ def sse(payload: BaseModel | str) -> str:
 
 
 def error_event(out: RequestOutput) -> str:
+    if out.finish_reason == SHUTDOWN:
+        return sse(shutdown_error())
     return sse(ErrorResponse(error=ErrorInfo(message=out.error or "the request failed inside the engine",
                                              type="server_error", code="internal_error")))
+
+
+def shutdown_error() -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(message=SHUTDOWN_MESSAGE, type="server_error", code="shutting_down"))
 
 
 def event_stream(runner: EngineRunner, request_id: str, events: AsyncIterator[str]) -> StreamingResponse:
@@ -287,7 +345,7 @@ async def completion_events(req: CompletionRequest, model: str, request_id: str,
                             outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     n_tokens = 0
     async for out in outputs:
-        if out.finish_reason == "error":
+        if out.finish_reason in ("error", SHUTDOWN):
             yield error_event(out)
             break
         n_tokens += len(out.new_token_ids)
@@ -309,7 +367,7 @@ async def chat_events(req: ChatCompletionRequest, model: str, request_id: str, p
     yield chunk(ChatDelta(role="assistant", content=""))
     n_tokens = 0
     async for out in outputs:
-        if out.finish_reason == "error":
+        if out.finish_reason in ("error", SHUTDOWN):
             yield error_event(out)
             break
         n_tokens += len(out.new_token_ids)
