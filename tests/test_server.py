@@ -30,7 +30,7 @@ from selfspec.bench.prompts import PROMPTS
 from selfspec.cli import main
 from selfspec.engine.engine import Engine
 from selfspec.serve.app import create_app
-from selfspec.serve.loadtest import run_load
+from selfspec.serve.loadtest import inject_faults, run_load
 from selfspec.serve.server import FLUSH_TIMEOUT_S, DrainingServer
 
 MODEL = "smollm2-135m"
@@ -489,6 +489,21 @@ def test_small_load_with_disconnects_ends_idle(srv):
                                   timeout_s=TIMEOUT_S))
     assert report.passed, report.to_dict()
     assert report.completed + report.disconnected == report.requests == 32
+
+
+def test_load_with_faults_stalls_and_a_sigterm_loses_nothing(smollm2):
+    llm = inject_faults(smollm2())  # its own model: the fault hook must not reach other tests
+    with serving(Engine(llm, max_batch=8)) as small:
+        report = asyncio.run(run_load(small.url, requests=40, concurrency=8, max_tokens=3, disconnect_rate=0.1,
+                                      timeout_s=TIMEOUT_S, seed=1, fault_rate=0.15, stall_rate=0.2,
+                                      sigterm=lambda: small.server.handle_exit(signal.SIGTERM, None)))
+        small.thread.join(60)
+        assert not small.thread.is_alive()
+    assert report.passed, report.to_dict()
+    assert report.faulted > 0 and report.completed > 0
+    assert report.requests == 40 + 4  # the last wave of 8 in the 40, and 4 more during the drain
+    assert sum(getattr(report, o) for o in ("completed", "disconnected", "faulted", "shut_down", "refused")) == 44
+    assert small.engine.stats().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-batch", "0"], ["--max-queue", "-1"],
