@@ -33,21 +33,22 @@ def lone_surrogate_path(data: Any) -> str | None:
     stack: list[tuple[str, Any]] = [("", data)]
     while stack:
         path, value = stack.pop()
-        if isinstance(value, str):
-            if not value.isascii() and not is_utf8(value):
-                return path or "<body>"
-        elif isinstance(value, dict):
+        if isinstance(value, str) and not is_utf8(value):
+            return path or "<body>"
+        if isinstance(value, dict):
             for key, item in value.items():
-                key_path = f"{path}.{key}" if path else str(key)
-                if not is_utf8(str(key)):
+                if not is_utf8(key):
                     return f"{path or '<body>'} (a key)"
-                stack.append((key_path, item))
-        elif isinstance(value, list):
-            stack.extend((f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value))
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):  # only what can hold text: a prompt of token ids is a long list of ints
+            stack.extend((f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value)
+                         if isinstance(item, (str, list, dict)))
     return None
 
 
 def is_utf8(text: str) -> bool:
+    if text.isascii():
+        return True
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
