@@ -1,7 +1,9 @@
 """`selfspec serve` against a live uvicorn on 127.0.0.1 with SmolLM2 on the CPU: the official openai client
 (completions, chat, streamed and not), batching is lossless across 32 concurrent streams, disconnects free their
-KV blocks, every bad input gets its 4xx and an OpenAI error body, failures stay inside their request, a full queue
-answers 429, shutdown lets in-flight requests finish, and a small load test ends with the blocks back to idle."""
+KV blocks, every bad input (fuzzed too) gets its 4xx and an OpenAI error body, big bodies get 413 and long prompts
+never stall the event loop, failures stay inside their request, a full queue answers 429, shutdown drains (503 to
+new requests, clean errors past the timeout), and small load tests (one with injected faults and a SIGTERM) end
+with the blocks back to idle."""
 from __future__ import annotations
 
 import asyncio
@@ -460,7 +462,7 @@ def end_two_long_requests(srv: LiveServer, stop: Callable[[], None]) -> tuple[li
 def assert_ended_cleanly(lines: list[str], plain: httpx.Response, caplog: pytest.LogCaptureFixture) -> None:
     assert json.loads(lines[-2][6:])["error"]["code"] == "shutting_down" and lines[-1] == "data: [DONE]"
     assert plain.status_code == 503 and plain.json()["error"]["code"] == "shutting_down"
-    assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR" and "ASGI" in r.message]
+    assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR" and "ASGI" in r.getMessage()]
 
 
 def test_drain_past_the_shutdown_timeout_ends_requests_cleanly(llm, caplog):
