@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV blocks in the pool (default: max-batch x 1024 tokens)")
     s.add_argument("--block-size", type=int, default=16, help="tokens per KV block (divides 128 or is a multiple of 128)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on shutdown before they are cancelled")
+                   help="seconds in-flight requests get to finish on SIGINT / SIGTERM (new ones get 503 meanwhile); "
+                        "those still running then end with a 503 or a stream error event")
+    s.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest request body accepted; bigger ones get 413 (default: 1 MiB)")
     return parser
 
 

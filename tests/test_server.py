@@ -1,13 +1,18 @@
 """`selfspec serve` against a live uvicorn on 127.0.0.1 with SmolLM2 on the CPU: the official openai client
 (completions, chat, streamed and not), batching is lossless across 32 concurrent streams, disconnects free their
-KV blocks, every bad input gets its 4xx and an OpenAI error body, failures stay inside their request, a full queue
-answers 429, shutdown lets in-flight requests finish, and a small load test ends with the blocks back to idle."""
+KV blocks, every bad input (fuzzed too) gets its 4xx and an OpenAI error body, big bodies get 413 and long prompts
+never stall the event loop, failures stay inside their request, a full queue answers 429, shutdown drains (503 to
+new requests, clean errors past the timeout), and small load tests (one with injected faults and a SIGTERM) end
+with the blocks back to idle."""
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,13 +24,16 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import selfspec
 from selfspec.bench.prompts import PROMPTS
 from selfspec.cli import main
 from selfspec.engine.engine import Engine
 from selfspec.serve.app import create_app
-from selfspec.serve.loadtest import run_load
+from selfspec.serve.loadtest import inject_faults, run_load
+from selfspec.serve.server import FLUSH_TIMEOUT_S, DrainingServer
 
 MODEL = "smollm2-135m"
 TIMEOUT_S = 120
@@ -50,11 +58,14 @@ class LiveServer:
 
 
 @contextmanager
-def serving(engine: Engine) -> Iterator[LiveServer]:
+def serving(engine: Engine, drain_timeout_s: float = 30.0,
+            flush_timeout_s: float = FLUSH_TIMEOUT_S) -> Iterator[LiveServer]:
+    """What `selfspec serve` runs, on a free port; uvicorn's log records reach pytest (log_config=None)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), log_level="warning",
-                                           timeout_graceful_shutdown=30))
+    app = create_app(engine, MODEL)
+    config = uvicorn.Config(app, log_level="warning", log_config=None, timeout_graceful_shutdown=flush_timeout_s)
+    server = DrainingServer(config, app.state.runner, drain_timeout_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     wait_until(lambda: server.started, 30, "the server did not start")
@@ -171,6 +182,13 @@ def test_disconnect_cancels_the_sequence_and_frees_its_blocks(srv):
 
 GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}
+
+
+def raw(body: dict, extra: str) -> str:
+    """`body` as JSON text with `extra` (raw JSON members, e.g. NaN that json.dumps would not write) appended;
+    a later duplicate key wins, as in Python's json."""
+    return json.dumps(body)[:-1] + ", " + extra + "}"
+
 BAD_INPUTS = [  # (what, path, body (dict, or raw text), status, error param or code that must be named)
     ("malformed JSON", "completions", '{"model": "x", "prompt": ', 400, None),
     ("body is a list", "completions", "[1, 2]", 400, None),
@@ -202,6 +220,22 @@ BAD_INPUTS = [  # (what, path, body (dict, or raw text), status, error param or 
     ("unknown parameter", "completions", {**GOOD, "frobnicate": 1}, 400, None),
     ("unsupported logprobs", "completions", {**GOOD, "logprobs": 5}, 400, None),
     ("batch of prompts", "completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt"),
+    # Python's json reads NaN / Infinity and lone "\ud800" escapes: each must be refused before the engine
+    ("temperature NaN", "completions", raw(GOOD, '"temperature": NaN'), 400, "temperature"),
+    ("temperature NaN, streamed", "completions", raw(GOOD, '"temperature": NaN, "stream": true'), 400,
+     "temperature"),
+    ("temperature NaN (chat)", "chat/completions", raw(CHAT, '"temperature": NaN'), 400, "temperature"),
+    ("temperature Infinity", "completions", raw(GOOD, '"temperature": Infinity'), 400, "temperature"),
+    ("temperature 1e-45", "completions", {**GOOD, "temperature": 1e-45}, 400, "temperature"),
+    ("top_p 1e-100", "completions", {**GOOD, "top_p": 1e-100}, 400, "top_p"),
+    ("seed beyond 64 bits", "completions", {**GOOD, "seed": 1180591620717411303424}, 400, "seed"),
+    ("seed beyond 64 bits (chat)", "chat/completions", {**CHAT, "seed": -(1 << 64)}, 400, "seed"),
+    ("lone surrogate in the prompt", "completions", raw(GOOD, '"prompt": "a\\ud800b"'), 400, None),
+    ("lone surrogate in chat content", "chat/completions",
+     raw(CHAT, '"messages": [{"role": "user", "content": "\\udfff"}]'), 400, None),
+    ("lone surrogate in the model name", "completions", raw(GOOD, '"model": "\\ud800"'), 400, None),
+    ("lone surrogate in a stop string", "completions", raw(GOOD, '"stop": ["\\ud800"]'), 400, None),
+    ("lone surrogate in a key", "completions", raw(GOOD, '"\\ud800": 1'), 400, None),
 ]
 
 
@@ -219,6 +253,118 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(srv):
     assert srv.client().completions.create(**GOOD).choices[0].finish_reason in ("stop", "length")
     assert httpx.post(f"{srv.url}/v1/chat/completions", json=CHAT).status_code == 200
     wait_idle(srv)
+
+
+# Any JSON value, the awkward ones often: NaN / inf, ints past 64 bits, lone surrogates, nesting.
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(min_value=1 << 63),
+                    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1e-45, 1e308]),
+                    st.text(max_size=8), st.sampled_from(["\ud800", "a\udfffb", "", " "]))
+ANY_JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
+                        | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+# Token budgets: refused (< 1, beyond the context) or small, so a body that passes validation generates little.
+MAX_TOKENS = st.one_of(st.integers(max_value=0), st.integers(min_value=10_000), st.integers(1, 2), ANY_JSON)
+TEXT = st.one_of(st.text(max_size=24), st.sampled_from(["Hello", "\ud800", "  ", "a\udc00"]))
+MESSAGE = st.one_of(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),
+                                           "content": TEXT | st.lists(st.fixed_dictionaries(
+                                               {"type": st.just("text"), "text": TEXT}), max_size=2) | ANY_JSON}),
+                    ANY_JSON)
+FIELDS = {  # each field: a plausible value often, any JSON value otherwise
+    "model": st.just(MODEL) | TEXT | ANY_JSON,
+    "temperature": st.floats(0, 2) | ANY_JSON, "top_p": st.floats(0, 1) | ANY_JSON,
+    "top_k": st.integers(-2, 50) | ANY_JSON, "seed": st.integers(-(1 << 64), 1 << 64) | ANY_JSON,
+    "stop": TEXT | st.lists(TEXT, max_size=3) | ANY_JSON, "n": st.integers(0, 2) | ANY_JSON,
+    "stream": st.booleans() | ANY_JSON, "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})
+    | ANY_JSON, "gamma": st.integers(-1, 20) | ANY_JSON, "ignore_eos": st.booleans() | ANY_JSON,
+    "user": ANY_JSON, "logprobs": ANY_JSON, "frobnicate": ANY_JSON,
+}
+ROUTES = {
+    "completions": {"prompt": TEXT | st.lists(st.integers(-5, 70_000), max_size=12) | st.lists(TEXT, max_size=2)
+                    | ANY_JSON, "max_tokens": MAX_TOKENS},
+    "chat/completions": {"messages": st.lists(MESSAGE, max_size=3) | ANY_JSON, "max_tokens": MAX_TOKENS,
+                         "max_completion_tokens": MAX_TOKENS},
+}
+
+
+@st.composite
+def bodies(draw, route: str) -> object:
+    """Mostly a valid request with one to three fields set to drawn values (so each odd value meets the code
+    behind validation too), sometimes any JSON value."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(ANY_JSON)
+    fields = {**FIELDS, **ROUTES[route]}
+    body = dict(GOOD if route == "completions" else CHAT)
+    for name in draw(st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=3, unique=True)):
+        body[name] = draw(fields[name])
+    return body
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_no_body_gets_a_server_error(srv, route):
+    """Whatever the client sends, it gets a 2xx or a 4xx with an OpenAI error body; a 200 stream holds no error
+    event and ends with [DONE]."""
+    http = httpx.Client(base_url=srv.url, timeout=TIMEOUT_S)
+
+    @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(bodies(route))
+    def check(body: object) -> None:
+        content = json.dumps(body)  # writes NaN / Infinity and "\ud800" escapes as Python's json reads them
+        with http.stream("POST", f"/v1/{route}", content=content,
+                         headers={"content-type": "application/json"}) as r:
+            text = r.read().decode()
+        assert r.status_code < 500, (r.status_code, text)
+        if r.status_code >= 400:
+            error = json.loads(text)["error"]
+            assert error["message"] and error["type"] == "invalid_request_error", error
+        elif r.headers["content-type"].startswith("text/event-stream"):
+            events = [line for line in text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events[:-1]), text
+
+    with http:
+        check()
+    wait_idle(srv)
+
+
+# Sends one completion whose prompt is "hello world " * N (12 bytes each) from another process, so that building
+# and sending it does not compete with the server for this process's GIL; prints the status and error code.
+SEND_PROMPT = """
+import httpx, json, sys
+url, framing, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
+body = json.dumps({"model": "%s", "prompt": "hello world " * repeats, "max_tokens": 1}).encode()
+print("ready", flush=True)
+content = body if framing == "content-length" else iter([body[i:i + 65536] for i in range(0, len(body), 65536)])
+r = httpx.post(url + "/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=120)
+print(r.status_code, r.json()["error"]["code"], flush=True)
+""" % MODEL
+
+
+def health_latency_while_sending(srv: LiveServer, framing: str, repeats: int) -> tuple[float, str]:
+    """(slowest /health answer in seconds, the sender's "status code") while one big prompt is sent and answered."""
+    sender = subprocess.Popen([sys.executable, "-c", SEND_PROMPT, srv.url, framing, str(repeats)],
+                              stdout=subprocess.PIPE, text=True)
+    assert sender.stdout.readline() == "ready\n"
+    slowest = 0.0
+    with httpx.Client(base_url=srv.url) as http:
+        while sender.poll() is None:
+            start = time.perf_counter()
+            assert http.get("/health").status_code == 200
+            slowest = max(slowest, time.perf_counter() - start)
+            time.sleep(0.01)
+    return slowest, sender.stdout.read().strip()
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_body_over_the_limit_gets_413_and_health_stays_fast(srv, framing):
+    rejected = srv.metric("request_rejected_total", '{status="413"}')
+    slowest, answer = health_latency_while_sending(srv, framing, 440_000)  # 5.3 MB, over the 1 MiB default
+    assert answer == "413 request_too_large"
+    assert slowest < 0.1, f"/health took {slowest * 1000:.0f} ms"
+    assert srv.metric("request_rejected_total", '{status="413"}') == rejected + 1
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(srv):
+    slowest, answer = health_latency_while_sending(srv, "content-length", 80_000)  # 960 KB: ~0.5 s to tokenize
+    assert answer.startswith("400 ")  # the prompt is longer than the context
+    assert slowest < 0.1, f"/health took {slowest * 1000:.0f} ms"
 
 
 def test_a_failing_request_fails_alone(srv, llm, monkeypatch):
@@ -278,18 +424,66 @@ def test_full_queue_answers_429_and_shutdown_finishes_in_flight_requests(llm):
         waiting.close()
         wait_idle(small)
 
-        # 40 tokens: more than one speculative round can commit, so the request is still in flight at shutdown.
-        with http.stream("POST", url, json={**body, "max_tokens": 40}) as last:
+        # 60 tokens: more than one speculative round can commit, so the request is still in flight at shutdown.
+        with http.stream("POST", url, json={**body, "max_tokens": 60}) as last:
             lines = last.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
-            small.server.should_exit = True  # what SIGINT / SIGTERM do
+            small.server.handle_exit(signal.SIGTERM, None)  # what the signal handler calls
+            late = http.post(url, json={**body, "stream": False, "max_tokens": 1})  # still listening: a JSON 503
+            health = http.get(f"{small.url}/health")
             events = [json.loads(line[6:]) for line in [first, *lines] if line.startswith("data: {")]
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        assert health.status_code == 503 and health.json() == {"status": "shutting down"}
         assert events[0]["choices"][0]["finish_reason"] is None  # shutdown began mid-stream
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         small.thread.join(60)
         assert not small.thread.is_alive()
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{small.url}/health")
+
+
+LONG = {"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+
+
+def end_two_long_requests(srv: LiveServer, stop: Callable[[], None]) -> tuple[list[str], httpx.Response]:
+    """Run a long stream and a long non-streamed request, call `stop` once both generate, and return the stream's
+    data lines and the other's response."""
+    with ThreadPoolExecutor(2) as pool:
+        stream = pool.submit(lambda: httpx.post(f"{srv.url}/v1/completions", json={**LONG, "stream": True},
+                                                timeout=TIMEOUT_S).text)
+        plain = pool.submit(httpx.post, f"{srv.url}/v1/completions", json=LONG, timeout=TIMEOUT_S)
+        wait_until(lambda: srv.metric("num_requests_running") == 2 and srv.metric("generation_tokens_total") > 4,
+                   60, "the two requests did not start")
+        stop()
+        lines = [line for line in stream.result().splitlines() if line.startswith("data: ")]
+        return lines, plain.result()
+
+
+def assert_ended_cleanly(lines: list[str], plain: httpx.Response, caplog: pytest.LogCaptureFixture) -> None:
+    assert json.loads(lines[-2][6:])["error"]["code"] == "shutting_down" and lines[-1] == "data: [DONE]"
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "shutting_down"
+    assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR" and "ASGI" in r.getMessage()]
+
+
+def test_drain_past_the_shutdown_timeout_ends_requests_cleanly(llm, caplog):
+    with serving(Engine(llm, max_batch=4), drain_timeout_s=0.5) as small:
+        lines, plain = end_two_long_requests(small, lambda: small.server.handle_exit(signal.SIGTERM, None))
+        small.thread.join(60)
+        assert not small.thread.is_alive()
+    assert_ended_cleanly(lines, plain, caplog)
+    assert small.engine.stats().kv_blocks_used == 0
+
+
+def test_requests_the_server_cancels_end_cleanly(llm, caplog):
+    """Without the drain (uvicorn alone stopping), uvicorn cancels what runs past its own graceful timeout."""
+    with serving(Engine(llm, max_batch=4), flush_timeout_s=0.5) as small:
+        def stop() -> None:
+            small.server.should_exit = True
+        lines, plain = end_two_long_requests(small, stop)
+        small.thread.join(60)
+        assert not small.thread.is_alive()
+    assert_ended_cleanly(lines, plain, caplog)
+    assert small.engine.stats().kv_blocks_used == 0
 
 
 def test_small_load_with_disconnects_ends_idle(srv):
@@ -299,8 +493,24 @@ def test_small_load_with_disconnects_ends_idle(srv):
     assert report.completed + report.disconnected == report.requests == 32
 
 
+def test_load_with_faults_stalls_and_a_sigterm_loses_nothing(smollm2):
+    llm = inject_faults(smollm2())  # its own model: the fault hook must not reach other tests
+    with serving(Engine(llm, max_batch=8)) as small:
+        report = asyncio.run(run_load(small.url, requests=32, concurrency=8, max_tokens=3, disconnect_rate=0.1,
+                                      timeout_s=TIMEOUT_S, seed=1, fault_rate=0.15, stall_rate=0.2,
+                                      sigterm=lambda: small.server.handle_exit(signal.SIGTERM, None)))
+        small.thread.join(60)
+        assert not small.thread.is_alive()
+    assert report.passed, report.to_dict()
+    assert report.faulted > 0 and report.completed > 0
+    assert report.requests == 32 + 4  # the last wave of 8 in the 32, and 4 more during the drain
+    assert sum(getattr(report, o) for o in ("completed", "disconnected", "faulted", "shut_down", "refused")) == 36
+    assert small.engine.stats().kv_blocks_used == 0
+
+
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-batch", "0"], ["--max-queue", "-1"],
-                                  ["--num-blocks", "0"], ["--shutdown-timeout", "-1"]])
+                                  ["--num-blocks", "0"], ["--shutdown-timeout", "-1"],
+                                  ["--max-request-bytes", "0"]])
 def test_serve_refuses_bad_arguments_before_loading(argv, capsys):
     assert main(["serve", *argv]) == 2
     assert capsys.readouterr().err.startswith("selfspec: error: --")

@@ -5,8 +5,11 @@ Error statuses (OpenAI's body `{"error": {"message", "type", "param", "code"}}` 
                            values, empty prompt, max_tokens < 1, prompt + max_tokens beyond the context
                            (code `context_length_exceeded`)
 404 invalid_request_error  unknown model (code `model_not_found`) or route
+413 invalid_request_error  a body over --max-request-bytes (code `request_too_large`)
 429 rate_limit_error       the engine's waiting queue is full (code `queue_full`, header Retry-After)
-503 server_error           the server is shutting down (code `shutting_down`)
+503 server_error           the server is shutting down (code `shutting_down`): a request that arrives during the
+                           drain, or one still running when the drain's time is up (a stream then ends with an
+                           error event and [DONE])
 500 server_error           a failure inside the request (the server and other requests go on)
 """
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -22,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from selfspec.engine.engine import Engine, QueueFull, RequestOutput
 from selfspec.engine.llm import LLM
@@ -44,14 +48,19 @@ from selfspec.serve.protocol import (
     ModelList,
     Usage,
 )
-from selfspec.serve.runner import EngineRunner, ServerShuttingDown
+from selfspec.serve.runner import SHUTDOWN, EngineRunner, ServerShuttingDown
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client has gone away
 RETRY_AFTER_S = 1
+SHUTDOWN_MESSAGE = "the server shut down before this request finished; retry on another instance"
+CANCELLED_SEND_S = 1.0  # how long a cancelled request's last words may wait on a client that stopped reading
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # OpenAI's chat default is the rest of the context; the engine reserves each request's worst case in KV blocks,
 # so that default would let only a few chats run at once. Capped here (a client may ask for more).
 CHAT_DEFAULT_MAX_TOKENS = 1024
+# A whole 8k-token context is ~40 KB of text or ~50 KB of token ids; 1 MiB holds a 128k-token context of text and
+# bounds what one body costs to hold and parse on the event loop (a few ms).
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 
 
 class APIError(Exception):
@@ -62,8 +71,9 @@ class APIError(Exception):
         self.headers = headers
 
 
-def create_app(engine: Engine, model_name: str) -> FastAPI:
-    """An app serving `engine` under the model id `model_name`; the lifespan starts and stops the engine thread."""
+def create_app(engine: Engine, model_name: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """An app serving `engine` under the model id `model_name`; the lifespan starts and stops the engine thread.
+    Bodies over `max_request_bytes` get 413."""
     llm: LLM = engine.llm
     metrics = ServerMetrics(lambda: runner.latest_stats)  # read at scrape time, once the runner exists
     runner = EngineRunner(engine, metrics)
@@ -75,7 +85,11 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         await asyncio.to_thread(runner.shutdown)
 
     app = FastAPI(title="selfspec", lifespan=lifespan)
+    app.state.runner = runner  # the server drains it on SIGINT / SIGTERM
     add_error_handlers(app, metrics)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes,
+                       on_reject=lambda: metrics.rejected.labels("413").inc())
+    app.add_middleware(AnswerCancelled)  # outermost of ours: it sees every cancelled request
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -84,8 +98,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return JSONResponse({"status": "ok" if runner.alive else "engine thread stopped"},
-                            status_code=200 if runner.alive else 503)
+        status = "engine thread stopped" if not runner.alive else "shutting down" if not runner.accepting else "ok"
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -98,7 +112,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         check_model(req.model)
-        prompt_ids = check_token_ids(llm, llm.encode(req.prompt))
+        # tokenizers run in a worker thread: a long prompt must not hold up every other client on the event loop
+        prompt_ids = check_token_ids(llm, await asyncio.to_thread(llm.encode, req.prompt))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         outputs = submit(runner, llm, request_id, prompt_ids, req, COMPLETION_DEFAULT_MAX_TOKENS)
         if req.stream:
@@ -112,7 +127,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         check_model(req.model)
-        prompt_ids = chat_prompt_ids(llm, req)
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, llm, req)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = submit(runner, llm, request_id, prompt_ids, req, CHAT_DEFAULT_MAX_TOKENS)
         if req.stream:
@@ -125,6 +140,95 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             usage=usage(final, len(prompt_ids), n_tokens)).model_dump())
 
     return app
+
+
+class BodySizeLimit:
+    """Reads each request body before the app does and answers 413 once it passes `max_bytes`: at once when
+    Content-Length says so, else as soon as the streamed (chunked) body does. The app then reads the held body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None]):
+        self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and int(length) > self.max_bytes:  # the server already refused non-numbers
+            return await self.reject(send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before its body arrived
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self.reject(send)
+            if not message.get("more_body", False):
+                break
+        body: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is None:
+                return await receive()  # after the body: disconnect notices
+            message, body = body, None
+            return message
+
+        await self.app(scope, replay, send)
+
+    async def reject(self, send: Send) -> None:
+        self.on_reject()
+        error = ErrorResponse(error=ErrorInfo(
+            message=f"the request body is over this server's limit of {self.max_bytes} bytes (--max-request-bytes);"
+                    " send a shorter prompt", type="invalid_request_error", code="request_too_large"))
+        response = JSONResponse(error.model_dump(), status_code=413, headers={"Connection": "close"})
+        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
+
+
+class AnswerCancelled:
+    """Ends a request the server cancels (uvicorn does when its graceful-shutdown time is up) with a clean answer
+    instead of uvicorn's plain-text 500 and logged traceback: a JSON 503 if nothing was sent yet, an error event
+    and [DONE] if an event stream was under way. Only the server cancels a request's task, and only to stop it."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = {"started": False, "stream": False, "done": False}
+
+        async def watched_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers", []))
+                sent["started"] = True
+                sent["stream"] = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["done"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except asyncio.CancelledError:
+            if sent["done"] or (sent["started"] and not sent["stream"]):
+                return
+            try:
+                async with asyncio.timeout(CANCELLED_SEND_S):
+                    await self.last_words(send, sent["started"])
+            except (TimeoutError, OSError):
+                pass  # the client is not reading: uvicorn closes the connection
+
+    @staticmethod
+    async def last_words(send: Send, stream_started: bool) -> None:
+        if stream_started:
+            body = (sse(shutdown_error()) + sse("[DONE]")).encode()
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        response = JSONResponse(shutdown_error().model_dump(), status_code=503)
+        await send({"type": "http.response.start", "status": 503, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
 
 
 def check_token_ids(llm: LLM, ids: list[int]) -> list[int]:
@@ -196,6 +300,8 @@ async def collect(runner: EngineRunner, request_id: str,
         runner.abort(request_id)  # no-op once finished; frees the sequence if the client left or we were cancelled
     if final is None or not final.finished:
         raise APIError(499, "the client closed the connection", code="client_closed_request")
+    if final.finish_reason == SHUTDOWN:
+        raise APIError(503, final.error or SHUTDOWN_MESSAGE, type="server_error", code="shutting_down")
     if final.finish_reason == "error":
         raise APIError(500, final.error or "the request failed inside the engine", type="server_error",
                        code="internal_error")
@@ -215,8 +321,14 @@ def sse(payload: BaseModel | str) -> str:
 
 
 def error_event(out: RequestOutput) -> str:
+    if out.finish_reason == SHUTDOWN:
+        return sse(shutdown_error())
     return sse(ErrorResponse(error=ErrorInfo(message=out.error or "the request failed inside the engine",
                                              type="server_error", code="internal_error")))
+
+
+def shutdown_error() -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(message=SHUTDOWN_MESSAGE, type="server_error", code="shutting_down"))
 
 
 def event_stream(runner: EngineRunner, request_id: str, events: AsyncIterator[str]) -> StreamingResponse:
@@ -233,7 +345,7 @@ async def completion_events(req: CompletionRequest, model: str, request_id: str,
                             outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     n_tokens = 0
     async for out in outputs:
-        if out.finish_reason == "error":
+        if out.finish_reason in ("error", SHUTDOWN):
             yield error_event(out)
             break
         n_tokens += len(out.new_token_ids)
@@ -255,7 +367,7 @@ async def chat_events(req: ChatCompletionRequest, model: str, request_id: str, p
     yield chunk(ChatDelta(role="assistant", content=""))
     n_tokens = 0
     async for out in outputs:
-        if out.finish_reason == "error":
+        if out.finish_reason in ("error", SHUTDOWN):
             yield error_event(out)
             break
         n_tokens += len(out.new_token_ids)

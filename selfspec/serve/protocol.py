@@ -5,6 +5,7 @@ Extra per-request fields beyond OpenAI's: `top_k`, `gamma` (drafted tokens per r
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Literal
 
@@ -21,10 +22,52 @@ NO_OP_PARAMS: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None, False, True), "store": (None, False),
 }
 FREE_PARAMS = {"user"}  # accepted with any value: it only labels the request
+# Positive temperatures below this overflow the scaled float32 logits to inf (NaN probabilities); 0 is greedy.
+MIN_TEMPERATURE = 1e-6
+MIN_TOP_P = 1e-6  # smaller values round to 0 in float32, where nucleus sampling drops every token
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # OpenAI's seed is a signed 64-bit integer, as is torch's
+
+
+def lone_surrogate_path(data: Any) -> str | None:
+    """Where in parsed JSON a string (value or key) holds a lone UTF-16 surrogate (JSON allows `"\\ud800"`,
+    UTF-8 and the tokenizer do not), as a dotted path; None if nowhere. Iterative: nesting depth is the client's."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str) and not is_utf8(value):
+            return path or "<body>"
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not is_utf8(key):
+                    return f"{path or '<body>'} (a key)"
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):  # only what can hold text: a prompt of token ids is a long list of ints
+            stack.extend((f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value)
+                         if isinstance(item, (str, list, dict)))
+    return None
+
+
+def is_utf8(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class StrictRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_lone_surrogates(cls, data: Any) -> Any:
+        path = lone_surrogate_path(data)
+        if path is not None:
+            raise ValueError(f"{path}: the text holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                             "escape), which is not valid Unicode; send well-formed text")
+        return data
 
     @model_validator(mode="after")
     def refuse_unsupported(self) -> StrictRequest:
@@ -64,6 +107,28 @@ class SamplingFields(StrictRequest):
             raise ValueError(f"n={n} is refused: selfspec returns exactly one choice per request (n=1); "
                              "send n separate requests (with different seeds) instead")
         return n
+
+    @field_validator("temperature")
+    @classmethod
+    def usable_temperature(cls, temperature: float) -> float:
+        if not math.isfinite(temperature) or 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got "
+                             f"{temperature!r}")
+        return temperature
+
+    @field_validator("top_p")
+    @classmethod
+    def usable_top_p(cls, top_p: float) -> float:
+        if not MIN_TOP_P <= top_p <= 1:  # also refuses NaN
+            raise ValueError(f"top_p must be between {MIN_TOP_P:g} and 1, got {top_p!r}")
+        return top_p
+
+    @field_validator("seed")
+    @classmethod
+    def int64_seed(cls, seed: int | None) -> int | None:
+        if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be a signed 64-bit integer ({SEED_RANGE[0]}..{SEED_RANGE[1]}), got {seed}")
+        return seed
 
     @field_validator("stop")
     @classmethod

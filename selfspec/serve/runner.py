@@ -21,6 +21,7 @@ from selfspec.spec.sampling import SamplingParams
 
 log = logging.getLogger("selfspec.serve")
 IDLE_WAIT_S = 0.05  # how long the thread sleeps when idle before re-checking (a new request wakes it at once)
+SHUTDOWN = "shutdown"  # finish reason of a request the server ended because it is shutting down
 
 
 class ServerShuttingDown(SelfspecError):
@@ -56,6 +57,24 @@ class EngineRunner:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet finished."""
+        return len(self._streams)
+
+    def stop_accepting(self) -> None:
+        """From now on add_request raises ServerShuttingDown; what is in flight goes on."""
+        self._accepting = False
+
+    def end_in_flight(self) -> None:
+        """End every request still in flight with finish reason SHUTDOWN (their KV blocks are freed)."""
+        for request_id in list(self._streams):
+            self._fail(request_id, SHUTDOWN, "the server shut down before this request finished")
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     gamma: int | None = None) -> asyncio.Queue[RequestOutput]:
         """Admit a request; raises SelfspecError (bad input), QueueFull, or ServerShuttingDown."""
@@ -78,10 +97,9 @@ class EngineRunner:
             self.metrics.finished.labels("abort").inc()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Refuse new requests, cancel what is still in flight (uvicorn has already let it drain), stop the thread."""
-        self._accepting = False
-        for request_id in list(self._streams):
-            self._fail(request_id, "abort", "the server shut down before this request finished")
+        """Refuse new requests, end what is still in flight (the server has already let it drain), stop the thread."""
+        self.stop_accepting()
+        self.end_in_flight()
         self._stop.set()
         self._wakeup.set()
         if self._thread.is_alive():
@@ -105,6 +123,9 @@ class EngineRunner:
                 self._dispatch(out)
             self.latest_stats = self.engine.stats()
         self._apply_aborts()
+        if self.engine.has_work():  # every request was ended: this step only applies their aborts (frees blocks)
+            self.engine.step()
+        self.latest_stats = self.engine.stats()
 
     def _apply_aborts(self) -> None:
         aborted = False

@@ -1,9 +1,54 @@
-"""`selfspec serve`: load the model, build the engine and app, run uvicorn until SIGINT/SIGTERM."""
+"""`selfspec serve`: load the model, build the engine and app, run uvicorn until SIGINT/SIGTERM, then drain."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import socket
+import time
+from types import FrameType
+
+import uvicorn
 
 from selfspec.errors import SelfspecError
+from selfspec.serve.runner import EngineRunner
+
+DRAIN_POLL_S = 0.05
+# After the drain, how long uvicorn lets the last answers reach their clients before it cancels what is left
+# (a client that stopped reading); the app answers a cancelled request cleanly.
+FLUSH_TIMEOUT_S = 5.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose SIGINT / SIGTERM first drains the app while it still listens: new requests get a JSON 503,
+    in-flight ones get `drain_timeout_s` to finish, and those still running then end with a clean error (a JSON
+    503, or an error event and [DONE]). Only then does uvicorn's own shutdown run. A second signal skips the wait."""
+
+    def __init__(self, config: uvicorn.Config, runner: EngineRunner, drain_timeout_s: float):
+        super().__init__(config)
+        self.runner, self.drain_timeout_s = runner, drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """The signal handler (callable from any thread)."""
+        if self._loop is None or not self.runner.accepting:  # not serving yet, or a second signal
+            return super().handle_exit(sig, frame)
+        self.runner.stop_accepting()
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain = self._loop.create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.runner.in_flight and time.monotonic() < deadline and not self.should_exit:
+            await asyncio.sleep(DRAIN_POLL_S)
+        self.runner.end_in_flight()
+        self.should_exit = True
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -15,13 +60,13 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise SelfspecError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise SelfspecError(f"--num-blocks must be >= 1, got {args.num_blocks}")
+    if args.max_request_bytes < 1:
+        raise SelfspecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.shutdown_timeout < 0:
         raise SelfspecError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
 
 
 def serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     import selfspec
     from selfspec.engine.engine import Engine
     from selfspec.loading.named import DEFAULT_MODEL
@@ -35,7 +80,10 @@ def serve(args: argparse.Namespace) -> None:
     model_name = args.served_model_name or args.model or DEFAULT_MODEL
     print(f"selfspec: serving {llm.description} as `{model_name}` (recipe {llm.recipe.name}, up to {args.gamma} "
           f"drafts per round) on http://{args.host}:{args.port}/v1", flush=True)
-    # uvicorn lets in-flight requests finish for --shutdown-timeout seconds, then cancels them (their sequences
-    # are aborted and their KV blocks freed); the app's lifespan then stops the engine thread.
-    uvicorn.run(create_app(engine, model_name), host=args.host, port=args.port,
-                timeout_graceful_shutdown=args.shutdown_timeout, log_level="info")
+    app = create_app(engine, model_name, args.max_request_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=FLUSH_TIMEOUT_S,
+                            log_level="info")
+    DrainingServer(config, app.state.runner, args.shutdown_timeout).run()
+    s = engine.stats()
+    print(f"selfspec: stopped with {s.kv_blocks_used} KV blocks in use, {s.running} requests running and "
+          f"{s.waiting} waiting", flush=True)
