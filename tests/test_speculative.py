@@ -439,8 +439,9 @@ def test_to_probs_top_p_keeps_minimal_prefix():
     torch.testing.assert_close(probs, torch.tensor([[4 / 7, 3 / 7, 0.0, 0.0]]))
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
-                                 dict(max_new_tokens=0)])
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(temperature=1e-45), dict(temperature=float("nan")),
+                                 dict(top_p=0.0), dict(top_p=1e-100), dict(top_p=1.5), dict(top_k=-1),
+                                 dict(seed=1 << 70), dict(max_new_tokens=0)])
 def test_sampling_params_validated(bad):
     from selfspec.errors import SelfspecError
 

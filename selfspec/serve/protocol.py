@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from selfspec.spec.sampling import SamplingParams
+from selfspec.spec.sampling import MIN_TEMPERATURE, MIN_TOP_P, SEED_RANGE, SamplingParams
 
 # OpenAI parameters selfspec does not implement, accepted only at their no-op values (clients often send
 # them explicitly); anything else unknown is refused by name, as OpenAI itself does.
@@ -22,10 +22,6 @@ NO_OP_PARAMS: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None, False, True), "store": (None, False),
 }
 FREE_PARAMS = {"user"}  # accepted with any value: it only labels the request
-# Positive temperatures below this overflow the scaled float32 logits to inf (NaN probabilities); 0 is greedy.
-MIN_TEMPERATURE = 1e-6
-MIN_TOP_P = 1e-6  # smaller values round to 0 in float32, where nucleus sampling drops every token
-SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # OpenAI's seed is a signed 64-bit integer, as is torch's
 
 
 def lone_surrogate_path(data: Any) -> str | None:

@@ -1,11 +1,17 @@
 """Sampling parameters and the one transform (temperature, top-k, top-p) applied to draft and verify alike."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from selfspec.errors import SelfspecError
+
+# Positive temperatures below this overflow the scaled float32 logits to inf (NaN probabilities); 0 is greedy.
+MIN_TEMPERATURE = 1e-6
+MIN_TOP_P = 1e-6  # smaller values round to 0 in float32, where nucleus sampling drops every token
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # OpenAI's seed is a signed 64-bit integer, as is torch's
 
 
 @dataclass
@@ -19,10 +25,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise SelfspecError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise SelfspecError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not math.isfinite(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            raise SelfspecError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
+                                f"got {self.temperature!r}")
+        if not MIN_TOP_P <= self.top_p <= 1:  # also refuses NaN
+            raise SelfspecError(f"top-p must be between {MIN_TOP_P:g} and 1, got {self.top_p!r}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise SelfspecError(f"seed must be a signed 64-bit integer ({SEED_RANGE[0]}..{SEED_RANGE[1]}), "
+                                f"got {self.seed}")
         if self.top_k < 0:
             raise SelfspecError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
         if self.max_new_tokens < 1:
