@@ -1,6 +1,8 @@
 """The CPU kernels of the integer formats (kernels/cpu.py) against the torch reference, on fresh random inputs:
 the same float weight bit for bit, the product within float32 rounding of the reference's, and each row's
 result the same bits whatever the number of rows in the call (what greedy speculative == AR rests on)."""
+import threading
+
 import pytest
 import torch
 
@@ -94,3 +96,13 @@ def test_non_float32_activations_take_the_reference():
     x = random_rows(3, 64, seed=11).bfloat16()
     ref = reference_op("linear", "int4")(x, w, MODES["w4a16"], None)
     assert torch.equal(cpu.linear(x, w, MODES["w4a16"], None), ref)
+
+
+def test_inside_and_outside_inference_mode(monkeypatch):
+    """The scratch buffers, first made inside torch.inference_mode, are reused outside it."""
+    monkeypatch.setattr(cpu, "_local", threading.local())  # no buffers yet
+    w = random_weight("planes", 32, 64, 32, seed=12)
+    x = random_rows(2, 64, seed=13)
+    with torch.inference_mode():
+        inside = cpu.linear(x, w, MODES["full"], None)
+    assert torch.equal(cpu.linear(x, w, MODES["full"], None), inside)

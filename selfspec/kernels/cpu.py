@@ -39,7 +39,8 @@ def scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A reused buffer of at least numel elements (per thread): fresh large tensors page-fault on every call."""
     buf = getattr(_local, name, None)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: an inference tensor could not be written outside it
+            buf = torch.empty(numel, dtype=dtype)
         setattr(_local, name, buf)
     return buf[:numel]
 
