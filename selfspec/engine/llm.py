@@ -1,6 +1,7 @@
 """The Python API: load a model once under a recipe, then generate (whole or streamed)."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -144,6 +145,19 @@ def check_device(device: str) -> None:
         raise SelfspecError(f"device '{device}' asked for, but no CUDA device is available to torch")
 
 
+def cpu_threads() -> int | None:
+    """Torch threads for decoding on the CPU: SELFSPEC_THREADS if set; torch's own default if OMP_NUM_THREADS is
+    set; else 1. A decode step is a chain of small products: on a CPU shared with other jobs, OpenMP threads
+    spin-waiting for a descheduled peer made SmolLM2 decoding 3-12x slower at 2 threads than at 1, and at best
+    (an idle machine) 2 threads were no faster. On a dedicated machine with a larger model, set it."""
+    value = os.environ.get("SELFSPEC_THREADS")
+    if value is None:
+        return None if "OMP_NUM_THREADS" in os.environ else 1
+    if not value.isdigit() or int(value) < 1:
+        raise SelfspecError(f"SELFSPEC_THREADS must be a whole number >= 1 (torch threads), got '{value}'")
+    return int(value)
+
+
 def build(cfg, state_dict, tokenizer, recipe: Recipe, group_size: int = 128, gamma: int = 4,
           device: str = "cpu", description: str = "", fixed_gamma: bool = False) -> LLM:
     if torch.device(device).type == "cuda":  # the GPU kernels run bf16 activations (quant scales stay fp32)
@@ -163,6 +177,9 @@ def load(model: str | None = None, recipe: str | None = None, draft: str | None 
     check_gamma(gamma)
     check_group_size(group_size)
     check_device(device)
+    threads = cpu_threads() if torch.device(device).type == "cpu" else None
+    if threads is not None:
+        torch.set_num_threads(threads)
     rec = resolve_recipe(recipe, draft, verify)
     cfg, sd, tok, desc = resolve(model)
     return build(cfg, sd, tok, rec, group_size, gamma, device, desc, fixed_gamma)
