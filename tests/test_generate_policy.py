@@ -55,13 +55,8 @@ def test_policy_picks_within_the_cap():
     assert all(0 <= k <= 3 for k in proposed)
     assert llm.policy.verify_cost and llm.policy.acceptance is not None  # it learned from the rounds
     assert tokens == llm.generate(prompt, params(), gamma=0).token_ids
-    # an explicit per-call gamma is fixed, as a request's gamma in the serving engine
-    assert drafts_per_round_fixed(llm, prompt, 2)
-
-
-def drafts_per_round_fixed(llm, prompt: list[int], gamma: int) -> bool:
-    out = llm.generate(prompt, params(), gamma=gamma)
-    return out.stats.draft_proposed == gamma * out.stats.rounds
+    out = llm.generate(prompt, params(), gamma=2)  # a per-call gamma is fixed, as a request's in the engine
+    assert out.stats.draft_proposed == 2 * out.stats.rounds
 
 
 class StepClock:
