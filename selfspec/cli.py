@@ -17,7 +17,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", default=None, choices=list(PRESETS), help="stored format + draft + verify (default: planes)")
     p.add_argument("--draft", default=None, metavar="MODE", help=f"draft mode, one of: {', '.join(MODES)}")
     p.add_argument("--verify", default=None, metavar="MODE", help="verify mode (the output's precision)")
-    p.add_argument("--gamma", type=int, default=4, help="drafted tokens per round (0: autoregressive)")
+    p.add_argument("--gamma", type=int, default=4, help="most drafted tokens per round (0: autoregressive)")
     p.add_argument("--group-size", type=int, default=128, help="quantization group size along K")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
 
@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     g.add_argument("--prompt", default=None, help="prompt text (default: read stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--fixed-gamma", action="store_true",
+                   help="draft --gamma tokens every round (default: a measured-cost policy picks up to --gamma)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -93,7 +95,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     prompt = args.prompt if args.prompt is not None else read_stdin()
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens, args.stop)
     check_prompt(prompt)
-    llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device)
+    llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device,
+                        args.fixed_gamma)
     out = None
     for text, _, out in llm.stream(prompt, params, chat=args.chat):
         if not args.json:

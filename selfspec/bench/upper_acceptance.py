@@ -236,7 +236,7 @@ def study(model_name: str | None, tasks: list[str], n_prompts: int, max_new_toke
 def validate(model_name: str | None, tasks: list[str], n_prompts: int, max_new_tokens: int, gamma: int,
              estimated: dict) -> dict:
     """The real speculative loop (planes, greedy) on the same prompts vs the estimate's implied rounds."""
-    llm = load(model_name, "planes", gamma=gamma)
+    llm = load(model_name, "planes", gamma=gamma, fixed_gamma=True)
     out = {}
     for task in tasks:
         accepted = proposed = rounds = 0

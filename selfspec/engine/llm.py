@@ -1,6 +1,7 @@
 """The Python API: load a model once under a recipe, then generate (whole or streamed)."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -13,6 +14,7 @@ from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
 from selfspec.quant.modes import get_mode
 from selfspec.spec.decode import decode
+from selfspec.spec.policy import GammaPolicy
 from selfspec.spec.recipes import Recipe, resolve_recipe
 from selfspec.spec.sampling import SamplingParams
 
@@ -28,7 +30,8 @@ class Generation:
 
 
 class LLM:
-    def __init__(self, model: Transformer, tokenizer, recipe: Recipe, gamma: int = 4, description: str = ""):
+    def __init__(self, model: Transformer, tokenizer, recipe: Recipe, gamma: int = 4, description: str = "",
+                 fixed_gamma: bool = False):
         self.model = model
         # On the GPU, decode steps replay CUDA graphs (the host would otherwise set the speed).
         self.runner = GraphedModel(model) if model.device.type == "cuda" else model
@@ -38,6 +41,11 @@ class LLM:
         self.description = description
         self.verify_mode = get_mode(recipe.verify)
         self.draft_mode = get_mode(recipe.draft) if recipe.draft else None
+        # gamma caps the drafts per round; the policy (shared by this LLM's generations, which teach it the
+        # step costs and the acceptance) picks each round's, drafting none where drafting loses.
+        # fixed_gamma: draft gamma tokens every round.
+        self.fixed_gamma = fixed_gamma
+        self.policy = GammaPolicy(gamma if self.draft_mode is not None else 0)
         self.eos_ids = set(model.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
@@ -64,8 +72,10 @@ class LLM:
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, chat: bool = False,
                gamma: int | None = None) -> Iterator[tuple[str, list[int], Generation]]:
-        """Yield (new text, new token ids, running Generation) as tokens are accepted."""
+        """Yield (new text, new token ids, running Generation) as tokens are accepted. `gamma`: draft that many
+        tokens every round (0: autoregressive); None: the LLM's gamma, as a cap for its policy unless fixed."""
         params = params or SamplingParams()
+        policy = self.policy if gamma is None and not self.fixed_gamma else None
         gamma = self.gamma if gamma is None else gamma
         check_gamma(gamma)
         ids = self.encode(prompt, chat)
@@ -73,7 +83,7 @@ class LLM:
         out = Generation("", [], "length", GenerationStats(prompt_tokens=len(ids)))
         t0 = time.perf_counter()
         draft = self.draft_mode if gamma > 0 else None
-        for chunk in decode(self.runner, ids, self.verify_mode, draft, gamma, params, out.stats):
+        for chunk in decode(self.runner, ids, self.verify_mode, draft, gamma, params, out.stats, policy=policy):
             new_text, chunk, finished = self.append_tokens(out, chunk, params)
             out.stats.total_s = time.perf_counter() - t0
             yield new_text, chunk, out
@@ -167,24 +177,41 @@ def check_device(device: str) -> None:
         raise SelfspecError(f"device '{device}' asked for, but no CUDA device is available to torch")
 
 
+def cpu_threads() -> int | None:
+    """Torch threads for decoding on the CPU: SELFSPEC_THREADS if set; torch's own default if OMP_NUM_THREADS is
+    set; else 1. A decode step is a chain of small products: on a CPU shared with other jobs, OpenMP threads
+    spin-waiting for a descheduled peer made SmolLM2 decoding 3-12x slower at 2 threads than at 1, and at best
+    (an idle machine) 2 threads were no faster. On a dedicated machine with a larger model, set it."""
+    value = os.environ.get("SELFSPEC_THREADS")
+    if value is None:
+        return None if "OMP_NUM_THREADS" in os.environ else 1
+    if not value.isdigit() or int(value) < 1:
+        raise SelfspecError(f"SELFSPEC_THREADS must be a whole number >= 1 (torch threads), got '{value}'")
+    return int(value)
+
+
 def build(cfg, state_dict, tokenizer, recipe: Recipe, group_size: int = 128, gamma: int = 4,
-          device: str = "cpu", description: str = "") -> LLM:
+          device: str = "cpu", description: str = "", fixed_gamma: bool = False) -> LLM:
     if torch.device(device).type == "cuda":  # the GPU kernels run bf16 activations (quant scales stay fp32)
         state_dict = {name: t.bfloat16() if t.is_floating_point() else t for name, t in state_dict.items()}
     model = Transformer(cfg, state_dict)
     state_dict.clear()  # the float weights are now owned by the model (or freed once quantized)
     model.quantize(recipe.storage, group_size, recipe.rotate)
-    return LLM(model.to(device), tokenizer, recipe, gamma, description)
+    return LLM(model.to(device), tokenizer, recipe, gamma, description, fixed_gamma)
 
 
 def load(model: str | None = None, recipe: str | None = None, draft: str | None = None, verify: str | None = None,
-         gamma: int = 4, group_size: int = 128, device: str = "cpu") -> LLM:
-    """Load a named model, HF directory or .gguf file under a recipe (default: `planes`)."""
+         gamma: int = 4, group_size: int = 128, device: str = "cpu", fixed_gamma: bool = False) -> LLM:
+    """Load a named model, HF directory or .gguf file under a recipe (default: `planes`). `gamma` caps the drafted
+    tokens per round, each round's picked by a measured-cost policy; with `fixed_gamma`, every round drafts gamma."""
     from selfspec.loading import resolve
 
     check_gamma(gamma)
     check_group_size(group_size)
     check_device(device)
+    threads = cpu_threads() if torch.device(device).type == "cpu" else None
+    if threads is not None:
+        torch.set_num_threads(threads)
     rec = resolve_recipe(recipe, draft, verify)
     cfg, sd, tok, desc = resolve(model)
-    return build(cfg, sd, tok, rec, group_size, gamma, device, desc)
+    return build(cfg, sd, tok, rec, group_size, gamma, device, desc, fixed_gamma)

@@ -17,6 +17,7 @@ from selfspec.cache import KVCache
 from selfspec.engine.stats import GenerationStats
 from selfspec.model import Transformer
 from selfspec.quant.modes import Mode
+from selfspec.spec.policy import GammaPolicy
 from selfspec.spec.sampling import SamplingParams, sample, to_probs
 from selfspec.spec.verify import accept_greedy, accept_rejection
 
@@ -50,8 +51,10 @@ def pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | No
 @torch.inference_mode()
 def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Mode | None, gamma: int,
            params: SamplingParams, stats: GenerationStats, cache: KVCache | None = None,
-           accept: GreedyAcceptance = accept_greedy) -> Iterator[list[int]]:
+           accept: GreedyAcceptance = accept_greedy, policy: GammaPolicy | None = None) -> Iterator[list[int]]:
     """Yield the tokens each round commits (AR: one per step); the caller stops the iteration.
+    Each round drafts `gamma` tokens, or with `policy` as many as it picks from measured costs and acceptance
+    (at most its max_gamma, which should not exceed gamma: the cache is sized by gamma).
     `accept` judges greedy drafts (benchmarks replay recorded acceptance through it)."""
     dev = model.device
     gen = make_generator(params, dev)
@@ -63,9 +66,14 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Mode | No
     stats.prefill_s += time.perf_counter() - t0
     yield [row.pending]
     while row.length + 1 < cache.max_len:
-        k = min(gamma, cache.max_len - row.length - 1) if draft is not None else 0
-        (tokens,), _ = run_round(model, cache, [row], k, draft, verify, accept)
+        k = gamma if policy is None else policy.choose(1)
+        k = min(k, cache.max_len - row.length - 1) if draft is not None else 0
+        accepted = stats.draft_accepted
+        (tokens,), timing = run_round(model, cache, [row], k, draft, verify, accept)
         cache.commit(row.length)
+        if policy is not None:
+            policy.observe_round(1, k, timing.draft_s, timing.verify_s)
+            policy.observe_acceptance(k, [stats.draft_accepted - accepted])
         yield tokens
 
 

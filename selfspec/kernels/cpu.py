@@ -1,0 +1,158 @@
+"""CPU kernels of the integer formats: the stored copy is dequantized a block of output rows at a time into a
+reused float32 scratch buffer and multiplied there. No float copy of the weight is kept between calls.
+
+Why not the reference (dequantize the whole weight, then F.linear): on the CPU its cost is the dequantization,
+not the product. Fresh [N, K] temporaries page-fault on every call, the nibbles are interleaved by strided
+writes, and group scales broadcast from their group-major layout run at a third of the speed of contiguous ones.
+Here the nibble planes are combined on 32-bit words (four bytes per op), each block's codes land deinterleaved
+(every even k of a row, then every odd k: K permuted, the activations permuted alike, the product unchanged),
+and the scales are broadcast from small contiguous [rows, 2G] copies. The float weight of a mode is bitwise the
+reference's (`dequantize`, permuted); only the order of the float32 sums in the product differs.
+
+Batch invariance: a row's result must not depend on how many rows the call has (a verify pass runs gamma + 1
+tokens per row, plain decoding 1; greedy speculative output equals AR output only if each token's logits are
+the same bits either way). MKL's sgemm is not invariant on this (an M = 1 product takes another path than
+M >= 4), so up to ROW_BY_ROW_MAX rows are multiplied one row at a time, each as an M = 1 product; larger calls
+(prefills) take one GEMM.
+PyTorch's own CPU weight-only kernels were measured and not used: _weight_int8pack_mm and
+_weight_int4pack_mm_for_cpu are 10-20x slower than F.linear in float32 (fast only in bfloat16, whose rounding of
+the activations and the scales is as large as the INT8 step itself), and int4pack has no asymmetric INT8 form.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from selfspec.kernels import register
+from selfspec.quant.act import fake_quantize_per_token
+from selfspec.quant.formats import Int4Weight, Int8PlanesWeight, Int8Weight, QuantWeight
+from selfspec.quant.modes import Mode
+
+ROW_BY_ROW_MAX = 64  # rows multiplied one at a time (decode, verify); more (prefill) take one GEMM
+BLOCK_FLOATS = 1 << 20  # scratch floats per block of output rows (4 MiB; 1 and 16 MiB measured no faster)
+
+_local = threading.local()
+
+
+def scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reused buffer of at least numel elements (per thread): fresh large tensors page-fault on every call."""
+    buf = getattr(_local, name, None)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: an inference tensor could not be written outside it
+            buf = torch.empty(numel, dtype=dtype)
+        setattr(_local, name, buf)
+    return buf[:numel]
+
+
+def word_view(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """Packed bytes as 32-bit words where the layout allows (four bytes per op), with the masks of the high and
+    the low nibble of every byte: (view, high mask, low mask). Byte-wise ops stay byte-wise: the masks drop what
+    a shift carries across a byte boundary."""
+    if t.is_contiguous() and t.shape[-1] % 4 == 0:
+        return t.view(torch.int32), -0x0F0F0F10, 0x0F0F0F0F  # 0xF0F0F0F0 as an int32
+    return t, 0xF0, 0x0F
+
+
+def nibble_codes(upper: torch.Tensor, lower: torch.Tensor | None) -> torch.Tensor:
+    """Codes [2, N, K/2] uint8 of a packed block [N, K/2] (even k in the low nibble): [0] the even-k codes, [1] the
+    odd-k codes. With `lower`, the INT8 codes 16 * upper + lower of the two planes; else the 4-bit codes."""
+    u, hi, lo = word_view(upper)
+    out = scratch("codes", 2 * upper.numel(), torch.uint8).view(2, *upper.shape)
+    o = out.view(torch.int32) if u.dtype == torch.int32 else out
+    if lower is None:
+        torch.bitwise_and(u, lo, out=o[0])
+        torch.bitwise_and(u >> 4, lo, out=o[1])
+    else:
+        low = word_view(lower)[0]
+        torch.bitwise_or((u << 4) & hi, low & lo, out=o[0])
+        torch.bitwise_or(u & hi, (low >> 4) & lo, out=o[1])
+    return out
+
+
+def dequantize_codes(codes: torch.Tensor, scale2: torch.Tensor, lo2: torch.Tensor) -> torch.Tensor:
+    """codes [2, N, K/2] -> float32 weight [N, K] in the permuted K order (even k, then odd k), w = lo + scale * q
+    group-wise, scale2/lo2 [N, 2G] contiguous (`doubled`): a float32 multiply, then a float32 add, as the
+    reference."""
+    _, n, h = codes.shape
+    w = scratch("weight", n * 2 * h, torch.float32).view(n, 2, h)
+    w.copy_(codes.transpose(0, 1))
+    groups = w.view(n, scale2.shape[1], -1)  # both halves hold the groups in order, each half-group g/2 wide
+    groups.mul_(scale2[..., None]).add_(lo2[..., None])
+    return w.view(n, 2 * h)
+
+
+def doubled(t: torch.Tensor) -> torch.Tensor:
+    """Group-wise [N, G] (group-major) -> [N, 2G] contiguous, once for each half of the permuted K order."""
+    return torch.cat((t, t), 1)
+
+
+def permute_k(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] in the weight's permuted order: every even k, then every odd k."""
+    return torch.cat((x[:, 0::2], x[:, 1::2]), 1)
+
+
+def product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x @ w^T, each row on its own (batch invariant) unless there are many."""
+    if x.shape[0] > ROW_BY_ROW_MAX:
+        out.copy_(x @ w.t())
+        return
+    wt = w.t()
+    for r in range(x.shape[0]):
+        torch.mm(x[r:r + 1], wt, out=out[r:r + 1])
+
+
+def block_rows(n: int, k: int) -> int:
+    return max(1, min(n, BLOCK_FLOATS // k))
+
+
+def affine(weight: QuantWeight, mode: Mode) -> tuple[torch.Tensor, ...]:
+    """The per-row or per-group tensors the mode's dequantization reads, laid out for `weight_block`."""
+    if isinstance(weight, Int8Weight):
+        return (weight.scale[:, None],)
+    if isinstance(weight, Int8PlanesWeight) and mode.weight_bits == 4:
+        return tuple(doubled(t) for t in weight.upper_affine())
+    return doubled(weight.scale), doubled(weight.lo)
+
+
+def weight_block(weight: QuantWeight, mode: Mode, scales: tuple[torch.Tensor, ...], i: int, j: int) -> torch.Tensor:
+    """Rows i..j-1 of the mode's float32 weight (the nibble formats in the permuted K order)."""
+    if isinstance(weight, Int8Weight):
+        w = scratch("weight", (j - i) * weight.q.shape[1], torch.float32).view(j - i, -1)
+        return w.copy_(weight.q[i:j]).mul_(scales[0][i:j])
+    if isinstance(weight, Int8PlanesWeight):
+        lower = weight.lower[i:j] if mode.weight_bits == 8 else None
+        codes = nibble_codes(weight.upper[i:j], lower)
+    else:
+        codes = nibble_codes(weight.packed[i:j], None)
+    return dequantize_codes(codes, *(t[i:j] for t in scales))
+
+
+def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference linear (kernels/reference.py) on float32 activations, by blocks of output rows."""
+    weight.check(mode)
+    if x.dtype != torch.float32:
+        from selfspec.kernels.reference import linear as reference_linear
+
+        return reference_linear(x, weight, mode, bias, residual)
+    if mode.act_bits is not None:
+        x = fake_quantize_per_token(x, mode.act_bits)
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    if not isinstance(weight, Int8Weight):
+        rows = permute_k(rows)
+    out = x.new_empty(rows.shape[0], n)
+    scales = affine(weight, mode)
+    step = block_rows(n, k)
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        product(rows, weight_block(weight, mode, scales, i, j), out[:, i:j])
+    if bias is not None:
+        out += bias
+    y = out.view(*x.shape[:-1], n)
+    return y if residual is None else y + residual
+
+
+for _fmt in (Int8Weight, Int4Weight, Int8PlanesWeight):
+    register("linear", _fmt.storage, "cpu")(linear)
