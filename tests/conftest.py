@@ -2,7 +2,6 @@
 (SmolLM2-135M) read once per session; cached dequantization; one torch thread per module."""
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -21,7 +20,6 @@ from transformers import (
 from selfspec.config import ModelConfig
 from selfspec.engine.llm import LLM, build
 from selfspec.loading import resolve
-from selfspec.quant.formats import DenseWeight, QuantWeight
 from selfspec.spec.recipes import resolve_recipe
 
 TINY = dict(
@@ -76,20 +74,6 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     return ModelConfig.from_hf(hf_cfg.to_dict()), sd, model
 
 
-def dequantize_once(llm: LLM) -> LLM:
-    """Have each quantized weight of `llm` keep what it dequantizes to, per mode, after the first time.
-
-    On the CPU the reference linear dequantizes every weight on every call: over half the cost of a SmolLM2
-    forward, in tests that run thousands of them. The result is a pure function of the frozen stored weight,
-    so every product (and so every token) is bitwise what it would have been (test_quant_formats:
-    test_dequantize_once_changes_no_bit). Costs float32 copies of the block weights: ~0.4 GB per mode for
-    SmolLM2."""
-    for w in llm.model.modules():
-        if isinstance(w, QuantWeight) and not isinstance(w, DenseWeight):
-            w.dequantize = functools.cache(w.dequantize)  # Mode is a frozen dataclass: hashable
-    return llm
-
-
 @pytest.fixture(scope="session")
 def smollm2_resolved():
     """resolve(None): the default model (SmolLM2-135M) as config, float32 weights, tokenizer and description.
@@ -99,13 +83,13 @@ def smollm2_resolved():
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_resolved):
-    """make(recipe) -> the default model under a recipe, as `selfspec.load(None, recipe)` builds it, with
-    dequantize_once; each build quantizes its own copy of the weights."""
+    """make(recipe) -> the default model under a recipe, as `selfspec.load(None, recipe)` builds it; each build
+    quantizes its own copy of the weights."""
     cfg, sd, tok, desc = smollm2_resolved
 
     def make(recipe: str | None = None) -> LLM:
         weights = {name: t.clone() for name, t in sd.items()}
-        return dequantize_once(build(cfg, weights, tok, resolve_recipe(recipe), description=desc))
+        return build(cfg, weights, tok, resolve_recipe(recipe), description=desc)
 
     return make
 

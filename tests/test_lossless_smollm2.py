@@ -1,9 +1,8 @@
 """Invariant 1 on the real default model (SmolLM2-135M): greedy speculative == greedy AR of the verify mode,
 token for token, for qspec and planes on the first 10 built-in prompts, each prompt checked at every gamma 1..6.
 
-Sized for CI's 2-core CPU: the model is read once per session and each weight dequantized once per mode
-(conftest: smollm2, dequantize_once; the same bits), on one torch thread (two spin-wait for each other when
-another job shares the CPU), the AR reference is generated once per prompt and reused by the six gammas,
+Sized for CI's 2-core CPU: the model is read once per session (conftest: smollm2), on one torch thread (two
+spin-wait for each other when another job shares the CPU), the AR reference is generated once per prompt and reused by the six gammas,
 prompts are raw text (short prefills; the chat template would add ~25 tokens to each of the 70 prefills per
 recipe), and NEW_TOKENS = 6 gives every gamma at least one full round of gamma drafts verified in one pass (the
 first token comes from the prefill), most prompts several rounds, with accepts and rejects. Ten prompts, not
