@@ -12,8 +12,9 @@ from selfspec.quant.modes import MODES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CASES = [("planes", m) for m in ("full", "upper", "w8a16", "w8a8", "w4a16", "w4a4")] + \
-        [("int4", m) for m in ("w4a16", "w4a8", "w4a4")] + [("int8", m) for m in ("w8a16", "w8a8")]
+INT_CASES = [("planes", m) for m in ("full", "upper", "w8a16", "w8a8", "w4a16", "w4a4")] + \
+            [("int4", m) for m in ("w4a16", "w4a8", "w4a4")] + [("int8", m) for m in ("w8a16", "w8a8")]
+CASES = [("dense", "fp32")] + INT_CASES
 # K = 576 (groups of 64, nibble rows a multiple of 4 bytes: the 32-bit path), 1536 (groups of 128), 40 (groups of
 # 8: 20-byte rows, 32-bit path), 12 (groups of 4: 6-byte rows, the byte path)
 SHAPES = [(96, 576, 64), (40, 1536, 128), (24, 40, 8), (20, 12, 4)]
@@ -33,13 +34,19 @@ def random_rows(m: int, k: int, seed: int) -> torch.Tensor:
 
 
 def test_registered_for_cpu():
-    for storage in ("int8", "int4", "planes"):
+    for storage in ("dense", "int8", "int4", "planes"):
         assert lookup("linear", storage, "cpu") is cpu.linear
-    assert lookup("linear", "dense", "cpu") is reference_op("linear", "dense")  # dense stays the reference
+
+
+def test_dense_bf16_takes_the_reference():
+    w = random_weight("dense", 32, 64, 32, seed=12)
+    x = random_rows(3, 64, seed=13)
+    ref = reference_op("linear", "dense")(x, w, MODES["bf16"], None)
+    assert torch.equal(cpu.linear(x, w, MODES["bf16"], None), ref)
 
 
 @pytest.mark.parametrize("n,k,group", SHAPES)
-@pytest.mark.parametrize("storage,mode", CASES)
+@pytest.mark.parametrize("storage,mode", INT_CASES)
 def test_weight_is_the_reference_dequantization(storage, mode, n, k, group):
     w = random_weight(storage, n, k, group, seed=n + k)
     m = MODES[mode]

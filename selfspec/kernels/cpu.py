@@ -1,5 +1,6 @@
-"""CPU kernels of the integer formats: the stored copy is dequantized a block of output rows at a time into a
-reused float32 scratch buffer and multiplied there. No float copy of the weight is kept between calls.
+"""CPU linear of the stored formats. An integer format's stored copy is dequantized a block of output rows at a
+time into a reused float32 scratch buffer and multiplied there (no float copy of the weight is kept between
+calls); a dense float32 weight (the head, the fp32 recipe) is multiplied as stored.
 
 Why not the reference (dequantize the whole weight, then F.linear): on the CPU its cost is the dequantization,
 not the product. Fresh [N, K] temporaries page-fault on every call, the nibbles are interleaved by strided
@@ -12,7 +13,7 @@ reference's (`dequantize`, permuted); only the order of the float32 sums in the 
 Batch invariance: a row's result must not depend on how many rows the call has (a verify pass runs gamma + 1
 tokens per row, plain decoding 1; greedy speculative output equals AR output only if each token's logits are
 the same bits either way). MKL's sgemm is not invariant on this (an M = 1 product takes another path than
-M >= 4), so up to ROW_BY_ROW_MAX rows are multiplied one row at a time, each as an M = 1 product; larger calls
+M >= 2, measured on SmolLM2's shapes and its head), so up to ROW_BY_ROW_MAX rows are multiplied one row at a time, each as an M = 1 product; larger calls
 (prefills) take one GEMM.
 PyTorch's own CPU weight-only kernels were measured and not used: _weight_int8pack_mm and
 _weight_int4pack_mm_for_cpu are 10-20x slower than F.linear in float32 (fast only in bfloat16, whose rounding of
@@ -26,7 +27,7 @@ import torch
 
 from selfspec.kernels import register
 from selfspec.quant.act import fake_quantize_per_token
-from selfspec.quant.formats import Int4Weight, Int8PlanesWeight, Int8Weight, QuantWeight
+from selfspec.quant.formats import DenseWeight, Int4Weight, Int8PlanesWeight, Int8Weight, QuantWeight
 from selfspec.quant.modes import Mode
 
 ROW_BY_ROW_MAX = 64  # rows multiplied one at a time (decode, verify); more (prefill) take one GEMM
@@ -132,7 +133,8 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """The reference linear (kernels/reference.py) on float32 activations, by blocks of output rows."""
     weight.check(mode)
-    if x.dtype != torch.float32:
+    dense = isinstance(weight, DenseWeight)
+    if x.dtype != torch.float32 or dense and (mode.name != "fp32" or weight.weight.dtype != torch.float32):
         from selfspec.kernels.reference import linear as reference_linear
 
         return reference_linear(x, weight, mode, bias, residual)
@@ -140,19 +142,22 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
         x = fake_quantize_per_token(x, mode.act_bits)
     n, k = weight.shape
     rows = x.reshape(-1, k)
-    if not isinstance(weight, Int8Weight):
-        rows = permute_k(rows)
     out = x.new_empty(rows.shape[0], n)
-    scales = affine(weight, mode)
-    step = block_rows(n, k)
-    for i in range(0, n, step):
-        j = min(n, i + step)
-        product(rows, weight_block(weight, mode, scales, i, j), out[:, i:j])
+    if dense:  # float32 as stored (the head, the fp32 recipe): only the product's batch invariance to add
+        product(rows, weight.weight, out)
+    else:
+        if not isinstance(weight, Int8Weight):
+            rows = permute_k(rows)
+        scales = affine(weight, mode)
+        step = block_rows(n, k)
+        for i in range(0, n, step):
+            j = min(n, i + step)
+            product(rows, weight_block(weight, mode, scales, i, j), out[:, i:j])
     if bias is not None:
         out += bias
     y = out.view(*x.shape[:-1], n)
     return y if residual is None else y + residual
 
 
-for _fmt in (Int8Weight, Int4Weight, Int8PlanesWeight):
+for _fmt in (DenseWeight, Int8Weight, Int4Weight, Int8PlanesWeight):
     register("linear", _fmt.storage, "cpu")(linear)
