@@ -109,6 +109,8 @@ def block_rows(n: int, k: int) -> int:
 
 def affine(weight: QuantWeight, mode: Mode) -> tuple[torch.Tensor, ...]:
     """The per-row or per-group tensors the mode's dequantization reads, laid out for `weight_block`."""
+    if isinstance(weight, DenseWeight):
+        return ()
     if isinstance(weight, Int8Weight):
         return (weight.scale[:, None],)
     if isinstance(weight, Int8PlanesWeight) and mode.weight_bits == 4:
@@ -118,6 +120,8 @@ def affine(weight: QuantWeight, mode: Mode) -> tuple[torch.Tensor, ...]:
 
 def weight_block(weight: QuantWeight, mode: Mode, scales: tuple[torch.Tensor, ...], i: int, j: int) -> torch.Tensor:
     """Rows i..j-1 of the mode's float32 weight (the nibble formats in the permuted K order)."""
+    if isinstance(weight, DenseWeight):
+        return weight.weight[i:j]
     if isinstance(weight, Int8Weight):
         w = scratch("weight", (j - i) * weight.q.shape[1], torch.float32).view(j - i, -1)
         return w.copy_(weight.q[i:j]).mul_(scales[0][i:j])
@@ -142,17 +146,14 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
         x = fake_quantize_per_token(x, mode.act_bits)
     n, k = weight.shape
     rows = x.reshape(-1, k)
+    if not isinstance(weight, (DenseWeight, Int8Weight)):
+        rows = permute_k(rows)
     out = x.new_empty(rows.shape[0], n)
-    if dense:  # float32 as stored (the head, the fp32 recipe): only the product's batch invariance to add
-        product(rows, weight.weight, out)
-    else:
-        if not isinstance(weight, Int8Weight):
-            rows = permute_k(rows)
-        scales = affine(weight, mode)
-        step = block_rows(n, k)
-        for i in range(0, n, step):
-            j = min(n, i + step)
-            product(rows, weight_block(weight, mode, scales, i, j), out[:, i:j])
+    scales = affine(weight, mode)
+    step = block_rows(n, k)  # dense too: each block stays in cache while the rows go through it one by one
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        product(rows, weight_block(weight, mode, scales, i, j), out[:, i:j])
     if bias is not None:
         out += bias
     y = out.view(*x.shape[:-1], n)
