@@ -66,8 +66,12 @@ def nibble_codes(upper: torch.Tensor, lower: torch.Tensor | None) -> torch.Tenso
         torch.bitwise_and(u >> 4, lo, out=o[1])
     else:
         low = word_view(lower)[0]
-        torch.bitwise_or((u << 4) & hi, low & lo, out=o[0])
-        torch.bitwise_or(u & hi, (low >> 4) & lo, out=o[1])
+        tmp = scratch("nibbles", upper.numel(), torch.uint8).view(upper.shape)  # no fresh temporaries
+        t = tmp.view(torch.int32) if u.dtype == torch.int32 else tmp
+        torch.bitwise_left_shift(u, 4, out=o[0]).bitwise_and_(hi)
+        o[0].bitwise_or_(torch.bitwise_and(low, lo, out=t))
+        torch.bitwise_and(u, hi, out=o[1])
+        o[1].bitwise_or_(torch.bitwise_right_shift(low, 4, out=t).bitwise_and_(lo))
     return out
 
 
