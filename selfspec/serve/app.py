@@ -15,6 +15,7 @@ Error statuses (OpenAI's body `{"error": {"message", "type", "param", "code"}}` 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
@@ -275,13 +276,19 @@ def submit(runner: EngineRunner, llm: LLM, request_id: str, prompt_ids: list[int
 
 
 async def watch(outputs: asyncio.Queue[RequestOutput], raw: Request) -> AsyncIterator[RequestOutput]:
-    """The request's outputs up to the finished one; stops early if the client disconnects."""
+    """The request's outputs up to the finished one; stops early if the client disconnects. The client is checked
+    every DISCONNECT_POLL_S whether or not outputs arrive (tokens faster than that must not hide a departure)."""
+    checked = time.monotonic()
     while True:
         try:
             out = await asyncio.wait_for(outputs.get(), DISCONNECT_POLL_S)
         except TimeoutError:
+            out = None
+        if out is None or time.monotonic() - checked >= DISCONNECT_POLL_S:
+            checked = time.monotonic()
             if await raw.is_disconnected():
                 return
+        if out is None:
             continue
         yield out
         if out.finished:
