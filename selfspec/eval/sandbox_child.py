@@ -180,7 +180,7 @@ def build_root(config: dict, sources: list[tuple[str, str | int]]) -> None:
         else:
             bind_readonly(f"/proc/self/fd/{source}", root + path)
             os.close(source)
-    os.makedirs(root + "/dev")
+    os.makedirs(root + "/dev", exist_ok=True)  # exist_ok: a bound source may lie below (a venv under /tmp, say)
     for name in DEVICES:
         open(f"{root}/dev/{name}", "w").close()
         mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
@@ -188,7 +188,7 @@ def build_root(config: dict, sources: list[tuple[str, str | int]]) -> None:
         os.symlink(f"/proc/self/fd/{i}", f"{root}/dev/{name}")
     os.symlink("/proc/self/fd", f"{root}/dev/fd")
     for path in ("/dev/shm", "/tmp", "/run"):
-        os.makedirs(root + path)
+        os.makedirs(root + path, exist_ok=True)
         os.chmod(root + path, 0o1777)
     os.makedirs(root + "/proc")
     mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # of our PID namespace only
