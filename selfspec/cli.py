@@ -118,6 +118,7 @@ GPU_BENCHES = {
     "all": ("suite", "every GPU measurement in one run: JSON, markdown report and PNG plots"),
     "steps": ("steps", "AR tokens/s per mode and batch, draft / verify pass times (CUDA graphs)"),
     "gemm": ("gemm", "per-layer GEMM time vs M for every mode, vs cuBLAS"),
+    "prefill": ("prefill", "prefill tokens/s vs a cuBLAS + SDPA peer on the same weights and HF transformers"),
     "spec": ("spec", "speculative tokens/s with acceptance replayed from recorded traces"),
     "peer": ("peer", "HF transformers generate on the same shape"),
     "trace": ("traces", "record acceptance traces on a real model"),

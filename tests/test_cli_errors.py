@@ -268,7 +268,7 @@ def test_ar_banner_names_no_draft_or_gamma(capsys, tiny_dirs):
 
 # Benchmarks: their own help anywhere, a clean error where they need a GPU that is not there.
 
-CUDA_BENCHES = ["all", "steps", "gemm", "spec", "peer", "tune"]
+CUDA_BENCHES = ["all", "steps", "gemm", "prefill", "spec", "peer", "tune"]
 
 
 @pytest.mark.parametrize("name", CUDA_BENCHES + ["trace"])
