@@ -4,7 +4,8 @@
 
 AR tokens/s per mode at batch 1/8/16/32 with a 1k-token context, the weight bandwidth each reaches against the
 device's measured copy bandwidth, per-layer GEMM time vs M, draft / verify / AR step times, speculative
-tokens/s with acceptance replayed from traces recorded on real models, and HF transformers as the peer.
+tokens/s with acceptance replayed from traces recorded on real models, HF transformers as the peer, and prefill
+tokens/s against a cuBLAS + SDPA peer.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.bench import gemm, peer, spec, steps
+from selfspec.bench import gemm, peer, prefill, spec, steps
 from selfspec.bench.device import copy_bandwidth
 from selfspec.bench.traces import TRACE_DIR, load
 
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--verify-tokens", type=int, nargs="+", default=[1, 2, 3, 5, 9])
     ap.add_argument("--gemm-m", type=int, nargs="+", default=[1, 2, 4, 9, 16, 32, 64])
     ap.add_argument("--gamma", type=int, nargs="+", default=[2, 4, 6])
+    ap.add_argument("--prefill-sizes", type=prefill.size, nargs="+", default=[(1, 512), (1, 2048), (1, 8192), (8, 512)])
     ap.add_argument("--trace", type=Path, nargs="+", default=sorted(TRACE_DIR.glob("*.json")))
     ap.add_argument("--peer-compile", action="store_true", help="also HF with static cache + torch.compile")
     args = ap.parse_args(argv)
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     results["spec"] = spec.measure(args.shape, args.trace, args.gamma, args.context)
     results["peer"] = peer.measure(args.shape, args.context, 64, args.peer_compile)
     results["gemm"] = gemm.measure(args.shape, args.gemm_m)
+    results["prefill"] = prefill.measure(args.shape, args.prefill_sizes, ["bf16", "full", "w4a16"], hf=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     peer_lines = "\n".join(f"- {r['peer']}: {r['tokens_per_s']:.1f} tok/s" for r in results["peer"])
     report = (f"# selfspec bench: {title}, context {args.context}, CUDA graphs\n\n"
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
               f"## AR decoding\n\n{ar_table(results['steps'], copy)}\n\n## Pass time vs tokens\n\n"
               f"{pass_table(results['steps'])}\n\n## Speculative decoding (acceptance replayed from traces)\n\n"
               f"{spec.markdown(results['spec'])}\n\n## Peer (batch 1)\n\n{peer_lines}\n\n## GEMM time vs M\n\n"
-              f"{gemm.table(results['gemm'], copy)}\n")
+              f"{gemm.table(results['gemm'], copy)}\n\n## Prefill (from position 0, last-position logits)\n\n"
+              f"{prefill.table(results['prefill'])}\n")
     (args.out / "results.md").write_text(report)
     plot(results["steps"], results["gemm"], [load(p) for p in args.trace], args.out, title)
     print(report)
