@@ -80,9 +80,12 @@ def _tile_rows(pos_ptr, pid_r, b, kv_h, T, S, N_REP, BLOCK_T: tl.constexpr):
 @triton.jit
 def _dot(a, b, acc, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, SYNC: tl.constexpr):
     """a [M, K] @ b [K, N] + acc [M, N] in fp32."""
-    if SYNC:  # Triton's wgmma path takes 2-D dots only: a batch of one keeps 64+ row tiles on mma.sync
-        out = tl.reshape(tl.dot(tl.reshape(a, (1, M, K)), tl.reshape(b, (1, K, N)), tl.reshape(acc, (1, M, N))),
-                         (M, N))
+    if SYNC:  # a batch of 16-row slabs: Triton's wgmma path takes 2-D dots only, so these stay on mma.sync
+        # Triton puts every warp on the batch dimension of a 3-D dot: with a batch of one all 8 warps computed the
+        # whole tile (PTX for sm_90: 8x the mma.sync, 17-21 KB of spills), hence one slab per warp (`_num_warps`).
+        slabs: tl.constexpr = M // 16
+        b3 = tl.broadcast_to(tl.reshape(b, (1, K, N)), (slabs, K, N))
+        out = tl.reshape(tl.dot(tl.reshape(a, (slabs, 16, K)), b3, tl.reshape(acc, (slabs, 16, N))), (M, N))
     else:
         out = tl.dot(a, b, acc)
     return out
@@ -226,6 +229,11 @@ def _attention_in_program_kernel(
              out.to(tl.bfloat16), mask=live[:, None] & (offs_d < D)[None, :])
 
 
+def _num_warps(tiles: Tiles) -> int:
+    """8 warps; 3-D dots take one warp per 16-row slab (more would repeat a slab's work), at most 8."""
+    return min(8, tiles.block_t // 16) if tiles.sync else 8
+
+
 @register("attention", "", "cuda")
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
               q_pos: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
@@ -251,7 +259,8 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     args = (t, s, bs, w, hkv, h // hkv)
     strides = (math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3])
     consts = dict(D=d, BLOCK_D=block_d, BLOCK_T=tiles.block_t, BLOCK_S=BLOCK_S, CHUNK=CHUNK,
-                  TILE_IN_BLOCK=bs % BLOCK_S == 0, SYNC=tiles.sync, num_warps=8, num_stages=2, **launch_options())
+                  TILE_IN_BLOCK=bs % BLOCK_S == 0, SYNC=tiles.sync, num_warps=_num_warps(tiles), num_stages=2,
+                  **launch_options())
     n_tiles = triton.cdiv(t * (h // hkv), tiles.block_t)
     if tiles.in_program:
         _attention_in_program_kernel[(n_tiles, b * hkv)](
