@@ -52,14 +52,17 @@ MERGE_BLOCK_T = 16  # queries per program of the merge kernel (elementwise: no b
 class Tiles:
     """How a call is cut into programs. Every choice computes the same arithmetic in the same order per query."""
     block_t: int = 16  # (query, head) rows per program: a power of two >= 16 (a tensor-core tile)
-    sync: bool = False  # both dots as 3-D dots of a batch of one, which Triton issues as mma.sync at any height
+    # Both dots as 3-D dots over 16-row slabs, which Triton issues as mma.sync at any height (2-D dots of 64+ rows
+    # take wgmma). Compiled offline for sm_90: 176 KB of shared memory at 64 rows, 320 KB at 128 (over an H100's).
+    sync: bool = False
     in_program: bool = False  # one program walks all chunks, else chunks split over programs + the merge kernel
 
 
 DECODE_TILES = Tiles()  # decode and verify: few queries, so the keys are split to fill the GPU
 PREFILL_TILES = Tiles(in_program=True)  # many queries fill the GPU by themselves: no partials through memory
 # Queries per row from which a call takes PREFILL_TILES. Either path gives the same bits, so this is speed only:
-# at 256 queries a batch of one already has 256 * N_REP / 16 tiles per kv head (python -m selfspec.bench.attention).
+# at 256 queries a batch of one already has 256 * N_REP / 16 tiles per kv head (python -m selfspec.bench.attention
+# times both paths there).
 PREFILL_MIN_T = 256
 
 
