@@ -239,18 +239,17 @@ def test_in_program_attention_is_the_split_path_bitwise(t, start, bs):
     assert torch.equal(out, triton_attention.attention(q, k, v, rows_table(2), pos, IN_PROGRAM))  # == contiguous
 
 
-def test_prefill_equals_the_prompt_cut_into_pieces_bitwise():
-    """A prompt of 300 queries in one call (the in-program path: T >= PREFILL_MIN_T) gives each query the bits it
-    gets when the prompt is prefilled in pieces of fewer queries (split path), the cache holding the earlier keys,
-    each piece's table cut to the blocks it reaches."""
+def test_attention_prefill_equals_the_prompt_cut_into_pieces_bitwise():
+    """A prompt of 300 queries in one in-program call gives each query the bits it gets when the prompt is
+    prefilled in pieces of fewer queries by either path, the cache holding the earlier keys, each piece's table cut
+    to the blocks it reaches."""
     q, k, v, k_pool, v_pool, table, pos = paged_prompt(300, 0, 16, seed=5)
     q, k, v, table, pos = q[1:], k[1:], v[1:], table[1:], pos[1:]  # row 1: the prompt follows 3 cached keys
-    assert 300 >= triton_attention.PREFILL_MIN_T > 100
-    whole = triton_attention.attention(q, k_pool, v_pool, table, pos)
+    whole = triton_attention.attention(q, k_pool, v_pool, table, pos, IN_PROGRAM)
     assert rel_err(whole, attention_oracle(q, k, v, pos)) < TOL
     for lo, hi in [(0, 100), (100, 257), (257, 300)]:
         used = -(-(int(pos[0, hi - 1]) + 1) // 16)
-        for tiles in (None, IN_PROGRAM):
+        for tiles in (SPLIT, IN_PROGRAM):
             piece = triton_attention.attention(q[:, :, lo:hi], k_pool, v_pool, table[:, :used], pos[:, lo:hi], tiles)
             assert torch.equal(piece, whole[:, :, lo:hi]), f"queries {lo}..{hi - 1}, {tiles}"
 

@@ -208,7 +208,7 @@ def test_in_program_attention_is_the_split_path_bitwise(t, start):
     assert torch.equal(out, triton_attention.attention(q, k_pool, v_pool, table, pos, SPLIT_16))
 
 
-def test_prefill_equals_the_prompt_cut_into_pieces_and_decode_bitwise():
+def test_attention_prefill_equals_the_prompt_cut_into_pieces_and_decode_bitwise():
     """A 2048-query prompt in one call == the same queries in pieces (the cache holding the earlier keys), each
     piece through the dispatcher (split below PREFILL_MIN_T queries), and == each query decoded alone."""
     q, k, v, k_pool, v_pool, table, pos = paged_8b_prompt(2048, 0, seed=21)
