@@ -22,7 +22,7 @@ ever involve its own row, and its tile is fixed by its own place in the query-ma
 position is fully masked for it, which leaves its state bit-for-bit unchanged (the max stays, exp2(0) = 1
 rescales, p = 0 adds exact zeros); the chunks are fixed and merged in order, and a chunk past its position is
 not merged for it. So it gets the same result alone, among other queries, or in a prompt cut into pieces.
-On the GPU the tile height picks the tensor-core instructions (16 rows: mma.sync; 64 or more: Hopper's wgmma),
+On the GPU the tile height picks the tensor-core instructions (16, 32 rows: mma.sync; 64 or more: wgmma),
 which may round differently: `Tiles.sync` keeps mma.sync at any height (tests/gpu compares the bits).
 """
 from __future__ import annotations
