@@ -214,6 +214,62 @@ def test_paged_attention_padding_rows_and_bad_block_size():
         triton_attention.attention(q, odd, odd, padded, pos)
 
 
+SPLIT, IN_PROGRAM = triton_attention.Tiles(), triton_attention.Tiles(in_program=True)
+
+
+def paged_prompt(t: int, start: int, bs: int, seed: int):
+    """q [2, 4, t, 32] (GQA: 4 query heads on 2 kv heads) at positions start..start + t - 1 (row 1: 3 later),
+    over 640 keys in a paged cache of shuffled blocks: (q, k, v, k_pool, v_pool, table, pos)."""
+    torch.manual_seed(seed)
+    k, v = kv_cache(2, 2, 640, 32)
+    k_pool, v_pool, table = scatter_to_pool(k, v, bs, torch.Generator().manual_seed(seed))
+    q = torch.randn(2, 4, t, 32).bfloat16()
+    pos = torch.stack((torch.arange(start, start + t), torch.arange(start + 3, start + 3 + t)))
+    return q, k, v, k_pool, v_pool, table, pos
+
+
+@pytest.mark.parametrize("t,start,bs", [(1, 300, 16), (9, 250, 128), (40, 0, 16), (24, 500, 64)])
+def test_in_program_attention_is_the_split_path_bitwise(t, start, bs):
+    """One program walking all its chunks gives each query the bits of chunks split over programs and merged by
+    the merge kernel: decode, a verify pass straddling a chunk end (256), a prompt from 0, one crossing 512."""
+    q, k, v, k_pool, v_pool, table, pos = paged_prompt(t, start, bs, seed=t)
+    out = triton_attention.attention(q, k_pool, v_pool, table, pos, IN_PROGRAM)
+    assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
+    assert torch.equal(out, triton_attention.attention(q, k_pool, v_pool, table, pos, SPLIT))
+    assert torch.equal(out, triton_attention.attention(q, k, v, rows_table(2), pos, IN_PROGRAM))  # == contiguous
+
+
+def test_attention_prefill_equals_the_prompt_cut_into_pieces_bitwise():
+    """A prompt of 300 queries in one in-program call gives each query the bits it gets when the prompt is
+    prefilled in pieces of fewer queries by either path, the cache holding the earlier keys, each piece's table cut
+    to the blocks it reaches."""
+    q, k, v, k_pool, v_pool, table, pos = paged_prompt(300, 0, 16, seed=5)
+    q, k, v, table, pos = q[1:], k[1:], v[1:], table[1:], pos[1:]  # row 1: the prompt follows 3 cached keys
+    whole = triton_attention.attention(q, k_pool, v_pool, table, pos, IN_PROGRAM)
+    assert rel_err(whole, attention_oracle(q, k, v, pos)) < TOL
+    for lo, hi in [(0, 100), (100, 257), (257, 300)]:
+        used = -(-(int(pos[0, hi - 1]) + 1) // 16)
+        for tiles in (SPLIT, IN_PROGRAM):
+            piece = triton_attention.attention(q[:, :, lo:hi], k_pool, v_pool, table[:, :used], pos[:, lo:hi], tiles)
+            assert torch.equal(piece, whole[:, :, lo:hi]), f"queries {lo}..{hi - 1}, {tiles}"
+
+
+@pytest.mark.parametrize("in_program", [False, True])
+def test_attention_tile_heights_and_3d_dots_run_and_agree(in_program):
+    """Taller tiles, with and without the 3-D (mma.sync) dots, compute the same attention. The interpreter cannot
+    show tensor-core rounding: tests/gpu compares their bits."""
+    q, k, v, k_pool, v_pool, table, pos = paged_prompt(20, 260, 16, seed=7)
+    base = triton_attention.attention(q, k_pool, v_pool, table, pos, triton_attention.Tiles(in_program=in_program))
+    for block_t in (16, 64):
+        for sync in (False, True):
+            tiles = triton_attention.Tiles(block_t, sync, in_program)
+            out = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles)
+            assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL, tiles
+            torch.testing.assert_close(out, base)
+    with pytest.raises(SelfspecError, match="power of two >= 16"):
+        triton_attention.attention(q, k_pool, v_pool, table, pos, triton_attention.Tiles(block_t=8))
+
+
 # --- small ops
 
 

@@ -5,20 +5,30 @@ cache is read in place (no gather); the contiguous cache is the case of one bloc
 blocks hold whole key tiles (BS a multiple of BLOCK_S, the contiguous cache included), a tile's keys share one
 block id, read once per tile instead of once per key.
 
-Flash-decoding: the keys are cut into chunks of a fixed size (CHUNK); one program per (tile of query rows, kv
-head, chunk) runs an online softmax over its chunk's key blocks, in order, with fp32 scores and accumulators; a
-second kernel merges each query's chunk partials in chunk order. A tile's rows are the (query, head) pairs of
-the query heads that share one kv head (GQA), so each key block is read once for all of them. A decode step has
-one query per head, so splitting the keys is what puts enough programs on the GPU.
-Batch invariance across the number of queries: a query's scores, running max and sums only ever involve its
-own row, and its tile is fixed by its own place in the query-major order; a key block past its position is
-fully masked for it, which leaves its state bit-for-bit unchanged (the max stays, exp2(0) = 1 rescales, p = 0
-adds exact zeros); the chunks are fixed and merged in order, and a chunk past its position is skipped. So it
-gets the same result alone or among other queries.
+The keys are cut into chunks of a fixed size (CHUNK). Each chunk is an online softmax over its key tiles, in
+order, from a fresh state, with fp32 scores and accumulators (`_chunk_softmax`); the chunks' (max, sum, acc)
+states are then merged in chunk order (`_merge`). A tile's rows are the (query, head) pairs of the query heads
+that share one kv head (GQA), so each key tile is read once for all of them. Two paths run this arithmetic:
+- split (flash-decoding): one program per (tile of rows, kv head, chunk) writes its chunk's state; a second
+  kernel merges each query's chunk states. A decode step has one query per head, so splitting the keys is what
+  puts enough programs on the GPU.
+- in-program (prefill): one program per (tile of rows, kv head) walks all its chunks itself and merges each into
+  a running state as it goes: no partials through memory, and a tile stops at its last row's position.
+Both give a query the same bits: its chunk states are computed by the same code from the same keys, and merged
+by the same code in the same order.
+
+Invariance across the number of queries, the batch and the path: a query's scores, running max and sums only
+ever involve its own row, and its tile is fixed by its own place in the query-major order; a key tile past its
+position is fully masked for it, which leaves its state bit-for-bit unchanged (the max stays, exp2(0) = 1
+rescales, p = 0 adds exact zeros); the chunks are fixed and merged in order, and a chunk past its position is
+not merged for it. So it gets the same result alone, among other queries, or in a prompt cut into pieces.
+On the GPU the tile height picks the tensor-core instructions (16, 32 rows: mma.sync; 64 or more: wgmma),
+which may round differently: `Tiles.sync` keeps mma.sync at any height (tests/gpu compares the bits).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -30,12 +40,102 @@ from selfspec.kernels import register
 from selfspec.kernels.launch import launch_options, wait
 from selfspec.kernels.reference import attention as reference_attention
 
-BLOCK_T = 16  # queries per program: fixed, whatever T is
 # Keys per step of the online softmax: fixed, so every query sums its keys in the same order. H100, 8B heads, 8
 # warps (docs/bench-h100/attention-key-tiles.json): 128 keys took 9.0 us at batch 1 and 1k keys against 11.1 for
 # 64, and 118 vs 112 us at batch 32 x 9 queries (256: 6.8 and 147).
 BLOCK_S = KEY_TILE
 CHUNK = 256  # keys per chunk: fixed, whatever T and S are (H100, 8B heads: 256 beat 512 and 128 at 1k-4k keys)
+MERGE_BLOCK_T = 16  # queries per program of the merge kernel (elementwise: no bearing on any query's bits)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How a call is cut into programs. Every choice computes the same arithmetic in the same order per query."""
+    block_t: int = 16  # (query, head) rows per program: a power of two >= 16 (a tensor-core tile)
+    # Both dots as 3-D dots over 16-row slabs, which Triton issues as mma.sync at any height (2-D dots of 64+ rows
+    # take wgmma). Compiled offline for sm_90: 176 KB of shared memory at 64 rows, 320 KB at 128 (over an H100's).
+    sync: bool = False
+    in_program: bool = False  # one program walks all chunks, else chunks split over programs + the merge kernel
+
+
+DECODE_TILES = Tiles()  # decode and verify: few queries, so the keys are split to fill the GPU
+PREFILL_TILES = Tiles(in_program=True)  # many queries fill the GPU by themselves: no partials through memory
+# Queries per row from which a call takes PREFILL_TILES. Either path gives the same bits, so this is speed only:
+# at 256 queries a batch of one already has 256 * N_REP / 16 tiles per kv head (python -m selfspec.bench.attention
+# times both paths there).
+PREFILL_MIN_T = 256
+
+
+@triton.jit
+def _tile_rows(pos_ptr, pid_r, b, kv_h, T, S, N_REP, BLOCK_T: tl.constexpr):
+    """A tile's rows: their queries t, heads h, whether they exist, and their positions (clamped to the table)."""
+    # Query-major (query, head) pairs of one kv head, so the N_REP heads that share it read each key once. A
+    # pair's tile is fixed by its own query and head, whatever T is.
+    r = pid_r * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = r // N_REP
+    h = kv_h * N_REP + r % N_REP
+    live = t < T
+    # Padding rows read key 0 only (no NaN); a position past the table's S keys reads all S of them.
+    pos = tl.minimum(tl.load(pos_ptr + b * T + t, mask=live, other=0), S - 1)
+    return t, h, live, pos
+
+
+@triton.jit
+def _dot(a, b, acc, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, SYNC: tl.constexpr):
+    """a [M, K] @ b [K, N] + acc [M, N] in fp32."""
+    if SYNC:  # a batch of 16-row slabs: Triton's wgmma path takes 2-D dots only, so these stay on mma.sync
+        # Triton puts every warp on the batch dimension of a 3-D dot: with a batch of one all 8 warps computed the
+        # whole tile (PTX for sm_90: 8x the mma.sync, 17-21 KB of spills), hence one slab per warp (`_num_warps`).
+        slabs: tl.constexpr = M // 16
+        b3 = tl.broadcast_to(tl.reshape(b, (1, K, N)), (slabs, K, N))
+        out = tl.reshape(tl.dot(tl.reshape(a, (slabs, 16, K)), b3, tl.reshape(acc, (slabs, 16, N))), (M, N))
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def _chunk_softmax(q, pos, k_head, v_head, table_row, start, end, BS, qk_scale, stride_kn, stride_ks, stride_vn,
+                   stride_vs, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_S: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, SYNC: tl.constexpr):
+    """The online softmax of keys start..end-1 (one chunk, cut at the tile's last position) from a fresh state:
+    each row's (max, sum, acc), max -inf for a row that reaches no key of the chunk."""
+    offs_d = tl.arange(0, BLOCK_D)
+    m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        kv_mask = (offs_s < end)[:, None] & (offs_d < D)[None, :]
+        if TILE_IN_BLOCK:  # one block id for the whole tile: no per-key lookup before the K/V loads
+            block = tl.load(table_row + s0 // BS)
+        else:
+            block = tl.load(table_row + offs_s // BS, mask=offs_s < end, other=0)[:, None]
+        slot = offs_s % BS
+        k = tl.load(k_head + block * stride_kn + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0)
+        v = tl.load(v_head + block * stride_vn + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0)
+        scores = _dot(q, tl.trans(k), tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32), BLOCK_T, BLOCK_D, BLOCK_S, SYNC)
+        scores = scores * qk_scale  # log2 domain: qk_scale folds in log2(e)
+        scores = tl.where(offs_s[None, :] <= pos[:, None], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A row that reaches no key of the chunk keeps m = -inf: exp2(-inf - -inf) would be NaN.
+        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m_i - m_new))
+        p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp2(scores - m_new[:, None]))
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = _dot(p.to(tl.bfloat16), v, acc * alpha[:, None], BLOCK_T, BLOCK_S, BLOCK_D, SYNC)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _merge(m, l, acc, m_c, l_c, acc_c):
+    """The running state (m, l, acc) with one more chunk's state merged in: the one merge of both paths."""
+    m_new = tl.maximum(m, m_c)  # finite once chunk 0 is in: it holds key 0 for everyone
+    alpha = tl.exp2(m - m_new)
+    beta = tl.exp2(m_c - m_new)
+    l = l * alpha + l_c * beta
+    acc = acc * alpha[:, None] + acc_c * beta[:, None]
+    return m_new, l, acc
 
 
 @triton.jit(do_not_specialize=["T", "S"])  # one binary for every number of queries and keys
@@ -43,7 +143,7 @@ def _attention_chunk_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, S, BS, W, HKV, N_REP, N_CHUNKS, qk_scale,
     stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    TILE_IN_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, SYNC: tl.constexpr, PDL: tl.constexpr,
 ):
     wait(PDL)
     pid_r = tl.program_id(0)
@@ -51,46 +151,15 @@ def _attention_chunk_kernel(
     c = tl.program_id(2)
     b = bkv // HKV
     kv_h = bkv % HKV
-    # GQA: the rows of a tile are the (query, head) pairs of one kv head, query-major, so the N_REP heads that
-    # share it read each key once. A pair's tile is fixed by its own query and head, whatever T is.
-    r = pid_r * BLOCK_T + tl.arange(0, BLOCK_T)
-    t = r // N_REP
-    h = kv_h * N_REP + r % N_REP
-    live = t < T
+    t, h, live, pos = _tile_rows(pos_ptr, pid_r, b, kv_h, T, S, N_REP, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
-    q_mask = live[:, None] & (offs_d < D)[None, :]
-    # Padding rows read key 0 only (no NaN); a position past the table's S keys reads all S of them.
-    pos = tl.minimum(tl.load(pos_ptr + b * T + t, mask=live, other=0), S - 1)
     end = tl.minimum(tl.max(pos, axis=0) + 1, (c + 1) * CHUNK)  # keys this program reads
     if c * CHUNK < end:  # else no row of this tile reaches the chunk: the merge skips it
         q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
-                    mask=q_mask, other=0)
-        k_head = k_ptr + kv_h * stride_kh
-        v_head = v_ptr + kv_h * stride_vh
-        m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for s0 in range(c * CHUNK, end, BLOCK_S):
-            offs_s = s0 + tl.arange(0, BLOCK_S)
-            kv_mask = (offs_s < end)[:, None] & (offs_d < D)[None, :]
-            if TILE_IN_BLOCK:  # one block id for the whole tile: no per-key lookup before the K/V loads
-                block = tl.load(table_ptr + b * W + s0 // BS)
-            else:
-                block = tl.load(table_ptr + b * W + offs_s // BS, mask=offs_s < end, other=0)[:, None]
-            slot = offs_s % BS
-            k = tl.load(k_head + block * stride_kn + slot[:, None] * stride_ks + offs_d[None, :],
-                        mask=kv_mask, other=0)
-            v = tl.load(v_head + block * stride_vn + slot[:, None] * stride_vs + offs_d[None, :],
-                        mask=kv_mask, other=0)
-            scores = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain: qk_scale folds in log2(e)
-            scores = tl.where(offs_s[None, :] <= pos[:, None], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            # A row that reaches no key of the chunk keeps m = -inf: exp2(-inf - -inf) would be NaN.
-            alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m_i - m_new))
-            p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp2(scores - m_new[:, None]))
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
-            m_i = m_new
+                    mask=live[:, None] & (offs_d < D)[None, :], other=0)
+        m_i, l_i, acc = _chunk_softmax(
+            q, pos, k_ptr + kv_h * stride_kh, v_ptr + kv_h * stride_vh, table_ptr + b * W, c * CHUNK, end, BS,
+            qk_scale, stride_kn, stride_ks, stride_vn, stride_vs, D, BLOCK_D, BLOCK_T, BLOCK_S, TILE_IN_BLOCK, SYNC)
         row = ((b * HKV * N_REP + h) * N_CHUNKS + c) * T + t  # partials [B * H, N_CHUNKS, T]
         tl.store(m_ptr + row, m_i, mask=live)
         tl.store(l_ptr + row, l_i, mask=live)
@@ -119,26 +188,67 @@ def _attention_merge_kernel(
         m_c = tl.load(m_ptr + row, mask=used, other=float("-inf"))
         l_c = tl.load(l_ptr + row, mask=used, other=0)
         acc_c = tl.load(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=used[:, None], other=0)
-        m_new = tl.maximum(m, m_c)  # finite: chunk 0 gives every query a finite max
-        alpha = tl.exp2(m - m_new)
-        beta = tl.exp2(m_c - m_new)
-        l = l * alpha + l_c * beta
-        acc = acc * alpha[:, None] + acc_c * beta[:, None]
-        m = m_new
+        m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c)
     out = acc / l[:, None]
     o_mask = (offs_t < T)[:, None] & (offs_d < D)[None, :]
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_t[:, None] * stride_ot + offs_d[None, :],
              out.to(tl.bfloat16), mask=o_mask)
 
 
+@triton.jit(do_not_specialize=["T", "S"])
+def _attention_in_program_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, T, S, BS, W, HKV, N_REP, qk_scale,
+    stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_ot,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, SYNC: tl.constexpr, PDL: tl.constexpr,
+):
+    wait(PDL)
+    pid_r = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the last tiles read the most keys, so start first
+    bkv = tl.program_id(1)
+    b = bkv // HKV
+    kv_h = bkv % HKV
+    t, h, live, pos = _tile_rows(pos_ptr, pid_r, b, kv_h, T, S, N_REP, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
+                mask=live[:, None] & (offs_d < D)[None, :], other=0)
+    k_head = k_ptr + kv_h * stride_kh
+    v_head = v_ptr + kv_h * stride_vh
+    end = tl.max(pos, axis=0) + 1  # the tile stops at its last row's position
+    m = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for c in range(0, (end + CHUNK - 1) // CHUNK):  # in chunk order, each chunk's state as the split path's
+        m_c, l_c, acc_c = _chunk_softmax(
+            q, pos, k_head, v_head, table_ptr + b * W, c * CHUNK, tl.minimum(end, (c + 1) * CHUNK), BS, qk_scale,
+            stride_kn, stride_ks, stride_vn, stride_vs, D, BLOCK_D, BLOCK_T, BLOCK_S, TILE_IN_BLOCK, SYNC)
+        used = c * CHUNK <= pos  # as the merge kernel: a chunk past a query's position is not merged for it
+        m_c = tl.where(used, m_c, float("-inf"))
+        l_c = tl.where(used, l_c, 0.0)
+        acc_c = tl.where(used[:, None], acc_c, 0.0)
+        m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c)
+    out = acc / l[:, None]
+    tl.store(o_ptr + b * stride_ob + h[:, None] * stride_oh + t[:, None] * stride_ot + offs_d[None, :],
+             out.to(tl.bfloat16), mask=live[:, None] & (offs_d < D)[None, :])
+
+
+def _num_warps(tiles: Tiles) -> int:
+    """8 warps; 3-D dots take one warp per 16-row slab (more would repeat a slab's work), at most 8."""
+    return min(8, tiles.block_t // 16) if tiles.sync else 8
+
+
 @register("attention", "", "cuda")
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-              q_pos: torch.Tensor) -> torch.Tensor:
+              q_pos: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
     """q [B, Hq, T, D] at positions q_pos [B, T]; pools [N, Hkv, bs, D], block table [B, W] (kernels/ops.py):
-    the reference attention, in two kernels, reading the keys in place."""
+    the reference attention, reading the keys in place. tiles: PREFILL_TILES from PREFILL_MIN_T queries on,
+    else DECODE_TILES (read at each call, so a script may set them)."""
     if not q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16:
         return reference_attention(q, k_pool, v_pool, table, q_pos)  # bf16 only: other dtypes take the reference
     b, h, t, d = q.shape
+    tiles = tiles or (PREFILL_TILES if t >= PREFILL_MIN_T else DECODE_TILES)
+    if tiles.block_t < 16 or tiles.block_t & (tiles.block_t - 1):
+        raise SelfspecError(f"attention tiles need a power of two >= 16 rows (a tensor-core tile), got {tiles.block_t}")
     bs, w = k_pool.shape[2], table.shape[1]
     check_block_size(bs)
     s = w * bs  # keys the table addresses
@@ -146,20 +256,27 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
         raise SelfspecError("the KV pools must be contiguous along head_dim")
     table, pos = table.contiguous(), q_pos.contiguous()
-    n_chunks, block_d = triton.cdiv(s, CHUNK), triton.next_power_of_2(d)
+    hkv = k_pool.shape[1]
+    block_d = triton.next_power_of_2(d)
+    out = torch.empty((b, h, t, d), dtype=q.dtype, device=q.device)
+    args = (t, s, bs, w, hkv, h // hkv)
+    strides = (math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3])
+    consts = dict(D=d, BLOCK_D=block_d, BLOCK_T=tiles.block_t, BLOCK_S=BLOCK_S, CHUNK=CHUNK,
+                  TILE_IN_BLOCK=bs % BLOCK_S == 0, SYNC=tiles.sync, num_warps=_num_warps(tiles), num_stages=2,
+                  **launch_options())
+    n_tiles = triton.cdiv(t * (h // hkv), tiles.block_t)
+    if tiles.in_program:
+        _attention_in_program_kernel[(n_tiles, b * hkv)](
+            q, k_pool, v_pool, table, pos, out, *args, *strides, *out.stride()[:3], **consts)
+        return out
+    n_chunks = triton.cdiv(s, CHUNK)
     m = torch.empty((b * h, n_chunks, t), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((b * h, n_chunks, t, block_d), dtype=torch.float32, device=q.device)
-    out = torch.empty((b, h, t, d), dtype=q.dtype, device=q.device)
-    hkv = k_pool.shape[1]
-    _attention_chunk_kernel[(triton.cdiv(t * (h // hkv), BLOCK_T), b * hkv, n_chunks)](
-        q, k_pool, v_pool, table, pos, m, l, acc, t, s, bs, w, hkv, h // hkv, n_chunks,
-        math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3],
-        D=d, BLOCK_D=block_d, BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S, CHUNK=CHUNK, TILE_IN_BLOCK=bs % BLOCK_S == 0,
-        num_warps=8, num_stages=2, **launch_options(),
-    )
-    _attention_merge_kernel[(triton.cdiv(t, BLOCK_T), b * h)](
+    _attention_chunk_kernel[(n_tiles, b * hkv, n_chunks)](
+        q, k_pool, v_pool, table, pos, m, l, acc, *args, n_chunks, *strides, **consts)
+    _attention_merge_kernel[(triton.cdiv(t, MERGE_BLOCK_T), b * h)](
         pos, m, l, acc, out, t, s, h, n_chunks, *out.stride()[:3],
-        D=d, BLOCK_D=block_d, BLOCK_T=BLOCK_T, CHUNK=CHUNK, num_warps=4, **launch_options(),
+        D=d, BLOCK_D=block_d, BLOCK_T=MERGE_BLOCK_T, CHUNK=CHUNK, num_warps=4, **launch_options(),
     )
     return out

@@ -186,6 +186,54 @@ def test_attention_prefill():
     assert torch.equal(alone, out[:, :, 650:651])
 
 
+SPLIT_16 = triton_attention.Tiles()  # the tiles every other tiling must match, bit for bit
+
+
+def paged_8b_prompt(t: int, start: int, seed: int):
+    """8B heads, 2 rows at positions start.. (row 1: 5 later) over 4k keys in 16-key blocks at shuffled ids."""
+    torch.manual_seed(seed)
+    k = torch.randn(2, 8, 4096, 128, device=DEV).bfloat16()
+    v = torch.randn(2, 8, 4096, 128, device=DEV).bfloat16()
+    k_pool, v_pool, table = scatter_to_pool(k, v, 16, torch.Generator().manual_seed(seed))
+    q = torch.randn(2, 32, t, 128, device=DEV).bfloat16()
+    pos = torch.stack((torch.arange(start, start + t), torch.arange(start + 5, start + 5 + t))).to(DEV)
+    return q, k, v, k_pool, v_pool, table, pos
+
+
+@pytest.mark.parametrize("t,start", [(1, 3000), (9, 1492), (700, 0), (2048, 1000)])
+def test_in_program_attention_is_the_split_path_bitwise(t, start):
+    q, k, v, k_pool, v_pool, table, pos = paged_8b_prompt(t, start, seed=t)
+    out = triton_attention.attention(q, k_pool, v_pool, table, pos, triton_attention.Tiles(in_program=True))
+    assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
+    assert torch.equal(out, triton_attention.attention(q, k_pool, v_pool, table, pos, SPLIT_16))
+
+
+def test_attention_prefill_equals_the_prompt_cut_into_pieces_and_decode_bitwise():
+    """A 2048-query prompt in one call == the same queries in pieces (the cache holding the earlier keys), each
+    piece through the dispatcher (split below PREFILL_MIN_T queries), and == each query decoded alone."""
+    q, k, v, k_pool, v_pool, table, pos = paged_8b_prompt(2048, 0, seed=21)
+    whole = triton_attention.attention(q, k_pool, v_pool, table, pos)
+    assert rel_err(whole, attention_oracle(q, k, v, pos)) < TOL
+    for lo, hi in [(0, 100), (100, 1000), (1000, 1001), (1001, 2048)]:
+        used = -(-(int(pos[:, hi - 1].max()) + 1) // 16)
+        piece = triton_attention.attention(q[:, :, lo:hi], k_pool, v_pool, table[:, :used], pos[:, lo:hi])
+        assert torch.equal(piece, whole[:, :, lo:hi]), f"queries {lo}..{hi - 1}"
+    for i in (0, 255, 256, 1500, 2047):
+        alone = triton_attention.attention(q[1:, :, i:i + 1], k_pool, v_pool, table[1:], pos[1:, i:i + 1])
+        assert torch.equal(alone, whole[1:, :, i:i + 1]), f"query {i} decoded alone"
+
+
+@pytest.mark.parametrize("which", ["DECODE_TILES", "PREFILL_TILES"])
+@pytest.mark.parametrize("t,start", [(9, 1492), (1024, 0)])
+def test_chosen_attention_tiles_keep_the_16_row_bits(which, t, start):
+    """Taller tiles may take other tensor-core instructions (wgmma): the tiles the dispatcher uses must still give
+    every query the bits of 16-row split tiles, or decode and prefill would disagree."""
+    q, k, v, k_pool, v_pool, table, pos = paged_8b_prompt(t, start, seed=t + 1)
+    tiles = getattr(triton_attention, which)
+    out = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles)
+    assert torch.equal(out, triton_attention.attention(q, k_pool, v_pool, table, pos, SPLIT_16)), tiles
+
+
 def test_rms_norm():
     torch.manual_seed(5)
     x, w = torch.randn(1, 64, 4096, device=DEV).bfloat16(), torch.randn(4096, device=DEV).bfloat16()
