@@ -22,8 +22,9 @@ BASE = Tiles()  # 16-row split tiles: the bits every candidate is compared with
 DECODE_CASES = [(1, 1, 1024), (1, 1, 8192), (32, 9, 1024)]  # batch, queries per row, keys per row
 # batch, prompt length (causal from position 0); 256 queries: where the dispatcher turns to the in-program path
 PREFILL_CASES = [(1, 256), (1, 2048), (8, 512), (1, 8192)]
-# 32 rows still take mma.sync as 2-D dots (sm_90 PTX); 64 and 128 take wgmma unless sync.
-TALL = [Tiles(32), *(Tiles(block_t, sync) for block_t in (64, 128) for sync in (False, True))]
+# 32 rows still take mma.sync as 2-D dots (sm_90 PTX); 64 and 128 take wgmma unless sync (128 sync: past the
+# H100's shared memory).
+TALL = [Tiles(32), Tiles(64), Tiles(64, True), Tiles(128)]
 DECODE_CANDIDATES = [BASE, *TALL]
 PREFILL_CANDIDATES = [Tiles(t.block_t, t.sync, in_program) for in_program in (False, True) for t in [BASE, *TALL]]
 
