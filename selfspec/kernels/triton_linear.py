@@ -575,8 +575,10 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 #   int32 dots per K tile, then the same fp32 affine per element);
 # - bf16 activations (bf16, int8 and nibble weights): warps, stages, N tiles and M tiles up to 32 keep the bits,
 #   but M tiles of 64 or more (where Triton issues Hopper's wgmma instead of mma.sync) changed 4e-5 to 1.5e-3 of
-#   the outputs of integer-coded weights (random bf16 weights showed none, but the Hadamard rotation's +-1
-#   weights are integers too): so these stay on mma.sync, M tiles of 32;
+#   the outputs of integer-coded weights (int8 codes, nibbles, planes): so these stay on mma.sync, M tiles of 32.
+#   bf16 weights kept every bit on wgmma tiles (64 x 128, 128 x 128 at M = 256 and 4096: random, integer-valued
+#   and +-1 weights such as the rotation's, docs/bench-h100/gemm-many-tokens.md), at 1.5x cuBLAS against 2.0-2.8x
+#   on 32-row tiles: they take them past 64 rows;
 # - speed: each bucket's tiles beat the decode tiles at M = 64 to 4096 (gemm bench), but for the nibble kernel with
 #   bf16 activations at M <= 64, and where its decode tiles are 256 wide (one nibble plane over few K pieces: gate/up
 #   and down of 8B models), whose long programs stayed faster at every M: those keep their decode tiles.
@@ -586,8 +588,9 @@ MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
                  (1 << 62, (128, 128, 8, 3, True), (128, 128, 8, 3, False))],
     "nibble-act": [(64, None, None), (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
     "nibble": [(64, None, None), (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
-    **{kind: [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
-              (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))] for kind in ("bf16", "int8")},
+    "bf16": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)), (256, (64, 128, 4, 3, True), (64, 128, 4, 3, False)),
+             (1 << 62, (128, 128, 8, 3, True), (128, 128, 8, 3, False))],
+    "int8": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)), (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
 }
 
 

@@ -14,7 +14,7 @@ from selfspec.errors import SelfspecError  # noqa: E402
 from selfspec.kernels import lookup, reference_op, semaphores, triton_attention  # noqa: E402
 from selfspec.kernels import triton_linear, triton_small  # noqa: E402
 from selfspec.quant.act import quantize_per_token  # noqa: E402
-from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
+from selfspec.quant.formats import STORAGES, DenseWeight, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
 from selfspec.quant.rotation import hadamard  # noqa: E402
 from kernel_oracles import (TOL, attention_oracle, linear_oracle, rel_err, rope_angles,  # noqa: E402
@@ -85,6 +85,22 @@ def test_linear_many_tokens_keeps_each_rows_bits(storage, mode_name, n, k):
         for i in rows:
             if i < m:
                 assert torch.equal(y[i:i + 1], alone[i]), f"M={m} row {i}"
+
+
+@pytest.mark.parametrize("values", ["signs", "integers"])
+def test_linear_many_tokens_keeps_each_rows_bits_for_integer_valued_bf16_weights(values):
+    """bf16 weights take wgmma tiles past 64 rows: integer-valued ones (the rotation's +-1, codes up to 127), where
+    integer-coded formats showed wgmma's other bits, keep each row's bits too."""
+    torch.manual_seed(4)
+    w = torch.randn(4096, 4096, device=DEV)
+    w = torch.sign(w) if values == "signs" else torch.round(w * 40).clamp(-127, 127)
+    weight = DenseWeight(w.bfloat16())
+    x = torch.randn(MANY_ROWS[-1], 4096, device=DEV).bfloat16()
+    y = triton_linear.linear(x, weight, MODES["bf16"], None)
+    for m in MANY_ROWS[:-1]:
+        assert torch.equal(triton_linear.linear(x[:m], weight, MODES["bf16"], None), y[:m]), f"M={m}"
+    for i in (0, 100, 8191):
+        assert torch.equal(triton_linear.linear(x[i:i + 1], weight, MODES["bf16"], None), y[i:i + 1]), f"row {i}"
 
 
 def test_split_k_counters_are_made_before_a_graph_capture():
