@@ -204,10 +204,18 @@ class Transformer(nn.Module):
         c = self.cfg
         return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
 
-    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] at positions pos [B, T] (each row its own; [T] when all rows share them)
-        -> logits [B, T, vocab] (float32)."""
-        return self.logits(self.hidden(tokens, pos, cache, mode), mode)
+        -> logits [B, T, vocab] (float32). With logits_at [R] (indices into the B * T tokens, row-major), the
+        logits of those tokens only, [R, vocab]: a prefill needs its last position, and the head (a GEMM over the
+        whole vocabulary) then runs on R rows instead of B * T."""
+        hidden = self.hidden(tokens, pos, cache, mode)
+        if logits_at is None:
+            return self.logits(hidden, mode)
+        if not len(logits_at):  # nothing asked (a prefill chunk that completes no prompt): no head pass
+            return hidden.new_empty(0, self.lm_head.weight.shape[0], dtype=torch.float32)
+        return self.logits(hidden.reshape(-1, hidden.shape[-1])[logits_at], mode)
 
     def hidden(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode) -> torch.Tensor:
         """The final-norm hidden states [B, T, dim]; writes the KV of every position into `cache`."""

@@ -383,12 +383,15 @@ class Engine:
         real = torch.arange(width)[None] < torch.tensor(sizes)[:, None]
         start = torch.tensor([s.prefilled for s in seqs])[:, None]
         pos = (start + torch.arange(width)).clamp_max(self.max_len - 1)  # padding may run past the context
-        logits = model(toks.to(dev), pos.to(dev), self.cache.view([s.id for s in seqs], real), self.llm.verify_mode)
         done = [s.prefilled + n == len(c) for s, c, n in zip(seqs, contexts, sizes)]
-        last = logits[torch.arange(len(seqs), device=dev), torch.tensor(sizes, device=dev) - 1]  # last positions
+        drawing = [i for i, (d, r) in enumerate(zip(done, resumed)) if d and not r]  # rows whose first token is due
+        last = model(toks.to(dev), pos.to(dev), self.cache.view([s.id for s in seqs], real), self.llm.verify_mode,
+                     logits_at=torch.tensor([i * width + sizes[i] - 1 for i in drawing], device=dev))
         top = last.argmax(-1).tolist()  # greedy rows' first tokens: one pass and one copy, not one per row
-        first = [(top[i] if s.params.greedy else pick(last[i], s.params, s.gen)) if d and not r else None
-                 for i, (s, d, r) in enumerate(zip(seqs, done, resumed))]
+        first = [None] * len(seqs)
+        for j, i in enumerate(drawing):
+            s = seqs[i]
+            first[i] = top[j] if s.params.greedy else pick(last[j], s.params, s.gen)
         now = time.perf_counter()
         for s, n, d, r, tok in zip(seqs, sizes, done, resumed, first):
             s.prefilled += n
