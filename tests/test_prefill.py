@@ -1,10 +1,15 @@
 """Prefill on tiny random models: logits only where asked (the head runs on those rows only), bitwise equal to the
-full forward's at those positions."""
+full forward's at those positions; --prefill-chunk on serve, bench serve and eval."""
 import pytest
 import torch
 
+import selfspec
 from conftest import tiny_model
-from selfspec.engine.engine import Engine
+from selfspec.bench import serve as bench_serve
+from selfspec.cli import main
+from selfspec.engine import engine as engine_module
+from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
+from selfspec.eval import command as eval_command
 from selfspec.engine.llm import build
 from selfspec.spec.recipes import resolve_recipe
 from selfspec.spec.sampling import SamplingParams
@@ -75,3 +80,56 @@ def run(engine) -> dict[str, list[int]]:
         for o in engine.step():
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
     return tokens
+
+
+COMMANDS = {"serve": ["serve"], "bench serve": ["bench", "serve", "--no-check"], "eval": ["eval", "--tasks", "gsm8k"]}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("bad", ["0", "-3"])
+def test_prefill_chunk_below_one_is_refused_before_loading(command, bad, monkeypatch, capsys):
+    monkeypatch.setattr(selfspec.loading, "resolve", lambda *a: pytest.fail("loaded a model before checking"))
+    assert main([*COMMANDS[command], "--prefill-chunk", bad]) == 2
+    assert "--prefill-chunk must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_prefill_chunk_is_documented(command, capsys):
+    with pytest.raises(SystemExit):
+        main([*COMMANDS[command], "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--prefill-chunk N" in text and f"(default: {DEFAULT_PREFILL_CHUNK})" in text
+
+
+class Built(Exception):
+    """Raised by a stand-in Engine once it has seen its arguments."""
+
+
+@pytest.mark.parametrize("command", ["serve", "bench serve"])
+def test_prefill_chunk_reaches_the_engine(command, monkeypatch):
+    monkeypatch.setattr(selfspec.loading, "resolve", lambda *a: (*tiny_model("llama", seed=4)[:2], None, "tiny"))
+    seen = {}
+
+    def engine(*args, **kwargs):
+        seen.update(kwargs)
+        raise Built
+
+    monkeypatch.setattr(engine_module, "Engine", engine)
+    monkeypatch.setattr(bench_serve, "Engine", engine)
+    monkeypatch.setattr(bench_serve, "prompt_pool", lambda *a: [[5, 6, 7]])
+    with pytest.raises(Built):
+        main([*COMMANDS[command], "--group-size", "32", "--prefill-chunk", "48"])
+    assert seen["prefill_chunk"] == 48
+
+
+def test_eval_passes_prefill_chunk_on(monkeypatch):
+    seen = []
+
+    def run_eval(*args):
+        seen.extend(args)
+        raise Built
+
+    monkeypatch.setattr(eval_command, "run_eval", run_eval)
+    with pytest.raises(Built):
+        main(["eval", "--tasks", "gsm8k", "--prefill-chunk", "48"])
+    assert seen[-1] == 48

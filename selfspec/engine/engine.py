@@ -38,6 +38,7 @@ from selfspec.spec.sampling import SamplingParams
 from selfspec.spec.verify import accept_greedy
 
 DEFAULT_TOKENS_PER_SEQ = 1024  # default pool: max_batch sequences of this many tokens
+DEFAULT_PREFILL_CHUNK = 256  # context tokens prefilled per step (serve, bench serve and eval: --prefill-chunk)
 
 
 class QueueFull(SelfspecError):
@@ -111,7 +112,7 @@ class _Counters:
 
 class Engine:
     def __init__(self, llm: LLM, max_batch: int = 32, block_size: int = 16, num_blocks: int | None = None,
-                 max_queue: int = 256, prefill_chunk: int = 256, max_gamma: int = 8,
+                 max_queue: int = 256, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_gamma: int = 8,
                  policy: GammaPolicy | None = None, accept: GreedyAcceptance = accept_greedy):
         """`accept` judges greedy rows' drafts (benchmarks replay recorded acceptance through it)."""
         for name, value in (("max_batch", max_batch), ("block_size", block_size), ("max_queue", max_queue),
