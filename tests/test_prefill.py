@@ -17,6 +17,7 @@ from selfspec.engine import engine as engine_module
 from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
 from selfspec.cache.paged import PagedKVCache
 from selfspec.eval import command as eval_command
+from selfspec.kernels import cpu as cpu_kernels
 from selfspec.model import Packed
 from selfspec.engine.llm import build
 from selfspec.spec.recipes import resolve_recipe
@@ -213,3 +214,47 @@ def test_prefill_budget_counts_real_tokens(llm, monkeypatch):
     monkeypatch.undo()
     assert out == {str(i): llm.generate(p, params, gamma=0).token_ids for i, p in enumerate(prompts)}
 
+
+def prefill_through_engine(llm, prompt, chunk, block_size):
+    """Serve one request of one new token with prefill chunks of `chunk` tokens: (the KV pools after, the
+    logits its token was drawn from)."""
+    heads, logits = [], llm.model.logits
+
+    def recording(hidden, mode):
+        heads.append(logits(hidden, mode))
+        return heads[-1]
+
+    llm.model.logits = recording
+    try:
+        engine = Engine(llm, max_batch=1, block_size=block_size, num_blocks=1024 // block_size, prefill_chunk=chunk)
+        engine.add_request("0", prompt, SamplingParams(max_new_tokens=1, ignore_eos=True), gamma=0)
+        run(engine)
+    finally:
+        del llm.model.logits
+    (head,) = heads
+    return engine.cache, head
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunked_prefill_equals_one_piece_bitwise(llm, chunk, monkeypatch):
+    """150 prompt tokens in chunks of 16 (the last of 6) or 64, against one piece: the same KV and logits bits.
+    The linear runs row by row at every size here (the CPU's one GEMM above 64 rows is not batch invariant), and
+    a block of 256 keeps the keys attention sees at 256 for every chunk."""
+    monkeypatch.setattr(cpu_kernels, "ROW_BY_ROW_MAX", 1024)
+    prompt = torch.randint(3, 200, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    whole, whole_logits = prefill_through_engine(llm, prompt, 256, block_size=256)
+    chunked, chunked_logits = prefill_through_engine(llm, prompt, chunk, block_size=256)
+    assert whole.k.abs().sum() > 0
+    assert torch.equal(whole.k, chunked.k) and torch.equal(whole.v, chunked.v)
+    assert torch.equal(whole_logits, chunked_logits)
+
+
+def test_chunked_prefill_equals_one_piece_with_the_cpu_kernels_as_they_are(llm):
+    """The same with blocks of 16 and the 150-row GEMM: equal within float32 rounding."""
+    prompt = torch.randint(3, 200, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    whole, whole_logits = prefill_through_engine(llm, prompt, 256, block_size=16)
+    for chunk in (16, 64):
+        chunked, chunked_logits = prefill_through_engine(llm, prompt, chunk, block_size=16)
+        torch.testing.assert_close(chunked.k, whole.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(chunked.v, whole.v, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(chunked_logits, whole_logits, rtol=1e-5, atol=1e-5)
