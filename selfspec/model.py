@@ -14,7 +14,7 @@ from torch import nn
 from selfspec.cache import KVCache
 from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
-from selfspec.kernels import attention, linear, rms_norm, rope_and_store, swiglu
+from selfspec.kernels import attention, linear, packed_attention, rms_norm, rope_and_store, swiglu
 from selfspec.quant.formats import DenseWeight, QuantWeight, quantize_weight
 from selfspec.quant.modes import MODES, Mode
 
@@ -22,22 +22,25 @@ from selfspec.quant.modes import MODES, Mode
 @dataclass
 class Packed:
     """Rows of different lengths in one pass without padding. The pass's tokens [1, N] are the rows' tokens back to
-    back (row 0's first), so every op but attention runs on the N real tokens only. Attention, the one op that
-    mixes tokens, sees them as rows [B, T] padded to the longest: index [B, T] is the packed token at each entry
-    (padding repeats its row's last token, and its output is dropped), where [N] each packed token's entry
-    b * T + t."""
+    back (row 0's first), so every op but attention runs on the N real tokens only; attention (kernels/ops.py
+    `packed_attention`) reads each row's keys through its own block table. lengths: each row's tokens; keys: the
+    keys each row's last token reads (its position + 1). In the rows' padded layout [B, T]: index [B, T] is the
+    packed token at each entry (padding repeats its row's last token, and its output is dropped), where [N] each
+    packed token's entry b * T + t."""
+    lengths: list[int]
+    keys: list[int]
     index: torch.Tensor
     where: torch.Tensor
 
     @classmethod
-    def of(cls, lengths: list[int], device: torch.device | str = "cpu") -> Packed:
+    def of(cls, lengths: list[int], keys: list[int], device: torch.device | str = "cpu") -> Packed:
         n = torch.tensor(lengths)
         t = int(n.max())
         starts = n.cumsum(0) - n
         index = starts[:, None] + torch.minimum(torch.arange(t), n[:, None] - 1)
         rows = torch.arange(len(lengths)).repeat_interleave(n)
         where = rows * t + torch.arange(int(n.sum())) - starts[rows]
-        return cls(index.to(device), where.to(device))
+        return cls(lengths, keys, index.to(device), where.to(device))
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """[1, N, ...] -> [B, T, ...]"""
@@ -90,11 +93,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(sd[p + "q_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(sd[p + "k_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, q_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slots: torch.Tensor, cache: KVCache, layer: int, mode: Mode, residual: torch.Tensor,
-                packed: Packed | None) -> torch.Tensor:
-        """residual + attention(x): the output projection adds the residual as it writes its output. q_pos: the
-        positions in attention's layout (packed: its rows [B, T])."""
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                cache: KVCache, layer: int, mode: Mode, residual: torch.Tensor, packed: Packed | None) -> torch.Tensor:
+        """residual + attention(x): the output projection adds the residual as it writes its output."""
         b, t, _ = x.shape
         hd = self.cfg.head_dim
         q, k, v = (z.view(b, t, -1, hd) for z in self.wqkv(x, mode).split(self.sizes, dim=-1))
@@ -103,11 +104,10 @@ class Attention(nn.Module):
         k_pool, v_pool, table = cache.pools(layer)
         q = rope_and_store(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cos, sin, k_pool, v_pool, slots)
         if packed is None:
-            out = attention(q, k_pool, v_pool, table, q_pos).transpose(1, 2)
+            out = attention(q, k_pool, v_pool, table, pos)
         else:
-            rows = packed.pad(q.transpose(1, 2)).transpose(1, 2)  # [B, Hq, T, D]
-            out = packed.unpad(attention(rows, k_pool, v_pool, table, q_pos).transpose(1, 2))
-        return self.wo(out.reshape(b, t, -1), mode, residual)
+            out = packed_attention(q, k_pool, v_pool, table, pos, packed)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1), mode, residual)
 
 
 class FeedForward(nn.Module):
@@ -132,8 +132,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(sd[p + "post_attention_layernorm.weight"], cfg.norm_eps)
         self.feed_forward = FeedForward(sd, p + "mlp.")
 
-    def forward(self, x, q_pos, cos, sin, slots, cache, layer, mode, packed):
-        x = self.attention(self.attention_norm(x), q_pos, cos, sin, slots, cache, layer, mode, x, packed)
+    def forward(self, x, pos, cos, sin, slots, cache, layer, mode, packed):
+        x = self.attention(self.attention_norm(x), pos, cos, sin, slots, cache, layer, mode, x, packed)
         return self.feed_forward(self.ffn_norm(x), mode, residual=x)
 
 
@@ -259,15 +259,12 @@ class Transformer(nn.Module):
         """The final-norm hidden states [B, T, dim]; writes the KV of every position into `cache`."""
         x = self.embed[tokens]
         pos = pos.expand(tokens.shape)
-        # Angles, cache slots and attention's positions: the same for every layer, computed once.
+        # Angles and cache slots of the positions: the same for every layer, computed once. A packed token's slot
+        # depends on its row's block table: found in the rows' layout.
         cos, sin = self.cos[pos], self.sin[pos]
-        if packed is None:
-            q_pos, slots = pos, cache.slots(pos)
-        else:  # a token's slot depends on its row's block table: found in the rows' layout
-            q_pos = packed.pad(pos)
-            slots = packed.unpad(cache.slots(q_pos))
+        slots = cache.slots(pos) if packed is None else packed.unpad(cache.slots(packed.pad(pos)))
         for i, layer in enumerate(self.layers):
-            x = layer(x, q_pos, cos, sin, slots, cache, i, mode, packed)
+            x = layer(x, pos, cos, sin, slots, cache, i, mode, packed)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, mode: Mode) -> torch.Tensor:

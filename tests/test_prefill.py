@@ -2,10 +2,12 @@
 full forward's at those positions; --prefill-chunk on serve, bench serve and eval; packed prefill (no padding)
 == each prompt alone, and the budget counts real tokens.
 
-Bitwise on the CPU needs every op to see the shapes it sees alone, where its kernel is not batch invariant: the
-linear runs row by row up to 64 rows (kernels/cpu.py), and torch's attention gives other bits when the number of
-keys (a row's table width x block size) changes, or for fewer than 4 queries; so the bitwise tests keep prompts
-within one KV block and >= 4 tokens per pass, and the others compare within float32 rounding."""
+Bitwise on the CPU needs every op to see the shapes it sees alone where its kernel is not batch invariant: the
+linear runs row by row up to 64 rows and as one GEMM above (kernels/cpu.py), and torch's attention gives other bits
+when the number of keys (a row's table width x block size) changes, or for fewer than 4 queries. Packed rows get
+one attention call each, over their own table, so packed == alone holds bitwise up to 64 tokens (or with every
+linear row by row); a chunk of a prompt sees fewer keys than the whole prompt, so chunked == one piece holds
+bitwise within one KV block, with every linear row by row. Elsewhere they are equal within float32 rounding."""
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
 from selfspec.cache.paged import PagedKVCache
 from selfspec.eval import command as eval_command
 from selfspec.kernels import cpu as cpu_kernels
+from selfspec.kernels import reference_op
 from selfspec.model import Packed
 from selfspec.engine.llm import build
 from selfspec.spec.recipes import resolve_recipe
@@ -145,10 +148,24 @@ def test_eval_passes_prefill_chunk_on(monkeypatch):
 
 
 def test_packed_layout():
-    packed = Packed.of([3, 1, 2])
+    packed = Packed.of([3, 1, 2], [3, 8, 2])
     assert packed.index.tolist() == [[0, 1, 2], [3, 3, 3], [4, 5, 5]]  # padding repeats the row's last token
     x = torch.arange(6)[None] * 10
     assert torch.equal(packed.unpad(packed.pad(x)), x)
+
+
+@torch.inference_mode()
+def test_packed_attention_padded_equals_row_by_row():
+    """The default packed attention (rows padded to [B, T], what the GPU runs) against the CPU's one call per row."""
+    g = torch.Generator().manual_seed(4)
+    pools = [torch.randn(12, 2, 4, 16, generator=g) for _ in "kv"]
+    table = torch.tensor([[3, 1, 0], [2, 0, 0], [4, 5, 6]])  # rows of 9, 3 and 12 keys, blocks of 4
+    lengths, keys = [5, 3, 7], [9, 3, 12]
+    pos = torch.tensor([[t for n, k in zip(lengths, keys) for t in range(k - n, k)]])
+    q = torch.randn(1, 4, sum(lengths), 16, generator=g)
+    packed = Packed.of(lengths, keys)
+    padded = reference_op("packed_attention")(q, *pools, table, pos, packed)
+    torch.testing.assert_close(padded, cpu_kernels.packed_attention(q, *pools, table, pos, packed))
 
 
 def prefill_alone_and_packed(llm, prompts, block_size):
@@ -165,25 +182,26 @@ def prefill_alone_and_packed(llm, prompts, block_size):
     pos = torch.tensor([[t for n in lengths for t in range(n)]])
     last = torch.tensor(lengths).cumsum(0) - 1
     packed = model(torch.tensor([sum(prompts, [])]), pos, caches[1].view([str(i) for i in range(len(prompts))]),
-                   llm.verify_mode, logits_at=last, packed=Packed.of(lengths))
+                   llm.verify_mode, logits_at=last, packed=Packed.of(lengths, lengths))
     return caches, alone, packed
 
 
 @torch.inference_mode()
-def test_packed_prefill_equals_each_prompt_alone_bitwise(llm):
-    """52 tokens (row by row in every linear), each prompt within one block of 64: the KV pools (the trash block
-    too: nothing is written for padding) and the last positions' logits are the same bits."""
+@pytest.mark.parametrize("block_size", [4, 64])
+def test_packed_prefill_equals_each_prompt_alone_bitwise(llm, block_size):
+    """52 tokens (row by row in every linear), tables of 1 to 8 blocks: the KV pools (the trash block too:
+    nothing is written for padding) and the last positions' logits are the same bits."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 17, 30)]
-    (a, b), alone, packed = prefill_alone_and_packed(llm, prompts, block_size=64)
+    (a, b), alone, packed = prefill_alone_and_packed(llm, prompts, block_size)
     assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
     assert torch.equal(alone, packed)
 
 
 @torch.inference_mode()
-def test_packed_prefill_equals_each_prompt_alone_across_blocks(llm):
-    """Tables of 1 to 26 blocks of 4 (attention then sees more keys than alone) and 151 tokens (one GEMM per
-    linear): equal within float32 rounding."""
+def test_packed_prefill_equals_each_prompt_alone_past_64_tokens(llm, monkeypatch):
+    """151 tokens: with the CPU kernels as they are (one GEMM per linear above 64 rows) equal within float32
+    rounding; with every linear row by row, the same bits."""
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 104, 44)]
     (a, b), alone, packed = prefill_alone_and_packed(llm, prompts, block_size=4)
@@ -191,6 +209,9 @@ def test_packed_prefill_equals_each_prompt_alone_across_blocks(llm):
     torch.testing.assert_close(b.v, a.v, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
     assert alone.abs().max() > 1  # logits of a real forward, not an empty comparison
+    monkeypatch.setattr(cpu_kernels, "ROW_BY_ROW_MAX", 1024)
+    (a, b), alone, packed = prefill_alone_and_packed(llm, prompts, block_size=4)
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(alone, packed)
 
 
 def test_prefill_budget_counts_real_tokens(llm, monkeypatch):

@@ -385,8 +385,9 @@ class Engine:
         ends = list(accumulate(sizes))  # each row's last token in the packed order, + 1
         done = [s.prefilled + n == len(c) for s, c, n in zip(seqs, contexts, sizes)]
         drawing = [i for i, (d, r) in enumerate(zip(done, resumed)) if d and not r]  # rows whose first token is due
+        packed = Packed.of(sizes, [s.prefilled + n for s, n in zip(seqs, sizes)], dev)
         last = model(toks.to(dev), pos.to(dev), self.cache.view([s.id for s in seqs]), self.llm.verify_mode,
-                     logits_at=torch.tensor([ends[i] - 1 for i in drawing], device=dev), packed=Packed.of(sizes, dev))
+                     logits_at=torch.tensor([ends[i] - 1 for i in drawing], device=dev), packed=packed)
         top = last.argmax(-1).tolist()  # greedy rows' first tokens: one pass and one copy, not one per row
         first = [None] * len(seqs)
         for j, i in enumerate(drawing):

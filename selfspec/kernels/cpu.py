@@ -1,4 +1,4 @@
-"""CPU linear of the stored formats. An integer format's stored copy is dequantized a block of output rows at a
+"""CPU linear of the stored formats, and the attention of packed prefill rows (at the end). An integer format's stored copy is dequantized a block of output rows at a
 time into a reused float32 scratch buffer and multiplied there (no float copy of the weight is kept between
 calls); a dense float32 weight (the head, the fp32 recipe) is multiplied as stored.
 
@@ -26,6 +26,7 @@ import threading
 import torch
 
 from selfspec.kernels import register
+from selfspec.kernels.reference import attention
 from selfspec.quant.act import fake_quantize_per_token
 from selfspec.quant.formats import DenseWeight, Int4Weight, Int8PlanesWeight, Int8Weight, QuantWeight
 from selfspec.quant.modes import Mode
@@ -166,3 +167,17 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
 
 for _fmt in (DenseWeight, Int8Weight, Int4Weight, Int8PlanesWeight):
     register("linear", _fmt.storage, "cpu")(linear)
+
+
+@register("packed_attention", "", "cpu")
+def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                     q_pos: torch.Tensor, packed) -> torch.Tensor:
+    """One attention call per row, over its own queries and the blocks its keys fill: torch's CPU attention costs
+    rows x longest row x keys, masked or not (one long prompt beside short ones pads them all to it), and its bits
+    change with the number of keys, which here is the one the row has prefilled alone."""
+    bs, out, start = k_pool.shape[2], [], 0
+    for b, (n, keys) in enumerate(zip(packed.lengths, packed.keys)):
+        rows = slice(start, start + n)
+        out.append(attention(q[:, :, rows], k_pool, v_pool, table[b:b + 1, :-(-keys // bs)], q_pos[:, rows]))
+        start += n
+    return torch.cat(out, 2)
