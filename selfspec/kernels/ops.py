@@ -1,9 +1,9 @@
 """What the model calls: each op looks itself up in the table by the device of its input."""
 from __future__ import annotations
 
-import torch
-
 from typing import TYPE_CHECKING
+
+import torch
 
 from selfspec import kernels
 from selfspec.quant.formats import QuantWeight

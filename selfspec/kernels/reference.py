@@ -1,6 +1,8 @@
 """Torch reference ops: plain, device-agnostic, the semantics every fast kernel must reproduce."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -8,6 +10,9 @@ from selfspec.kernels import lookup, register
 from selfspec.quant.act import fake_quantize_per_token
 from selfspec.quant.formats import STORAGES, QuantWeight
 from selfspec.quant.modes import Mode
+
+if TYPE_CHECKING:
+    from selfspec.model import Packed
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None,
@@ -89,7 +94,7 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
 
 @register("packed_attention")
 def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                     q_pos: torch.Tensor, packed) -> torch.Tensor:
+                     q_pos: torch.Tensor, packed: Packed) -> torch.Tensor:
     """The rows padded to [B, T] for the device's `attention` (one call; padding repeats a row's last query, and
     its output is dropped)."""
     rows = packed.pad(q.transpose(1, 2)).transpose(1, 2)
