@@ -51,6 +51,20 @@ class Packed:
         return x.flatten(0, 1)[self.where][None]
 
 
+@dataclass(frozen=True)
+class ForwardBatch:
+    """What every layer of one forward pass reads, built once per pass: the mode, the tokens' positions [B, T]
+    (packed: [1, N]), their rope angles [B, T, D] and cache slots [B, T], the cache (or its batch view) and, for a
+    packed pass, how its tokens split into rows."""
+    mode: Mode
+    pos: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    cache: KVCache
+    packed: Packed | None = None
+
+
 class Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -93,21 +107,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(sd[p + "q_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(sd[p + "k_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                cache: KVCache, layer: int, mode: Mode, residual: torch.Tensor, packed: Packed | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, layer: int, residual: torch.Tensor) -> torch.Tensor:
         """residual + attention(x): the output projection adds the residual as it writes its output."""
         b, t, _ = x.shape
         hd = self.cfg.head_dim
-        q, k, v = (z.view(b, t, -1, hd) for z in self.wqkv(x, mode).split(self.sizes, dim=-1))
+        q, k, v = (z.view(b, t, -1, hd) for z in self.wqkv(x, fb.mode).split(self.sizes, dim=-1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        k_pool, v_pool, table = cache.pools(layer)
-        q = rope_and_store(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cos, sin, k_pool, v_pool, slots)
-        if packed is None:
-            out = attention(q, k_pool, v_pool, table, pos)
+        k_pool, v_pool, table = fb.cache.pools(layer)
+        q = rope_and_store(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), fb.cos, fb.sin, k_pool, v_pool,
+                           fb.slots)
+        if fb.packed is None:
+            out = attention(q, k_pool, v_pool, table, fb.pos)
         else:
-            out = packed_attention(q, k_pool, v_pool, table, pos, packed)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1), mode, residual)
+            out = packed_attention(q, k_pool, v_pool, table, fb.pos, fb.packed)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1), fb.mode, residual)
 
 
 class FeedForward(nn.Module):
@@ -132,9 +146,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(sd[p + "post_attention_layernorm.weight"], cfg.norm_eps)
         self.feed_forward = FeedForward(sd, p + "mlp.")
 
-    def forward(self, x, pos, cos, sin, slots, cache, layer, mode, packed):
-        x = self.attention(self.attention_norm(x), pos, cos, sin, slots, cache, layer, mode, x, packed)
-        return self.feed_forward(self.ffn_norm(x), mode, residual=x)
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, layer: int) -> torch.Tensor:
+        x = self.attention(self.attention_norm(x), fb, layer, residual=x)
+        return self.feed_forward(self.ffn_norm(x), fb.mode, residual=x)
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -259,12 +273,11 @@ class Transformer(nn.Module):
         """The final-norm hidden states [B, T, dim]; writes the KV of every position into `cache`."""
         x = self.embed[tokens]
         pos = pos.expand(tokens.shape)
-        # Angles and cache slots of the positions: the same for every layer, computed once. A packed token's slot
-        # depends on its row's block table: found in the rows' layout.
-        cos, sin = self.cos[pos], self.sin[pos]
+        # A packed token's slot depends on its row's block table: found in the rows' layout.
         slots = cache.slots(pos) if packed is None else packed.unpad(cache.slots(packed.pad(pos)))
+        fb = ForwardBatch(mode, pos, self.cos[pos], self.sin[pos], slots, cache, packed)
         for i, layer in enumerate(self.layers):
-            x = layer(x, pos, cos, sin, slots, cache, i, mode, packed)
+            x = layer(x, fb, i)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, mode: Mode) -> torch.Tensor:
