@@ -6,10 +6,17 @@ import json
 import sys
 
 from selfspec.bench.serve import add_args as add_serve_bench_args
+from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK
 from selfspec.errors import SelfspecError
 from selfspec.eval.runner import DEFAULT_BATCH_SIZE
 from selfspec.quant.modes import MODES
 from selfspec.spec.recipes import PRESETS
+
+
+def add_prefill_chunk_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                   help="prompt tokens prefilled per engine step, shared by the prompts being prefilled; smaller "
+                        f"keeps the running requests' decoding steady, larger prefills faster (default: %(default)s)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -39,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text + stats) instead of streaming")
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    add_serve_bench_args(bench.add_parser("serve", help="closed-loop serving throughput and latency, AR vs recipes"))
+    bs = bench.add_parser("serve", help="closed-loop serving throughput and latency, AR vs recipes")
+    add_serve_bench_args(bs)
+    add_prefill_chunk_arg(bs)
     for name, (_, help_) in GPU_BENCHES.items():  # each parses its own arguments (`selfspec bench NAME --help`)
         bench.add_parser(name, help=help_, add_help=False)
     e = sub.add_parser("eval", help="accuracy of modes and recipes (GSM8K, HumanEval, MATH-500, perplexity)")
@@ -59,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cached-only", action="store_true", help="generate nothing: report the results already in --out")
     e.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help="sequences the engine generates together (results do not depend on it)")
+    add_prefill_chunk_arg(e)
     e.add_argument("--unsafe-sandbox", action="store_true",
                    help="where Linux namespaces are unavailable, run HumanEval's generated code unconfined")
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
@@ -71,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks in the pool (default: max-batch x 1024 tokens)")
     s.add_argument("--block-size", type=int, default=16, help="tokens per KV block (divides 128 or is a multiple of 128)")
+    add_prefill_chunk_arg(s)
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT / SIGTERM (new ones get 503 meanwhile); "
                         "those still running then end with a 503 or a stream error event")

@@ -6,6 +6,7 @@ each linear reads its one stored weight the way the mode says.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -13,9 +14,55 @@ from torch import nn
 from selfspec.cache import KVCache
 from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
-from selfspec.kernels import attention, linear, rms_norm, rope_and_store, swiglu
+from selfspec.kernels import attention, linear, packed_attention, rms_norm, rope_and_store, swiglu
 from selfspec.quant.formats import DenseWeight, QuantWeight, quantize_weight
 from selfspec.quant.modes import MODES, Mode
+
+
+@dataclass
+class Packed:
+    """Rows of different lengths in one pass without padding. The pass's tokens [1, N] are the rows' tokens back to
+    back (row 0's first), so every op but attention runs on the N real tokens only; attention (kernels/ops.py
+    `packed_attention`) reads each row's keys through its own block table. lengths: each row's tokens; keys: the
+    keys each row's last token reads (its position + 1). In the rows' padded layout [B, T]: index [B, T] is the
+    packed token at each entry (padding repeats its row's last token, and its output is dropped), where [N] each
+    packed token's entry b * T + t."""
+    lengths: list[int]
+    keys: list[int]
+    index: torch.Tensor
+    where: torch.Tensor
+
+    @classmethod
+    def of(cls, lengths: list[int], keys: list[int], device: torch.device | str = "cpu") -> Packed:
+        n = torch.tensor(lengths)
+        t = int(n.max())
+        starts = n.cumsum(0) - n
+        index = starts[:, None] + torch.minimum(torch.arange(t), n[:, None] - 1)
+        rows = torch.arange(len(lengths)).repeat_interleave(n)
+        where = rows * t + torch.arange(int(n.sum())) - starts[rows]
+        return cls(lengths, keys, index.to(device), where.to(device))
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, N, ...] -> [B, T, ...]"""
+        return x[0][self.index]
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [1, N, ...]"""
+        return x.flatten(0, 1)[self.where][None]
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """What every layer of one forward pass reads, built once per pass: the mode, the tokens' positions [B, T]
+    (packed: [1, N]), their rope angles [B, T, D] and cache slots [B, T], the cache (or its batch view) and, for a
+    packed pass, how its tokens split into rows."""
+    mode: Mode
+    pos: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    cache: KVCache
+    packed: Packed | None = None
 
 
 class Linear(nn.Module):
@@ -60,18 +107,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(sd[p + "q_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(sd[p + "k_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                cache: KVCache, layer: int, mode: Mode, residual: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, layer: int, residual: torch.Tensor) -> torch.Tensor:
         """residual + attention(x): the output projection adds the residual as it writes its output."""
         b, t, _ = x.shape
         hd = self.cfg.head_dim
-        q, k, v = (z.view(b, t, -1, hd) for z in self.wqkv(x, mode).split(self.sizes, dim=-1))
+        q, k, v = (z.view(b, t, -1, hd) for z in self.wqkv(x, fb.mode).split(self.sizes, dim=-1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        k_pool, v_pool, table = cache.pools(layer)
-        q = rope_and_store(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cos, sin, k_pool, v_pool, slots)
-        out = attention(q, k_pool, v_pool, table, pos)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1), mode, residual)
+        k_pool, v_pool, table = fb.cache.pools(layer)
+        q = rope_and_store(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), fb.cos, fb.sin, k_pool, v_pool,
+                           fb.slots)
+        if fb.packed is None:
+            out = attention(q, k_pool, v_pool, table, fb.pos)
+        else:
+            out = packed_attention(q, k_pool, v_pool, table, fb.pos, fb.packed)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1), fb.mode, residual)
 
 
 class FeedForward(nn.Module):
@@ -96,9 +146,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(sd[p + "post_attention_layernorm.weight"], cfg.norm_eps)
         self.feed_forward = FeedForward(sd, p + "mlp.")
 
-    def forward(self, x, pos, cos, sin, slots, cache, layer, mode):
-        x = self.attention(self.attention_norm(x), pos, cos, sin, slots, cache, layer, mode, residual=x)
-        return self.feed_forward(self.ffn_norm(x), mode, residual=x)
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, layer: int) -> torch.Tensor:
+        x = self.attention(self.attention_norm(x), fb, layer, residual=x)
+        return self.feed_forward(self.ffn_norm(x), fb.mode, residual=x)
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -204,19 +254,30 @@ class Transformer(nn.Module):
         c = self.cfg
         return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
 
-    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode,
+                logits_at: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
         """tokens [B, T] at positions pos [B, T] (each row its own; [T] when all rows share them)
-        -> logits [B, T, vocab] (float32)."""
-        return self.logits(self.hidden(tokens, pos, cache, mode), mode)
+        -> logits [B, T, vocab] (float32). With logits_at [R] (indices into the B * T tokens, row-major), the
+        logits of those tokens only, [R, vocab]: a prefill needs its last position, and the head (a GEMM over the
+        whole vocabulary) then runs on R rows instead of B * T. With `packed`, tokens and pos [1, N] hold the
+        rows `packed` describes, and cache has one row per packed row."""
+        hidden = self.hidden(tokens, pos, cache, mode, packed)
+        if logits_at is None:
+            return self.logits(hidden, mode)
+        if not len(logits_at):  # nothing asked (a prefill chunk that completes no prompt): no head pass
+            return hidden.new_empty(0, self.lm_head.weight.shape[0], dtype=torch.float32)
+        return self.logits(hidden.reshape(-1, hidden.shape[-1])[logits_at], mode)
 
-    def hidden(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode,
+               packed: Packed | None = None) -> torch.Tensor:
         """The final-norm hidden states [B, T, dim]; writes the KV of every position into `cache`."""
         x = self.embed[tokens]
         pos = pos.expand(tokens.shape)
-        # Angles and cache slots of the positions: the same for every layer, computed once.
-        cos, sin, slots = self.cos[pos], self.sin[pos], cache.slots(pos)
+        # A packed token's slot depends on its row's block table: found in the rows' layout.
+        slots = cache.slots(pos) if packed is None else packed.unpad(cache.slots(packed.pad(pos)))
+        fb = ForwardBatch(mode, pos, self.cos[pos], self.sin[pos], slots, cache, packed)
         for i, layer in enumerate(self.layers):
-            x = layer(x, pos, cos, sin, slots, cache, i, mode)
+            x = layer(x, fb, i)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, mode: Mode) -> torch.Tensor:

@@ -189,10 +189,10 @@ def test_error_in_one_request_leaves_the_others_serving(llm, monkeypatch):
     refs = [llm.generate(p, greedy(12), gamma=0).token_ids for p in ps]
     forward = llm.model.forward
 
-    def failing(tokens, pos, cache, mode):
+    def failing(tokens, pos, cache, mode, **kwargs):
         if pos.max() >= 45:
             raise RuntimeError("boom")
-        return forward(tokens, pos, cache, mode)
+        return forward(tokens, pos, cache, mode, **kwargs)
 
     monkeypatch.setattr(llm.model, "forward", failing)
     engine = Engine(llm, max_batch=6, block_size=4, num_blocks=80)

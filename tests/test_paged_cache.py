@@ -141,18 +141,3 @@ def test_block_size_must_fit_the_attention_tile():
         PagedKVCache(L, 2, HKV, bs, D, torch.float32)
     with pytest.raises(SelfspecError, match="divide 128 or be a multiple"):
         PagedKVCache(L, 2, HKV, 24, D, torch.float32)
-
-
-@torch.inference_mode()
-def test_padding_goes_to_the_trash_block():
-    c = make(4)
-    c.allocate("a", 2)
-    c.allocate("b", 4)
-    k = torch.ones(2, HKV, 4, D)
-    real = torch.tensor([[True, True, False, False], [True, True, True, True]])
-    pos = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])
-    view = c.view(["a", "b"], real)
-    assert (view.slots(pos)[0, 2:] // BS == TRASH).all()
-    store(view, 0, pos, k, k)
-    a_block = c.tables["a"][0]
-    assert c.k[0, a_block, :, :2].eq(1).all() and c.k[0, a_block, :, 2:].eq(0).all()

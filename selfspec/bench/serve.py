@@ -37,7 +37,7 @@ import selfspec
 from selfspec.bench.shapes import SHAPES
 from selfspec.bench.synthetic import synthetic_model
 from selfspec.bench.traces import TRACE_DIR, ReplayAcceptance, load
-from selfspec.engine.engine import Engine
+from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
 from selfspec.engine.llm import LLM
 from selfspec.errors import SelfspecError
 from selfspec.eval.data import package_file
@@ -119,13 +119,13 @@ def percentiles(xs: list[float]) -> dict[str, float]:
 
 
 def make_engine(llm: selfspec.LLM, prompts: list[list[int]], batch: int, max_new_tokens: int, max_gamma: int,
-                replay: list[int] | None) -> Engine:
+                replay: list[int] | None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
     """An engine for `batch` requests in flight, its CUDA graphs captured (on the GPU) before any is timed;
     `replay`: the accepted-draft counts greedy rounds replay (None: real acceptance)."""
     block_size = 16
     blocks_per_seq = -(-(max(map(len, prompts)) + max_new_tokens + max_gamma + 1) // block_size)
     engine = Engine(llm, max_batch=batch, block_size=block_size, num_blocks=batch * blocks_per_seq,
-                    max_queue=len(prompts), max_gamma=max_gamma,
+                    max_queue=len(prompts), prefill_chunk=prefill_chunk, max_gamma=max_gamma,
                     accept=accept_greedy if replay is None else ReplayAcceptance(replay))
     engine.warm_up()
     return engine
@@ -179,12 +179,12 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
 
 def bench_recipe(llm: selfspec.LLM, prompts: list[list[int]], batch_sizes: list[int], params: SamplingParams,
                  max_gamma: int, refs: list[list[int]] | None, repeats: int = 1,
-                 replay: list[int] | None = None) -> list[dict]:
+                 replay: list[int] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[dict]:
     """AR and speculative runs alternate on one engine per batch size (`repeats` pairs, so load drift hits both
     alike); each side reports its fastest run, and the spec/AR ratio of every pair is kept (median, min, max)."""
     rows = []
     for b in batch_sizes:
-        engine = make_engine(llm, prompts, b, params.max_new_tokens, max_gamma, replay)
+        engine = make_engine(llm, prompts, b, params.max_new_tokens, max_gamma, replay, prefill_chunk)
         runs = {"ar": [], "spec": []}
         for _ in range(repeats):
             runs["ar"].append(run_closed_loop(engine, prompts, params, 0))
@@ -277,6 +277,8 @@ def replay_trace(path: Path) -> tuple[str, list[int]]:
 def run(args: argparse.Namespace) -> None:
     if min(args.batch_sizes) < 1 or min(args.requests, args.max_new_tokens, args.repeats, args.prompt_tokens) < 1:
         raise SelfspecError("batch sizes, --requests, --max-new-tokens, --repeats and --prompt-tokens must be >= 1")
+    if args.prefill_chunk < 1:
+        raise SelfspecError(f"--prefill-chunk must be >= 1 prompt tokens per step, got {args.prefill_chunk}")
     if args.shape and args.model:
         raise SelfspecError("give --model (a real model) or --shape (synthetic weights), not both")
     if args.shape and torch.device(args.device).type != "cuda":
@@ -298,11 +300,12 @@ def run(args: argparse.Namespace) -> None:
             llm.generate(prompts[0], SamplingParams(max_new_tokens=2), gamma=1)  # warm-up
             if not args.no_check:
                 refs = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
-        rows += bench_recipe(llm, prompts, args.batch_sizes, params, args.max_gamma, refs, args.repeats, replay)
+        rows += bench_recipe(llm, prompts, args.batch_sizes, params, args.max_gamma, refs, args.repeats, replay,
+                             args.prefill_chunk)
         description = llm.description
         del llm  # before the next recipe's model is built
     result = {"model": description, "synthetic": bool(args.shape), "device": args.device, "requests": args.requests,
-              "max_new_tokens": args.max_new_tokens, "rows": rows}
+              "max_new_tokens": args.max_new_tokens, "prefill_chunk": args.prefill_chunk, "rows": rows}
     if args.shape:
         result |= {"prompt_tokens": args.prompt_tokens, "acceptance_replayed_from": replayed}
     else:

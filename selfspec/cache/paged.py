@@ -4,7 +4,7 @@ Each sequence owns a block table (list of block ids) and a committed length; pos
 in slot p % block_size of block table[p // block_size]. Rollback is `truncate`: blocks past the committed
 length go back to the free list; slots past it inside the last block are stale, and attention never reads
 them (a query at position p reads positions 0..p, all written in the current or an earlier pass).
-Block 0 is the trash block: never allocated, it takes the writes of padding tokens and pads block tables.
+Block 0 is the trash block: never allocated, it pads block tables and takes the writes of CUDA graphs' padding rows.
 Attention reads keys through the block table (kernels/ops.py `attention`): nothing is gathered per pass.
 """
 from __future__ import annotations
@@ -76,11 +76,11 @@ class PagedKVCache:
             self.free_blocks.extend(reversed(self.tables.pop(seq)))
             del self.lengths[seq]
 
-    def view(self, seqs: list[str], real: torch.Tensor | None = None) -> PagedBatchView:
+    def view(self, seqs: list[str]) -> PagedBatchView:
         """The batch view of rows `seqs`; their block tables padded with the trash block to the longest."""
         width = max(len(self.tables[s]) for s in seqs)
         table = [self.tables[s] + [TRASH] * (width - len(self.tables[s])) for s in seqs]
-        return PagedBatchView(self, torch.tensor(table, dtype=torch.long, device=self.k.device), real)
+        return PagedBatchView(self, torch.tensor(table, dtype=torch.long, device=self.k.device))
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
@@ -92,23 +92,17 @@ class PagedBatchView:
     table [B, W].
 
     table [B, W]: each row's block ids, padded with the trash block (padding sits past the row's positions, so
-    attention masks it). real [B, T] (optional): False marks padding tokens, whose k/v go to the trash block.
+    attention masks it).
     """
 
-    def __init__(self, cache: PagedKVCache, table: torch.Tensor, real: torch.Tensor | None = None):
+    def __init__(self, cache: PagedKVCache, table: torch.Tensor):
         self.cache = cache
         self.table = table
-        self.real = None if real is None else real.to(table.device)
 
     def slots(self, pos: torch.Tensor) -> torch.Tensor:
         """Positions [B, T] -> pool slots [B, T]: block id * block_size + offset in the block."""
         bs = self.cache.block_size
-        index = pos // bs
-        if self.real is None:
-            blocks = self.table.gather(1, index)
-        else:  # padding may sit past the row's table (or past the context): send it to the trash block
-            blocks = self.table.gather(1, index.masked_fill(~self.real, 0)).masked_fill(~self.real, TRASH)
-        return blocks * bs + pos % bs
+        return self.table.gather(1, pos // bs) * bs + pos % bs
 
     def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This layer's pools [N, Hkv, bs, D] (keys, values) and the block table [B, W]."""

@@ -1,9 +1,10 @@
 """Serving engine: continuous batching over a paged KV cache, with batched speculative rounds.
 
 One `step()`: drain the inbox (new requests, aborts), plan the step (`_schedule`), then run it (`_execute`): one
-prefill chunk (a token budget shared FCFS by the sequences still prefilling, one batched forward), then one batched
-round over every sequence past prefill: k draft steps and one verify pass, each row accepting its own number
-of tokens and rolling its own cache back. k comes from the gamma policy (spec/policy.py) unless a request asks
+prefill chunk (a budget of prefill_chunk context tokens shared FCFS by the sequences still prefilling, packed into
+one forward without padding, so every GEMM runs on real tokens only), then one batched round over every sequence
+past prefill: k draft steps and one verify pass, each row accepting its own number of tokens and rolling its own
+cache back. k comes from the gamma policy (spec/policy.py) unless a request asks
 for its own, which is capped at the engine's max_gamma (the server's --gamma); rows are grouped by k and each
 group runs its own batched passes.
 
@@ -24,6 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import torch
 
@@ -32,12 +34,14 @@ from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, PagedGraphedModel, bucket
 from selfspec.engine.llm import LLM, Generation, check_gamma
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
+from selfspec.model import Packed
 from selfspec.spec.decode import GreedyAcceptance, Row, make_generator, pick, run_round
 from selfspec.spec.policy import GammaPolicy
 from selfspec.spec.sampling import SamplingParams
 from selfspec.spec.verify import accept_greedy
 
 DEFAULT_TOKENS_PER_SEQ = 1024  # default pool: max_batch sequences of this many tokens
+DEFAULT_PREFILL_CHUNK = 256  # context tokens prefilled per step (serve, bench serve and eval: --prefill-chunk)
 
 
 class QueueFull(SelfspecError):
@@ -95,9 +99,15 @@ class Sequence:
 
 @dataclass
 class StepPlan:
-    """One step's passes: a batched prefill chunk, then one batched round per draft count k."""
+    """One step's passes: a batched prefill chunk (`chunks`: each sequence's context tokens in it, within the
+    prefill budget), then one batched round per draft count k."""
     prefill: list[Sequence]
+    chunks: dict[str, int]
     rounds: dict[int, list[Sequence]]
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(self.chunks.values())
 
 
 @dataclass
@@ -111,7 +121,7 @@ class _Counters:
 
 class Engine:
     def __init__(self, llm: LLM, max_batch: int = 32, block_size: int = 16, num_blocks: int | None = None,
-                 max_queue: int = 256, prefill_chunk: int = 256, max_gamma: int = 8,
+                 max_queue: int = 256, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_gamma: int = 8,
                  policy: GammaPolicy | None = None, accept: GreedyAcceptance = accept_greedy):
         """`accept` judges greedy rows' drafts (benchmarks replay recorded acceptance through it)."""
         for name, value in (("max_batch", max_batch), ("block_size", block_size), ("max_queue", max_queue),
@@ -228,20 +238,20 @@ class Engine:
     def _schedule(self) -> StepPlan:
         """Running sequences first, oldest first: each gets the blocks its passes write, the newest being
         preempted while the pool is short; then newcomers, unless someone was preempted (vLLM's schedule())."""
-        prefill: list[Sequence] = []
+        chunks, budget = {}, self.prefill_chunk
         for s in self.running:
-            if s.row is None:
-                if not self._fits_prefill(prefill, s):
-                    break
-                prefill.append(s)
-        completing = [s for s in prefill if s.prefilled + self._chunk(s) == s.context_len]
-        auto = sum(s.gamma is None for s in self.running if s.row is not None or s in completing)
+            if s.row is None and budget:  # FCFS: each takes what it needs of the budget left
+                chunks[s.id] = min(s.context_len - s.prefilled, budget)
+                budget -= chunks[s.id]
+        auto = sum(s.gamma is None for s in self.running
+                   if s.row is not None or s.prefilled + chunks.get(s.id, 0) == s.context_len)
         k_auto = self.policy.choose(auto) if auto else 0
-        plan, spare, preempted = StepPlan([], {}), len(self.cache.free_blocks), False
+        plan, spare, preempted = StepPlan([], {}, {}), len(self.cache.free_blocks), False
         queue = deque(self.running)
         while queue:
             seq = queue.popleft()
-            chunk, k = self._passes(seq, seq in prefill, k_auto)
+            chunk = chunks.get(seq.id, 0)
+            k = self._passes(seq, chunk, k_auto)
             need = self.cache.blocks_needed(seq.id, chunk + (0 if k is None else k + 1))
             while need > spare and queue:
                 spare += self._preempt(queue.pop())
@@ -262,9 +272,10 @@ class Engine:
         preempt what was just prefilled."""
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            if not self._fits_prefill(plan.prefill, seq):
+            chunk = min(seq.context_len - seq.prefilled, self.prefill_chunk - plan.prefill_tokens)
+            if not chunk:
                 break
-            chunk, k = self._passes(seq, True, k_auto)
+            k = self._passes(seq, chunk, k_auto)
             need = self.cache.blocks_for(chunk + (0 if k is None else k + 1))
             if need + len(self.running) > spare:
                 break  # FCFS: the head waits for blocks, nobody overtakes it
@@ -289,36 +300,28 @@ class Engine:
         self.counters.num_preemptions += 1
         return used - self.cache.blocks_used
 
-    def _chunk(self, seq: Sequence) -> int:
-        """Context tokens of seq's next prefill chunk."""
-        return min(seq.context_len - seq.prefilled, self.prefill_chunk)
-
-    def _fits_prefill(self, batch: list[Sequence], seq: Sequence) -> bool:
-        """Whether seq's chunk joins the batch within prefill_chunk tokens, padding counted (rows x longest)."""
-        width = max([self._chunk(s) for s in batch] + [self._chunk(seq)])
-        return not batch or (len(batch) + 1) * width <= self.prefill_chunk
-
-    def _passes(self, seq: Sequence, prefilling: bool, k_auto: int) -> tuple[int, int | None]:
-        """This step's passes over seq: its prefill chunk (0: none) and its round's drafts (None: no round; a
+    def _passes(self, seq: Sequence, chunk: int, k_auto: int) -> int | None:
+        """The drafts of seq's round this step, after its prefill chunk of `chunk` tokens (None: no round; a
         sequence whose chunk completes its context joins this step's round)."""
-        chunk = self._chunk(seq) if prefilling else 0
         if seq.row is None and seq.prefilled + chunk < seq.context_len:
-            return chunk, None
+            return None
         length = seq.prefilled + chunk if seq.row is None else seq.row.length
         if self.llm.draft_mode is None:
-            return chunk, 0
-        return chunk, min(k_auto if seq.gamma is None else seq.gamma, self.max_len - length - 1)
+            return 0
+        return min(k_auto if seq.gamma is None else seq.gamma, self.max_len - length - 1)
 
     @staticmethod
     def _plan(plan: StepPlan, seq: Sequence, chunk: int, k: int | None) -> None:
         if chunk:
             plan.prefill.append(seq)
+            plan.chunks[seq.id] = chunk
         if k is not None:
             plan.rounds.setdefault(k, []).append(seq)
 
     def _execute(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         if plan.prefill:
-            self._isolated(plan.prefill, self._prefill_chunk, outputs)
+            run = lambda group, outs: self._prefill_chunk(group, [plan.chunks[s.id] for s in group], outs)  # noqa: E731
+            self._isolated(plan.prefill, run, outputs)
         for k, seqs in sorted(plan.rounds.items()):
             seqs = [s for s in seqs if s in self.running]  # its prefill may have ended it (error, EOS, length)
             if seqs:
@@ -370,25 +373,26 @@ class Engine:
     # ---------------------------------------------------------------- prefill and rounds
 
     @torch.inference_mode()
-    def _prefill_chunk(self, seqs: list[Sequence], outputs: list[RequestOutput]) -> None:
+    def _prefill_chunk(self, seqs: list[Sequence], sizes: list[int], outputs: list[RequestOutput]) -> None:
+        """Prefill sizes[i] more context tokens of each seqs[i], packed into one pass without padding."""
         model, dev = self.llm.model, self.llm.model.device
         contexts = [s.context for s in seqs]
         resumed = [bool(s.out.token_ids) for s in seqs]  # preempted: the pending token is drawn already
-        sizes = [self._chunk(s) for s in seqs]
-        width = max(sizes)
         for s, n in zip(seqs, sizes):
             self.cache.extend(s.id, n)
-        toks = torch.tensor([c[s.prefilled:s.prefilled + n] + [0] * (width - n)
-                             for s, c, n in zip(seqs, contexts, sizes)])
-        real = torch.arange(width)[None] < torch.tensor(sizes)[:, None]
-        start = torch.tensor([s.prefilled for s in seqs])[:, None]
-        pos = (start + torch.arange(width)).clamp_max(self.max_len - 1)  # padding may run past the context
-        logits = model(toks.to(dev), pos.to(dev), self.cache.view([s.id for s in seqs], real), self.llm.verify_mode)
+        toks = torch.tensor([[t for s, c, n in zip(seqs, contexts, sizes) for t in c[s.prefilled:s.prefilled + n]]])
+        pos = torch.tensor([[p for s, n in zip(seqs, sizes) for p in range(s.prefilled, s.prefilled + n)]])
+        ends = list(accumulate(sizes))  # each row's last token in the packed order, + 1
         done = [s.prefilled + n == len(c) for s, c, n in zip(seqs, contexts, sizes)]
-        last = logits[torch.arange(len(seqs), device=dev), torch.tensor(sizes, device=dev) - 1]  # last positions
+        drawing = [i for i, (d, r) in enumerate(zip(done, resumed)) if d and not r]  # rows whose first token is due
+        packed = Packed.of(sizes, [s.prefilled + n for s, n in zip(seqs, sizes)], dev)
+        last = model(toks.to(dev), pos.to(dev), self.cache.view([s.id for s in seqs]), self.llm.verify_mode,
+                     logits_at=torch.tensor([ends[i] - 1 for i in drawing], device=dev), packed=packed)
         top = last.argmax(-1).tolist()  # greedy rows' first tokens: one pass and one copy, not one per row
-        first = [(top[i] if s.params.greedy else pick(last[i], s.params, s.gen)) if d and not r else None
-                 for i, (s, d, r) in enumerate(zip(seqs, done, resumed))]
+        first = [None] * len(seqs)
+        for j, i in enumerate(drawing):
+            s = seqs[i]
+            first[i] = top[j] if s.params.greedy else pick(last[j], s.params, s.gen)
         now = time.perf_counter()
         for s, n, d, r, tok in zip(seqs, sizes, done, resumed, first):
             s.prefilled += n

@@ -6,7 +6,7 @@ loop and the engine run unchanged: a step shape seen for the first time runs eag
 kernels and its result is returned), is captured, and every later call with that shape replays the graph.
 Graphs are bound to a cache's buffers, so `new_cache` hands out one persistent cache per batch size. Passes
 of more than MAX_GRAPHED_TOKENS tokens per row (prefill) run eagerly: they are few, and each length would
-need its own graph.
+need its own graph; so do passes that ask for selected logits only (`logits_at`: a prefill's last position).
 
 `PagedGraphedModel` does the same for the serving engine's batched passes over the paged cache: one graph per
 (mode, batch bucket, tokens per row); a batch is padded to its bucket (a power of two) with rows of token 0 at
@@ -77,9 +77,10 @@ class _Graphed:
         return cache, rows
 
     @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode) -> torch.Tensor:
-        if tokens.shape[1] > MAX_GRAPHED_TOKENS:
-            return self.model(tokens, pos, cache, mode)
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode,
+                 logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        if logits_at is not None or tokens.shape[1] > MAX_GRAPHED_TOKENS:  # a prefill: eager
+            return self.model(tokens, pos, cache, mode, logits_at)
         static, rows = self._static(cache, tokens.shape[0])
         key = (id(static), mode.name, rows, tokens.shape[1])
         graph = self._graphs.get(key)

@@ -16,7 +16,7 @@ from typing import Iterator
 from tqdm import tqdm
 
 import selfspec
-from selfspec.engine.engine import Engine, RequestOutput
+from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, Engine, RequestOutput
 from selfspec.engine.llm import LLM, Generation, check_gamma
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
@@ -28,7 +28,6 @@ from selfspec.spec.sampling import SamplingParams
 
 DEFAULT_PPL_WINDOWS = 64
 DEFAULT_BATCH_SIZE = 64
-PREFILL_CHUNK = 2048  # tokens per prefill forward: two 8-shot GSM8K prompts (~1k tokens each) at once
 BLOCK_SIZE = 16  # tokens per KV block
 
 
@@ -88,7 +87,7 @@ def encode(llm: LLM, prompt: str | list[dict]) -> list[int]:
 
 
 def generate_batched(llm: LLM, prompts: dict[str, list[int]], params: SamplingParams, gamma: int,
-                     batch_size: int) -> Iterator[RequestOutput]:
+                     batch_size: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Iterator[RequestOutput]:
     """Each prompt's final output from the continuous-batching engine, as it finishes (any order), with at
     most batch_size in flight. Greedy batched output equals solo output, so the batch size changes no result."""
     if not prompts:
@@ -97,7 +96,7 @@ def generate_batched(llm: LLM, prompts: dict[str, list[int]], params: SamplingPa
     # Every row's worst case fits at once: the longest prompt + max_new_tokens + the drafts of a round.
     longest = min(llm.model.cfg.max_seq_len, max(map(len, prompts.values())) + params.max_new_tokens + gamma)
     engine = Engine(llm, max_batch=batch, block_size=BLOCK_SIZE, num_blocks=batch * -(-longest // BLOCK_SIZE),
-                    max_queue=batch, prefill_chunk=PREFILL_CHUNK, max_gamma=gamma)  # the engine caps a request's gamma
+                    max_queue=batch, prefill_chunk=prefill_chunk, max_gamma=gamma)  # the engine caps a request's gamma
     pending = deque(prompts.items())
     in_flight = 0
     while pending or engine.has_work():
@@ -138,7 +137,8 @@ class ResultCache:
         return item_id in self.records and not self.records[item_id].get("error")
 
 
-def check_args(tasks: list[str], limit: int | None, gamma: int, max_new_tokens: int, batch_size: int) -> None:
+def check_args(tasks: list[str], limit: int | None, gamma: int, max_new_tokens: int, batch_size: int,
+               prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
     if not tasks:
         raise SelfspecError(f"no tasks given; choose from: {', '.join(TASK_NAMES)}")
     for t in tasks:
@@ -149,6 +149,8 @@ def check_args(tasks: list[str], limit: int | None, gamma: int, max_new_tokens: 
         raise SelfspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if batch_size < 1:
         raise SelfspecError(f"--batch-size must be >= 1 sequences generated together, got {batch_size}")
+    if prefill_chunk < 1:
+        raise SelfspecError(f"--prefill-chunk must be >= 1 prompt tokens per step, got {prefill_chunk}")
     check_gamma(gamma)
 
 
@@ -156,11 +158,12 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
              limit: int | None = None, seed: int | None = None, gamma: int = 4, max_new_tokens: int = 256,
              chat: bool = False, data: dict[str, Path] | None = None, group_size: int = 128,
              device: str = "cpu", cached_only: bool = False,
-             batch_size: int = DEFAULT_BATCH_SIZE, unsafe_sandbox: bool = False) -> dict[str, dict[str, list[dict]]]:
+             batch_size: int = DEFAULT_BATCH_SIZE, unsafe_sandbox: bool = False,
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, dict[str, list[dict]]]:
     """Evaluate and return {config label: {task: [record per item, in item order]}} (cached items reused,
     failed ones generated again; cached_only: generate nothing, report what the cache holds;
     unsafe_sandbox: run HumanEval's code unconfined where the sandbox cannot be built)."""
-    check_args(tasks, limit, gamma, max_new_tokens, batch_size)
+    check_args(tasks, limit, gamma, max_new_tokens, batch_size, prefill_chunk)
     if "humaneval" in tasks and not cached_only:
         get_task("humaneval").check_scorable(unsafe_sandbox)
     configs = plan_configs(modes, recipes)
@@ -195,7 +198,7 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
                     missing = set(todo[t])
                     run_generation(llm, get_task(t), [it for it in items[t] if it.id in missing], caches[t],
                                    max_new_tokens, gamma if speculative else 0, batch_size, cfg.label,
-                                   unsafe_sandbox)
+                                   unsafe_sandbox, prefill_chunk)
         results[cfg.label] = {}
         for t in tasks:
             ids = ppl_ids if t == "ppl" else [it.id for it in items[t]]
@@ -214,7 +217,8 @@ def settings(model: str | None, cfg: EvalConfig, task: str, max_new_tokens: int,
 
 
 def run_generation(llm: LLM, task, items: list[Item], cache: ResultCache, max_new_tokens: int, gamma: int,
-                   batch_size: int, label: str, unsafe_sandbox: bool = False) -> None:
+                   batch_size: int, label: str, unsafe_sandbox: bool = False,
+                   prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
     """Generate the items in batches, caching each one's record as it finishes; a failing item is cached
     with its error and the others go on."""
     params = SamplingParams(max_new_tokens=max_new_tokens, stop=list(task.STOP))
@@ -227,7 +231,7 @@ def run_generation(llm: LLM, task, items: list[Item], cache: ResultCache, max_ne
         except SelfspecError as e:  # e.g. longer than the context window
             cache.add(record(task, it, Generation("", [], "error", GenerationStats()), str(e), unsafe_sandbox))
             bar.update()
-    for out in generate_batched(llm, prompts, params, gamma, batch_size):
+    for out in generate_batched(llm, prompts, params, gamma, batch_size, prefill_chunk):
         cache.add(record(task, by_id[out.request_id], out.generation, out.error, unsafe_sandbox))
         bar.update()
     bar.close()

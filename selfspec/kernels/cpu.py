@@ -1,6 +1,7 @@
-"""CPU linear of the stored formats. An integer format's stored copy is dequantized a block of output rows at a
-time into a reused float32 scratch buffer and multiplied there (no float copy of the weight is kept between
-calls); a dense float32 weight (the head, the fp32 recipe) is multiplied as stored.
+"""CPU linear of the stored formats (and, at the end, the attention of packed prefill rows). An integer format's
+stored copy is dequantized a block of output rows at a time into a reused float32 scratch buffer and multiplied
+there (no float copy of the weight is kept between calls); a dense float32 weight (the head, the fp32 recipe) is
+multiplied as stored.
 
 Why not the reference (dequantize the whole weight, then F.linear): on the CPU its cost is the dequantization,
 not the product. Fresh [N, K] temporaries page-fault on every call, the nibbles are interleaved by strided
@@ -22,13 +23,18 @@ the activations and the scales is as large as the INT8 step itself), and int4pac
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from selfspec.kernels import register
+from selfspec.kernels.reference import attention
 from selfspec.quant.act import fake_quantize_per_token
 from selfspec.quant.formats import DenseWeight, Int4Weight, Int8PlanesWeight, Int8Weight, QuantWeight
 from selfspec.quant.modes import Mode
+
+if TYPE_CHECKING:
+    from selfspec.model import Packed
 
 ROW_BY_ROW_MAX = 64  # rows multiplied one at a time (decode, verify); more (prefill) take one GEMM
 BLOCK_FLOATS = 1 << 20  # scratch floats per block of output rows (4 MiB; 1 and 16 MiB measured no faster)
@@ -166,3 +172,17 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
 
 for _fmt in (DenseWeight, Int8Weight, Int4Weight, Int8PlanesWeight):
     register("linear", _fmt.storage, "cpu")(linear)
+
+
+@register("packed_attention", "", "cpu")
+def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                     q_pos: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """One attention call per row, over its own queries and the blocks its keys fill: torch's CPU attention costs
+    rows x longest row x keys, masked or not (one long prompt beside short ones pads them all to it), and its bits
+    change with the number of keys, which here is the one the row has prefilled alone."""
+    bs, out, start = k_pool.shape[2], [], 0
+    for b, (n, keys) in enumerate(zip(packed.lengths, packed.keys)):
+        rows = slice(start, start + n)
+        out.append(attention(q[:, :, rows], k_pool, v_pool, table[b:b + 1, :-(-keys // bs)], q_pos[:, rows]))
+        start += n
+    return torch.cat(out, 2)

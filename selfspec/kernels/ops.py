@@ -1,11 +1,16 @@
 """What the model calls: each op looks itself up in the table by the device of its input."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from selfspec import kernels
 from selfspec.quant.formats import QuantWeight
 from selfspec.quant.modes import Mode
+
+if TYPE_CHECKING:
+    from selfspec.model import Packed
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None = None,
@@ -46,3 +51,10 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     Query (b, t) reads keys 0..q_pos[b, t]; later slots may hold stale scratch. A contiguous cache [B, Hkv, S, D]
     is the case of one block of S positions per row (table[b] = [b])."""
     return kernels.lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos)
+
+
+def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                     q_pos: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """`attention` of the rows of a packed pass (model.Packed): q [1, Hq, N, D] at positions q_pos [1, N], row b's
+    queries reading keys through table[b] -> [1, Hq, N, D]."""
+    return kernels.lookup("packed_attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, packed)

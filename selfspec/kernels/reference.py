@@ -1,13 +1,18 @@
 """Torch reference ops: plain, device-agnostic, the semantics every fast kernel must reproduce."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from selfspec.kernels import register
+from selfspec.kernels import lookup, register
 from selfspec.quant.act import fake_quantize_per_token
 from selfspec.quant.formats import STORAGES, QuantWeight
 from selfspec.quant.modes import Mode
+
+if TYPE_CHECKING:
+    from selfspec.model import Packed
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None,
@@ -85,3 +90,13 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     # Causal, offset by each row's positions: [B, 1, T, S], broadcast over heads.
     mask = torch.arange(k.shape[2], device=q.device) <= q_pos[:, None, :, None]
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+
+
+@register("packed_attention")
+def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                     q_pos: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """The rows padded to [B, T] for the device's `attention` (one call; padding repeats a row's last query, and
+    its output is dropped)."""
+    rows = packed.pad(q.transpose(1, 2)).transpose(1, 2)
+    out = lookup("attention", "", q.device.type)(rows, k_pool, v_pool, table, packed.pad(q_pos))
+    return packed.unpad(out.transpose(1, 2)).transpose(1, 2)

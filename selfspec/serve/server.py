@@ -55,7 +55,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     """Refuse bad numbers before the model is loaded (loading takes a while)."""
     if not 0 <= args.port <= 65535:
         raise SelfspecError(f"--port must be between 0 and 65535, got {args.port}")
-    for flag in ("max_batch", "max_queue", "block_size"):
+    for flag in ("max_batch", "max_queue", "block_size", "prefill_chunk"):
         if getattr(args, flag) < 1:
             raise SelfspecError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.num_blocks is not None and args.num_blocks < 1:
@@ -75,7 +75,7 @@ def serve(args: argparse.Namespace) -> None:
     check_serve_args(args)
     llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device)
     engine = Engine(llm, max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
-                    max_queue=args.max_queue, max_gamma=args.gamma)
+                    max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, max_gamma=args.gamma)
     engine.warm_up()  # on the GPU: capture every decode pass's CUDA graph before the first request waits on one
     model_name = args.served_model_name or args.model or DEFAULT_MODEL
     print(f"selfspec: serving {llm.description} as `{model_name}` (recipe {llm.recipe.name}, up to {args.gamma} "

@@ -60,9 +60,10 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Mode | No
     gen = make_generator(params, dev)
     cache = cache or model.new_cache(min(model.cfg.max_seq_len, len(prompt) + params.max_new_tokens + gamma + 1))
     t0 = time.perf_counter()
-    logits = model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev), cache, verify)
+    last = torch.tensor([len(prompt) - 1], device=dev)  # only the last position's logits
+    logits = model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev), cache, verify, last)
     cache.commit(len(prompt))
-    row = Row(pick(logits[0, -1], params, gen), len(prompt), params, gen, stats)
+    row = Row(pick(logits[0], params, gen), len(prompt), params, gen, stats)
     stats.prefill_s += time.perf_counter() - t0
     yield [row.pending]
     while row.length + 1 < cache.max_len:

@@ -1,0 +1,76 @@
+"""Chunked and packed prefill on the GPU, through the engine, on SmolLM2 (or SELFSPEC_GPU_MODEL: its .gguf path or
+HF directory): a prompt prefilled in chunks of 16, 128 or 512 tokens leaves the same KV cache bits and draws its
+first token from the same logits bits as in one piece; prompts packed into one prefill pass give the bits each
+gives alone. The Triton linear and attention are meant to be batch invariant (a row's reductions do not depend on
+the other rows, nor on the keys past its position), so these should hold bitwise at any size."""
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+import selfspec  # noqa: E402
+from selfspec.bench.prompts import PROMPTS  # noqa: E402
+from selfspec.engine.engine import Engine  # noqa: E402
+from selfspec.spec.sampling import SamplingParams  # noqa: E402
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", params=["planes", "qspec"])
+def llm(request):
+    return selfspec.load(os.environ.get("SELFSPEC_GPU_MODEL"), request.param, device="cuda")
+
+
+def serve_first_tokens(llm, prompts: list[list[int]], chunk: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Serve each prompt one new token, all submitted at once: (the KV pools after, the logits rows the first
+    tokens were drawn from, in request order, each request's tokens)."""
+    heads, logits = [], llm.model.logits
+
+    def recording(hidden, mode):
+        heads.append(logits(hidden, mode))
+        return heads[-1]
+
+    llm.model.logits = recording
+    try:
+        total = sum(-(-len(p) // BLOCK) for p in prompts)
+        engine = Engine(llm, max_batch=len(prompts), block_size=BLOCK, num_blocks=total + len(prompts),
+                        prefill_chunk=chunk)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_new_tokens=1, ignore_eos=True), gamma=0)
+        tokens = {}
+        while engine.has_work():
+            for o in engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    finally:
+        del llm.model.logits
+    return engine.cache, torch.cat(heads), [tokens[str(i)] for i in range(len(prompts))]
+
+
+def long_prompt(llm, n: int) -> list[int]:
+    ids = []
+    for p in PROMPTS * 8:
+        ids += llm.encode(p, chat=True)
+    return ids[:n]
+
+
+@pytest.mark.parametrize("chunk", [16, 128, 512])
+def test_chunked_prefill_equals_one_piece(llm, chunk):
+    prompt = long_prompt(llm, 1500)
+    whole, whole_logits, whole_tokens = serve_first_tokens(llm, [prompt], 2048)
+    cache, head, tokens = serve_first_tokens(llm, [prompt], chunk)
+    assert torch.equal(cache.k, whole.k) and torch.equal(cache.v, whole.v)
+    assert torch.equal(head, whole_logits) and tokens == whole_tokens
+
+
+def test_packed_prefill_equals_each_prompt_alone(llm):
+    """Prompts of 1 to 700 tokens packed into passes of 512 (long ones cut across passes) against each alone: the
+    logits of each first token (whose every layer read the prompt's KV) are the same bits."""
+    prompts = [long_prompt(llm, n) for n in (700, 1, 37, 300, 129)]
+    alone = [serve_first_tokens(llm, [p], 2048) for p in prompts]
+    _, head, tokens = serve_first_tokens(llm, prompts, 512)
+    assert torch.equal(head, torch.cat([a[1] for a in alone]))  # first tokens, drawn in request order
+    assert tokens == [a[2][0] for a in alone]
