@@ -16,8 +16,9 @@ INT_CASES = [("planes", m) for m in ("full", "upper", "w8a16", "w8a8", "w4a16", 
             [("int4", m) for m in ("w4a16", "w4a8", "w4a4")] + [("int8", m) for m in ("w8a16", "w8a8")]
 CASES = [("dense", "fp32")] + INT_CASES
 # K = 576 (groups of 64, nibble rows a multiple of 4 bytes: the 32-bit path), 1536 (groups of 128), 40 (groups of
-# 8: 20-byte rows, 32-bit path), 12 (groups of 4: 6-byte rows, the byte path)
-SHAPES = [(96, 576, 64), (40, 1536, 128), (24, 40, 8), (20, 12, 4)]
+# 8: 20-byte rows, 32-bit path), 12 (groups of 4: 6-byte nibble rows, the byte path; 12-byte INT8 rows), 10
+# (groups of 2: 5-byte nibble rows and 10-byte INT8 rows, both on the byte path)
+SHAPES = [(96, 576, 64), (40, 1536, 128), (24, 40, 8), (20, 12, 4), (12, 10, 2)]
 
 
 def random_weight(storage: str, n: int, k: int, group: int, seed: int):

@@ -47,7 +47,7 @@ def test_planes_reconstruct_int8_codes_exactly():
     w = rand_weight()
     pw = Int8PlanesWeight(w, GROUP)
     q8, scale, lo = minmax_quant(w, 8, GROUP)
-    upper, lower = unpack_nibbles(pw.upper), unpack_nibbles(pw.lower)
+    upper, lower = (unpack_nibbles(p) for p in pw.planes())
     assert upper.max() <= 15 and lower.max() <= 15
     assert torch.equal(upper.to(torch.int16) * 16 + lower.to(torch.int16), q8.to(torch.int16))
     assert torch.equal(pw.scale, scale) and torch.equal(pw.lo, lo)
@@ -57,6 +57,25 @@ def test_planes_reconstruct_int8_codes_exactly():
     torch.testing.assert_close(full, deq8, atol=1e-6, rtol=0)
     err = group_view((full - w).abs(), GROUP)
     assert (err <= scale[..., None] / 2 * (1 + 1e-4) + 1e-6).all()
+
+
+def test_planes_on_the_cpu_hold_the_int8_codes_in_place_of_the_planes():
+    """On the CPU one uint8 tensor of the codes (each row: every even k, then every odd k) stands in for the two
+    planes, with the scales and offsets doubled once; moved off the CPU the planes come back and the rest goes."""
+    w = rand_weight(seed=5)
+    pw = Int8PlanesWeight(w, GROUP)
+    q8, scale, lo = minmax_quant(w, 8, GROUP)
+    assert {name for name, _ in pw.named_buffers()} == {"q8", "scale", "lo", "scale2", "lo2"}
+    assert torch.equal(pw.q8, torch.cat((q8[:, 0::2], q8[:, 1::2]), 1))
+    assert torch.equal(pw.scale2, torch.cat((scale, scale), 1)) and pw.scale2.is_contiguous()
+    assert torch.equal(pw.lo2, torch.cat((lo, lo), 1)) and pw.lo2.is_contiguous()
+    upper, lower = pw.planes()
+    assert torch.equal(upper, pack_nibbles(q8 >> 4)) and torch.equal(lower, pack_nibbles(q8 & 15))
+    assert torch.equal(pw.int8_codes(torch.uint8), q8)
+    pw.to("meta")
+    assert not pw.cpu_layout
+    assert {name: b.shape for name, b in pw.named_buffers()} == {
+        "scale": scale.shape, "lo": lo.shape, "upper": upper.shape, "lower": lower.shape}
 
 
 def test_upper_plane_is_int4_round_to_nearest():
@@ -74,7 +93,7 @@ def test_upper_plane_is_int4_round_to_nearest():
     # The codes are what RTN on that INT4 grid gives (up to exact ties at a half step).
     x = (group_view(w, GROUP) - lo4[..., None]) / s4[..., None]
     rtn = x.round().clamp(0, 15)
-    codes = group_view(unpack_nibbles(pw.upper).float(), GROUP)
+    codes = group_view(unpack_nibbles(pw.planes()[0]).float(), GROUP)
     tie = ((x - x.floor()) - 0.5).abs() < 1e-3
     assert ((rtn == codes) | tie).all()
     assert (rtn == codes).float().mean() > 0.99
@@ -232,7 +251,7 @@ def analytic_linear_bytes(n: int, k: int, storage: str, group: int) -> int:
         "dense": 4 * n * k,
         "int8": n * k + 4 * n,  # int8 codes + one fp32 scale per output channel
         "int4": n * k // 2 + meta,
-        "planes": n * k + meta,
+        "planes": n * k + 3 * meta,  # on the CPU: the codes, and the scales and offsets once more, doubled
     }[storage]
 
 
@@ -317,8 +336,11 @@ def test_draft_and_verify_read_one_copy(storage, rotate):
 
 
 def test_the_upper_view_reads_only_the_upper_plane():
-    w = quantize_weight(torch.randn(64, 256), "planes", 64)
-    assert w.nbytes_read(MODES["full"]) == w.nbytes()
+    w = quantize_weight(torch.randn(64, 256), "planes", 64).to("meta")  # off the CPU: the two planes
+    assert not w.cpu_layout
+    assert w.nbytes_read(MODES["full"]) == w.nbytes() == 64 * 256 + 2 * 64 * 4 * 4
     assert w.nbytes_read(MODES["upper"]) == w.nbytes() - 64 * 128  # the lower plane: one byte per two weights
+    cpu = quantize_weight(torch.randn(64, 256), "planes", 64)  # one byte per code: every mode reads all of them
+    assert cpu.nbytes_read(MODES["upper"]) == cpu.nbytes_read(MODES["full"]) == 64 * 256 + 4 * 64 * 4 * 4
     int4 = quantize_weight(torch.randn(64, 256), "int4", 64)
     assert int4.nbytes_read(MODES["w4a16"]) == int4.nbytes()

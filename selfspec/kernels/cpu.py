@@ -6,9 +6,11 @@ multiplied as stored.
 Why not the reference (dequantize the whole weight, then F.linear): on the CPU its cost is the dequantization,
 not the product. Fresh [N, K] temporaries page-fault on every call, the nibbles are interleaved by strided
 writes, and group scales broadcast from their group-major layout run at a third of the speed of contiguous ones.
-Here the nibble planes are combined on 32-bit words (four bytes per op), each block's codes land deinterleaved
-(every even k of a row, then every odd k: K permuted, the activations permuted alike, the product unchanged),
-and the scales are broadcast from small contiguous [rows, 2G] copies. The float weight of a mode is bitwise the
+Here the INT8-plane format holds its codes as one byte each in place of the two planes (quant/formats.py: its
+CPU layout), so `full` converts them as they are and `upper` is one shift and mask on 32-bit words (four bytes
+per op); the INT4 format's nibbles are split the same way. The codes lie deinterleaved (every even k of a row,
+then every odd k: K permuted, the activations permuted alike, the product unchanged), and the scales are
+broadcast from contiguous [rows, 2G] copies. The float weight of a mode is bitwise the
 reference's (`dequantize`, permuted); only the order of the float32 sums in the product differs.
 
 Batch invariance: a row's result must not depend on how many rows the call has (a verify pass runs gamma + 1
@@ -30,7 +32,8 @@ import torch
 from selfspec.kernels import register
 from selfspec.kernels.reference import attention
 from selfspec.quant.act import fake_quantize_per_token
-from selfspec.quant.formats import DenseWeight, Int4Weight, Int8PlanesWeight, Int8Weight, QuantWeight
+from selfspec.quant.formats import (DenseWeight, Int4Weight, Int8PlanesWeight, Int8Weight, QuantWeight, doubled,
+                                    permute_k, upper_affine)
 from selfspec.quant.modes import Mode
 
 if TYPE_CHECKING:
@@ -52,55 +55,45 @@ def scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf[:numel]
 
 
-def word_view(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """Packed bytes as 32-bit words where the layout allows (four bytes per op), with the masks of the high and
-    the low nibble of every byte: (view, high mask, low mask). Byte-wise ops stay byte-wise: the masks drop what
-    a shift carries across a byte boundary."""
+def word_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Bytes as 32-bit words where the layout allows (four bytes per op), with the mask of the low nibble of
+    every byte: (view, mask). Byte-wise ops stay byte-wise: the mask drops what a shift carries across a byte
+    boundary (and the sign bits an int32 shift brings in)."""
     if t.is_contiguous() and t.shape[-1] % 4 == 0:
-        return t.view(torch.int32), -0x0F0F0F10, 0x0F0F0F0F  # 0xF0F0F0F0 as an int32
-    return t, 0xF0, 0x0F
+        return t.view(torch.int32), 0x0F0F0F0F
+    return t, 0x0F
 
 
-def nibble_codes(upper: torch.Tensor, lower: torch.Tensor | None) -> torch.Tensor:
-    """Codes [2, N, K/2] uint8 of a packed block [N, K/2] (even k in the low nibble): [0] the even-k codes, [1] the
-    odd-k codes. With `lower`, the INT8 codes 16 * upper + lower of the two planes; else the 4-bit codes."""
-    u, hi, lo = word_view(upper)
-    out = scratch("codes", 2 * upper.numel(), torch.uint8).view(2, *upper.shape)
-    o = out.view(torch.int32) if u.dtype == torch.int32 else out
-    if lower is None:
-        torch.bitwise_and(u, lo, out=o[0])
-        torch.bitwise_and(u >> 4, lo, out=o[1])
-    else:
-        low = word_view(lower)[0]
-        tmp = scratch("nibbles", upper.numel(), torch.uint8).view(upper.shape)  # no fresh temporaries
-        t = tmp.view(torch.int32) if u.dtype == torch.int32 else tmp
-        torch.bitwise_left_shift(u, 4, out=o[0]).bitwise_and_(hi)
-        o[0].bitwise_or_(torch.bitwise_and(low, lo, out=t))
-        torch.bitwise_and(u, hi, out=o[1])
-        o[1].bitwise_or_(torch.bitwise_right_shift(low, 4, out=t).bitwise_and_(lo))
+def nibble_codes(packed: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, 2, K/2] uint8 (a strided view) of a packed block [N, K/2] (even k in the low nibble): every
+    even k of a row, then every odd k."""
+    words, lo = word_view(packed)
+    out = scratch("codes", 2 * packed.numel(), torch.uint8).view(2, *packed.shape)
+    o = out.view(torch.int32) if words.dtype == torch.int32 else out
+    torch.bitwise_and(words, lo, out=o[0])
+    torch.bitwise_and(words >> 4, lo, out=o[1])
+    return out.transpose(0, 1)
+
+
+def high_nibbles(q8: torch.Tensor) -> torch.Tensor:
+    """q8 >> 4 of a block of 8-bit codes, into a scratch buffer."""
+    words, lo = word_view(q8)
+    out = scratch("codes", q8.numel(), torch.uint8).view(q8.shape)
+    o = out.view(torch.int32) if words.dtype == torch.int32 else out
+    torch.bitwise_right_shift(words, 4, out=o).bitwise_and_(lo)
     return out
 
 
 def dequantize_codes(codes: torch.Tensor, scale2: torch.Tensor, lo2: torch.Tensor) -> torch.Tensor:
-    """codes [2, N, K/2] -> float32 weight [N, K] in the permuted K order (even k, then odd k), w = lo + scale * q
-    group-wise, scale2/lo2 [N, 2G] contiguous (`doubled`): a float32 multiply, then a float32 add, as the
-    reference."""
-    _, n, h = codes.shape
-    w = scratch("weight", n * 2 * h, torch.float32).view(n, 2, h)
-    w.copy_(codes.transpose(0, 1))
+    """codes [N, K] or [N, 2, K/2] in the permuted K order (even k, then odd k) -> float32 weight [N, K],
+    w = lo + scale * q group-wise, scale2/lo2 [N, 2G] contiguous (`doubled`): a float32 multiply, then a float32
+    add, as the reference."""
+    n = codes.shape[0]
+    w = scratch("weight", codes.numel(), torch.float32).view(codes.shape)
+    w.copy_(codes)
     groups = w.view(n, scale2.shape[1], -1)  # both halves hold the groups in order, each half-group g/2 wide
     groups.mul_(scale2[..., None]).add_(lo2[..., None])
-    return w.view(n, 2 * h)
-
-
-def doubled(t: torch.Tensor) -> torch.Tensor:
-    """Group-wise [N, G] (group-major) -> [N, 2G] contiguous, once for each half of the permuted K order."""
-    return torch.cat((t, t), 1)
-
-
-def permute_k(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] in the weight's permuted order: every even k, then every odd k."""
-    return torch.cat((x[:, 0::2], x[:, 1::2]), 1)
+    return w.view(n, -1)
 
 
 def product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -123,8 +116,8 @@ def affine(weight: QuantWeight, mode: Mode) -> tuple[torch.Tensor, ...]:
         return ()
     if isinstance(weight, Int8Weight):
         return (weight.scale[:, None],)
-    if isinstance(weight, Int8PlanesWeight) and mode.weight_bits == 4:
-        return tuple(doubled(t) for t in weight.upper_affine())
+    if isinstance(weight, Int8PlanesWeight):  # the CPU layout: scales doubled once, when the layout was made
+        return upper_affine(weight.scale2, weight.lo2) if mode.weight_bits == 4 else (weight.scale2, weight.lo2)
     return doubled(weight.scale), doubled(weight.lo)
 
 
@@ -136,10 +129,9 @@ def weight_block(weight: QuantWeight, mode: Mode, scales: tuple[torch.Tensor, ..
         w = scratch("weight", (j - i) * weight.q.shape[1], torch.float32).view(j - i, -1)
         return w.copy_(weight.q[i:j]).mul_(scales[0][i:j])
     if isinstance(weight, Int8PlanesWeight):
-        lower = weight.lower[i:j] if mode.weight_bits == 8 else None
-        codes = nibble_codes(weight.upper[i:j], lower)
+        codes = high_nibbles(weight.q8[i:j]) if mode.weight_bits == 4 else weight.q8[i:j]
     else:
-        codes = nibble_codes(weight.packed[i:j], None)
+        codes = nibble_codes(weight.packed[i:j])
     return dequantize_codes(codes, *(t[i:j] for t in scales))
 
 

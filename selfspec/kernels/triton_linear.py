@@ -632,7 +632,8 @@ def _tensors(weight: QuantWeight, fmt: int) -> tuple:
         return weight.q, None, weight.scale, None
     if fmt == INT4.value:
         return weight.packed, None, weight.scale, weight.lo
-    return weight.upper, weight.lower if fmt == FULL.value else None, weight.scale, weight.lo
+    upper, lower = weight.planes()  # as stored on a GPU; made from the CPU layout for Triton's interpreter
+    return upper, lower if fmt == FULL.value else None, weight.scale, weight.lo
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None,

@@ -150,7 +150,13 @@ class Int4Weight(QuantWeight):
 
 
 class Int8PlanesWeight(QuantWeight):
-    """Group-wise asymmetric INT8 stored as an upper and a lower 4-bit plane."""
+    """Group-wise asymmetric INT8 stored as an upper and a lower 4-bit plane.
+
+    On the CPU the same codes are held as one [N, K] uint8 tensor `q8` in their place (one copy either way, the
+    same bytes): the CPU kernels combine no planes then, and the upper plane is q8 >> 4. Each row holds every
+    even k, then every odd k (the K order of the CPU kernels), and the group scales and offsets are kept again
+    as `scale2`/`lo2` [N, 2G] contiguous, once for each half of the row. Moving the weight (`.to`) switches to
+    the layout of the device it lands on: the GPU kernels read the planes."""
 
     storage = "planes"
 
@@ -158,33 +164,93 @@ class Int8PlanesWeight(QuantWeight):
         super().__init__()
         self.group_size = fit_group_size(w.shape[1], group_size)
         q8, scale, lo = minmax_quant(w, 8, self.group_size)
-        self.register_buffer("upper", pack_nibbles(q8 >> 4))
-        self.register_buffer("lower", pack_nibbles(q8 & 15))
         self.register_buffer("scale", scale)
         self.register_buffer("lo", lo)
         self.shape = tuple(w.shape)
+        self.store(q8)
 
+    @property
+    def cpu_layout(self) -> bool:
+        return "q8" in self._buffers
+
+    def store(self, q8: torch.Tensor) -> None:
+        """Hold the codes q8 [N, K] (natural k order) in the layout of their device, dropping the other one."""
+        for name in ("upper", "lower", "q8", "scale2", "lo2"):
+            self._buffers.pop(name, None)
+        if q8.device.type == "cpu":
+            self.register_buffer("q8", permute_k(q8))
+            self.register_buffer("scale2", doubled(self.scale), persistent=False)
+            self.register_buffer("lo2", doubled(self.lo), persistent=False)
+        else:
+            self.register_buffer("upper", pack_nibbles(q8 >> 4))
+            self.register_buffer("lower", pack_nibbles(q8 & 15))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.cpu_layout != (self.scale.device.type == "cpu"):
+            self.store(self.int8_codes(torch.uint8))
+        return self
 
     def nbytes_read(self, mode: Mode) -> int:
-        """The 4-bit view reads the upper plane (and the scales) only: the point of the format."""
+        """The 4-bit view reads the upper plane (and the scales) only: the point of the format. The CPU layout
+        reads every code byte and the doubled scales in every mode."""
+        if self.cpu_layout:
+            return self.nbytes() - 2 * self.scale.numel() * self.scale.element_size()
         return self.nbytes() - (self.lower.numel() if mode.weight_bits == 4 else 0)
 
     def upper_affine(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, lo) of the upper plane read alone as an INT4 weight."""
-        return self.scale * 16, self.lo + self.scale * 7.5
+        return upper_affine(self.scale, self.lo)
 
     def dequantize(self, mode: Mode) -> torch.Tensor:
         if mode.weight_bits == 4:
-            return affine_dequant_(unpack_nibbles(self.upper, torch.float32), *self.upper_affine())
+            return affine_dequant_(self.upper_codes(), *self.upper_affine())
         return affine_dequant_(self.int8_codes(), self.scale, self.lo)
 
-    def int8_codes(self) -> torch.Tensor:
-        """q8 = 16 * upper + lower as float32 [N, K], combined byte-wise on the packed planes (half the
-        elements) and written straight into the interleaved result, as `unpack_nibbles` does."""
-        q8 = torch.empty(*self.upper.shape, 2, device=self.upper.device)
+    def planes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed (upper, lower) planes, as stored or (CPU layout) as they would be."""
+        if self.cpu_layout:
+            q8 = unpermute_k(self.q8)
+            return pack_nibbles(q8 >> 4), pack_nibbles(q8 & 15)
+        return self.upper, self.lower
+
+    def upper_codes(self) -> torch.Tensor:
+        """q8 >> 4 as float32 [N, K]."""
+        if self.cpu_layout:
+            return unpermute_k(self.q8 >> 4).float()
+        return unpack_nibbles(self.upper, torch.float32)
+
+    def int8_codes(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """q8 = 16 * upper + lower as `dtype` [N, K]. From the planes, combined byte-wise on the packed planes
+        (half the elements) and written straight into the interleaved result, as `unpack_nibbles` does."""
+        if self.cpu_layout:
+            return unpermute_k(self.q8).to(dtype)
+        q8 = torch.empty(*self.upper.shape, 2, dtype=dtype, device=self.upper.device)
         q8[..., 0] = (self.upper << 4) | (self.lower & 15)  # even k; uint8 << 4 drops the high nibble
         q8[..., 1] = (self.upper & 0xF0) | (self.lower >> 4)  # odd k: the high nibbles
         return q8.flatten(-2)
+
+
+def upper_affine(scale: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, lo) of the INT8 codes' upper nibbles read as INT4 codes: 16 s, and lo + 7.5 s (the midpoint of
+    the lower nibble's range, which makes the truncation round-to-nearest)."""
+    return scale * 16, lo + scale * 7.5
+
+
+def permute_k(t: torch.Tensor) -> torch.Tensor:
+    """t [M, K] in the CPU kernels' K order: every even k, then every odd k."""
+    return torch.cat((t[:, 0::2], t[:, 1::2]), 1)
+
+
+def unpermute_k(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of `permute_k`."""
+    m, k = t.shape
+    return t.view(m, 2, k // 2).transpose(1, 2).reshape(m, k)
+
+
+def doubled(t: torch.Tensor) -> torch.Tensor:
+    """Group-wise [N, G] -> [N, 2G] contiguous, once for each half of the permuted K order."""
+    return torch.cat((t, t), 1)
 
 
 def quantize_weight(w: torch.Tensor, storage: str, group_size: int = 128,
