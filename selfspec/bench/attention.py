@@ -22,15 +22,14 @@ BASE = Tiles()  # 16-row split tiles: the bits every candidate is compared with
 DECODE_CASES = [(1, 1, 1024), (1, 1, 8192), (32, 9, 1024)]  # batch, queries per row, keys per row
 # batch, prompt length (causal from position 0); 256 queries: where the dispatcher turns to the in-program path
 PREFILL_CASES = [(1, 256), (1, 2048), (8, 512), (1, 8192)]
-# 32 rows still take mma.sync as 2-D dots (sm_90 PTX); 64 and 128 take wgmma unless sync (128 sync: past the
-# H100's shared memory).
-TALL = [Tiles(32), Tiles(64), Tiles(64, True), Tiles(128)]
+# 32 rows still take mma.sync (sm_90 PTX); 64 and 128 take wgmma.
+TALL = [Tiles(32), Tiles(64), Tiles(128)]
 DECODE_CANDIDATES = [BASE, *TALL]
-PREFILL_CANDIDATES = [Tiles(t.block_t, t.sync, in_program) for in_program in (False, True) for t in [BASE, *TALL]]
+PREFILL_CANDIDATES = [Tiles(t.block_t, in_program) for in_program in (False, True) for t in [BASE, *TALL]]
 
 
 def name(tiles: Tiles) -> str:
-    return f"{'in-program' if tiles.in_program else 'split'} {tiles.block_t}{' sync' if tiles.sync else ''}"
+    return f"{'in-program' if tiles.in_program else 'split'} {tiles.block_t}"
 
 
 def paged_kv(b: int, s: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,7 +73,7 @@ def measure_case(kind: str, b: int, t: int, s: int, candidates: list[Tiles], gen
     rows = []
     for tiles in candidates:
         row = {"kind": kind, "b": b, "t": t, "s": s, "tiles": name(tiles), "block_t": tiles.block_t,
-               "sync": tiles.sync, "in_program": tiles.in_program}
+               "in_program": tiles.in_program}
         try:
             out = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles)
         except Exception as e:  # noqa: BLE001  (Triton's compile errors have no common base class)

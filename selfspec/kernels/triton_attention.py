@@ -22,8 +22,10 @@ ever involve its own row, and its tile is fixed by its own place in the query-ma
 position is fully masked for it, which leaves its state bit-for-bit unchanged (the max stays, exp2(0) = 1
 rescales, p = 0 adds exact zeros); the chunks are fixed and merged in order, and a chunk past its position is
 not merged for it. So it gets the same result alone, among other queries, or in a prompt cut into pieces.
-On the GPU the tile height picks the tensor-core instructions (16, 32 rows: mma.sync; 64 or more: wgmma),
-which may round differently: `Tiles.sync` keeps mma.sync at any height (tests/gpu compares the bits).
+On the GPU the tile height picks the tensor-core instructions (16, 32 rows: mma.sync; 64 or more: wgmma), and
+wgmma rounds some rows differently (H100: 5-163 outputs of a prompt): so every tile here is 16 or 32 rows high
+(tests/gpu compares the bits). 3-D dots over 16-row slabs (mma.sync at any height) were slower still at 64 rows
+and did not keep the bits either.
 """
 from __future__ import annotations
 
@@ -52,14 +54,15 @@ MERGE_BLOCK_T = 16  # queries per program of the merge kernel (elementwise: no b
 class Tiles:
     """How a call is cut into programs. Every choice computes the same arithmetic in the same order per query."""
     block_t: int = 16  # (query, head) rows per program: a power of two >= 16 (a tensor-core tile)
-    # Both dots as 3-D dots over 16-row slabs, which Triton issues as mma.sync at any height (2-D dots of 64+ rows
-    # take wgmma). Compiled offline for sm_90: 176 KB of shared memory at 64 rows, 320 KB at 128 (over an H100's).
-    sync: bool = False
     in_program: bool = False  # one program walks all chunks, else chunks split over programs + the merge kernel
 
 
 DECODE_TILES = Tiles()  # decode and verify: few queries, so the keys are split to fill the GPU
-PREFILL_TILES = Tiles(in_program=True)  # many queries fill the GPU by themselves: no partials through memory
+# Many queries fill the GPU by themselves: no partials through memory. 32 rows: the tallest tile that keeps the
+# 16-row tiles' bits (mma.sync; 64 and 128 rows take wgmma, which changed 5-163 outputs); H100, 8B heads, causal
+# B=1 x 2048: 643 us against 1116 for 16 rows in-program and 837 for 16-row split tiles
+# (docs/bench-h100/attention-prefill-tiles.json).
+PREFILL_TILES = Tiles(32, in_program=True)
 # Queries per row from which a call takes PREFILL_TILES. Either path gives the same bits, so this is speed only:
 # at 256 queries a batch of one already has 256 * N_REP / 16 tiles per kv head (python -m selfspec.bench.attention
 # times both paths there).
@@ -81,23 +84,9 @@ def _tile_rows(pos_ptr, pid_r, b, kv_h, T, S, N_REP, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, SYNC: tl.constexpr):
-    """a [M, K] @ b [K, N] + acc [M, N] in fp32."""
-    if SYNC:  # a batch of 16-row slabs: Triton's wgmma path takes 2-D dots only, so these stay on mma.sync
-        # Triton puts every warp on the batch dimension of a 3-D dot: with a batch of one all 8 warps computed the
-        # whole tile (PTX for sm_90: 8x the mma.sync, 17-21 KB of spills), hence one slab per warp (`_num_warps`).
-        slabs: tl.constexpr = M // 16
-        b3 = tl.broadcast_to(tl.reshape(b, (1, K, N)), (slabs, K, N))
-        out = tl.reshape(tl.dot(tl.reshape(a, (slabs, 16, K)), b3, tl.reshape(acc, (slabs, 16, N))), (M, N))
-    else:
-        out = tl.dot(a, b, acc)
-    return out
-
-
-@triton.jit
 def _chunk_softmax(q, pos, k_head, v_head, table_row, start, end, BS, qk_scale, stride_kn, stride_ks, stride_vn,
                    stride_vs, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_S: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, SYNC: tl.constexpr):
+                   BLOCK_S: tl.constexpr, TILE_IN_BLOCK: tl.constexpr):
     """The online softmax of keys start..end-1 (one chunk, cut at the tile's last position) from a fresh state:
     each row's (max, sum, acc), max -inf for a row that reaches no key of the chunk."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -114,7 +103,7 @@ def _chunk_softmax(q, pos, k_head, v_head, table_row, start, end, BS, qk_scale, 
         slot = offs_s % BS
         k = tl.load(k_head + block * stride_kn + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0)
         v = tl.load(v_head + block * stride_vn + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0)
-        scores = _dot(q, tl.trans(k), tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32), BLOCK_T, BLOCK_D, BLOCK_S, SYNC)
+        scores = tl.dot(q, tl.trans(k))
         scores = scores * qk_scale  # log2 domain: qk_scale folds in log2(e)
         scores = tl.where(offs_s[None, :] <= pos[:, None], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -122,7 +111,7 @@ def _chunk_softmax(q, pos, k_head, v_head, table_row, start, end, BS, qk_scale, 
         alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m_i - m_new))
         p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp2(scores - m_new[:, None]))
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = _dot(p.to(tl.bfloat16), v, acc * alpha[:, None], BLOCK_T, BLOCK_S, BLOCK_D, SYNC)
+        acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
         m_i = m_new
     return m_i, l_i, acc
 
@@ -143,7 +132,7 @@ def _attention_chunk_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, S, BS, W, HKV, N_REP, N_CHUNKS, qk_scale,
     stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    TILE_IN_BLOCK: tl.constexpr, SYNC: tl.constexpr, PDL: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     wait(PDL)
     pid_r = tl.program_id(0)
@@ -159,7 +148,7 @@ def _attention_chunk_kernel(
                     mask=live[:, None] & (offs_d < D)[None, :], other=0)
         m_i, l_i, acc = _chunk_softmax(
             q, pos, k_ptr + kv_h * stride_kh, v_ptr + kv_h * stride_vh, table_ptr + b * W, c * CHUNK, end, BS,
-            qk_scale, stride_kn, stride_ks, stride_vn, stride_vs, D, BLOCK_D, BLOCK_T, BLOCK_S, TILE_IN_BLOCK, SYNC)
+            qk_scale, stride_kn, stride_ks, stride_vn, stride_vs, D, BLOCK_D, BLOCK_T, BLOCK_S, TILE_IN_BLOCK)
         row = ((b * HKV * N_REP + h) * N_CHUNKS + c) * T + t  # partials [B * H, N_CHUNKS, T]
         tl.store(m_ptr + row, m_i, mask=live)
         tl.store(l_ptr + row, l_i, mask=live)
@@ -201,7 +190,7 @@ def _attention_in_program_kernel(
     stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_ot,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    TILE_IN_BLOCK: tl.constexpr, SYNC: tl.constexpr, PDL: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     wait(PDL)
     pid_r = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the last tiles read the most keys, so start first
@@ -221,7 +210,7 @@ def _attention_in_program_kernel(
     for c in range(0, (end + CHUNK - 1) // CHUNK):  # in chunk order, each chunk's state as the split path's
         m_c, l_c, acc_c = _chunk_softmax(
             q, pos, k_head, v_head, table_ptr + b * W, c * CHUNK, tl.minimum(end, (c + 1) * CHUNK), BS, qk_scale,
-            stride_kn, stride_ks, stride_vn, stride_vs, D, BLOCK_D, BLOCK_T, BLOCK_S, TILE_IN_BLOCK, SYNC)
+            stride_kn, stride_ks, stride_vn, stride_vs, D, BLOCK_D, BLOCK_T, BLOCK_S, TILE_IN_BLOCK)
         used = c * CHUNK <= pos  # as the merge kernel: a chunk past a query's position is not merged for it
         m_c = tl.where(used, m_c, float("-inf"))
         l_c = tl.where(used, l_c, 0.0)
@@ -230,11 +219,6 @@ def _attention_in_program_kernel(
     out = acc / l[:, None]
     tl.store(o_ptr + b * stride_ob + h[:, None] * stride_oh + t[:, None] * stride_ot + offs_d[None, :],
              out.to(tl.bfloat16), mask=live[:, None] & (offs_d < D)[None, :])
-
-
-def _num_warps(tiles: Tiles) -> int:
-    """8 warps; 3-D dots take one warp per 16-row slab (more would repeat a slab's work), at most 8."""
-    return min(8, tiles.block_t // 16) if tiles.sync else 8
 
 
 @register("attention", "", "cuda")
@@ -262,7 +246,7 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     args = (t, s, bs, w, hkv, h // hkv)
     strides = (math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3])
     consts = dict(D=d, BLOCK_D=block_d, BLOCK_T=tiles.block_t, BLOCK_S=BLOCK_S, CHUNK=CHUNK,
-                  TILE_IN_BLOCK=bs % BLOCK_S == 0, SYNC=tiles.sync, num_warps=_num_warps(tiles), num_stages=2,
+                  TILE_IN_BLOCK=bs % BLOCK_S == 0, num_warps=8, num_stages=2,
                   **launch_options())
     n_tiles = triton.cdiv(t * (h // hkv), tiles.block_t)
     if tiles.in_program:

@@ -520,7 +520,7 @@ def tile_config(fmt: int, act: bool, n: int, k: int, group: int, m: int = 1) -> 
     of every add) comes from the weight and the mode only (`decode_config`); the M and N tiles, the warps and the
     stages follow M (`many_tokens`), which leaves every row's bits unchanged (tests/gpu/test_gpu_kernels.py)."""
     cfg = decode_config(fmt, act, n, k, group)
-    return cfg if m <= BLOCK_M else many_tokens(cfg, fmt, act, group, m)
+    return cfg if m <= BLOCK_M else many_tokens(cfg, fmt, act, group, m, k)
 
 
 def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
@@ -569,16 +569,17 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 
 # Tiles for many tokens, per kernel kind and M bucket: (largest M of the bucket, tiles of a GEMM whose K is split,
 # tiles of one whose K is not), each tiles (block_m, block_n, warps, stages, the split's K chunks walked in one
-# program), or None for the decode tiles. Measured on an H100 (`python -m selfspec.bench.tune_linear --many`,
+# program[, block_k]), or None for the decode tiles. Measured on an H100 (`python -m selfspec.bench.tune_linear --many`,
 # Llama-3-8B layers, M = 64 to 4096), each candidate against the decode tiles' bits over all rows:
 # - int8 activations (int8-act, nibble-act): any M and N tile, warps, stages, mma or wgmma keep the bits (exact
 #   int32 dots per K tile, then the same fp32 affine per element);
 # - bf16 activations (bf16, int8 and nibble weights): warps, stages, N tiles and M tiles up to 32 keep the bits,
 #   but M tiles of 64 or more (where Triton issues Hopper's wgmma instead of mma.sync) changed 4e-5 to 1.5e-3 of
 #   the outputs of integer-coded weights (int8 codes, nibbles, planes): so these stay on mma.sync, M tiles of 32.
-#   bf16 weights kept every bit on wgmma tiles (64 x 128, 128 x 128 at M = 256 and 4096: random, integer-valued
-#   and +-1 weights such as the rotation's, docs/bench-h100/gemm-many-tokens.md), at 1.5x cuBLAS against 2.0-2.8x
-#   on 32-row tiles: they take them past 64 rows;
+#   bf16 weights kept every bit on wgmma tiles (64 to 128 rows, N tiles 128/256, K tiles 64/128, at M = 256 to
+#   4096 on the 8B layers: random, integer-valued and +-1 weights such as the rotation's,
+#   docs/bench-h100/gemm-many-tokens.md): they take them past 64 rows, 64 x 128 up to 256 rows (1.3-1.6x cuBLAS),
+#   then 128 x 256 with K tiles of 64 (1.14-1.46x at M = 1024, 1.21-1.27x at 4096; 32-row tiles: 2.0-2.8x);
 # - speed: each bucket's tiles beat the decode tiles at M = 64 to 4096 (gemm bench), but for the nibble kernel with
 #   bf16 activations at M <= 64, and where its decode tiles are 256 wide (one nibble plane over few K pieces: gate/up
 #   and down of 8B models), whose long programs stayed faster at every M: those keep their decode tiles.
@@ -589,7 +590,7 @@ MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
     "nibble-act": [(64, None, None), (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
     "nibble": [(64, None, None), (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
     "bf16": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)), (256, (64, 128, 4, 3, True), (64, 128, 4, 3, False)),
-             (1 << 62, (128, 128, 8, 3, True), (128, 128, 8, 3, False))],
+             (1 << 62, (128, 256, 8, 3, True, 64), (128, 256, 8, 3, False, 64))],
     "int8": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)), (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
 }
 
@@ -603,8 +604,9 @@ def kernel_kind(fmt: int, act: bool, group: int) -> str:
     return "bf16" if fmt == DENSE.value else "int8"
 
 
-def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int) -> TileConfig:
-    """cfg with the M and N tiles, warps and stages of M's bucket; BLOCK_K, the split and the swap stay."""
+def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, k: int) -> TileConfig:
+    """cfg with the M and N tiles, warps and stages of M's bucket (and, for bf16 weights, its K tile); the split,
+    the swap and so each row's order of adds stay."""
     kind = kernel_kind(fmt, act, group)
     if cfg.swap or (kind == "nibble" and cfg.block_n > 128):  # not measured / slower at many tokens (MANY_TOKENS)
         return cfg
@@ -613,10 +615,19 @@ def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int) -> Til
             tiles = split_tiles if cfg.split_k > 1 else whole_tiles
             if tiles is None:
                 return cfg
-            block_m, block_n, warps, stages, in_program = tiles
-            return replace(cfg, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                           in_program=in_program and cfg.split_k > 1)
+            block_m, block_n, warps, stages, in_program, *block_k = tiles
+            # A bf16 dot adds its K tiles into one accumulator, 16 columns at a time in order, whatever BLOCK_K is;
+            # the split's chunks must still start at the same columns.
+            block_k = block_k[0] if block_k and k_chunk(k, cfg.split_k, block_k[0]) == k_chunk(
+                k, cfg.split_k, cfg.block_k) else cfg.block_k
+            return replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps,
+                           num_stages=stages, in_program=in_program and cfg.split_k > 1)
     raise AssertionError("the last bucket takes every M")
+
+
+def k_chunk(k: int, split_k: int, block_k: int) -> int:
+    """Columns of each of the split's K chunks (whole K tiles; the last one may be shorter)."""
+    return triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
 
 
 def _shift(fmt: int) -> int:
@@ -665,7 +676,7 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
     (m, k), n = x2.shape, weight.shape[0]
     w, w2, scale, lo = _tensors(weight, fmt)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
-    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    chunk = k_chunk(k, cfg.split_k, cfg.block_k)
     grid_split = 1 if cfg.in_program else cfg.split_k
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), grid_split)
     part = counts = None
@@ -677,12 +688,12 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=grid_split,
                  IN_PROGRAM=cfg.in_program, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options())
     stride_sn, stride_sg = (0, 0) if lo is None else lo.stride()  # scale has lo's layout
-    args = (y, part, counts, m, n, k, k_chunk, cfg.split_k if cfg.in_program else 1, x2.stride(0), stride_sn,
+    args = (y, part, counts, m, n, k, chunk, cfg.split_k if cfg.in_program else 1, x2.stride(0), stride_sn,
             stride_sg, y.stride(0), 0 if r2 is None else r2.stride(0))
     block = [cfg.block_n, cfg.block_k // 2 if fmt >= INT4.value else cfg.block_k]
     descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
     if uses_nibble_kernel(fmt, act, group):
-        tiles = triton.next_power_of_2(k_chunk // cfg.block_k)
+        tiles = triton.next_power_of_2(chunk // cfg.block_k)
         _nibble_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, TILES=tiles, ASM=not INTERPRETING,
                              **flags)
     else:
