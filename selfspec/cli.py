@@ -10,7 +10,7 @@ from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK
 from selfspec.errors import SelfspecError
 from selfspec.eval.runner import DEFAULT_BATCH_SIZE
 from selfspec.quant.modes import MODES
-from selfspec.spec.recipes import PRESETS
+from selfspec.speculative.recipes import PRESETS
 
 
 def add_prefill_chunk_arg(p: argparse.ArgumentParser) -> None:
@@ -101,7 +101,7 @@ def read_stdin() -> str:
 def cmd_generate(args: argparse.Namespace) -> None:
     import selfspec
     from selfspec.engine.llm import check_prompt
-    from selfspec.spec.sampling import SamplingParams
+    from selfspec.speculative.sampling import SamplingParams
 
     prompt = args.prompt if args.prompt is not None else read_stdin()
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens, args.stop)

@@ -20,7 +20,7 @@ from transformers import (
 from selfspec.config import ModelConfig
 from selfspec.engine.llm import LLM, build
 from selfspec.loading import resolve
-from selfspec.spec.recipes import resolve_recipe
+from selfspec.speculative.recipes import resolve_recipe
 
 TINY = dict(
     hidden_size=64,

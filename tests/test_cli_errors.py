@@ -18,7 +18,7 @@ from conftest import tiny_model
 from selfspec.cli import main
 from selfspec.engine.llm import Generation
 from selfspec.errors import SelfspecError
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

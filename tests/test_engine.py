@@ -13,8 +13,8 @@ from selfspec.engine.graphs import PagedGraphedModel, bucket, pad_into
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.serve.metrics import ServerMetrics
-from selfspec.spec.recipes import resolve_recipe
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.recipes import resolve_recipe
+from selfspec.speculative.sampling import SamplingParams
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,8 +7,8 @@ from conftest import tiny_model
 from selfspec.bench.serve import (HEADER, bench_recipe, make_engine, markdown_row, pair_speedups, percentiles,
                                   read_json_array_head, run_closed_loop)
 from selfspec.engine.llm import build
-from selfspec.spec.recipes import resolve_recipe
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.recipes import resolve_recipe
+from selfspec.speculative.sampling import SamplingParams
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

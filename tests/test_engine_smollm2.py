@@ -4,7 +4,7 @@ import pytest
 
 from selfspec.bench.prompts import PROMPTS
 from selfspec.engine.engine import Engine
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.sampling import SamplingParams
 
 N = 32
 

@@ -11,7 +11,7 @@ from selfspec.eval import runner
 from selfspec.eval.report import markdown, summarize
 from selfspec.eval.runner import ResultCache, encode, plan_configs, run_eval, run_generation
 from selfspec.eval.tasks import Item, get_task
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.sampling import SamplingParams
 from test_eval_end_to_end import setup  # noqa: F401  (the tiny model + data files fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

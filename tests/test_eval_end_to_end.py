@@ -135,7 +135,7 @@ def test_window_nll_matches_transformers():
 
     from selfspec.engine.llm import build
     from selfspec.eval.tasks.ppl import window_nll
-    from selfspec.spec.recipes import resolve_recipe
+    from selfspec.speculative.recipes import resolve_recipe
 
     cfg, sd, hf = tiny_model("llama", seed=1)
     ids = list(range(3, 60))

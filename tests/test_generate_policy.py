@@ -1,4 +1,4 @@
-"""`generate` picks each round's drafts with the serving engine's gamma policy (spec/policy.py), --gamma as the cap;
+"""`generate` picks each round's drafts with the serving engine's gamma policy (speculative/policy.py), --gamma as the cap;
 --fixed-gamma (LLM fixed_gamma) drafts gamma tokens every round. Greedy output stays AR output either way."""
 import pytest
 
@@ -8,11 +8,11 @@ from selfspec.cli import main
 from selfspec.engine.llm import build
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
-from selfspec.spec import decode as decode_module
-from selfspec.spec.decode import decode
-from selfspec.spec.policy import GammaPolicy
-from selfspec.spec.recipes import resolve_recipe
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative import decode as decode_module
+from selfspec.speculative.decode import decode
+from selfspec.speculative.policy import GammaPolicy
+from selfspec.speculative.recipes import resolve_recipe
+from selfspec.speculative.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -22,7 +22,7 @@ from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
 from selfspec.loading import load_gguf, load_hf_dir, load_tokenizer, resolve
 from selfspec.loading.named import NAMED_MODELS, named_model_path
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.sampling import SamplingParams
 
 from conftest import TINY  # one tiny shape for every test module
 

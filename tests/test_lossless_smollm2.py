@@ -12,7 +12,7 @@ recipes still reject some drafts at every gamma on these ten.
 import pytest
 
 from selfspec.bench.prompts import PROMPTS as BUILT_IN
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.sampling import SamplingParams
 
 PROMPTS = BUILT_IN[:10]
 NEW_TOKENS = 6

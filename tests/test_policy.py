@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from selfspec.spec.policy import GammaPolicy, expected_tokens
+from selfspec.speculative.policy import GammaPolicy, expected_tokens
 
 
 def measured(verify: dict[int, float], draft_ratio: float, acceptance: float, batch: int, max_gamma: int = 8,

@@ -23,8 +23,8 @@ from selfspec.kernels import cpu as cpu_kernels
 from selfspec.kernels import reference_op
 from selfspec.model import Packed
 from selfspec.engine.llm import build
-from selfspec.spec.recipes import resolve_recipe
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.recipes import resolve_recipe
+from selfspec.speculative.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

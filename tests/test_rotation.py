@@ -12,8 +12,8 @@ from selfspec.kernels import linear
 from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES
 from selfspec.quant.rotation import BlockHadamard, hadamard
-from selfspec.spec.recipes import resolve_recipe
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.recipes import resolve_recipe
+from selfspec.speculative.sampling import SamplingParams
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

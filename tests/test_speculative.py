@@ -12,10 +12,10 @@ from conftest import tiny_model
 from selfspec.engine.llm import build
 from selfspec.engine.stats import GenerationStats
 from selfspec.quant.modes import MODES
-from selfspec.spec.decode import Row, decode, run_round
-from selfspec.spec.recipes import resolve_recipe
-from selfspec.spec.sampling import SamplingParams, sample, to_probs
-from selfspec.spec.verify import accept_greedy, accept_rejection
+from selfspec.speculative.decode import Row, decode, run_round
+from selfspec.speculative.recipes import resolve_recipe
+from selfspec.speculative.sampling import SamplingParams, sample, to_probs
+from selfspec.speculative.verify import accept_greedy, accept_rejection
 
 GROUP = 32
 

@@ -12,8 +12,8 @@ from selfspec.bench.upper_acceptance import (TeacherForced, agreement, agreement
 from selfspec.engine.llm import LLM
 from selfspec.model import Linear, Transformer
 from selfspec.quant.formats import minmax_quant
-from selfspec.spec.policy import expected_tokens
-from selfspec.spec.recipes import resolve_recipe
+from selfspec.speculative.policy import expected_tokens
+from selfspec.speculative.recipes import resolve_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 T, F = True, False

@@ -15,8 +15,8 @@ import selfspec
 from selfspec.bench.prompts import PROMPTS
 from selfspec.engine.llm import build
 from selfspec.loading import resolve
-from selfspec.spec.recipes import resolve_recipe
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.recipes import resolve_recipe
+from selfspec.speculative.sampling import SamplingParams
 
 
 def measure(llm: selfspec.LLM, gamma: int, max_new_tokens: int) -> dict:

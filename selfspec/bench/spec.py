@@ -20,9 +20,9 @@ from selfspec.bench.traces import TRACE_DIR, ReplayAcceptance, load
 from selfspec.engine.graphs import GraphedModel
 from selfspec.engine.stats import GenerationStats
 from selfspec.quant.modes import MODES
-from selfspec.spec.decode import decode
-from selfspec.spec.recipes import PRESETS
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.decode import decode
+from selfspec.speculative.recipes import PRESETS
+from selfspec.speculative.sampling import SamplingParams
 
 
 def expected_tokens(accepted: list[int], k: int) -> float:

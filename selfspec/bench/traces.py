@@ -19,7 +19,7 @@ from tqdm import tqdm
 import selfspec
 from selfspec.eval.runner import encode
 from selfspec.eval.tasks import get_task
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.sampling import SamplingParams
 
 TRACE_DIR = Path(__file__).parent / "traces"
 

@@ -33,9 +33,9 @@ from selfspec.model import Linear, Transformer
 from selfspec.quant.formats import (DenseWeight, Int4Weight, Int8PlanesWeight, affine_dequant_, fit_group_size,
                                     minmax_quant)
 from selfspec.quant.modes import MODES
-from selfspec.spec.policy import expected_tokens
-from selfspec.spec.recipes import resolve_recipe
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.policy import expected_tokens
+from selfspec.speculative.recipes import resolve_recipe
+from selfspec.speculative.sampling import SamplingParams
 
 # A weight config: float weight [N, K] and group size -> the float weight a mode computes with.
 Build = Callable[[torch.Tensor, int], torch.Tensor]

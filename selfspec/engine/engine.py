@@ -4,7 +4,7 @@ One `step()`: drain the inbox (new requests, aborts), plan the step (`_schedule`
 prefill chunk (a budget of prefill_chunk context tokens shared FCFS by the sequences still prefilling, packed into
 one forward without padding, so every GEMM runs on real tokens only), then one batched round over every sequence
 past prefill: k draft steps and one verify pass, each row accepting its own number of tokens and rolling its own
-cache back. k comes from the gamma policy (spec/policy.py) unless a request asks
+cache back. k comes from the gamma policy (speculative/policy.py) unless a request asks
 for its own, which is capped at the engine's max_gamma (the server's --gamma); rows are grouped by k and each
 group runs its own batched passes.
 
@@ -35,10 +35,10 @@ from selfspec.engine.llm import LLM, Generation, check_gamma
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Packed
-from selfspec.spec.decode import GreedyAcceptance, Row, make_generator, pick, run_round
-from selfspec.spec.policy import GammaPolicy
-from selfspec.spec.sampling import SamplingParams
-from selfspec.spec.verify import accept_greedy
+from selfspec.speculative.decode import GreedyAcceptance, Row, make_generator, pick, run_round
+from selfspec.speculative.policy import GammaPolicy
+from selfspec.speculative.sampling import SamplingParams
+from selfspec.speculative.verify import accept_greedy
 
 DEFAULT_TOKENS_PER_SEQ = 1024  # default pool: max_batch sequences of this many tokens
 DEFAULT_PREFILL_CHUNK = 256  # context tokens prefilled per step (serve, bench serve and eval: --prefill-chunk)

@@ -13,10 +13,10 @@ from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
 from selfspec.quant.modes import get_mode
-from selfspec.spec.decode import decode
-from selfspec.spec.policy import GammaPolicy
-from selfspec.spec.recipes import Recipe, resolve_recipe
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.decode import decode
+from selfspec.speculative.policy import GammaPolicy
+from selfspec.speculative.recipes import Recipe, resolve_recipe
+from selfspec.speculative.sampling import SamplingParams
 
 MAX_GAMMA = 32
 

@@ -23,8 +23,8 @@ from selfspec.errors import SelfspecError
 from selfspec.eval.tasks import TASK_NAMES, Item, get_task
 from selfspec.eval.tasks import ppl as ppl_task
 from selfspec.quant.modes import get_mode
-from selfspec.spec.recipes import Recipe, resolve_recipe
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.recipes import Recipe, resolve_recipe
+from selfspec.speculative.sampling import SamplingParams
 
 DEFAULT_PPL_WINDOWS = 64
 DEFAULT_BATCH_SIZE = 64

@@ -34,7 +34,7 @@ import httpx
 
 from selfspec.bench.prompts import PROMPTS
 from selfspec.engine.llm import LLM, Generation
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.sampling import SamplingParams
 
 # The launched server fails, inside its engine step, every request with this among its stop strings.
 FAULT_MARKER = "<<loadtest-fault>>"

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from selfspec.spec.sampling import MIN_TEMPERATURE, MIN_TOP_P, SEED_RANGE, SamplingParams
+from selfspec.speculative.sampling import MIN_TEMPERATURE, MIN_TOP_P, SEED_RANGE, SamplingParams
 
 # OpenAI parameters selfspec does not implement, accepted only at their no-op values (clients often send
 # them explicitly); anything else unknown is refused by name, as OpenAI itself does.

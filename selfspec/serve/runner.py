@@ -17,7 +17,7 @@ from selfspec.engine.engine import Engine, EngineStats, RequestOutput
 from selfspec.engine.llm import Generation
 from selfspec.errors import SelfspecError
 from selfspec.serve.metrics import ServerMetrics
-from selfspec.spec.sampling import SamplingParams
+from selfspec.speculative.sampling import SamplingParams
 
 log = logging.getLogger("selfspec.serve")
 IDLE_WAIT_S = 0.05  # how long the thread sleeps when idle before re-checking (a new request wakes it at once)

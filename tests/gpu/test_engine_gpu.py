@@ -17,8 +17,8 @@ from selfspec.bench.prompts import PROMPTS  # noqa: E402
 from selfspec.engine.engine import Engine  # noqa: E402
 from selfspec.engine.graphs import PagedGraphedModel  # noqa: E402
 from selfspec.engine.llm import build  # noqa: E402
-from selfspec.spec.recipes import resolve_recipe  # noqa: E402
-from selfspec.spec.sampling import SamplingParams  # noqa: E402
+from selfspec.speculative.recipes import resolve_recipe  # noqa: E402
+from selfspec.speculative.sampling import SamplingParams  # noqa: E402
 
 GAMMAS = [None, 0, 2, 5]  # the policy's, plain decoding, fixed draft lengths
 

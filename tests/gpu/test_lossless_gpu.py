@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 import selfspec  # noqa: E402
 from selfspec.bench.prompts import PROMPTS  # noqa: E402
 from selfspec.engine.graphs import GraphedModel  # noqa: E402
-from selfspec.spec.sampling import SamplingParams  # noqa: E402
+from selfspec.speculative.sampling import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 24
 

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 import selfspec  # noqa: E402
 from selfspec.bench.prompts import PROMPTS  # noqa: E402
 from selfspec.engine.engine import Engine  # noqa: E402
-from selfspec.spec.sampling import SamplingParams  # noqa: E402
+from selfspec.speculative.sampling import SamplingParams  # noqa: E402
 
 BLOCK = 16
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.spec.sampling import sample
+from selfspec.speculative.sampling import sample
 
 
 def accept_greedy(drafts: list[int], target: list[int]) -> tuple[int, int]:

@@ -17,9 +17,9 @@ from selfspec.cache import KVCache
 from selfspec.engine.stats import GenerationStats
 from selfspec.model import Transformer
 from selfspec.quant.modes import Mode
-from selfspec.spec.policy import GammaPolicy
-from selfspec.spec.sampling import SamplingParams, sample, to_probs
-from selfspec.spec.verify import accept_greedy, accept_rejection
+from selfspec.speculative.policy import GammaPolicy
+from selfspec.speculative.sampling import SamplingParams, sample, to_probs
+from selfspec.speculative.verify import accept_greedy, accept_rejection
 
 GreedyAcceptance = Callable[[list[int], list[int]], tuple[int, int]]  # (drafts, verify argmaxes) -> (n, next)
 
