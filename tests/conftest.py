@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -102,3 +103,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@contextmanager
+def recorded_logits(model):
+    """Every output of model.logits while the block runs, in call order (the rows an engine draws first tokens
+    from)."""
+    heads, logits = [], model.logits
+
+    def recording(hidden, mode):
+        heads.append(logits(hidden, mode))
+        return heads[-1]
+
+    model.logits = recording
+    try:
+        yield heads
+    finally:
+        del model.logits

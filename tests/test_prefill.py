@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import selfspec
-from conftest import tiny_model
+from conftest import recorded_logits, tiny_model
 from selfspec.bench import serve as bench_serve
 from selfspec.cli import main
 from selfspec.engine import engine as engine_module
@@ -239,19 +239,10 @@ def test_prefill_budget_counts_real_tokens(llm, monkeypatch):
 def prefill_through_engine(llm, prompt, chunk, block_size):
     """Serve one request of one new token with prefill chunks of `chunk` tokens: (the KV pools after, the
     logits its token was drawn from)."""
-    heads, logits = [], llm.model.logits
-
-    def recording(hidden, mode):
-        heads.append(logits(hidden, mode))
-        return heads[-1]
-
-    llm.model.logits = recording
-    try:
+    with recorded_logits(llm.model) as heads:
         engine = Engine(llm, max_batch=1, block_size=block_size, num_blocks=1024 // block_size, prefill_chunk=chunk)
         engine.add_request("0", prompt, SamplingParams(max_new_tokens=1, ignore_eos=True), gamma=0)
         run(engine)
-    finally:
-        del llm.model.logits
     (head,) = heads
     return engine.cache, head
 

@@ -3,8 +3,6 @@ HF directory): a prompt prefilled in chunks of 16, 128 or 512 tokens leaves the 
 first token from the same logits bits as in one piece; prompts packed into one prefill pass give the bits each
 gives alone. The Triton linear and attention are meant to be batch invariant (a row's reductions do not depend on
 the other rows, nor on the keys past its position), so these should hold bitwise at any size."""
-import os
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-import selfspec  # noqa: E402
+from conftest import recorded_logits  # noqa: E402
 from selfspec.bench.prompts import PROMPTS  # noqa: E402
 from selfspec.engine.engine import Engine  # noqa: E402
 from selfspec.speculative.sampling import SamplingParams  # noqa: E402
@@ -20,22 +18,10 @@ from selfspec.speculative.sampling import SamplingParams  # noqa: E402
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", params=["planes", "qspec"])
-def llm(request):
-    return selfspec.load(os.environ.get("SELFSPEC_GPU_MODEL"), request.param, device="cuda")
-
-
 def serve_first_tokens(llm, prompts: list[list[int]], chunk: int) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Serve each prompt one new token, all submitted at once: (the KV pools after, the logits rows the first
     tokens were drawn from, in request order, each request's tokens)."""
-    heads, logits = [], llm.model.logits
-
-    def recording(hidden, mode):
-        heads.append(logits(hidden, mode))
-        return heads[-1]
-
-    llm.model.logits = recording
-    try:
+    with recorded_logits(llm.model) as heads:
         total = sum(-(-len(p) // BLOCK) for p in prompts)
         engine = Engine(llm, max_batch=len(prompts), block_size=BLOCK, num_blocks=total + len(prompts),
                         prefill_chunk=chunk)
@@ -45,8 +31,6 @@ def serve_first_tokens(llm, prompts: list[list[int]], chunk: int) -> tuple[torch
         while engine.has_work():
             for o in engine.step():
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-    finally:
-        del llm.model.logits
     return engine.cache, torch.cat(heads), [tokens[str(i)] for i in range(len(prompts))]
 
 
