@@ -16,7 +16,7 @@ from selfspec.speculative.recipes import PRESETS
 def add_prefill_chunk_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
                    help="prompt tokens prefilled per engine step, shared by the prompts being prefilled; smaller "
-                        f"keeps the running requests' decoding steady, larger prefills faster (default: %(default)s)")
+                        "keeps the running requests' decoding steady, larger prefills faster (default: %(default)s)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
