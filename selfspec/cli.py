@@ -22,7 +22,9 @@ def add_prefill_chunk_arg(p: argparse.ArgumentParser) -> None:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="named model, HF directory or .gguf file (default: smollm2-135m)")
     p.add_argument("--recipe", default=None, choices=list(PRESETS), help="stored format + draft + verify (default: planes)")
-    p.add_argument("--draft", default=None, metavar="MODE", help=f"draft mode, one of: {', '.join(MODES)}")
+    p.add_argument("--draft", default=None, metavar="MODE",
+                   help=f"draft mode, one of: {', '.join(MODES)}; or ngram[:MIN-MAX] (prompt lookup of the last "
+                        "MAX..MIN tokens, default 3..1)")
     p.add_argument("--verify", default=None, metavar="MODE", help="verify mode (the output's precision)")
     p.add_argument("--gamma", type=int, default=4, help="most drafted tokens per round (0: autoregressive)")
     p.add_argument("--group-size", type=int, default=128, help="quantization group size along K")

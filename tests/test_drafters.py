@@ -91,6 +91,7 @@ def test_ngram_recipe_and_overrides():
     assert (r.storage, r.verify, r.draft) == ("planes", "full", "ngram")
     assert resolve_recipe("ngram", draft="ngram:2-5").draft == "ngram:2-5"
     assert resolve_recipe("ngram", verify="w8a16").storage == "planes"
+    assert resolve_recipe("ngram", verify="bf16").storage == "dense"  # no draft mode: any verify mode's storage
     assert resolve_recipe("qspec", draft="ngram").storage == "int4"  # lookup drafts for another verify mode
     with pytest.raises(SelfspecError, match="ngram:MIN-MAX"):
         resolve_recipe("ngram", draft="ngram:5")
