@@ -283,7 +283,7 @@ def test_ar_banner_names_no_draft_or_gamma(capsys, tiny_dirs):
 CUDA_BENCHES = ["all", "steps", "gemm", "prefill", "spec", "peer", "tune"]
 
 
-@pytest.mark.parametrize("name", CUDA_BENCHES + ["trace"])
+@pytest.mark.parametrize("name", CUDA_BENCHES + ["trace", "lookup"])
 def test_bench_help_is_the_benchmarks_own(capsys, name):
     with pytest.raises(SystemExit) as e:
         main(["bench", name, "--help"])

@@ -189,3 +189,12 @@ def test_ngram_sampling_matches_verify_distribution(sampling_setup):
     unchecked = torch.bincount(torch.tensor([proposal[a] for a in t0.tolist()]), minlength=VOCAB).double()
     e1 = sum(p1[tuple(prompt + [a])] * int((t0 == a).sum()) for a in range(VOCAB))
     assert tv(unchecked, e1) > 2 * math.sqrt(VOCAB / n)
+
+
+def test_bench_lookup_runs_on_the_cpu(capsys):
+    from selfspec.cli import main
+
+    assert main(["bench", "lookup", "--batch", "2", "--history", "64", "300", "--rounds", "5"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [("2", "64"), ("2", "300")]
+    assert all(float(r[3]) > 0 for r in rows)  # us per round, lookup and commit

@@ -97,15 +97,19 @@ class TokenHistory:
     def __init__(self, tokens: list[int], min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
+        self.tail: tuple[int, ...] = ()  # the last max_n tokens: its slices are the keys (cheaper than the list's)
         self.index: dict[tuple[int, ...], int] = {}  # tuples of different lengths are different keys
         self.extend(tokens)
 
     def extend(self, tokens: list[int]) -> None:
+        index, tail, sizes = self.index, self.tail, range(-self.min_n, -self.max_n - 1, -1)
         for t in tokens:
             end = len(self.tokens)  # the n-grams ending just before t are now followed by t
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.index[tuple(self.tokens[end - n:end])] = end
+            for n in sizes[:len(tail) - self.min_n + 1]:
+                index[tail[n:]] = end
             self.tokens.append(t)
+            tail = tail[1 - self.max_n:] + (t,) if self.max_n > 1 else (t,)
+        self.tail = tail
 
     def lookup(self, k: int) -> list[int]:
         """Up to k tokens continuing the longest suffix (max_n tokens down to min_n) seen earlier, from its most
