@@ -128,6 +128,35 @@ def test_greedy_ngram_equals_ar(llm, gamma):
     assert rounds_without > 0  # rows without a full proposal were verified too
 
 
+class PassWidths:
+    """The model, recording the tokens per row of each pass."""
+
+    def __init__(self, model):
+        self.model, self.widths = model, []
+        self.device, self.cfg, self.new_cache = model.device, model.cfg, model.new_cache
+
+    def __call__(self, tokens, *args, **kwargs):
+        self.widths.append(tokens.shape[1])
+        return self.model(tokens, *args, **kwargs)
+
+
+def test_verify_pass_stops_at_the_longest_proposal(llm):
+    """Each round verifies the pending token and the proposal only (no padding to gamma): a round without a
+    match is a one-token plain step."""
+    from selfspec.engine.stats import GenerationStats
+    from selfspec.speculative.decode import decode
+
+    plain_steps = 0
+    for prompt in REPETITIVE:
+        model, stats = PassWidths(llm.model), GenerationStats()
+        for _ in decode(model, prompt, llm.verify_mode, NgramDrafter(), 6, greedy(30), stats):
+            pass  # to the end of the cache
+        rounds = model.widths[1:]  # [0]: the prefill
+        assert len(rounds) == stats.rounds and sum(rounds) == stats.rounds + stats.draft_proposed
+        plain_steps += rounds.count(1)
+    assert plain_steps > 0
+
+
 def test_engine_batched_equals_solo_with_ngram_rows_mixed(llm):
     """Repetitive prompts (lookups match) and random ones (mostly no match), per-request gammas with the policy's,
     greedy rows next to sampling rows, a pool small enough to preempt (a resumed row rebuilds its history): every

@@ -420,7 +420,7 @@ class Engine:
         tokens, timing = run_round(self.runner, view, rows, k, self.llm.drafter, self.llm.verify_mode, self.accept)
         proposed = sum(r.stats.draft_proposed - p for r, (p, _) in zip(rows, before))
         accepted = [r.stats.draft_accepted - a for r, (_, a) in zip(rows, before)]
-        self.policy.observe_round(len(rows), k, timing.draft_s, timing.verify_s)
+        self.policy.observe_round(len(rows), timing.k, timing.draft_s, timing.verify_s)
         self.policy.observe_acceptance(k, accepted)
         c = self.counters
         c.num_row_rounds += len(rows)

@@ -40,6 +40,7 @@ class Row:
 class RoundTiming:
     draft_s: float
     verify_s: float
+    k: int  # drafts per row the verify pass checked: the longest proposal (a lookup may propose fewer than asked)
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -77,7 +78,7 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
         (tokens,), timing = run_round(model, cache, [row], k, draft, verify, accept)
         cache.commit(row.length)
         if policy is not None:
-            policy.observe_round(1, k, timing.draft_s, timing.verify_s)
+            policy.observe_round(1, timing.k, timing.draft_s, timing.verify_s)
             policy.observe_acceptance(k, [stats.draft_accepted - accepted])
         yield tokens
 
@@ -86,8 +87,8 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
 def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Drafter | Mode | None, verify: Mode,
               accept: GreedyAcceptance = accept_greedy) -> tuple[list[list[int]], RoundTiming]:
     """One speculative round over a batch: up to k drafts per row (e.g. k batched draft-mode steps, or a lookup),
-    one batched verify pass (T=k+1), acceptance per row of its real drafts (a row's padding is never judged; a
-    row without drafts is a plain decoding step). Returns each row's committed tokens; rows are updated only once
+    one batched verify pass over the pending token and the longest proposal (T=k+1 for a self-draft), acceptance
+    per row of its real drafts (a row's padding is never judged; a row without drafts is a plain decoding step). Returns each row's committed tokens; rows are updated only once
     every pass succeeded (a failure leaves them as they were). The caller commits/truncates the cache to each row's new length.
     The drafts stay on the device between steps: on a GPU the host waits twice per round (drafts, verify)."""
     dev = model.device
@@ -96,7 +97,8 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Drafter
     lengths = torch.tensor([r.length for r in rows], device=dev)[:, None]
     if k:
         proposal = as_drafter(draft).propose(model, cache, rows, pending, lengths, k)
-        drafted, counts, q = proposal.tokens, proposal.counts, proposal.q
+        k = max(proposal.counts)  # verify only as far as the longest proposal: no match costs a plain step
+        drafted, counts, q = proposal.tokens[:, :k], proposal.counts, proposal.q
     else:
         drafted, counts, q = pending.new_empty((len(rows), 0)), [0] * len(rows), [None] * len(rows)
     # Waiting for the drafts here keeps draft_s and verify_s (the policy reads them) apart.
@@ -123,7 +125,7 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Drafter
         out.append(d[:n] + [nxt])
         if r.history is not None:
             r.history.extend(out[-1])
-    return out, RoundTiming(t1 - t0, t2 - t1)
+    return out, RoundTiming(t1 - t0, t2 - t1, k)
 
 
 def one_hot(drafts: list[int], logits: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,9 @@
   max_n down to min_n) are looked up in its own prompt + generated text, and the tokens that followed their most
   recent earlier occurrence are proposed. No model step: its cost is a few dictionary look-ups per row.
 
-A proposal of n < k tokens (none where nothing matches) is padded to k for the batched verify pass, and only its
-n real tokens are judged: a row with no proposal is a plain decoding step. With sampling, a lookup proposal is
+A proposal of n < k tokens (none where nothing matches) is padded for the batched verify pass, which runs as far
+as the longest proposal of the batch (a round where nothing matches costs a plain step), and only its n real
+tokens are judged: a row with no proposal is a plain decoding step. With sampling, a lookup proposal is
 drawn from a one-hot q, for which rejection sampling (verify.py) accepts d with probability p(d) and otherwise
 draws from p with d removed: the output still follows the verify distribution exactly.
 """
