@@ -22,7 +22,9 @@ def add_prefill_chunk_arg(p: argparse.ArgumentParser) -> None:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="named model, HF directory or .gguf file (default: smollm2-135m)")
     p.add_argument("--recipe", default=None, choices=list(PRESETS), help="stored format + draft + verify (default: planes)")
-    p.add_argument("--draft", default=None, metavar="MODE", help=f"draft mode, one of: {', '.join(MODES)}")
+    p.add_argument("--draft", default=None, metavar="MODE",
+                   help=f"draft mode, one of: {', '.join(MODES)}; or ngram[:MIN-MAX] (prompt lookup of the last "
+                        "MAX..MIN tokens, default 3..1)")
     p.add_argument("--verify", default=None, metavar="MODE", help="verify mode (the output's precision)")
     p.add_argument("--gamma", type=int, default=4, help="most drafted tokens per round (0: autoregressive)")
     p.add_argument("--group-size", type=int, default=128, help="quantization group size along K")
@@ -124,7 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(f"[{info['model']} | recipe {r.name}: {r.storage} weights, {how}] {out.stats.summary()}", file=sys.stderr)
 
 
-# `selfspec bench NAME` -> selfspec.bench.MODULE.main(arguments); all on the GPU but `trace` (any device).
+# `selfspec bench NAME` -> selfspec.bench.MODULE.main(arguments); all on the GPU but CPU_BENCHES.
 GPU_BENCHES = {
     "all": ("suite", "every GPU measurement in one run: JSON, markdown report and PNG plots"),
     "steps": ("steps", "AR tokens/s per mode and batch, draft / verify pass times (CUDA graphs)"),
@@ -134,7 +136,9 @@ GPU_BENCHES = {
     "peer": ("peer", "HF transformers generate on the same shape"),
     "trace": ("traces", "record acceptance traces on a real model"),
     "tune": ("tune_linear", "search the linear kernel's tile configs"),
+    "lookup": ("lookup", "host cost of the n-gram lookup drafter per round (batch x history length)"),
 }
+CPU_BENCHES = ("trace", "lookup")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -148,10 +152,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
     wants_help = {"-h", "--help"} & set(args.args)
-    if args.bench != "trace" and not wants_help and not torch.cuda.is_available():
+    if args.bench not in CPU_BENCHES and not wants_help and not torch.cuda.is_available():
         why = "this torch build has no CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
         raise SelfspecError(f"`selfspec bench {args.bench}` needs a CUDA GPU ({why}); "
-                            "`selfspec bench serve` and `selfspec bench trace` run on the CPU")
+                            "`selfspec bench serve`, `trace` and `lookup` run on the CPU")
     module = importlib.import_module(f"selfspec.bench.{GPU_BENCHES[args.bench][0]}")
     module.main(args.args, prog=f"selfspec bench {args.bench}")
 

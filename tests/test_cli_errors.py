@@ -83,6 +83,16 @@ def test_valid_run_succeeds(capsys, tiny_dirs):
     assert res["recipe"] == "qspec" and res["storage"] == "int4" and res["stats"]["prompt_tokens"] == 5
 
 
+
+def test_ngram_recipe_generates(capsys, tiny_dirs):
+    rc, out, err = run(capsys, "--model", str(tiny_dirs[0]), "--prompt", "hello hello hello hello", "--json",
+                       "--max-new-tokens", "12", "--recipe", "ngram", "--draft", "ngram:1-2", "--fixed-gamma")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert (res["recipe"], res["storage"], res["draft"], res["verify"]) == ("ngram", "planes", "ngram:1-2", "full")
+    assert res["stats"]["new_tokens"] == 12
+
+
 # Errors in the arguments: reported before any model is loaded (loading would fail the test).
 BEFORE_LOADING = {
     "unknown verify mode": (["--verify", "w9a9"], "unknown mode 'w9a9'", "w4a16"),
@@ -103,6 +113,8 @@ BEFORE_LOADING = {
     "draft/verify pair": (["--draft", "w4a16", "--verify", "bf16"], "no stored weight format runs",
                           "'w4a16'", "'bf16'"),
     "ar with a draft": (["--recipe", "ar", "--draft", "w4a4"], "recipe 'ar' does not draft"),
+    "ngram range reversed": (["--recipe", "ngram", "--draft", "ngram:3-1"], "1 <= min_n <= max_n", "ngram:1-3"),
+    "ngram range malformed": (["--draft", "ngram:2"], "unknown drafter 'ngram:2'", "ngram:MIN-MAX"),
     "qspec verify bf16": (["--recipe", "qspec", "--verify", "bf16"], "no stored weight format runs"),
     "group size 0": (["--group-size", "0"], "group size must be >= 1"),
     "group size -8": (["--group-size", "-8"], "group size must be >= 1"),
@@ -271,7 +283,7 @@ def test_ar_banner_names_no_draft_or_gamma(capsys, tiny_dirs):
 CUDA_BENCHES = ["all", "steps", "gemm", "prefill", "spec", "peer", "tune"]
 
 
-@pytest.mark.parametrize("name", CUDA_BENCHES + ["trace"])
+@pytest.mark.parametrize("name", CUDA_BENCHES + ["trace", "lookup"])
 def test_bench_help_is_the_benchmarks_own(capsys, name):
     with pytest.raises(SystemExit) as e:
         main(["bench", name, "--help"])

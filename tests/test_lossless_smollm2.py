@@ -48,3 +48,22 @@ def test_greedy_speculative_equals_ar(llm_and_refs, gamma):
     # and must be investigated, not tolerated.
     assert not mismatches, f"{len(mismatches)} speculative runs differ from AR at gamma {gamma}: {mismatches[:3]}"
     assert 0 < accepted < proposed  # drafts were both accepted and rejected: the check exercised both paths
+
+
+# Recipe ngram: lookup drafts verified by `full`. A prompt that repeats itself (code) makes the lookup match and
+# propose whole runs; the built-in prompt mostly does not (rows without a proposal are plain steps).
+NGRAM_PROMPTS = [PROMPTS[0], "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"]
+NGRAM_NEW_TOKENS = 16
+
+
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_greedy_ngram_equals_ar_of_full(smollm2, gamma):
+    llm = smollm2("ngram")
+    p = SamplingParams(max_new_tokens=NGRAM_NEW_TOKENS, ignore_eos=True)
+    accepted = proposed = 0
+    for prompt in NGRAM_PROMPTS:
+        ref = llm.generate(prompt, p, gamma=0).token_ids
+        out = llm.generate(prompt, p, gamma=gamma)
+        assert out.token_ids == ref, (prompt, gamma)
+        accepted, proposed = accepted + out.stats.draft_accepted, proposed + out.stats.draft_proposed
+    assert 0 < accepted < proposed

@@ -36,6 +36,7 @@ from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Packed
 from selfspec.speculative.decode import GreedyAcceptance, Row, make_generator, pick, run_round
+from selfspec.speculative.drafters import TokenHistory
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.sampling import SamplingParams
 from selfspec.speculative.verify import accept_greedy
@@ -67,7 +68,7 @@ class EngineStats:
     kv_blocks_used: int
     num_row_rounds: int  # rows x rounds (plain decoding steps included): mean gamma = num_draft_tokens / this
     num_drafts: int  # rows that drafted, summed over rounds
-    num_draft_tokens: int
+    num_draft_tokens: int  # proposed (a lookup may propose fewer than the round's k, or none)
     num_accepted_tokens: int
     num_preemptions: int  # sequences sent back to the queue to free KV blocks (recomputed on resume)
     gamma: int  # last chosen by the policy
@@ -139,7 +140,7 @@ class Engine:
             num_blocks = max_batch * -(-min(cfg.max_seq_len, DEFAULT_TOKENS_PER_SEQ) // block_size)
         self.cache = PagedKVCache(cfg.n_layers, num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim,
                                   llm.model.dtype, llm.model.device)
-        self.policy = policy or GammaPolicy(max_gamma if llm.draft_mode is not None else 0)
+        self.policy = policy or GammaPolicy(max_gamma if llm.drafter is not None else 0)
         self.accept = accept
         on_gpu = llm.model.device.type == "cuda"
         self.runner = PagedGraphedModel(llm.model, self.cache, self.max_len) if on_gpu else llm.model
@@ -166,7 +167,7 @@ class Engine:
             gamma = min(gamma, self.policy.max_gamma)  # graphs and the policy's timings stop at max_gamma
         ids = self.llm.encode(prompt, chat)
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_len - len(ids)))
-        drafts = 0 if self.llm.draft_mode is None else self.policy.max_gamma if gamma is None else gamma
+        drafts = 0 if self.llm.drafter is None else self.policy.max_gamma if gamma is None else gamma
         blocks = self.cache.blocks_for(min(self.max_len, len(ids) + params.max_new_tokens + drafts))
         if blocks > self.cache.num_blocks:  # it could not finish even alone
             raise SelfspecError(f"the request needs up to {blocks} KV blocks (prompt {len(ids)} + max_new_tokens "
@@ -306,7 +307,7 @@ class Engine:
         if seq.row is None and seq.prefilled + chunk < seq.context_len:
             return None
         length = seq.prefilled + chunk if seq.row is None else seq.row.length
-        if self.llm.draft_mode is None:
+        if self.llm.drafter is None:
             return 0
         return min(k_auto if seq.gamma is None else seq.gamma, self.max_len - length - 1)
 
@@ -398,29 +399,34 @@ class Engine:
             s.prefilled += n
             self.cache.truncate(s.id, s.prefilled)
             if d and r:
-                s.row = Row(s.out.token_ids[-1], s.prefilled, s.params, s.gen, s.out.stats)
+                s.row = Row(s.out.token_ids[-1], s.prefilled, s.params, s.gen, s.out.stats,
+                            self._history(s.prompt + s.out.token_ids))
             elif d:
                 s.out.stats.prefill_s = now - s.arrival  # time to first token, queueing included
-                s.row = Row(tok, s.prefilled, s.params, s.gen, s.out.stats)
+                s.row = Row(tok, s.prefilled, s.params, s.gen, s.out.stats, self._history(s.prompt + [tok]))
         for s, d, r in zip(seqs, done, resumed):
             if d and not r:
                 self._emit(s, [s.row.pending], outputs)
+
+    def _history(self, tokens: list[int]) -> TokenHistory | None:
+        return self.llm.drafter.history(tokens) if self.llm.drafter is not None else None
 
     def _round(self, seqs: list[Sequence], k: int, outputs: list[RequestOutput]) -> None:
         for s in seqs:
             self.cache.extend(s.id, k + 1)
         view = self.cache.view([s.id for s in seqs])
         rows = [s.row for s in seqs]
-        before = [r.stats.draft_accepted for r in rows]
-        tokens, timing = run_round(self.runner, view, rows, k, self.llm.draft_mode, self.llm.verify_mode, self.accept)
-        accepted = [r.stats.draft_accepted - b for r, b in zip(rows, before)]
-        self.policy.observe_round(len(rows), k, timing.draft_s, timing.verify_s)
+        before = [(r.stats.draft_proposed, r.stats.draft_accepted) for r in rows]
+        tokens, timing = run_round(self.runner, view, rows, k, self.llm.drafter, self.llm.verify_mode, self.accept)
+        proposed = sum(r.stats.draft_proposed - p for r, (p, _) in zip(rows, before))
+        accepted = [r.stats.draft_accepted - a for r, (_, a) in zip(rows, before)]
+        self.policy.observe_round(len(rows), timing.k, timing.draft_s, timing.verify_s)
         self.policy.observe_acceptance(k, accepted)
         c = self.counters
         c.num_row_rounds += len(rows)
         if k:
             c.num_drafts += len(rows)
-            c.num_draft_tokens += k * len(rows)
+            c.num_draft_tokens += proposed
             c.num_accepted_tokens += sum(accepted)
         for s, toks in zip(seqs, tokens):
             self._emit(s, toks, outputs)

@@ -14,6 +14,7 @@ from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
 from selfspec.quant.modes import get_mode
 from selfspec.speculative.decode import decode
+from selfspec.speculative.drafters import SelfDraft, make_drafter
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.recipes import Recipe, resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
@@ -40,12 +41,13 @@ class LLM:
         self.gamma = gamma
         self.description = description
         self.verify_mode = get_mode(recipe.verify)
-        self.draft_mode = get_mode(recipe.draft) if recipe.draft else None
+        self.drafter = make_drafter(recipe.draft) if recipe.draft else None
+        self.draft_mode = self.drafter.mode if isinstance(self.drafter, SelfDraft) else None  # None: no draft steps
         # gamma caps the drafts per round; the policy (shared by this LLM's generations, which teach it the
         # step costs and the acceptance) picks each round's, drafting none where drafting loses.
         # fixed_gamma: draft gamma tokens every round.
         self.fixed_gamma = fixed_gamma
-        self.policy = GammaPolicy(gamma if self.draft_mode is not None else 0)
+        self.policy = GammaPolicy(gamma if self.drafter is not None else 0)
         self.eos_ids = set(model.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
@@ -82,7 +84,7 @@ class LLM:
         self.check_context(len(ids), params.max_new_tokens)
         out = Generation("", [], "length", GenerationStats(prompt_tokens=len(ids)))
         t0 = time.perf_counter()
-        draft = self.draft_mode if gamma > 0 else None
+        draft = self.drafter if gamma > 0 else None
         for chunk in decode(self.runner, ids, self.verify_mode, draft, gamma, params, out.stats, policy=policy):
             new_text, chunk, finished = self.append_tokens(out, chunk, params)
             out.stats.total_s = time.perf_counter() - t0

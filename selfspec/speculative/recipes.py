@@ -1,4 +1,5 @@
-"""Recipes: a stored weight format plus a draft mode and a verify mode, all reading one copy."""
+"""Recipes: a stored weight format plus a drafter (a draft mode, or prompt lookup) and a verify mode, all reading
+one copy."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -6,6 +7,7 @@ from dataclasses import dataclass, replace
 from selfspec.errors import SelfspecError
 from selfspec.quant.formats import storage_supports
 from selfspec.quant.modes import get_mode
+from selfspec.speculative.drafters import is_lookup, make_drafter
 
 # Cheapest first: when the user names modes, the first storage that runs both is used.
 STORAGE_PREFERENCE = ("int4", "int8", "planes", "dense")
@@ -16,7 +18,7 @@ class Recipe:
     name: str
     storage: str
     verify: str
-    draft: str | None  # None: autoregressive decoding in the verify mode
+    draft: str | None  # a draft mode, or 'ngram[:MIN-MAX]' (prompt lookup); None: autoregressive decoding
     rotate: bool = False  # store weights Hadamard-rotated and rotate activations (quant/rotation.py)
 
     @property
@@ -28,6 +30,7 @@ PRESETS = {
     "ar": Recipe("ar", "dense", "fp32", None),
     "qspec": Recipe("qspec", "int4", "w4a16", "w4a4", rotate=True),  # QSpec's W4A4 needs the rotation
     "planes": Recipe("planes", "planes", "full", "upper"),
+    "ngram": Recipe("ngram", "planes", "full", "ngram"),  # drafts looked up in the prompt and output, no model step
 }
 
 
@@ -41,7 +44,9 @@ def resolve_recipe(name: str | None = None, draft: str | None = None, verify: st
         raise SelfspecError("recipe 'ar' does not draft; drop --draft or pick a speculative recipe")
     verify = verify or base.verify
     draft = draft or base.draft
-    modes = [get_mode(m) for m in (verify, draft) if m is not None]
+    if draft is not None:
+        make_drafter(draft)  # a clear error for an unknown mode or a malformed ngram range
+    modes = [get_mode(m) for m in (verify, draft) if m is not None and not is_lookup(m)]
     if all(storage_supports(base.storage, m) for m in modes):
         return replace(base, verify=verify, draft=draft)
     for storage in STORAGE_PREFERENCE:

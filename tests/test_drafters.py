@@ -1,0 +1,229 @@
+"""Drafters: the n-gram lookup (longest n first, most recent match, proposal lengths, the incremental index ==
+a brute-force rescan), recipe `ngram` (greedy == AR of `full`, batched == solo in the engine, sampling keeps the
+verify distribution), and drafter names."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from selfspec.engine.engine import Engine
+from selfspec.engine.llm import build
+from selfspec.errors import SelfspecError
+from selfspec.speculative.drafters import NgramDrafter, SelfDraft, TokenHistory, make_drafter
+from selfspec.speculative.recipes import resolve_recipe
+from selfspec.speculative.sampling import SamplingParams
+from test_speculative import SAMPLING, VOCAB, check_against_verify, draw, next_probs, tv
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---------------------------------------------------------------- the lookup
+
+
+def brute_force_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition, by rescanning: the last n tokens (n = max_n .. min_n) at their most recent earlier start s
+    that has a continuation; propose tokens[s + n:], continued periodically up to k tokens."""
+    for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+        suffix = tokens[-n:]
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == suffix]
+        if starts:
+            start = starts[-1] + n
+            text = list(tokens)
+            while len(text) < start + k:
+                text.append(text[len(text) - (len(tokens) - start)])
+            return text[start:start + k]
+    return []
+
+
+def test_longest_ngram_wins_over_a_more_recent_shorter_one():
+    # Suffix [1, 2, 3]: the 3-gram occurs at the start (-> 50); the 1-gram [3] occurs later (-> 60).
+    h = TokenHistory([1, 2, 3, 50, 51, 9, 3, 60, 61, 1, 2, 3], min_n=1, max_n=3)
+    assert h.lookup(2) == [50, 51]
+    assert TokenHistory(h.tokens, min_n=1, max_n=1).lookup(2) == [60, 61]
+
+
+def test_most_recent_occurrence_wins():
+    h = TokenHistory([7, 8, 10, 7, 8, 20, 7, 8], min_n=1, max_n=2)
+    assert h.lookup(1) == [20]
+
+
+def test_proposal_lengths():
+    assert TokenHistory([4, 5, 6], 1, 3).lookup(3) == []  # nothing seen twice: no proposal
+    assert TokenHistory([4], 1, 3).lookup(3) == []
+    assert TokenHistory([4, 5, 6, 4], 1, 3).lookup(4) == [5, 6, 4, 5]  # runs into the suffix: keeps copying
+    assert TokenHistory([9, 9, 9, 9], 1, 3).lookup(5) == [9] * 5
+    assert TokenHistory([4, 5, 6, 4], 2, 3).lookup(4) == []  # below min_n
+    assert TokenHistory([4, 5, 6, 4, 5], 1, 3).lookup(0) == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_index_equals_a_rescan(seed):
+    """Random streams over small vocabularies (many matches of every length), appended in chunks as rounds do."""
+    rng = random.Random(seed)
+    vocab, min_n, max_n = rng.choice([2, 3, 5, 8]), rng.randint(1, 2), rng.randint(2, 4)
+    h = TokenHistory([rng.randrange(vocab) for _ in range(rng.randint(0, 6))], min_n, max_n)
+    for _ in range(60):
+        h.extend([rng.randrange(vocab) for _ in range(rng.randint(1, 4))])
+        k = rng.randint(1, 8)
+        assert h.lookup(k) == brute_force_lookup(h.tokens, k, min_n, max_n), (h.tokens, k)
+
+
+# ---------------------------------------------------------------- names and recipes
+
+
+def test_drafter_names():
+    assert make_drafter("ngram") == NgramDrafter(max_n=3, min_n=1)
+    assert make_drafter("ngram:2-4") == NgramDrafter(max_n=4, min_n=2)
+    assert isinstance(make_drafter("upper"), SelfDraft)
+    for bad, needle in (("ngram:3-1", "1 <= min_n <= max_n"), ("ngram:0-2", "1 <= min_n <= max_n"),
+                        ("ngram3", "unknown drafter 'ngram3'"), ("ngram:2", "ngram:MIN-MAX"),
+                        ("w9a9", "unknown mode 'w9a9'")):
+        with pytest.raises(SelfspecError, match=needle):
+            make_drafter(bad)
+
+
+def test_ngram_recipe_and_overrides():
+    r = resolve_recipe("ngram")
+    assert (r.storage, r.verify, r.draft) == ("planes", "full", "ngram")
+    assert resolve_recipe("ngram", draft="ngram:2-5").draft == "ngram:2-5"
+    assert resolve_recipe("ngram", verify="w8a16").storage == "planes"
+    assert resolve_recipe("ngram", verify="bf16").storage == "dense"  # no draft mode: any verify mode's storage
+    assert resolve_recipe("qspec", draft="ngram").storage == "int4"  # lookup drafts for another verify mode
+    with pytest.raises(SelfspecError, match="ngram:MIN-MAX"):
+        resolve_recipe("ngram", draft="ngram:5")
+    with pytest.raises(SelfspecError, match="recipe 'ar' does not draft"):
+        resolve_recipe("ar", draft="ngram")
+
+
+# ---------------------------------------------------------------- recipe ngram on a tiny model
+
+REPETITIVE = [[5, 9, 200, 17, 3, 5, 9, 200, 17, 3, 5, 9], [40, 41, 42, 43] * 4, [7] * 6, [11, 250, 3, 99, 64]]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    cfg, sd, _ = tiny_model("llama", seed=1)
+    return build(cfg, sd, None, resolve_recipe("ngram"), group_size=32)
+
+
+def greedy(n):
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_greedy_ngram_equals_ar(llm, gamma):
+    proposed = accepted = rounds_without = 0
+    for p in REPETITIVE:
+        ref = llm.generate(p, greedy(40), gamma=0).token_ids
+        out = llm.generate(p, greedy(40), gamma=gamma)
+        assert out.token_ids == ref, (p, gamma)
+        s = out.stats
+        proposed, accepted = proposed + s.draft_proposed, accepted + s.draft_accepted
+        rounds_without += s.rounds * gamma - s.draft_proposed
+    assert 0 < accepted < proposed  # both paths ran
+    assert rounds_without > 0  # rows without a full proposal were verified too
+
+
+class PassWidths:
+    """The model, recording the tokens per row of each pass."""
+
+    def __init__(self, model):
+        self.model, self.widths = model, []
+        self.device, self.cfg, self.new_cache = model.device, model.cfg, model.new_cache
+
+    def __call__(self, tokens, *args, **kwargs):
+        self.widths.append(tokens.shape[1])
+        return self.model(tokens, *args, **kwargs)
+
+
+def test_verify_pass_stops_at_the_longest_proposal(llm):
+    """Each round verifies the pending token and the proposal only (no padding to gamma): a round without a
+    match is a one-token plain step."""
+    from selfspec.engine.stats import GenerationStats
+    from selfspec.speculative.decode import decode
+
+    plain_steps = 0
+    for prompt in REPETITIVE:
+        model, stats = PassWidths(llm.model), GenerationStats()
+        for _ in decode(model, prompt, llm.verify_mode, NgramDrafter(), 6, greedy(30), stats):
+            pass  # to the end of the cache
+        rounds = model.widths[1:]  # [0]: the prefill
+        assert len(rounds) == stats.rounds and sum(rounds) == stats.rounds + stats.draft_proposed
+        plain_steps += rounds.count(1)
+    assert plain_steps > 0
+
+
+def test_engine_batched_equals_solo_with_ngram_rows_mixed(llm):
+    """Repetitive prompts (lookups match) and random ones (mostly no match), per-request gammas with the policy's,
+    greedy rows next to sampling rows, a pool small enough to preempt (a resumed row rebuilds its history): every
+    greedy request equals its solo run, every seeded sampling request its solo seeded run."""
+    g = torch.Generator().manual_seed(3)
+    randoms = [torch.randint(3, 250, (int(torch.randint(2, 10, (), generator=g)),), generator=g).tolist()
+               for _ in range(4)]
+    ps = REPETITIVE + randoms
+    gammas = [2, None, 4, 3, None, 0, 1, None]  # sampling rows (0, 3, 6) draft a fixed count, as their solo runs
+    params = [greedy(30) if i % 3 else SamplingParams(temperature=1.0, seed=i, max_new_tokens=30, ignore_eos=True)
+              for i in range(len(ps))]
+    refs = [llm.generate(p, sp, gamma=0 if sp.greedy else g).token_ids for p, sp, g in zip(ps, params, gammas)]
+    engine = Engine(llm, max_batch=8, block_size=4, num_blocks=40, prefill_chunk=16, max_gamma=4)
+    for i, (p, sp, gm) in enumerate(zip(ps, params, gammas)):
+        engine.add_request(str(i), p, sp, gamma=gm)
+    tokens = {}
+    while engine.has_work():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert [tokens[str(i)] for i in range(len(ps))] == refs
+    s = engine.stats()
+    assert s.num_preemptions > 0
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+    assert s.num_draft_tokens < 4 * s.num_drafts  # some rows proposed fewer than k
+
+
+# ---------------------------------------------------------------- sampling keeps the verify distribution
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    """A one-layer model over 16 tokens and a prompt holding every token, so the lookup proposes whatever the
+    first emitted token t0 is."""
+    cfg, sd, _ = tiny_model("llama", seed=9, vocab_size=VOCAB, eos_token_id=None, num_hidden_layers=1)
+    llm = build(cfg, sd, None, resolve_recipe("ngram"), group_size=32)
+    prompt = [3, 7, 1, 12, 5, 3, 7] + list(range(VOCAB))
+    params = SamplingParams(**SAMPLING)
+    m = llm.model
+    p0 = next_probs(m, [prompt], llm.verify_mode, params)[tuple(prompt)]
+    p1 = next_probs(m, [prompt + [a] for a in range(VOCAB)], llm.verify_mode, params)
+    p2 = next_probs(m, [prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)], llm.verify_mode, params)
+    return llm, prompt, p0, p1, p2
+
+
+def test_ngram_sampling_matches_verify_distribution(sampling_setup):
+    """Temperature 1, 2500 seeds: tokens 1 and 2 (token 1 is the first judged proposal: accepted with probability
+    p(d), else drawn from p without d) follow the verify distribution; acceptance is sum p(d) as predicted."""
+    llm, prompt, p0, p1, p2 = sampling_setup
+    n = 2500
+    rows = draw(llm, prompt, n, gamma=2)
+    check_against_verify(rows, prompt, p0, p1, p2)
+    t0, t1, acc = rows[:, 0], rows[:, 1], rows[:, 3].bool()
+    proposal = {a: NgramDrafter().history(prompt + [a]).lookup(2)[0] for a in range(VOCAB)}
+    p_acc = torch.tensor([float(p1[tuple(prompt + [a])][proposal[a]]) for a in t0.tolist()], dtype=torch.float64)
+    assert 0.1 * n < int(acc.sum()) < 0.9 * n  # both the accept and the reject path ran, often
+    assert abs(int(acc.sum()) - p_acc.sum()) < 4 * math.sqrt((p_acc * (1 - p_acc)).sum()) + 1
+    assert all(int(t1[i]) == proposal[int(t0[i])] for i in range(n) if acc[i])
+    # Power: had the proposals been emitted unchecked, token 1 would be the lookup's, far from p.
+    unchecked = torch.bincount(torch.tensor([proposal[a] for a in t0.tolist()]), minlength=VOCAB).double()
+    e1 = sum(p1[tuple(prompt + [a])] * int((t0 == a).sum()) for a in range(VOCAB))
+    assert tv(unchecked, e1) > 2 * math.sqrt(VOCAB / n)
+
+
+def test_bench_lookup_runs_on_the_cpu(capsys):
+    from selfspec.cli import main
+
+    assert main(["bench", "lookup", "--batch", "2", "--history", "64", "300", "--rounds", "5"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [("2", "64"), ("2", "300")]
+    assert all(float(r[3]) > 0 for r in rows)  # us per round, lookup and commit
