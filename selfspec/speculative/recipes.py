@@ -18,6 +18,8 @@ class Recipe:
     verify: str
     draft: str | None  # None: autoregressive decoding in the verify mode
     rotate: bool = False  # store weights Hadamard-rotated and rotate activations (quant/rotation.py)
+    layer_skip: bool = False  # the draft skips the layers its calibration chose (speculative/layer_skip.py)
+    skip_layers: tuple[int, ...] = ()  # the layers the draft skips
 
     @property
     def speculative(self) -> bool:
@@ -28,6 +30,7 @@ PRESETS = {
     "ar": Recipe("ar", "dense", "fp32", None),
     "qspec": Recipe("qspec", "int4", "w4a16", "w4a4", rotate=True),  # QSpec's W4A4 needs the rotation
     "planes": Recipe("planes", "planes", "full", "upper"),
+    "layerskip": Recipe("layerskip", "planes", "full", "upper", layer_skip=True),
 }
 
 
