@@ -159,9 +159,11 @@ def test_choose_skip_takes_the_best_set_on_its_greedy_path(calibration_setup):
     costs = Costs(verify=[1.0] * 5, draft=3.0, fixed=0.01, n_layers=LAYERS)
     tf = TeacherForced(llm.model, prompts, conts, llm.verify_mode, llm.draft_mode)
     best, path = choose_skip(tf, costs, log=lambda line: None)
-    assert path[0].skip_layers == [] and path[-1] == best and best.skip_layers
-    assert [len(c.skip_layers) for c in path] == list(range(len(path)))
-    assert all(a.expected_speedup < b.expected_speedup for a, b in zip(path, path[1:]))
+    assert path[0].skip_layers == [] and best.skip_layers
+    assert best == max(path, key=lambda c: c.expected_speedup)
+    assert all(set(a.skip_layers) < set(b.skip_layers) and len(b.skip_layers) == len(a.skip_layers) + 1
+               for a, b in zip(path, path[1:]))
+    assert len(path) == LAYERS or path[-3] == best  # it went on two steps past the best
     for layer in range(LAYERS):  # the first step took the best single layer
         fresh = TeacherForced(llm.model, prompts, conts, llm.verify_mode,
                               replace(llm.draft_mode, skip_layers=frozenset({layer})))
@@ -188,3 +190,22 @@ def test_calibration_round_trips_to_the_layerskip_recipe(tmp_path, monkeypatch, 
     path.write_text(json.dumps({**record, "skip_layers": [LAYERS]}))
     with pytest.raises(SelfspecError, match="calibrate again"):
         load(str(model_dir), "layerskip", group_size=GROUP)
+
+
+def test_layerskip_shares_the_planes_reference_in_eval():
+    """`selfspec eval`'s reference for layerskip is its verify mode run alone: no draft, so no layer to skip."""
+    from selfspec.eval.runner import plan_configs
+
+    configs = plan_configs([], ["planes", "layerskip"])
+    assert [c.label for c in configs] == ["full", "planes", "layerskip"]
+    assert configs[2].reference == "full"
+
+
+def test_smollm2_greedy_with_skipped_layers_equals_ar(smollm2_resolved):
+    cfg, sd, tok, desc = smollm2_resolved
+    llm = build(cfg, {k: v.clone() for k, v in sd.items()}, tok, skip_recipe(4, 11, 17, 25), description=desc)
+    for prompt in ("What is the capital of France?", "def fibonacci(n):"):
+        ref = llm.generate(prompt, greedy(12), gamma=0).token_ids
+        out = llm.generate(prompt, greedy(12), gamma=4)
+        assert out.token_ids == ref
+        assert out.stats.draft_accepted > 0

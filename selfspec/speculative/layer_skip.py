@@ -13,7 +13,7 @@ selfspec calibrate-skip [--model M] [--draft upper] [--verify full] [--device cp
    without skips and with every layer skipped (embedding, norm and head); a step skipping s of L layers costs
    t_fixed + (t_draft - t_fixed) * (L - s) / L, as every layer has the same shape.
 4. Expected speedup over AR in the verify mode: max over k of tokens per round * t_v(0) / (k t_d + t_v(k)).
-   Greedy: from no skip, add the layer whose skipping gives the best expected speedup while it improves.
+   Greedy: from no skip, add the layer whose skipping gives the best expected speedup, a few steps past the best.
    A candidate's pass resumes at the layer it adds: the layers before it run as in the current set's pass.
 5. The result is a small JSON in the cache directory, per model, stored format, draft and verify mode, group size
    and device kind; `--recipe layerskip` reads it.
@@ -202,16 +202,16 @@ def measure_costs(llm, draft: Mode, max_gamma: int, context: int, reps: int) -> 
                  time_pass(runner, cache, replace(draft, skip_layers=every), 1, context, reps), model.cfg.n_layers)
 
 
-def choose_skip(tf: TeacherForced, costs: Costs, log=print) -> tuple[Candidate, list[Candidate]]:
-    """Greedy: add the layer whose skipping gives the best expected speedup while that improves on the current
-    set. Returns the chosen set and the path to it (no skip first)."""
-    best = score(sorted(tf.draft.skip_layers), tf.base, costs)
-    path = [best]
-    log(f"skip {best.skip_layers}: agreement {best.agreement:.3f}, gamma {best.gamma}, "
-        f"expected speedup {best.expected_speedup:.3f}")
-    skip = tf.draft.skip_layers
-    while len(skip) < costs.n_layers - 1:
-        top, top_inputs = None, None
+def choose_skip(tf: TeacherForced, costs: Costs, patience: int = 2, log=print) -> tuple[Candidate, list[Candidate]]:
+    """Greedy: add the layer whose skipping gives the best expected speedup, going on `patience` steps past the
+    best set so far (one more layer can cost more acceptance than it saves while two pay). Returns the best set
+    and the greedy path (no skip first)."""
+    top = score(sorted(tf.draft.skip_layers), tf.base, costs)
+    best, path, stale = top, [top], 0
+    log(f"skip {top.skip_layers}: agreement {top.agreement:.3f}, gamma {top.gamma}, "
+        f"expected speedup {top.expected_speedup:.3f}")
+    while len(top.skip_layers) < costs.n_layers - 1 and stale < patience:
+        skip, top, top_inputs = tf.draft.skip_layers, None, None
         for layer in sorted(set(range(costs.n_layers)) - skip):
             agree, inputs = tf.agreement(skip | {layer})
             c = score(list(skip | {layer}), agree, costs)
@@ -219,11 +219,9 @@ def choose_skip(tf: TeacherForced, costs: Costs, log=print) -> tuple[Candidate, 
                 top, top_inputs = c, inputs
         log(f"skip {top.skip_layers}: agreement {top.agreement:.3f}, gamma {top.gamma}, "
             f"expected speedup {top.expected_speedup:.3f}")
-        if top.expected_speedup <= best.expected_speedup:
-            break
-        best, skip = top, frozenset(top.skip_layers)
-        path.append(best)
-        tf.accept(skip, top_inputs)
+        tf.accept(frozenset(top.skip_layers), top_inputs)
+        path.append(top)
+        best, stale = (top, 0) if top.expected_speedup > best.expected_speedup else (best, stale + 1)
     return best, path
 
 
@@ -245,6 +243,7 @@ def calibrate(llm, model_name: str | None, prompts: list[list[int]], max_new_tok
     """Choose the draft's skipped layers for `llm` (a speculative recipe, no skip) on these prompts; return the
     calibration record (what `calibrated_recipe` reads, and how it was chosen)."""
     from selfspec.bench.upper_acceptance import continuations
+    from selfspec.loading.named import DEFAULT_MODEL
 
     if llm.draft_mode is None:
         raise SelfspecError("layer-skip calibration needs a speculative recipe (one with a draft mode)")
@@ -258,9 +257,9 @@ def calibrate(llm, model_name: str | None, prompts: list[list[int]], max_new_tok
     log(f"costs (ms): AR step {1e3 * costs.verify[0]:.2f}, verify of {max_gamma + 1} {1e3 * costs.verify[-1]:.2f}, "
         f"draft step {1e3 * costs.draft:.2f}, of which embedding/norm/head {1e3 * costs.fixed:.2f}")
     tf = TeacherForced(llm.model, prompts, conts, llm.verify_mode, llm.draft_mode)
-    best, path = choose_skip(tf, costs, log)
+    best, path = choose_skip(tf, costs, log=log)
     r = llm.recipe
-    return {"model": model_name, "storage": r.storage, "draft": r.draft, "verify": r.verify,
+    return {"model": model_name or DEFAULT_MODEL, "storage": r.storage, "draft": r.draft, "verify": r.verify,
             "device": llm.model.device.type, "n_layers": costs.n_layers, "skip_layers": best.skip_layers,
             "chosen": asdict(best), "path": [asdict(c) for c in path],
             "costs_ms": {"verify": [1e3 * t for t in costs.verify], "draft": 1e3 * costs.draft,
