@@ -1,4 +1,4 @@
-"""Command line: `selfspec generate | serve | eval | bench`."""
+"""Command line: `selfspec generate | serve | eval | bench | calibrate-skip`."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK
 from selfspec.errors import SelfspecError
 from selfspec.eval.runner import DEFAULT_BATCH_SIZE
 from selfspec.quant.modes import MODES
+from selfspec.speculative.layer_skip import add_args as add_calibrate_skip_args
 from selfspec.speculative.recipes import PRESETS
 
 
@@ -73,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefill_chunk_arg(e)
     e.add_argument("--unsafe-sandbox", action="store_true",
                    help="where Linux namespaces are unavailable, run HumanEval's generated code unconfined")
+    c = sub.add_parser("calibrate-skip", help="choose the layers `--recipe layerskip` drafts without (measured)")
+    add_calibrate_skip_args(c)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
     add_model_args(s)  # here --gamma caps drafts per round (a request's gamma too); the policy picks within it
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
@@ -122,7 +125,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(json.dumps({"text": out.text, "finish_reason": out.finish_reason, **info, "stats": out.stats.to_dict()}))
     else:
         print()
-        how = f"draft {r.draft}, verify {r.verify}, gamma {llm.gamma}" if drafts else f"verify {r.verify}, autoregressive"
+        skip = f" skipping layers {','.join(map(str, r.skip_layers))}" if r.skip_layers else ""
+        how = f"draft {r.draft}{skip}, verify {r.verify}, gamma {llm.gamma}" if drafts else \
+            f"verify {r.verify}, autoregressive"
         print(f"[{info['model']} | recipe {r.name}: {r.storage} weights, {how}] {out.stats.summary()}", file=sys.stderr)
 
 
@@ -166,6 +171,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     run_command(args)
 
 
+def cmd_calibrate_skip(args: argparse.Namespace) -> None:
+    from selfspec.speculative.layer_skip import run
+
+    run(args, log=lambda line: print(line, file=sys.stderr, flush=True))
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from selfspec.serve.server import serve
 
@@ -180,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        {"generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
+        commands = {"generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench, "serve": cmd_serve,
+                    "calibrate-skip": cmd_calibrate_skip}
+        commands[args.command](args)
     except SelfspecError as e:
         print(f"selfspec: error: {e}", file=sys.stderr)
         return 2

@@ -270,14 +270,17 @@ class Transformer(nn.Module):
 
     def hidden(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode,
                packed: Packed | None = None) -> torch.Tensor:
-        """The final-norm hidden states [B, T, dim]; writes the KV of every position into `cache`."""
+        """The final-norm hidden states [B, T, dim]; writes the KV of every position into `cache` (at the layers
+        the mode does not skip)."""
         x = self.embed[tokens]
         pos = pos.expand(tokens.shape)
         # A packed token's slot depends on its row's block table: found in the rows' layout.
         slots = cache.slots(pos) if packed is None else packed.unpad(cache.slots(packed.pad(pos)))
         fb = ForwardBatch(mode, pos, self.cos[pos], self.sin[pos], slots, cache, packed)
         for i, layer in enumerate(self.layers):
-            x = layer(x, fb, i)
+            # A skipped layer writes no KV: only a draft skips, and its verify pass rewrites every layer's KV.
+            if i not in mode.skip_layers:
+                x = layer(x, fb, i)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, mode: Mode) -> torch.Tensor:

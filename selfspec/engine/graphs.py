@@ -82,7 +82,7 @@ class _Graphed:
         if logits_at is not None or tokens.shape[1] > MAX_GRAPHED_TOKENS:  # a prefill: eager
             return self.model(tokens, pos, cache, mode, logits_at)
         static, rows = self._static(cache, tokens.shape[0])
-        key = (id(static), mode.name, rows, tokens.shape[1])
+        key = (id(static), mode, rows, tokens.shape[1])  # the mode itself: its skipped layers too
         graph = self._graphs.get(key)
         if graph is not None:
             return graph(tokens, pos)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -42,6 +42,8 @@ class LLM:
         self.description = description
         self.verify_mode = get_mode(recipe.verify)
         self.drafter = make_drafter(recipe.draft) if recipe.draft else None
+        if isinstance(self.drafter, SelfDraft) and recipe.skip_layers:  # layer-skip: the draft mode skips them
+            self.drafter = SelfDraft(replace(self.drafter.mode, skip_layers=frozenset(recipe.skip_layers)))
         self.draft_mode = self.drafter.mode if isinstance(self.drafter, SelfDraft) else None  # None: no draft steps
         # gamma caps the drafts per round; the policy (shared by this LLM's generations, which teach it the
         # step costs and the acceptance) picks each round's, drafting none where drafting loses.
@@ -207,6 +209,7 @@ def load(model: str | None = None, recipe: str | None = None, draft: str | None 
     """Load a named model, HF directory or .gguf file under a recipe (default: `planes`). `gamma` caps the drafted
     tokens per round, each round's picked by a measured-cost policy; with `fixed_gamma`, every round drafts gamma."""
     from selfspec.loading import resolve
+    from selfspec.speculative.layer_skip import calibrated_recipe
 
     check_gamma(gamma)
     check_group_size(group_size)
@@ -216,4 +219,6 @@ def load(model: str | None = None, recipe: str | None = None, draft: str | None 
         torch.set_num_threads(threads)
     rec = resolve_recipe(recipe, draft, verify)
     cfg, sd, tok, desc = resolve(model)
+    if rec.layer_skip:
+        rec = calibrated_recipe(rec, model, group_size, device, cfg.n_layers)
     return build(cfg, sd, tok, rec, group_size, gamma, device, desc, fixed_gamma)

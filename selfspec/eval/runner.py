@@ -55,7 +55,7 @@ def plan_configs(modes: list[str], recipes: list[str]) -> list[EvalConfig]:
         if name == "ar":
             raise SelfspecError("'ar' does not draft; put the mode it runs under --modes instead of --recipes")
         r = resolve_recipe(name)
-        alone = replace(r, name="ar", draft=None)
+        alone = replace(r, name="ar", draft=None, layer_skip=False)  # no draft: no layer to skip
         if alone == resolve_recipe("ar", None, r.verify):
             ref = EvalConfig(r.verify, "ar", r.verify, None, describe(r))
         else:

@@ -12,6 +12,8 @@ class Mode:
     weight_bits: int  # 32/16: dense weights; 8 or 4: integer weights
     act_bits: int | None = None  # None: activations stay in floating point
     planes_only: bool = False  # `upper`/`full` name a view of the INT8-plane format
+    # Layers a layer-skip draft passes over (the residual stream goes through them unchanged).
+    skip_layers: frozenset[int] = frozenset()
 
     @property
     def dense(self) -> bool:

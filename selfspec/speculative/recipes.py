@@ -20,6 +20,8 @@ class Recipe:
     verify: str
     draft: str | None  # a draft mode, or 'ngram[:MIN-MAX]' (prompt lookup); None: autoregressive decoding
     rotate: bool = False  # store weights Hadamard-rotated and rotate activations (quant/rotation.py)
+    layer_skip: bool = False  # the draft skips the layers its calibration chose (speculative/layer_skip.py)
+    skip_layers: tuple[int, ...] = ()  # the layers the draft skips
 
     @property
     def speculative(self) -> bool:
@@ -31,6 +33,7 @@ PRESETS = {
     "qspec": Recipe("qspec", "int4", "w4a16", "w4a4", rotate=True),  # QSpec's W4A4 needs the rotation
     "planes": Recipe("planes", "planes", "full", "upper"),
     "ngram": Recipe("ngram", "planes", "full", "ngram"),  # drafts looked up in the prompt and output, no model step
+    "layerskip": Recipe("layerskip", "planes", "full", "upper", layer_skip=True),
 }
 
 
