@@ -209,3 +209,9 @@ def test_smollm2_greedy_with_skipped_layers_equals_ar(smollm2_resolved):
         out = llm.generate(prompt, greedy(12), gamma=4)
         assert out.token_ids == ref
         assert out.stats.draft_accepted > 0
+
+
+def test_layerskip_refuses_a_lookup_draft():
+    with pytest.raises(SelfspecError, match="lookup draft runs no layers"):
+        resolve_recipe("layerskip", "ngram")
+    assert resolve_recipe("layerskip", "w4a16").draft == "w4a16"  # another draft mode is fine

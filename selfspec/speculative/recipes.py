@@ -49,6 +49,9 @@ def resolve_recipe(name: str | None = None, draft: str | None = None, verify: st
     draft = draft or base.draft
     if draft is not None:
         make_drafter(draft)  # a clear error for an unknown mode or a malformed ngram range
+    if base.layer_skip and draft is not None and is_lookup(draft):
+        raise SelfspecError(f"recipe '{name}' skips layers of a draft mode; a lookup draft runs no layers: "
+                            "drop --draft, or use --recipe ngram")
     modes = [get_mode(m) for m in (verify, draft) if m is not None and not is_lookup(m)]
     if all(storage_supports(base.storage, m) for m in modes):
         return replace(base, verify=verify, draft=draft)
