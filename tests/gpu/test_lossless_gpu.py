@@ -2,6 +2,8 @@
 token, for every speculative recipe on the 20 built-in prompts, through the Triton kernels and CUDA graphs.
 
 The model is the embedded SmolLM2-135M (or SELFSPEC_GPU_MODEL: a .gguf path or HF directory)."""
+import os
+
 import pytest
 import torch
 
@@ -9,11 +11,17 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+import selfspec  # noqa: E402
 from selfspec.bench.prompts import PROMPTS  # noqa: E402
 from selfspec.engine.graphs import GraphedModel  # noqa: E402
 from selfspec.speculative.sampling import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=["planes", "qspec"])
+def llm(request):
+    return selfspec.load(os.environ.get("SELFSPEC_GPU_MODEL"), request.param, device="cuda")
 
 
 def test_greedy_speculative_equals_ar_on_gpu(llm):

@@ -3,6 +3,8 @@ HF directory): a prompt prefilled in chunks of 16, 128 or 512 tokens leaves the 
 first token from the same logits bits as in one piece; prompts packed into one prefill pass give the bits each
 gives alone. The Triton linear and attention are meant to be batch invariant (a row's reductions do not depend on
 the other rows, nor on the keys past its position), so these should hold bitwise at any size."""
+import os
+
 import pytest
 import torch
 
@@ -11,11 +13,17 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from conftest import recorded_logits  # noqa: E402
+import selfspec  # noqa: E402
 from selfspec.bench.prompts import PROMPTS  # noqa: E402
 from selfspec.engine.engine import Engine  # noqa: E402
 from selfspec.speculative.sampling import SamplingParams  # noqa: E402
 
 BLOCK = 16
+
+
+@pytest.fixture(scope="module", params=["planes", "qspec"])
+def llm(request):
+    return selfspec.load(os.environ.get("SELFSPEC_GPU_MODEL"), request.param, device="cuda")
 
 
 def serve_first_tokens(llm, prompts: list[list[int]], chunk: int) -> tuple[torch.Tensor, torch.Tensor, list]:
