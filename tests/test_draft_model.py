@@ -241,3 +241,35 @@ def test_recipe_options():
     cfg, sd, _ = tiny_model("llama", seed=1)
     with pytest.raises(SelfspecError, match="draft_model=NAME_OR_PATH"):
         build(cfg, sd, None, r, group_size=32)
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_cli_generate_with_a_draft_model(tmp_path, capsys, monkeypatch):
+    """`generate --recipe draft-model --draft-model DIR --json`: the AR text, and the draft model's extra memory;
+    a draft model with another vocabulary is a one-line error naming both models."""
+    import json
+
+    from selfspec.cli import main
+    from test_cli_errors import assert_clean_error, run, save_byte_tokenizer
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    dirs = {}
+    for name, seed, vocab in (("target", 0, 256), ("draft", 5, 256), ("other", 5, 128)):
+        dirs[name] = tmp_path / name
+        tiny_model("llama", seed=seed, vocab_size=vocab, num_hidden_layers=1 if name != "target" else 2)[2] \
+            .save_pretrained(dirs[name])
+        save_byte_tokenizer(dirs[name])
+    common = ["--model", str(dirs["target"]), "--prompt", "hello there", "--max-new-tokens", "12", "--group-size",
+              "32", "--json"]
+    assert main(["generate", *common, "--recipe", "ar", "--verify", "full"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert main(["generate", *common, "--recipe", "draft-model", "--draft-model", str(dirs["draft"]),
+                 "--draft", "w4a16", "--fixed-gamma"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == ref["text"] and out["stats"]["draft_proposed"] > 0
+    mem = out["draft_model"]
+    assert mem["mode"] == "w4a16" and mem["weight_bytes"] > 0 and mem["kv_bytes"] >= 12 * mem["kv_bytes_per_token"]
+    rc, _, err = run(capsys, *common, "--recipe", "draft-model", "--draft-model", str(dirs["other"]))
+    assert_clean_error(rc, err, f"draft model {dirs['other']} has a vocabulary of 128 tokens", str(dirs["target"]))

@@ -218,15 +218,15 @@ def build(cfg, state_dict, tokenizer, recipe: Recipe, group_size: int = 128, gam
     return LLM(model, tokenizer, recipe, gamma, description, fixed_gamma, drafter)
 
 
-def build_draft_model(cfg, tokenizer, description: str, draft: tuple, recipe: Recipe, group_size: int = 128,
+def build_draft_model(cfg, tokenizer, name: str, draft: tuple, recipe: Recipe, group_size: int = 128,
                       device: str = "cpu") -> DraftModel:
-    """The drafting model of recipe draft-model from its resolved (config, weights, tokenizer, description),
-    stored as its mode needs; refused unless it shares the target's tokens."""
-    draft_cfg, draft_sd, draft_tok, draft_desc = draft
-    check_same_vocabulary(description, cfg, tokenizer, draft_desc, draft_cfg, draft_tok)
+    """The drafting model of recipe draft-model (recipe.draft_model) from its resolved (config, weights, tokenizer,
+    description), stored as its mode needs; refused unless it shares the tokens of the model `name`."""
+    draft_cfg, draft_sd, draft_tok, _ = draft
+    check_same_vocabulary(name, cfg, tokenizer, recipe.draft_model, draft_cfg, draft_tok)
     storage = resolve_recipe("ar", None, recipe.draft).storage
     model = build_model(draft_cfg, draft_sd, storage, group_size, device=device)
-    return DraftModel(model, get_mode(recipe.draft), draft_desc)
+    return DraftModel(model, get_mode(recipe.draft), recipe.draft_model)
 
 
 def load(model: str | None = None, recipe: str | None = None, draft: str | None = None, verify: str | None = None,
@@ -235,7 +235,7 @@ def load(model: str | None = None, recipe: str | None = None, draft: str | None 
     """Load a named model, HF directory or .gguf file under a recipe (default: `planes`). `gamma` caps the drafted
     tokens per round, each round's picked by a measured-cost policy; with `fixed_gamma`, every round drafts gamma.
     Recipe draft-model drafts with `draft_model` (a name or path, same tokenizer), in mode `draft`."""
-    from selfspec.loading import resolve
+    from selfspec.loading import DEFAULT_MODEL, resolve
     from selfspec.speculative.layer_skip import calibrated_recipe
 
     check_gamma(gamma)
@@ -250,7 +250,8 @@ def load(model: str | None = None, recipe: str | None = None, draft: str | None 
         rec = calibrated_recipe(rec, model, group_size, device, cfg.n_layers)
     drafter = None
     if rec.draft_model is not None:
-        drafter = build_draft_model(cfg, tok, desc, resolve(rec.draft_model), rec, group_size, device)
+        drafter = build_draft_model(cfg, tok, model or DEFAULT_MODEL, resolve(rec.draft_model), rec, group_size,
+                                    device)
         # The draft model drafts only inside its own context window.
         cfg = replace(cfg, max_seq_len=min(cfg.max_seq_len, drafter.model.cfg.max_seq_len))
     return build(cfg, sd, tok, rec, group_size, gamma, device, desc, fixed_gamma, drafter)
