@@ -273,3 +273,24 @@ def test_cli_generate_with_a_draft_model(tmp_path, capsys, monkeypatch):
     assert mem["mode"] == "w4a16" and mem["weight_bytes"] > 0 and mem["kv_bytes"] >= 12 * mem["kv_bytes_per_token"]
     rc, _, err = run(capsys, *common, "--recipe", "draft-model", "--draft-model", str(dirs["other"]))
     assert_clean_error(rc, err, f"draft model {dirs['other']} has a vocabulary of 128 tokens", str(dirs["target"]))
+
+
+def test_the_policy_prices_draft_steps_without_the_draft_models_prefill(llm, monkeypatch):
+    """A new row's first round catches the draft cache up on its whole prompt: the stats count that time as
+    drafting, the timing the gamma policy learns from leaves it out (else one prefill would stop drafting)."""
+    import time
+
+    from selfspec.engine.stats import GenerationStats
+    from selfspec.speculative.decode import Row, run_round
+
+    catch_up = llm.drafter.catch_up
+    monkeypatch.setattr(llm.drafter, "catch_up", lambda *a: (time.sleep(0.3), catch_up(*a)))
+    prompt = PROMPTS[1]
+    cache = llm.model.new_cache(64)
+    llm.model(torch.tensor([prompt]), torch.arange(len(prompt)), cache, llm.verify_mode)
+    row = Row(7, len(prompt), greedy(8), None, GenerationStats(), llm.drafter.history(prompt + [7]))
+    _, timing = run_round(llm.model, cache, [row], 3, llm.drafter, llm.verify_mode)
+    assert row.stats.draft_s >= 0.3 > timing.draft_s
+    before = row.stats.draft_s
+    _, timing = run_round(llm.model, cache, [row], 3, llm.drafter, llm.verify_mode)  # no new row: all drafting
+    assert timing.draft_s == pytest.approx(row.stats.draft_s - before) and timing.draft_s > 0

@@ -13,9 +13,12 @@ cache up on the rest of the committed context in one packed pass (the whole prom
 k draft steps from the pending token, as a self-draft does (with the q distributions of sampling rows). The KV
 those steps write past the committed context is judged at the next round by (1): a draft's KV is kept if and only
 if the token it was computed for was committed, so rejected drafts are rolled back with no pass.
+The catch-up pass of a new row (its whole context) is timed apart as its prefill: the gamma policy prices draft
+steps without it.
 """
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -111,14 +114,21 @@ class DraftModel:
             s.settle(r.length)
         view = self.view(cache)
         behind = [i for i, (s, r) in enumerate(zip(states, rows)) if s.cached < r.length]
+        prefill_s = 0.0
         if behind:
+            new_rows = any(states[i].cached == 0 for i in behind)  # new or resumed: the pass is their prefill
+            t0 = time.perf_counter()
             self.catch_up(PagedBatchView(view.cache, view.table[behind]), [states[i] for i in behind],
                           [rows[i].length for i in behind])
+            if new_rows:
+                if self.model.device.type == "cuda":
+                    torch.cuda.synchronize()
+                prefill_s = time.perf_counter() - t0
         tokens, q = draft_tokens(self.model, view, rows, pending, lengths, k, self.mode)
         fed = tokens[:, :k - 1].tolist()  # k steps fed the pending token, then drafts 1..k-1
         for s, r, f in zip(states, rows, fed):
             s.cached, s.fed = r.length + 1, f
-        return Proposal(tokens, [k] * len(rows), q)
+        return Proposal(tokens, [k] * len(rows), q, prefill_s)
 
     def catch_up(self, view: PagedBatchView, states: list[DraftState], lengths: list[int]) -> None:
         """One packed pass writing each row's committed tokens cached..length-1 into the draft cache (propose then
