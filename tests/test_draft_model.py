@@ -172,6 +172,11 @@ def test_memory_is_reported(llm):
     llm.generate(PROMPTS[0], greedy(4), gamma=2)
     assert mem["kv_bytes"] <= llm.drafter.memory()["kv_bytes"] > 0
     assert "drafts by first layer in w4a16" in llm.description
+    engine = Engine(llm, max_batch=2, block_size=4, num_blocks=10)
+    assert engine.cache in llm.drafter.stores  # allocated with the engine's pool, which it mirrors
+    pool = llm.drafter.store_for(engine.cache)
+    assert pool.k.shape[1:2] == engine.cache.k.shape[1:2] and pool.k.shape[3] == 4
+    assert llm.drafter.memory()["kv_bytes"] >= pool.nbytes() == 11 * 4 * mem["kv_bytes_per_token"]
 
 
 # ---------------------------------------------------------------- sampling keeps the verify distribution
