@@ -183,7 +183,7 @@ def test_memory_is_reported(llm):
 
 
 def test_sampling_matches_verify_distribution():
-    """Temperature 1 with top-k, 2000 seeds, gamma 2: tokens 0..2 follow the verify distribution, whether token 1
+    """Temperature 1 with top-k, 1000 seeds, gamma 2: tokens 0..2 follow the verify distribution, whether token 1
     was an accepted draft or a rejection's resample."""
     llm = make_llm("w4a4", seed=9, vocab_size=VOCAB, eos_token_id=None)
     prompt = [3, 7, 1, 12, 5]
@@ -192,7 +192,7 @@ def test_sampling_matches_verify_distribution():
     p0 = next_probs(m, [prompt], mode, params)[tuple(prompt)]
     p1 = next_probs(m, [prompt + [a] for a in range(VOCAB)], mode, params)
     p2 = next_probs(m, [prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)], mode, params)
-    n = 2000
+    n = 1000
     rows = draw(llm, prompt, n, gamma=2)
     check_against_verify(rows, prompt, p0, p1, p2)
     acc = rows[:, 3].bool()
