@@ -278,6 +278,10 @@ def test_cli_generate_with_a_draft_model(tmp_path, capsys, monkeypatch):
     assert mem["mode"] == "w4a16" and mem["weight_bytes"] > 0 and mem["kv_bytes"] >= 12 * mem["kv_bytes_per_token"]
     rc, _, err = run(capsys, *common, "--recipe", "draft-model", "--draft-model", str(dirs["other"]))
     assert_clean_error(rc, err, f"draft model {dirs['other']} has a vocabulary of 128 tokens", str(dirs["target"]))
+    rc, _, err = run(capsys, *common, "--recipe", "draft-model")
+    assert_clean_error(rc, err, "needs the model that drafts: --draft-model NAME_OR_PATH")
+    assert main(["bench", "serve", "--shape", "llama-3-8b", "--recipes", "draft-model", "--device", "cuda"]) == 2
+    assert "needs real weights (a real draft model): give --model" in capsys.readouterr().err
 
 
 def test_the_policy_prices_draft_steps_without_the_draft_models_prefill(llm, monkeypatch):
