@@ -248,6 +248,14 @@ def test_recipe_options():
         build(cfg, sd, None, r, group_size=32)
 
 
+def test_eval_plans_draft_model_against_its_verify_mode():
+    from selfspec.eval.runner import plan_configs
+
+    ar, spec = plan_configs([], ["draft-model"], "small")
+    assert (ar.label, ar.recipe, ar.storage) == ("full", "ar", "planes")
+    assert (spec.reference, spec.draft) == ("full", "small:full")  # cached results depend on the draft model
+
+
 # ---------------------------------------------------------------- the command line
 
 
