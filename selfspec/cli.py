@@ -27,9 +27,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"draft mode, one of: {', '.join(MODES)}; or ngram[:MIN-MAX] (prompt lookup of the last "
                         "MAX..MIN tokens, default 3..1)")
     p.add_argument("--verify", default=None, metavar="MODE", help="verify mode (the output's precision)")
+    add_draft_model_arg(p)
     p.add_argument("--gamma", type=int, default=4, help="most drafted tokens per round (0: autoregressive)")
     p.add_argument("--group-size", type=int, default=128, help="quantization group size along K")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+
+
+def add_draft_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-model", default=None, metavar="NAME_OR_PATH",
+                   help="recipe draft-model: the model that drafts (same tokenizer; --draft: its mode, default the "
+                        "verify mode)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=None, help="items per task (ppl: 512-token windows, at most 64)")
     e.add_argument("--seed", type=int, default=None, help="pick the --limit items from a seeded shuffle")
     e.add_argument("--gamma", type=int, default=4, help="drafted tokens per round for the recipes")
+    add_draft_model_arg(e)
     e.add_argument("--max-new-tokens", type=int, default=256)
     e.add_argument("--chat", action="store_true", help="GSM8K / MATH prompts in the chat template (instruct models)")
     e.add_argument("--data", action="append", default=[], metavar="TASK=PATH", help="read a task's items from PATH")
@@ -112,7 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens, args.stop)
     check_prompt(prompt)
     llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device,
-                        args.fixed_gamma)
+                        args.fixed_gamma, args.draft_model)
     out = None
     for text, _, out in llm.stream(prompt, params, chat=args.chat):
         if not args.json:
@@ -121,6 +129,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     drafts = r.draft is not None and llm.gamma > 0  # else the run is autoregressive: no draft, no gamma
     info = {"model": llm.description, "recipe": r.name, "storage": r.storage, "draft": r.draft if drafts else None,
             "verify": r.verify, "gamma": llm.gamma if drafts else 0}
+    if r.draft_model is not None:
+        info["draft_model"] = llm.drafter.memory()  # what drafting adds: weights and KV bytes
     if args.json:
         print(json.dumps({"text": out.text, "finish_reason": out.finish_reason, **info, "stats": out.stats.to_dict()}))
     else:

@@ -247,6 +247,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="with --shape: the acceptance trace to replay "
                         "(default: selfspec/bench/traces/smollm2-135m.RECIPE.json)")
     p.add_argument("--recipes", nargs="+", default=["planes", "qspec"], help="speculative recipes to compare with AR")
+    p.add_argument("--draft-model", default=None, metavar="NAME_OR_PATH",
+                   help="the model recipe draft-model drafts with (same tokenizer as --model)")
     p.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 16, 32])
     p.add_argument("--requests", type=int, default=64, help="requests per run (a run: recipe x batch x AR/spec)")
@@ -281,6 +283,8 @@ def run(args: argparse.Namespace) -> None:
         raise SelfspecError(f"--prefill-chunk must be >= 1 prompt tokens per step, got {args.prefill_chunk}")
     if args.shape and args.model:
         raise SelfspecError("give --model (a real model) or --shape (synthetic weights), not both")
+    if args.shape and "draft-model" in args.recipes:
+        raise SelfspecError("recipe draft-model needs real weights (a real draft model): give --model, not --shape")
     if args.shape and torch.device(args.device).type != "cuda":
         raise SelfspecError(f"--shape {args.shape} builds a full-size model: run it with --device cuda")
     rows, refs, replayed = [], None, {}
@@ -294,7 +298,8 @@ def run(args: argparse.Namespace) -> None:
             replayed[name] = trace_name
             params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
         else:
-            llm = selfspec.load(args.model, name, gamma=args.max_gamma, group_size=args.group_size, device=args.device)
+            llm = selfspec.load(args.model, name, gamma=args.max_gamma, group_size=args.group_size, device=args.device,
+                                draft_model=args.draft_model if name == "draft-model" else None)
             prompts = prompt_pool(llm, args.datasets, args.requests, args.max_prompt_tokens, args.seed)
             replay, params = None, SamplingParams(max_new_tokens=args.max_new_tokens)
             llm.generate(prompts[0], SamplingParams(max_new_tokens=2), gamma=1)  # warm-up

@@ -22,6 +22,11 @@ class KVCache:
         self.max_len = max_len
         self.length = 0  # positions 0..length-1 hold committed tokens' KV
 
+    @property
+    def block_size(self) -> int:
+        """Slots per row: each row is one block (so a PagedBatchView over this cache addresses it alike)."""
+        return self.k.shape[3]
+
     def slots(self, pos: torch.Tensor) -> torch.Tensor:
         """Positions pos [B, T] -> the slots [B, T] where their k/v go in this cache's pools: row b is block b,
         so slot = b * slots_per_row + pos."""

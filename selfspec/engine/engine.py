@@ -36,6 +36,7 @@ from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Packed
 from selfspec.speculative.decode import GreedyAcceptance, Row, make_generator, pick, run_round
+from selfspec.speculative.draft_model import DraftModel
 from selfspec.speculative.drafters import TokenHistory
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.sampling import SamplingParams
@@ -140,6 +141,8 @@ class Engine:
             num_blocks = max_batch * -(-min(cfg.max_seq_len, DEFAULT_TOKENS_PER_SEQ) // block_size)
         self.cache = PagedKVCache(cfg.n_layers, num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim,
                                   llm.model.dtype, llm.model.device)
+        if isinstance(llm.drafter, DraftModel):  # its pool mirrors this one's blocks: allocated up front too
+            llm.drafter.store_for(self.cache)
         self.policy = policy or GammaPolicy(max_gamma if llm.drafter is not None else 0)
         self.accept = accept
         on_gpu = llm.model.device.type == "cuda"

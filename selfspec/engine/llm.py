@@ -14,6 +14,7 @@ from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
 from selfspec.quant.modes import get_mode
 from selfspec.speculative.decode import decode
+from selfspec.speculative.draft_model import DraftModel, check_same_vocabulary
 from selfspec.speculative.drafters import SelfDraft, make_drafter
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.recipes import Recipe, resolve_recipe
@@ -32,7 +33,11 @@ class Generation:
 
 class LLM:
     def __init__(self, model: Transformer, tokenizer, recipe: Recipe, gamma: int = 4, description: str = "",
-                 fixed_gamma: bool = False):
+                 fixed_gamma: bool = False, drafter: DraftModel | None = None):
+        """`drafter`: recipe draft-model's drafting model (load() builds it from recipe.draft_model)."""
+        if (recipe.draft_model is not None) != (drafter is not None):
+            raise SelfspecError("recipe 'draft-model' and a DraftModel go together: load the draft model with "
+                                "selfspec.load(..., recipe='draft-model', draft_model=NAME_OR_PATH)")
         self.model = model
         # On the GPU, decode steps replay CUDA graphs (the host would otherwise set the speed).
         self.runner = GraphedModel(model) if model.device.type == "cuda" else model
@@ -41,7 +46,9 @@ class LLM:
         self.gamma = gamma
         self.description = description
         self.verify_mode = get_mode(recipe.verify)
-        self.drafter = make_drafter(recipe.draft) if recipe.draft else None
+        self.drafter = drafter or (make_drafter(recipe.draft) if recipe.draft else None)
+        if drafter is not None:
+            self.description += f"; {drafter.describe()}"
         if isinstance(self.drafter, SelfDraft) and recipe.skip_layers:  # layer-skip: the draft mode skips them
             self.drafter = SelfDraft(replace(self.drafter.mode, skip_layers=frozenset(recipe.skip_layers)))
         self.draft_mode = self.drafter.mode if isinstance(self.drafter, SelfDraft) else None  # None: no draft steps
@@ -194,21 +201,41 @@ def cpu_threads() -> int | None:
     return int(value)
 
 
-def build(cfg, state_dict, tokenizer, recipe: Recipe, group_size: int = 128, gamma: int = 4,
-          device: str = "cpu", description: str = "", fixed_gamma: bool = False) -> LLM:
+def build_model(cfg, state_dict, storage: str, group_size: int = 128, rotate: bool = False,
+                device: str = "cpu") -> Transformer:
     if torch.device(device).type == "cuda":  # the GPU kernels run bf16 activations (quant scales stay fp32)
         state_dict = {name: t.bfloat16() if t.is_floating_point() else t for name, t in state_dict.items()}
     model = Transformer(cfg, state_dict)
     state_dict.clear()  # the float weights are now owned by the model (or freed once quantized)
-    model.quantize(recipe.storage, group_size, recipe.rotate)
-    return LLM(model.to(device), tokenizer, recipe, gamma, description, fixed_gamma)
+    model.quantize(storage, group_size, rotate)
+    return model.to(device)
+
+
+def build(cfg, state_dict, tokenizer, recipe: Recipe, group_size: int = 128, gamma: int = 4,
+          device: str = "cpu", description: str = "", fixed_gamma: bool = False,
+          drafter: DraftModel | None = None) -> LLM:
+    model = build_model(cfg, state_dict, recipe.storage, group_size, recipe.rotate, device)
+    return LLM(model, tokenizer, recipe, gamma, description, fixed_gamma, drafter)
+
+
+def build_draft_model(cfg, tokenizer, name: str, draft: tuple, recipe: Recipe, group_size: int = 128,
+                      device: str = "cpu") -> DraftModel:
+    """The drafting model of recipe draft-model (recipe.draft_model) from its resolved (config, weights, tokenizer,
+    description), stored as its mode needs; refused unless it shares the tokens of the model `name`."""
+    draft_cfg, draft_sd, draft_tok, _ = draft
+    check_same_vocabulary(name, cfg, tokenizer, recipe.draft_model, draft_cfg, draft_tok)
+    storage = resolve_recipe("ar", None, recipe.draft).storage
+    model = build_model(draft_cfg, draft_sd, storage, group_size, device=device)
+    return DraftModel(model, get_mode(recipe.draft), recipe.draft_model)
 
 
 def load(model: str | None = None, recipe: str | None = None, draft: str | None = None, verify: str | None = None,
-         gamma: int = 4, group_size: int = 128, device: str = "cpu", fixed_gamma: bool = False) -> LLM:
+         gamma: int = 4, group_size: int = 128, device: str = "cpu", fixed_gamma: bool = False,
+         draft_model: str | None = None) -> LLM:
     """Load a named model, HF directory or .gguf file under a recipe (default: `planes`). `gamma` caps the drafted
-    tokens per round, each round's picked by a measured-cost policy; with `fixed_gamma`, every round drafts gamma."""
-    from selfspec.loading import resolve
+    tokens per round, each round's picked by a measured-cost policy; with `fixed_gamma`, every round drafts gamma.
+    Recipe draft-model drafts with `draft_model` (a name or path, same tokenizer), in mode `draft`."""
+    from selfspec.loading import DEFAULT_MODEL, resolve
     from selfspec.speculative.layer_skip import calibrated_recipe
 
     check_gamma(gamma)
@@ -217,8 +244,14 @@ def load(model: str | None = None, recipe: str | None = None, draft: str | None 
     threads = cpu_threads() if torch.device(device).type == "cpu" else None
     if threads is not None:
         torch.set_num_threads(threads)
-    rec = resolve_recipe(recipe, draft, verify)
+    rec = resolve_recipe(recipe, draft, verify, draft_model)
     cfg, sd, tok, desc = resolve(model)
     if rec.layer_skip:
         rec = calibrated_recipe(rec, model, group_size, device, cfg.n_layers)
-    return build(cfg, sd, tok, rec, group_size, gamma, device, desc, fixed_gamma)
+    drafter = None
+    if rec.draft_model is not None:
+        drafter = build_draft_model(cfg, tok, model or DEFAULT_MODEL, resolve(rec.draft_model), rec, group_size,
+                                    device)
+        # The draft model drafts only inside its own context window.
+        cfg = replace(cfg, max_seq_len=min(cfg.max_seq_len, drafter.model.cfg.max_seq_len))
+    return build(cfg, sd, tok, rec, group_size, gamma, device, desc, fixed_gamma, drafter)

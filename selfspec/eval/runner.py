@@ -41,11 +41,12 @@ class EvalConfig:
     reference: str | None = None  # speculative runs: the label of the AR run they must equal
 
 
-def plan_configs(modes: list[str], recipes: list[str]) -> list[EvalConfig]:
+def plan_configs(modes: list[str], recipes: list[str], draft_model: str | None = None) -> list[EvalConfig]:
     """Modes, then each recipe's verify mode run alone where no mode stores the same weights, then the recipes.
 
     A recipe's reference is an AR run of exactly its stored weights (format, rotation, ...): a mode's run
-    when the recipe minus its draft equals that mode's recipe, else the recipe itself at gamma 0."""
+    when the recipe minus its draft equals that mode's recipe, else the recipe itself at gamma 0. Recipe
+    draft-model drafts with `draft_model`."""
     configs = []
     for m in modes:
         get_mode(m)
@@ -54,15 +55,16 @@ def plan_configs(modes: list[str], recipes: list[str]) -> list[EvalConfig]:
     for name in recipes:
         if name == "ar":
             raise SelfspecError("'ar' does not draft; put the mode it runs under --modes instead of --recipes")
-        r = resolve_recipe(name)
-        alone = replace(r, name="ar", draft=None, layer_skip=False)  # no draft: no layer to skip
+        r = resolve_recipe(name, draft_model=draft_model if name == "draft-model" else None)
+        alone = replace(r, name="ar", draft=None, layer_skip=False, draft_model=None)  # no draft: no layer to skip
         if alone == resolve_recipe("ar", None, r.verify):
             ref = EvalConfig(r.verify, "ar", r.verify, None, describe(r))
         else:
             ref = EvalConfig(f"{name}-ar", name, r.verify, None, describe(r))
         if ref not in configs + references:
             references.append(ref)
-        spec.append(EvalConfig(name, name, r.verify, r.draft, describe(r), ref.label))
+        draft = r.draft if r.draft_model is None else f"{r.draft_model}:{r.draft}"  # results depend on the model
+        spec.append(EvalConfig(name, name, r.verify, draft, describe(r), ref.label))
     return configs + references + spec
 
 
@@ -159,14 +161,15 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
              chat: bool = False, data: dict[str, Path] | None = None, group_size: int = 128,
              device: str = "cpu", cached_only: bool = False,
              batch_size: int = DEFAULT_BATCH_SIZE, unsafe_sandbox: bool = False,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, dict[str, list[dict]]]:
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+             draft_model: str | None = None) -> dict[str, dict[str, list[dict]]]:
     """Evaluate and return {config label: {task: [record per item, in item order]}} (cached items reused,
     failed ones generated again; cached_only: generate nothing, report what the cache holds;
     unsafe_sandbox: run HumanEval's code unconfined where the sandbox cannot be built)."""
     check_args(tasks, limit, gamma, max_new_tokens, batch_size, prefill_chunk)
     if "humaneval" in tasks and not cached_only:
         get_task("humaneval").check_scorable(unsafe_sandbox)
-    configs = plan_configs(modes, recipes)
+    configs = plan_configs(modes, recipes, draft_model)
     if not configs:
         raise SelfspecError("nothing to evaluate: give --modes and/or --recipes")
     data = data or {}
@@ -189,7 +192,8 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
                 for t in tasks if not (t == "ppl" and speculative)}
         if any(todo.values()) and not cached_only:
             verify = cfg.verify if cfg.recipe == "ar" else None
-            llm = selfspec.load(model, cfg.recipe, verify=verify, gamma=gamma, group_size=group_size, device=device)
+            llm = selfspec.load(model, cfg.recipe, verify=verify, gamma=gamma, group_size=group_size, device=device,
+                                draft_model=draft_model if cfg.recipe == "draft-model" else None)
             for t in todo:
                 if t == "ppl":
                     windows = windows or ppl_task.load_windows(llm.tokenizer, data.get("ppl"), n_windows)

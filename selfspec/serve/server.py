@@ -73,7 +73,8 @@ def serve(args: argparse.Namespace) -> None:
     from selfspec.serve.app import create_app
 
     check_serve_args(args)
-    llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device)
+    llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device,
+                        draft_model=args.draft_model)
     engine = Engine(llm, max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
                     max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, max_gamma=args.gamma)
     engine.warm_up()  # on the GPU: capture every decode pass's CUDA graph before the first request waits on one

@@ -38,7 +38,7 @@ class Row:
 
 @dataclass
 class RoundTiming:
-    draft_s: float
+    draft_s: float  # the draft steps (a draft model's prefill of new rows left out: the policy prices steps)
     verify_s: float
     k: int  # drafts per row the verify pass checked: the longest proposal (a lookup may propose fewer than asked)
 
@@ -95,8 +95,10 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Drafter
     t0 = time.perf_counter()
     pending = torch.tensor([r.pending for r in rows], device=dev)
     lengths = torch.tensor([r.length for r in rows], device=dev)[:, None]
+    prefill_s = 0.0
     if k:
         proposal = as_drafter(draft).propose(model, cache, rows, pending, lengths, k)
+        prefill_s = proposal.prefill_s
         k = max(proposal.counts)  # verify only as far as the longest proposal: no match costs a plain step
         drafted, counts, q = proposal.tokens[:, :k], proposal.counts, proposal.q
     else:
@@ -125,7 +127,7 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Drafter
         out.append(d[:n] + [nxt])
         if r.history is not None:
             r.history.extend(out[-1])
-    return out, RoundTiming(t1 - t0, t2 - t1, k)
+    return out, RoundTiming(t1 - t0 - prefill_s, t2 - t1, k)
 
 
 def one_hot(drafts: list[int], logits: torch.Tensor) -> torch.Tensor:

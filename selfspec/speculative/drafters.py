@@ -35,6 +35,7 @@ class Proposal:
     tokens: torch.Tensor  # [B, k] on the device; past a row's count, padding that is never judged
     counts: list[int]  # real proposals per row (<= k)
     q: list[torch.Tensor | None]  # sampling rows: [k, V] distributions the drafts were drawn from; None: one-hot
+    prefill_s: float = 0.0  # of the time proposing, a draft model's prefill of a new row's context (not drafting)
 
 
 class Drafter(Protocol):

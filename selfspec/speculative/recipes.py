@@ -22,6 +22,7 @@ class Recipe:
     rotate: bool = False  # store weights Hadamard-rotated and rotate activations (quant/rotation.py)
     layer_skip: bool = False  # the draft skips the layers its calibration chose (speculative/layer_skip.py)
     skip_layers: tuple[int, ...] = ()  # the layers the draft skips
+    draft_model: str | None = None  # recipe draft-model: the model that drafts (in mode `draft`), not these weights
 
     @property
     def speculative(self) -> bool:
@@ -34,18 +35,24 @@ PRESETS = {
     "planes": Recipe("planes", "planes", "full", "upper"),
     "ngram": Recipe("ngram", "planes", "full", "ngram"),  # drafts looked up in the prompt and output, no model step
     "layerskip": Recipe("layerskip", "planes", "full", "upper", layer_skip=True),
+    # A separate model drafts (its mode: --draft, by default the verify mode); the stored weights follow verify.
+    "draft-model": Recipe("draft-model", "planes", "full", None),
 }
 
 
-def resolve_recipe(name: str | None = None, draft: str | None = None, verify: str | None = None) -> Recipe:
-    """A preset, optionally with its modes overridden; the storage is re-chosen if a mode needs it."""
-    name = name or ("ar" if draft is None and verify is not None else "planes")
+def resolve_recipe(name: str | None = None, draft: str | None = None, verify: str | None = None,
+                   draft_model: str | None = None) -> Recipe:
+    """A preset, optionally with its modes overridden; the storage is re-chosen if a mode needs it.
+    Recipe draft-model takes the drafting model's name or path (`draft_model`); `draft` is then its mode."""
+    name = name or ("draft-model" if draft_model else "ar" if draft is None and verify is not None else "planes")
     if name not in PRESETS:
         raise SelfspecError(f"unknown recipe '{name}'; choose one of: {', '.join(PRESETS)}")
     base = PRESETS[name]
     if name == "ar" and draft is not None:
         raise SelfspecError("recipe 'ar' does not draft; drop --draft or pick a speculative recipe")
     verify = verify or base.verify
+    if name == "draft-model" or draft_model is not None:
+        return draft_model_recipe(base, draft, verify, draft_model)
     draft = draft or base.draft
     if draft is not None:
         make_drafter(draft)  # a clear error for an unknown mode or a malformed ngram range
@@ -63,3 +70,20 @@ def resolve_recipe(name: str | None = None, draft: str | None = None, verify: st
         f"no stored weight format runs {pair} from one copy of the weights: INT4 runs w4a16/w4a8/w4a4, "
         f"INT8 runs w8a16/w8a8, INT8 planes run every w4*/w8* mode plus upper/full, dense runs fp32/bf16"
     )
+
+
+def draft_model_recipe(base: Recipe, draft: str | None, verify: str, draft_model: str | None) -> Recipe:
+    """Recipe draft-model: the target stores what its verify mode runs; the draft model runs `draft` (default:
+    the verify mode) from its own storage, chosen alike."""
+    if base.name != "draft-model":
+        raise SelfspecError(f"a draft model drafts under --recipe draft-model, not '{base.name}'")
+    if draft_model is None:
+        raise SelfspecError("recipe 'draft-model' needs the model that drafts: --draft-model NAME_OR_PATH (a model "
+                            "with the same tokenizer, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
+    draft = draft or verify
+    if is_lookup(draft):
+        raise SelfspecError(f"under recipe 'draft-model', --draft is the draft model's mode, not '{draft}'; "
+                            "for lookup drafts use --recipe ngram")
+    get_mode(draft)
+    storage = resolve_recipe("ar", None, verify).storage
+    return replace(base, storage=storage, verify=verify, draft=draft, draft_model=draft_model)
