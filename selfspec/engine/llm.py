@@ -13,6 +13,7 @@ from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
 from selfspec.quant.modes import get_mode
+from selfspec.quant.smooth import activation_maxima, calibration_tokens, smooth_
 from selfspec.speculative.decode import decode
 from selfspec.speculative.drafters import SelfDraft, make_drafter
 from selfspec.speculative.policy import GammaPolicy
@@ -200,6 +201,9 @@ def build(cfg, state_dict, tokenizer, recipe: Recipe, group_size: int = 128, gam
         state_dict = {name: t.bfloat16() if t.is_floating_point() else t for name, t in state_dict.items()}
     model = Transformer(cfg, state_dict)
     state_dict.clear()  # the float weights are now owned by the model (or freed once quantized)
+    if recipe.smooth_alpha is not None:  # calibrated where it will run: that device's kernels and precision
+        model.to(device)
+        smooth_(model, activation_maxima(model, calibration_tokens(tokenizer)), recipe.smooth_alpha)
     model.quantize(recipe.storage, group_size, recipe.rotate)
     return LLM(model.to(device), tokenizer, recipe, gamma, description, fixed_gamma)
 

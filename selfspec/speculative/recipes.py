@@ -22,6 +22,7 @@ class Recipe:
     rotate: bool = False  # store weights Hadamard-rotated and rotate activations (quant/rotation.py)
     layer_skip: bool = False  # the draft skips the layers its calibration chose (speculative/layer_skip.py)
     skip_layers: tuple[int, ...] = ()  # the layers the draft skips
+    smooth_alpha: float | None = None  # SmoothQuant the weights with this migration strength (quant/smooth.py)
 
     @property
     def speculative(self) -> bool:
@@ -34,6 +35,8 @@ PRESETS = {
     "planes": Recipe("planes", "planes", "full", "upper"),
     "ngram": Recipe("ngram", "planes", "full", "ngram"),  # drafts looked up in the prompt and output, no model step
     "layerskip": Recipe("layerskip", "planes", "full", "upper", layer_skip=True),
+    # Quasar: SmoothQuant W8A8 (per-channel INT8 weights, per-token INT8 activations) verifying lookup drafts.
+    "quasar": Recipe("quasar", "int8", "w8a8", "ngram", smooth_alpha=0.5),
 }
 
 
