@@ -128,3 +128,13 @@ def test_quasar_recipe_is_smoothed_w8a8_with_lookup_drafts():
     r = resolve_recipe("quasar")
     assert (r.storage, r.verify, r.draft, r.smooth_alpha) == ("int8", "w8a8", "ngram", smooth.DEFAULT_ALPHA)
     assert resolve_recipe("quasar", verify="w8a16").smooth_alpha == smooth.DEFAULT_ALPHA  # the weights stay smoothed
+
+
+def test_eval_checks_quasar_against_its_own_smoothed_weights():
+    """Plain w8a8 stores other weights: quasar's reference is the recipe itself at gamma 0."""
+    from selfspec.eval.runner import plan_configs
+
+    configs = {c.label: c for c in plan_configs(["w8a8"], ["quasar"])}
+    assert configs["quasar"].reference == "quasar-ar"
+    assert configs["quasar-ar"].storage == configs["quasar"].storage == "int8+smoothquant(alpha 0.5)"
+    assert configs["w8a8"].storage == "int8"
