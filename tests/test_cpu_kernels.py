@@ -114,3 +114,19 @@ def test_inside_and_outside_inference_mode(monkeypatch):
     with torch.inference_mode():
         inside = cpu.linear(x, w, MODES["full"], None)
     assert torch.equal(cpu.linear(x, w, MODES["full"], None), inside)
+
+
+@pytest.mark.parametrize("verify_keys,step_keys", [(64, 37), (48, 96)])
+def test_cpu_attention_gives_a_query_the_same_bits_in_a_verify_pass_and_a_plain_step(verify_keys, step_keys):
+    """A verify pass of 6 queries in a cache of one length == each query alone in a cache of another (solo decoding
+    sizes its cache by gamma): torch's CPU attention alone changes a query's bits with both."""
+    attention = lookup("attention", "", "cpu")
+    torch.manual_seed(21)
+    k, v = torch.randn(1, 3, 128, 64), torch.randn(1, 3, 128, 64)
+    q, pos, table = torch.randn(1, 9, 6, 64), torch.arange(30, 36)[None], torch.zeros(1, 1, dtype=torch.long)
+    y = attention(q, k[:, :, :verify_keys], v[:, :, :verify_keys], table, pos)
+    for i in range(6):
+        alone = attention(q[:, :, i:i + 1], k[:, :, :step_keys], v[:, :, :step_keys], table, pos[:, i:i + 1])
+        assert torch.equal(y[:, :, i:i + 1], alone), i
+    assert torch.allclose(y, reference_op("attention")(q, k[:, :, :verify_keys], v[:, :, :verify_keys], table, pos),
+                          atol=1e-5)

@@ -67,3 +67,23 @@ def test_greedy_ngram_equals_ar_of_full(smollm2, gamma):
         assert out.token_ids == ref, (prompt, gamma)
         accepted, proposed = accepted + out.stats.draft_accepted, proposed + out.stats.draft_proposed
     assert 0 < accepted < proposed
+
+
+# Recipe quasar: lookup drafts verified by SmoothQuant-ed w8a8. Its AR reference is the same smoothed weights at
+# gamma 0; a prompt that repeats itself makes the lookup propose drafts that w8a8 both accepts and rejects.
+QUASAR_PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, NGRAM_PROMPTS[1]]
+
+
+def test_greedy_quasar_equals_ar_of_smoothed_w8a8(smollm2, smollm2_resolved):
+    llm = smollm2("quasar")
+    original_norm = smollm2_resolved[1]["model.layers.0.input_layernorm.weight"]
+    assert not llm.model.layers[0].attention_norm.weight.equal(original_norm)  # the stored weights are smoothed
+    p = SamplingParams(max_new_tokens=NGRAM_NEW_TOKENS, ignore_eos=True)
+    accepted = proposed = 0
+    for prompt in QUASAR_PROMPTS:
+        ref = llm.generate(prompt, p, gamma=0).token_ids
+        for gamma in (2, 5):
+            out = llm.generate(prompt, p, gamma=gamma)
+            assert out.token_ids == ref, (prompt, gamma)
+            accepted, proposed = accepted + out.stats.draft_accepted, proposed + out.stats.draft_proposed
+    assert 0 < accepted < proposed

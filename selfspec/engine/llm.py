@@ -13,6 +13,7 @@ from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
 from selfspec.quant.modes import get_mode
+from selfspec.quant.smooth import activation_maxima, calibration_tokens, smooth_
 from selfspec.speculative.decode import decode
 from selfspec.speculative.draft_model import DraftModel, check_same_vocabulary
 from selfspec.speculative.drafters import SelfDraft, make_drafter
@@ -202,11 +203,16 @@ def cpu_threads() -> int | None:
 
 
 def build_model(cfg, state_dict, storage: str, group_size: int = 128, rotate: bool = False,
-                device: str = "cpu") -> Transformer:
+                device: str = "cpu", smooth: float | None = None, tokenizer=None) -> Transformer:
+    """The model in its stored format; with `smooth`, SmoothQuant-ed first (migration strength alpha, activation
+    maxima calibrated through `tokenizer`'s text: quant/smooth.py)."""
     if torch.device(device).type == "cuda":  # the GPU kernels run bf16 activations (quant scales stay fp32)
         state_dict = {name: t.bfloat16() if t.is_floating_point() else t for name, t in state_dict.items()}
     model = Transformer(cfg, state_dict)
     state_dict.clear()  # the float weights are now owned by the model (or freed once quantized)
+    if smooth is not None:  # calibrated where it will run: that device's kernels and precision
+        model.to(device)
+        smooth_(model, activation_maxima(model, calibration_tokens(tokenizer)), smooth)
     model.quantize(storage, group_size, rotate)
     return model.to(device)
 
@@ -214,7 +220,8 @@ def build_model(cfg, state_dict, storage: str, group_size: int = 128, rotate: bo
 def build(cfg, state_dict, tokenizer, recipe: Recipe, group_size: int = 128, gamma: int = 4,
           device: str = "cpu", description: str = "", fixed_gamma: bool = False,
           drafter: DraftModel | None = None) -> LLM:
-    model = build_model(cfg, state_dict, recipe.storage, group_size, recipe.rotate, device)
+    model = build_model(cfg, state_dict, recipe.storage, group_size, recipe.rotate, device, recipe.smooth_alpha,
+                        tokenizer)
     return LLM(model, tokenizer, recipe, gamma, description, fixed_gamma, drafter)
 
 

@@ -69,8 +69,9 @@ def plan_configs(modes: list[str], recipes: list[str], draft_model: str | None =
 
 
 def describe(recipe: Recipe) -> str:
-    """The stored format in a few words (with the rotation, where the recipe has one)."""
-    return recipe.storage + ("+hadamard" if getattr(recipe, "rotate", False) else "")
+    """The stored format in a few words (with the rotation or smoothing, where the recipe has one)."""
+    smoothed = f"+smoothquant(alpha {recipe.smooth_alpha})" if recipe.smooth_alpha is not None else ""
+    return recipe.storage + ("+hadamard" if getattr(recipe, "rotate", False) else "") + smoothed
 
 
 def select(items: list[Item], limit: int | None, seed: int | None) -> list[Item]:

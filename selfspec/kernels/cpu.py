@@ -1,4 +1,5 @@
-"""CPU linear of the stored formats (and, at the end, the attention of packed prefill rows). An integer format's
+"""CPU linear of the stored formats (and, at the end, attention: query by query for decode and verify passes, and
+the rows of packed prefills). An integer format's
 stored copy is dequantized a block of output rows at a time into a reused float32 scratch buffer and multiplied
 there (no float copy of the weight is kept between calls); a dense float32 weight (the head, the fp32 recipe) is
 multiplied as stored.
@@ -29,8 +30,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import torch.nn.functional as F
+
 from selfspec.kernels import register
-from selfspec.kernels.reference import attention
+from selfspec.kernels.reference import attention as reference_attention
+from selfspec.kernels.reference import gather_blocks
 from selfspec.quant.act import fake_quantize_per_token
 from selfspec.quant.formats import (DenseWeight, Int4Weight, Int8PlanesWeight, Int8Weight, QuantWeight, doubled,
                                     permute_k, upper_affine)
@@ -166,12 +170,32 @@ for _fmt in (DenseWeight, Int8Weight, Int4Weight, Int8PlanesWeight):
     register("linear", _fmt.storage, "cpu")(linear)
 
 
+@register("attention", "", "cpu")
+def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+              q_pos: torch.Tensor) -> torch.Tensor:
+    """The reference attention, query by query up to ROW_BY_ROW_MAX queries: each over exactly its keys 0..pos,
+    unmasked. torch's CPU attention gives a query other bits with another number of keys (even masked ones: the
+    table's width, or a contiguous cache's length, which differ between a verify pass and a plain step) and with
+    other queries beside it; so a query's result here depends on its own position and keys alone."""
+    b, h, t, _ = q.shape
+    if b * t > ROW_BY_ROW_MAX:
+        return reference_attention(q, k_pool, v_pool, table, q_pos)
+    k, v = gather_blocks(k_pool, table), gather_blocks(v_pool, table)
+    out = torch.empty_like(q)
+    for i, positions in enumerate(q_pos.tolist()):
+        for j, pos in enumerate(positions):
+            end = min(pos, k.shape[2] - 1) + 1
+            out[i:i + 1, :, j:j + 1] = F.scaled_dot_product_attention(
+                q[i:i + 1, :, j:j + 1], k[i:i + 1, :, :end].to(q.dtype), v[i:i + 1, :, :end].to(q.dtype),
+                enable_gqa=True)
+    return out
+
+
 @register("packed_attention", "", "cpu")
 def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                      q_pos: torch.Tensor, packed: Packed) -> torch.Tensor:
     """One attention call per row, over its own queries and the blocks its keys fill: torch's CPU attention costs
-    rows x longest row x keys, masked or not (one long prompt beside short ones pads them all to it), and its bits
-    change with the number of keys, which here is the one the row has prefilled alone."""
+    rows x longest row x keys, masked or not (one long prompt beside short ones pads them all to it)."""
     bs, out, start = k_pool.shape[2], [], 0
     for b, (n, keys) in enumerate(zip(packed.lengths, packed.keys)):
         rows = slice(start, start + n)

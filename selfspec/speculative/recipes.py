@@ -23,6 +23,7 @@ class Recipe:
     layer_skip: bool = False  # the draft skips the layers its calibration chose (speculative/layer_skip.py)
     skip_layers: tuple[int, ...] = ()  # the layers the draft skips
     draft_model: str | None = None  # recipe draft-model: the model that drafts (in mode `draft`), not these weights
+    smooth_alpha: float | None = None  # SmoothQuant the weights with this migration strength (quant/smooth.py)
 
     @property
     def speculative(self) -> bool:
@@ -37,6 +38,8 @@ PRESETS = {
     "layerskip": Recipe("layerskip", "planes", "full", "upper", layer_skip=True),
     # A separate model drafts (its mode: --draft, by default the verify mode); the stored weights follow verify.
     "draft-model": Recipe("draft-model", "planes", "full", None),
+    # Quasar: SmoothQuant W8A8 (per-channel INT8 weights, per-token INT8 activations) verifying lookup drafts.
+    "quasar": Recipe("quasar", "int8", "w8a8", "ngram", smooth_alpha=0.5),
 }
 
 
