@@ -120,7 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens, args.stop)
     check_prompt(prompt)
     llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device,
-                        args.fixed_gamma, args.draft_model)
+                        fixed_gamma=args.fixed_gamma, draft_model=args.draft_model)
     out = None
     for text, _, out in llm.stream(prompt, params, chat=args.chat):
         if not args.json:

@@ -92,14 +92,14 @@ def test_cli_fixed_gamma_reaches_load(monkeypatch, capsys):
     seen = {}
 
     def fake_load(*args, **kwargs):
-        seen["args"] = args
+        seen["args"], seen["kwargs"] = args, kwargs
         raise SelfspecError("not loading in this test")
 
     monkeypatch.setattr(selfspec, "load", fake_load)
     assert main(["generate", "--prompt", "hi", "--gamma", "3", "--fixed-gamma"]) == 2
-    assert seen["args"][4] == 3 and seen["args"][-1] is True
+    assert seen["args"][4] == 3 and seen["kwargs"]["fixed_gamma"] is True
     assert main(["generate", "--prompt", "hi", "--gamma", "3"]) == 2
-    assert seen["args"][-1] is False
+    assert seen["kwargs"]["fixed_gamma"] is False
     capsys.readouterr()
 
 

@@ -135,16 +135,16 @@ def test_prefill_chunk_reaches_the_engine(command, monkeypatch):
 
 
 def test_eval_passes_prefill_chunk_on(monkeypatch):
-    seen = []
+    seen = {}
 
-    def run_eval(*args):
-        seen.extend(args)
+    def run_eval(*args, **kwargs):
+        seen.update(kwargs)
         raise Built
 
     monkeypatch.setattr(eval_command, "run_eval", run_eval)
     with pytest.raises(Built):
         main(["eval", "--tasks", "gsm8k", "--prefill-chunk", "48"])
-    assert seen[-1] == 48
+    assert seen["prefill_chunk"] == 48
 
 
 def test_packed_layout():
