@@ -120,3 +120,35 @@ def recorded_logits(model):
         yield heads
     finally:
         del model.logits
+
+
+def served_tokens(engine) -> dict[str, list[int]]:
+    """Step the engine until it is idle: each request's tokens."""
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return tokens
+
+
+def check_mixed_batch_equals_solo(llm, prompts: list[list[int]]):
+    """The prompts and 4 random ones served together: per-request gammas next to the policy's, greedy rows next to
+    seeded sampling rows, a pool small enough to preempt. Each request must equal its solo run (a sampling row drafts
+    a fixed count, as its solo run does). -> the engine's stats."""
+    from selfspec.engine.engine import Engine
+    from selfspec.speculative.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    randoms = [torch.randint(3, 250, (int(torch.randint(2, 10, (), generator=g)),), generator=g).tolist()
+               for _ in range(4)]
+    ps = prompts + randoms
+    gammas = [2, None, 4, 3, None, 0, 1, None]
+    params = [SamplingParams(max_new_tokens=30, ignore_eos=True) if i % 3
+              else SamplingParams(temperature=1.0, seed=i, max_new_tokens=30, ignore_eos=True) for i in range(len(ps))]
+    refs = [llm.generate(p, sp, gamma=0 if sp.greedy else g).token_ids for p, sp, g in zip(ps, params, gammas)]
+    engine = Engine(llm, max_batch=8, block_size=4, num_blocks=40, prefill_chunk=16, max_gamma=4)
+    for i, (p, sp, gm) in enumerate(zip(ps, params, gammas)):
+        engine.add_request(str(i), p, sp, gamma=gm)
+    tokens = served_tokens(engine)
+    assert [tokens[str(i)] for i in range(len(ps))] == refs
+    return engine.stats()

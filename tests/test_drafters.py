@@ -9,8 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import tiny_model
-from selfspec.engine.engine import Engine
+from conftest import check_mixed_batch_equals_solo, tiny_model
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.speculative.drafters import NgramDrafter, SelfDraft, TokenHistory, make_drafter
@@ -161,23 +160,7 @@ def test_engine_batched_equals_solo_with_ngram_rows_mixed(llm):
     """Repetitive prompts (lookups match) and random ones (mostly no match), per-request gammas with the policy's,
     greedy rows next to sampling rows, a pool small enough to preempt (a resumed row rebuilds its history): every
     greedy request equals its solo run, every seeded sampling request its solo seeded run."""
-    g = torch.Generator().manual_seed(3)
-    randoms = [torch.randint(3, 250, (int(torch.randint(2, 10, (), generator=g)),), generator=g).tolist()
-               for _ in range(4)]
-    ps = REPETITIVE + randoms
-    gammas = [2, None, 4, 3, None, 0, 1, None]  # sampling rows (0, 3, 6) draft a fixed count, as their solo runs
-    params = [greedy(30) if i % 3 else SamplingParams(temperature=1.0, seed=i, max_new_tokens=30, ignore_eos=True)
-              for i in range(len(ps))]
-    refs = [llm.generate(p, sp, gamma=0 if sp.greedy else g).token_ids for p, sp, g in zip(ps, params, gammas)]
-    engine = Engine(llm, max_batch=8, block_size=4, num_blocks=40, prefill_chunk=16, max_gamma=4)
-    for i, (p, sp, gm) in enumerate(zip(ps, params, gammas)):
-        engine.add_request(str(i), p, sp, gamma=gm)
-    tokens = {}
-    while engine.has_work():
-        for o in engine.step():
-            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert [tokens[str(i)] for i in range(len(ps))] == refs
-    s = engine.stats()
+    s = check_mixed_batch_equals_solo(llm, REPETITIVE)
     assert s.num_preemptions > 0
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens
     assert s.num_draft_tokens < 4 * s.num_drafts  # some rows proposed fewer than k

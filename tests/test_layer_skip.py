@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import served_tokens, tiny_model
 from selfspec.engine.engine import Engine
 from selfspec.engine.llm import build, load
 from selfspec.errors import SelfspecError
@@ -105,10 +105,7 @@ def test_engine_batched_equals_solo_with_skipped_layers(skip_setup):
     engine = Engine(llm, max_batch=4, block_size=4, num_blocks=80, prefill_chunk=16)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, greedy(), gamma=[None, 2, 4][i % 3])
-    out = {}
-    while engine.has_work():
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    out = served_tokens(engine)
     assert [out[str(i)] for i in range(len(prompts))] == refs
     assert 0 < engine.stats().num_accepted_tokens < engine.stats().num_draft_tokens
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import selfspec
-from conftest import recorded_logits, tiny_model
+from conftest import recorded_logits, served_tokens, tiny_model
 from selfspec.bench import serve as bench_serve
 from selfspec.cli import main
 from selfspec.engine import engine as engine_module
@@ -81,17 +81,9 @@ def test_engine_prefill_runs_the_head_on_rows_that_draw_a_token_only(llm, monkey
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params, gamma=0)
     shapes = record_head_inputs(llm.model, monkeypatch)
-    out = run(engine)
+    out = served_tokens(engine)
     assert shapes == [(2, llm.model.cfg.dim), (1, llm.model.cfg.dim)]
     assert out == {str(i): ref for i, ref in enumerate(refs)}
-
-
-def run(engine) -> dict[str, list[int]]:
-    tokens = {}
-    while engine.has_work():
-        for o in engine.step():
-            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return tokens
 
 
 COMMANDS = {"serve": ["serve"], "bench serve": ["bench", "serve", "--no-check"], "eval": ["eval", "--tasks", "gsm8k"]}
@@ -230,7 +222,7 @@ def test_prefill_budget_counts_real_tokens(llm, monkeypatch):
     engine = Engine(llm, max_batch=3, block_size=4, num_blocks=60, prefill_chunk=32)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params, gamma=0)
-    out = run(engine)
+    out = served_tokens(engine)
     assert passes == [((1, 32), 3), ((1, 32), 1), ((1, 32), 1), ((1, 16), 1)]
     monkeypatch.undo()
     assert out == {str(i): llm.generate(p, params, gamma=0).token_ids for i, p in enumerate(prompts)}
@@ -242,7 +234,7 @@ def prefill_through_engine(llm, prompt, chunk, block_size):
     with recorded_logits(llm.model) as heads:
         engine = Engine(llm, max_batch=1, block_size=block_size, num_blocks=1024 // block_size, prefill_chunk=chunk)
         engine.add_request("0", prompt, SamplingParams(max_new_tokens=1, ignore_eos=True), gamma=0)
-        run(engine)
+        served_tokens(engine)
     (head,) = heads
     return engine.cache, head
 

@@ -7,11 +7,12 @@ import torch
 
 from conftest import tiny_model
 from selfspec.bench.upper_acceptance import (TeacherForced, agreement, agreements, continuations, full_int8,
-                                             full_widened, predicted_speedup, rounds_from_agreement, set_weights,
-                                             upper_floor, upper_lsq, upper_rtn)
+                                             full_widened, predicted_speedup, set_weights, upper_floor, upper_lsq,
+                                             upper_rtn)
 from selfspec.engine.llm import LLM
 from selfspec.model import Linear, Transformer
 from selfspec.quant.formats import minmax_quant
+from selfspec.speculative.layer_skip import accepted_per_round
 from selfspec.speculative.policy import expected_tokens
 from selfspec.speculative.recipes import resolve_recipe
 
@@ -32,8 +33,8 @@ def test_agreement_is_argmax_equality():
     ([F, F], 8, [0, 0]),
     ([], 4, []),
 ])
-def test_rounds_from_agreement(agree, k, rounds):
-    assert rounds_from_agreement(agree, k) == rounds
+def test_accepted_per_round(agree, k, rounds):
+    assert accepted_per_round(agree, k) == rounds
 
 
 def test_expected_tokens_and_speedup():

@@ -35,6 +35,7 @@ from selfspec.quant.formats import (DenseWeight, Int4Weight, Int8PlanesWeight, a
 from selfspec.quant.modes import MODES
 from selfspec.speculative.policy import expected_tokens
 from selfspec.speculative.recipes import resolve_recipe
+from selfspec.speculative.layer_skip import accepted_per_round, padded
 from selfspec.speculative.sampling import SamplingParams
 
 # A weight config: float weight [N, K] and group size -> the float weight a mode computes with.
@@ -122,20 +123,6 @@ def agreement(draft_logits: torch.Tensor, verify_logits: torch.Tensor) -> torch.
     return draft_logits.argmax(-1) == verify_logits.argmax(-1)
 
 
-def rounds_from_agreement(agree: list[bool], k: int) -> list[int]:
-    """Accepted drafts per round of greedy speculation with k drafts, over one sequence's agreements (agree[i]:
-    the draft's token after committed position i is the verify's). A round starting at i accepts the run of
-    agreements from i, capped at k, then commits the verify's token: the next round starts at i + accepted + 1."""
-    rounds, i = [], 0
-    while i < len(agree):
-        n = 0
-        while n < k and i + n < len(agree) and agree[i + n]:
-            n += 1
-        rounds.append(n)
-        i += n + 1
-    return rounds
-
-
 def predicted_speedup(a: float, k: int, c: float) -> float:
     """Over AR in the verify mode, a verify pass of k+1 tokens costing one AR step, a draft step c of one."""
     return expected_tokens(a, k) / (1 + k * c)
@@ -159,13 +146,6 @@ def continuations(llm: LLM, prompts: list[list[int]], max_new_tokens: int) -> li
             if r.finished:
                 out[int(r.request_id)] = r.generation.token_ids
     return [out[i] for i in range(len(prompts))]
-
-
-def padded(rows: list[list[int]]) -> torch.Tensor:
-    t = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
-    for i, r in enumerate(rows):
-        t[i, : len(r)] = torch.tensor(r)
-    return t
 
 
 class TeacherForced:
@@ -243,7 +223,7 @@ def validate(model_name: str | None, tasks: list[str], n_prompts: int, max_new_t
         for text in read_prompts(task)[:n_prompts]:
             s = llm.generate(text, SamplingParams(max_new_tokens=max_new_tokens), chat=True).stats
             accepted, proposed, rounds = accepted + s.draft_accepted, proposed + s.draft_proposed, rounds + s.rounds
-        implied = [r for row in estimated[task]["floor-g128"] for r in rounds_from_agreement(row, gamma)]
+        implied = [r for row in estimated[task]["floor-g128"] for r in accepted_per_round(row, gamma)]
         out[task] = {"real_acceptance": accepted / max(proposed, 1), "real_mean_accepted": accepted / max(rounds, 1),
                      "estimated_acceptance": sum(implied) / max(gamma * len(implied), 1),
                      "estimated_mean_accepted": sum(implied) / max(len(implied), 1),
@@ -258,7 +238,7 @@ def write_trace(path: Path, model_name: str, variant: str, agree: dict, gamma: i
              "max_new_tokens": max_new_tokens,
              "source": f"teacher-forced on CPU (selfspec.bench.upper_acceptance), upper variant {variant}, "
                        f"{n_prompts} prompts per task",
-             "tasks": {task: [r for row in per[variant] for r in rounds_from_agreement(row, gamma)]
+             "tasks": {task: [r for row in per[variant] for r in accepted_per_round(row, gamma)]
                        for task, per in agree.items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(trace))

@@ -118,6 +118,7 @@ def score(skip: list[int], agree: list[list[bool]], costs: Costs) -> Candidate:
 
 
 def padded(rows: list[list[int]]) -> torch.Tensor:
+    """Token rows of any lengths as one [B, longest] tensor, right-padded with token 0."""
     t = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
     for i, r in enumerate(rows):
         t[i, : len(r)] = torch.tensor(r)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from conftest import recorded_logits  # noqa: E402
+from conftest import recorded_logits, served_tokens  # noqa: E402
 import selfspec  # noqa: E402
 from selfspec.bench.prompts import PROMPTS  # noqa: E402
 from selfspec.engine.engine import Engine  # noqa: E402
@@ -35,10 +35,7 @@ def serve_first_tokens(llm, prompts: list[list[int]], chunk: int) -> tuple[torch
                         prefill_chunk=chunk)
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, SamplingParams(max_new_tokens=1, ignore_eos=True), gamma=0)
-        tokens = {}
-        while engine.has_work():
-            for o in engine.step():
-                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        tokens = served_tokens(engine)
     return engine.cache, torch.cat(heads), [tokens[str(i)] for i in range(len(prompts))]
 
 
