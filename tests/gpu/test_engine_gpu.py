@@ -61,7 +61,7 @@ def test_tiny_model_batched_greedy_equals_solo(recipe):
 
 
 @pytest.mark.skipif(not os.environ.get("SELFSPEC_GPU_MODEL"), reason="set SELFSPEC_GPU_MODEL to SmolLM2's .gguf")
-@pytest.mark.parametrize("recipe", ["planes", "qspec"])
+@pytest.mark.parametrize("recipe", ["planes", "qspec", "ngram"])
 def test_smollm2_batched_greedy_equals_solo(recipe):
     llm = selfspec.load(os.environ["SELFSPEC_GPU_MODEL"], recipe, device="cuda")
     prompts = [llm.encode(PROMPTS[i % len(PROMPTS)], chat=True) for i in range(40)]

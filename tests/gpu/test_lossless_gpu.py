@@ -19,7 +19,7 @@ from selfspec.speculative.sampling import SamplingParams  # noqa: E402
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=["planes", "qspec"])
+@pytest.fixture(scope="module", params=["planes", "qspec", "ngram"])
 def llm(request):
     return selfspec.load(os.environ.get("SELFSPEC_GPU_MODEL"), request.param, device="cuda")
 
