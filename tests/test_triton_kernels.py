@@ -513,3 +513,11 @@ def test_rotate_matches_reference_and_is_batch_invariant():
     assert rel_err(y, reference_op("rotate")(x.double(), h.double())) < TOL
     for i in (0, 4):  # a row alone gives the same bits as among 9 (cuBLAS would not promise this)
         assert torch.equal(triton_linear.rotate(x[i:i + 1], h), y[i:i + 1])
+
+
+def test_many_token_tiles_fill_the_last_wave():
+    """Of the tiles a bucket offers, the one whose last wave of programs is fullest; the larger on a tie."""
+    tiles = [(128, 256, 8, 3, True, 64), (128, 128, 8, 3, True, 128)]
+    assert triton_linear.fullest_wave(tiles, 1024, 6144) == tiles[1]  # 192 programs (1.45 waves) vs 384 (2.9)
+    assert triton_linear.fullest_wave(tiles, 4096, 6144) == tiles[0]  # 768 vs 1536 programs: both 97% full
+    assert triton_linear.tile_config(triton_linear.DENSE.value, False, 6144, 4096, 0, 1024).block_n == 128

@@ -520,7 +520,7 @@ def tile_config(fmt: int, act: bool, n: int, k: int, group: int, m: int = 1) -> 
     of every add) comes from the weight and the mode only (`decode_config`); the M and N tiles, the warps and the
     stages follow M (`many_tokens`), which leaves every row's bits unchanged (tests/gpu/test_gpu_kernels.py)."""
     cfg = decode_config(fmt, act, n, k, group)
-    return cfg if m <= BLOCK_M else many_tokens(cfg, fmt, act, group, m, k)
+    return cfg if m <= BLOCK_M else many_tokens(cfg, fmt, act, group, m, n, k)
 
 
 def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
@@ -580,6 +580,9 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 #   4096 on the 8B layers: random, integer-valued and +-1 weights such as the rotation's,
 #   docs/bench-h100/gemm-many-tokens.md): they take them past 64 rows, 64 x 128 up to 256 rows (1.3-1.6x cuBLAS),
 #   then 128 x 256 with K tiles of 64 (1.14-1.46x at M = 1024, 1.21-1.27x at 4096; 32-row tiles: 2.0-2.8x);
+#   a list offers tiles to choose from by how full their last wave is (`fullest_wave`): qkv at M = 1024 has 192
+#   tiles of 128 x 256 (1.5 waves, 1.50x cuBLAS) but 384 of 128 x 128 (2.9 waves, 1.31x);
+#   docs/bench-h100/gemm-bf16-tiles-probe.json;
 # - speed: each bucket's tiles beat the decode tiles at M = 64 to 4096 (gemm bench), but for the nibble kernel with
 #   bf16 activations at M <= 64, and where its decode tiles are 256 wide (one nibble plane over few K pieces: gate/up
 #   and down of 8B models), whose long programs stayed faster at every M: those keep their decode tiles.
@@ -589,8 +592,10 @@ MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
                  (1 << 62, (128, 128, 8, 3, True), (128, 128, 8, 3, False))],
     "nibble-act": [(64, None, None), (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
     "nibble": [(64, None, None), (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
-    "bf16": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)), (256, (64, 128, 4, 3, True), (64, 128, 4, 3, False)),
-             (1 << 62, (128, 256, 8, 3, True, 64), (128, 256, 8, 3, False, 64))],
+    "bf16": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
+             (256, (64, 128, 4, 4, True, 64), (128, 128, 8, 3, False, 64)),
+             (1 << 62, [(128, 256, 8, 3, True, 64), (128, 128, 8, 3, True, 128)],
+              [(128, 256, 8, 3, False, 64), (128, 128, 8, 3, False, 64)])],
     "int8": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)), (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
 }
 
@@ -604,7 +609,7 @@ def kernel_kind(fmt: int, act: bool, group: int) -> str:
     return "bf16" if fmt == DENSE.value else "int8"
 
 
-def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, k: int) -> TileConfig:
+def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, n: int, k: int) -> TileConfig:
     """cfg with the M and N tiles, warps and stages of M's bucket (and, for bf16 weights, its K tile); the split,
     the swap and so each row's order of adds stay."""
     kind = kernel_kind(fmt, act, group)
@@ -615,6 +620,8 @@ def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, k: int
             tiles = split_tiles if cfg.split_k > 1 else whole_tiles
             if tiles is None:
                 return cfg
+            if isinstance(tiles, list):
+                tiles = fullest_wave(tiles, m, n)
             block_m, block_n, warps, stages, in_program, *block_k = tiles
             # A bf16 dot adds its K tiles into one accumulator, 16 columns at a time in order, whatever BLOCK_K is;
             # the split's chunks must still start at the same columns.
@@ -623,6 +630,18 @@ def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, k: int
             return replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps,
                            num_stages=stages, in_program=in_program and cfg.split_k > 1)
     raise AssertionError("the last bucket takes every M")
+
+
+SMS = 132  # streaming multiprocessors of an H100 SXM (and an H200): programs per wave at one per SM
+
+
+def fullest_wave(tiles: list[tuple], m: int, n: int) -> tuple:
+    """Of several tile shapes, the one whose last wave of programs is fullest (the first, the largest, on a tie):
+    a half-empty last wave leaves SMs idle for a whole tile's time."""
+    def fill(t: tuple) -> float:
+        programs = triton.cdiv(m, t[0]) * triton.cdiv(n, t[1])
+        return programs / (triton.cdiv(programs, SMS) * SMS)
+    return max(tiles, key=fill)  # max keeps the first of equals
 
 
 def k_chunk(k: int, split_k: int, block_k: int) -> int:
