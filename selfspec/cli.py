@@ -152,8 +152,9 @@ GPU_BENCHES = {
     "trace": ("traces", "record acceptance traces on a real model"),
     "tune": ("tune_linear", "search the linear kernel's tile configs"),
     "lookup": ("lookup", "host cost of the n-gram lookup drafter per round (batch x history length)"),
+    "resources": ("kernel_resources", "registers, spills and MMA instruction of linear tile configs (sm_90, no GPU)"),
 }
-CPU_BENCHES = ("trace", "lookup")
+CPU_BENCHES = ("trace", "lookup", "resources")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

@@ -1,0 +1,112 @@
+"""Registers, spills, shared memory and tensor-core instruction of the linear kernel's tile configs, compiled for
+an H100 (sm_90) on any machine, GPU or not: Triton compiles ahead of time and ships ptxas and cuobjdump.
+
+A config that spills registers to the stack is slow however it is tuned (docs/bench-h100/gemm-many-tokens.md), and
+whether Triton issues mma.sync or wgmma decides a row's bits: both show here before any GPU time is spent.
+
+python -m selfspec.bench.kernel_resources --mode full --tiles 16x128x4 32x128x4 64x64x4 [--split 4]
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from selfspec.kernels import triton_linear as tlin
+from selfspec.quant.modes import MODES
+
+H100 = GPUTarget("cuda", 90, 32)
+# The stored format each weight-only or activation-quantized mode reads, as the kernels see it.
+FORMATS = {"bf16": tlin.DENSE.value, "w8a16": tlin.INT8.value, "w8a8": tlin.INT8.value, "w4a16": tlin.INT4.value,
+           "w4a8": tlin.INT4.value, "w4a4": tlin.INT4.value, "upper": tlin.UPPER.value, "full": tlin.FULL.value}
+
+
+@dataclass(frozen=True)
+class Resources:
+    registers: int
+    stack_bytes: int  # spilled registers (and locals) per thread
+    shared_bytes: int
+    mma: str  # "wgmma", "mma.sync" or "none"
+
+
+def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 128) -> triton.compiler.CompiledKernel:
+    """The kernel `_launch` would run for `mode` under `cfg` (K = k), compiled for sm_90 (no launch, no GPU)."""
+    fmt, act = FORMATS[mode], MODES[mode].act_bits is not None
+    nibble = tlin.uses_nibble_kernel(fmt, act, group)
+    w_type = {tlin.DENSE.value: "bf16", tlin.INT8.value: "i8"}.get(fmt, "u8")
+    w_cols = cfg.block_k // 2 if fmt >= tlin.INT4.value else cfg.block_k
+    desc = f"tensordesc<{w_type}[{cfg.block_n}, {w_cols}]>"
+    sig = {"x_ptr": "*i8" if act else "*bf16", "xs_ptr": "*fp32", "w_desc": desc,
+           "w2_desc": desc if fmt == tlin.FULL.value else "constexpr", "scale_ptr": "*fp32", "lo_ptr": "*fp32",
+           "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_xm", "stride_sn", "stride_sg",
+                              "stride_ym", "stride_rm"), "i32"))
+    consts = dict(FMT=fmt, ACT=act, GROUP=group if fmt >= tlin.INT4.value else 0, HAS_BIAS=False, HAS_RES=False,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1 if cfg.in_program
+                  else cfg.split_k, IN_PROGRAM=cfg.in_program, PDL=False)
+    if fmt != tlin.FULL.value:
+        consts["w2_desc"] = None
+    if nibble:
+        consts.update(TILES=triton.next_power_of_2(tlin.k_chunk(k, cfg.split_k, cfg.block_k) // cfg.block_k),
+                      ASM=True)
+        kernel = tlin._nibble_kernel
+    else:
+        consts.update(SHIFT=tlin._shift(fmt) if act else 0, SWAP=cfg.swap)
+        kernel = tlin._linear_kernel
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    return triton.compile(ASTSource(kernel, sig, consts), target=H100,
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def resources(kernel: triton.compiler.CompiledKernel) -> Resources:
+    """What ptxas gave the compiled kernel (cuobjdump's resource usage of its cubin)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    field = {name: int(value) for name, value in re.findall(r"(REG|STACK):(\d+)", usage)}
+    ptx = kernel.asm["ptx"]
+    mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
+    return Resources(field["REG"], field["STACK"], kernel.metadata.shared, mma)
+
+
+def parse_tiles(text: str) -> tuple[int, int, int]:
+    """'64x128x4' -> (block_m, block_n, warps)."""
+    parts = text.split("x")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"tiles are BLOCK_MxBLOCK_NxWARPS, e.g. 64x128x4, got '{text}'")
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", default="full", choices=list(FORMATS))
+    ap.add_argument("--tiles", type=parse_tiles, nargs="+", default=[(16, 128, 4), (32, 128, 4), (64, 128, 4)])
+    ap.add_argument("--k", type=int, default=4096, help="the weight's K (input features)")
+    ap.add_argument("--block-k", type=int, default=128)
+    ap.add_argument("--split", type=int, default=1, help="K chunks (walked in one program past 16 rows)")
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--swap", action="store_true", help="the weight tile as the dot's left operand")
+    args = ap.parse_args(argv)
+    if tlin.INTERPRETING:
+        ap.error("TRITON_INTERPRET=1 is set: interpreted kernels do not compile; unset it")
+    print(f"{args.mode}, K {args.k} in tiles of {args.block_k}, split {args.split}, {args.stages} stages, sm_90")
+    print("| tiles (M x N x warps) | registers | stack bytes | shared bytes | MMA |\n|---|---|---|---|---|")
+    for block_m, block_n, warps in args.tiles:
+        cfg = tlin.TileConfig(block_n, args.block_k, args.split, warps, args.stages, args.swap, block_m,
+                              in_program=block_m > tlin.BLOCK_M and args.split > 1)
+        r = resources(compile_linear(args.mode, cfg, args.k))
+        print(f"| {block_m} x {block_n} x {warps} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} |")
+
+
+if __name__ == "__main__":
+    main()

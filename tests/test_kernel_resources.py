@@ -1,0 +1,34 @@
+"""The sm_90 compile report (`selfspec bench resources`): real ptxas output for the linear kernel's tiles.
+
+It runs in its own process: this one may interpret the kernels (TRITON_INTERPRET=1, tests/test_triton_kernels.py),
+and interpreted kernels do not compile."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def report(*args: str) -> list[list[str]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", *args], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| ") and line[2].isdigit()]
+
+
+def test_decode_tiles_fit_registers_and_many_token_nibble_tiles_spill():
+    """Decode's 16-row nibble tile issues mma.sync without spilling; a 64-row tile is on wgmma and spills (why the
+    nibble formats keep 32-row tiles at many tokens)."""
+    decode, many = report("--mode", "full", "--split", "4", "--tiles", "16x128x4", "64x128x4")
+    assert decode[0] == "16 x 128 x 4" and 0 < int(decode[1]) <= 255 and decode[2] == "0" and decode[4] == "mma.sync"
+    assert many[0] == "64 x 128 x 4" and int(many[2]) > 0 and many[4] == "wgmma"
+
+
+def test_bad_tiles_say_what_to_write():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--tiles", "64x128"], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "BLOCK_MxBLOCK_NxWARPS" in run.stderr
