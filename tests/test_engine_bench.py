@@ -94,3 +94,13 @@ def test_cli_bench_serve_rejects_bad_sizes(capsys):
     assert "batch sizes" in capsys.readouterr().err
     assert main(["bench", "serve", "--shape", "llama-3-8b", "--device", "cpu"]) == 2
     assert "--device cuda" in capsys.readouterr().err
+
+
+def test_verify_table_shows_each_pass_against_the_one_token_step():
+    from selfspec.bench.steps import verify_table
+    rows = [{"kind": "pass", "storage": "planes", "mode": "full", "batch": b, "tokens": t, "ms": ms}
+            for b, t, ms in ((1, 1, 5.0), (1, 5, 5.5), (32, 1, 9.0), (32, 5, 27.0))]
+    rows.append({"kind": "ar", "storage": "planes", "mode": "full", "batch": 32, "tokens": 1, "ms": 1.0})
+    table = verify_table(rows)
+    assert "| planes | full | 1 | 5.000 (1.00) | 5.500 (1.10) |" in table
+    assert "| planes | full | 32 | 9.000 (1.00) | 27.000 (3.00) |" in table

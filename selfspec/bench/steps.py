@@ -96,11 +96,25 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             json.dump({"device": torch.cuda.get_device_name(), "shape": args.shape, "synthetic": True,
                        "context": args.context, "rows": rows}, f, indent=1)
     print(f"\n{torch.cuda.get_device_name()}, {args.shape} (synthetic weights), context {args.context}, CUDA graphs")
-    print("| storage | mode | pass ms at B=1 for T = " + " ".join(map(str, args.verify_tokens)) + " |")
-    keys = list(dict.fromkeys((r["storage"], r["mode"]) for r in rows))
-    for s, m in keys:
-        sel = [r for r in rows if r["kind"] == "pass" and r["storage"] == s and r["mode"] == m and r["batch"] == args.batch[0]]
-        print(f"| {s} | {m} | " + " ".join(f"{r['ms']:.3f}" for r in sel) + " |")
+    print(verify_table(rows))
+
+
+def verify_table(rows: list[dict]) -> str:
+    """Markdown: a pass of T tokens per row, in ms and as a multiple of the 1-token step, per mode and batch (what
+    a verify pass of gamma + 1 tokens costs against the AR step it replaces)."""
+    passes = [r for r in rows if r["kind"] == "pass"]
+    batches, tokens = sorted({r["batch"] for r in passes}), sorted({r["tokens"] for r in passes})
+    lines = ["| storage | mode | batch | " + " | ".join(f"T={t} ms (x T=1)" for t in tokens) + " |",
+             "|---|---|---|" + "---|" * len(tokens)]
+    for s, m in dict.fromkeys((r["storage"], r["mode"]) for r in rows):
+        for b in batches:
+            ms = {r["tokens"]: r["ms"] for r in rows
+                  if r["kind"] == "pass" and (r["storage"], r["mode"], r["batch"]) == (s, m, b)}
+            if ms:
+                one = ms.get(1)
+                cells = [f"{ms[t]:.3f}" + (f" ({ms[t] / one:.2f})" if one else "") for t in tokens if t in ms]
+                lines.append(f"| {s} | {m} | {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -33,18 +33,6 @@ def ar_table(rows: list[dict], copy_gb_s: float) -> str:
     return "\n".join(out)
 
 
-def pass_table(rows: list[dict]) -> str:
-    passes = [r for r in rows if r["kind"] == "pass"]
-    tokens = sorted({r["tokens"] for r in passes})
-    out = ["| mode | batch | " + " | ".join(f"T={t} ms" for t in tokens) + f" | T={tokens[-1]} / T=1 |",
-           "|---|---|" + "---|" * (len(tokens) + 1)]
-    for mode, b in dict.fromkeys((r["mode"], r["batch"]) for r in passes):
-        ms = {r["tokens"]: r["ms"] for r in passes if r["mode"] == mode and r["batch"] == b}
-        out.append(f"| {mode} | {b} | " + " | ".join(f"{ms[t]:.2f}" for t in tokens)
-                   + f" | {ms[tokens[-1]] / ms[tokens[0]]:.2f} |")
-    return "\n".join(out)
-
-
 def plot(step_rows: list[dict], gemm_rows: list[dict], traces: list[dict], out: Path, title: str) -> list[Path]:
     import matplotlib
 
@@ -122,7 +110,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     report = (f"# selfspec bench: {title}, context {args.context}, CUDA graphs\n\n"
               f"Weights are synthetic (randn * 0.02). Copy bandwidth {copy:.0f} GB/s.\n\n"
               f"## AR decoding\n\n{ar_table(results['steps'], copy)}\n\n## Pass time vs tokens\n\n"
-              f"{pass_table(results['steps'])}\n\n## Speculative decoding (acceptance replayed from traces)\n\n"
+              f"{steps.verify_table(results['steps'])}\n\n## Speculative decoding (acceptance replayed from traces)\n\n"
               f"{spec.markdown(results['spec'])}\n\n## Peer (batch 1)\n\n{peer_lines}\n\n## GEMM time vs M\n\n"
               f"{gemm.table(results['gemm'], copy)}\n\n## Prefill (from position 0, last-position logits)\n\n"
               f"{prefill.table(results['prefill'])}\n")
