@@ -297,17 +297,37 @@ def test_a_small_request_is_not_held_up_by_a_max_context_one(llm):
     assert_idle(engine)
 
 
-def test_preempted_requests_resume_with_unchanged_greedy_output(llm):
+def test_preempted_requests_resume_with_unchanged_greedy_output(llm, monkeypatch):
     """Six requests whose worst cases (up to 14 blocks each) far exceed a 20-block pool: the engine admits them on
     current need, preempts the newest when the pool runs out and re-prefills it (prompt + tokens so far) on resume.
-    Every output is exactly the solo greedy one, the pool ends empty and /metrics counts the preemptions."""
+    Every output is exactly the solo greedy one, the pool ends empty and /metrics counts the preemptions. Prompt
+    tokens are prefilled in the prompt arithmetic (Mode.prompt), the generated ones recomputed on resume in the
+    arithmetic they were generated with, never both in one pass."""
     ps = prompts(6, seed=10)
     gammas = [None, 0, 2, 3, None, 1]
     refs = [llm.generate(p, greedy(40), gamma=0).token_ids for p in ps]
     engine = Engine(llm, max_batch=6, block_size=4, num_blocks=20, prefill_chunk=8)
+    passes = []
+    chunk = Engine._prefill_chunk
+
+    def recorded(self, seqs, sizes, outputs):
+        passes.append([(s.prefilled, n, len(s.prompt)) for s, n in zip(seqs, sizes)])
+        return chunk(self, seqs, sizes, outputs)
+
+    forward = llm.model.forward
+    modes = []
+    monkeypatch.setattr(Engine, "_prefill_chunk", recorded)
+    monkeypatch.setattr(llm.model, "forward", lambda *a, **kw: modes.append(a[3]) or forward(*a, **kw))
     for i, p in enumerate(ps):
         engine.add_request(str(i), p, greedy(40), gamma=gammas[i])
     out, _ = run(engine)
+    kinds = [{start + n <= prompt_len for start, n, prompt_len in rows} for rows in passes]
+    assert all(len(k) == 1 for k in kinds), "a prefill pass mixed prompt and generated tokens"
+    for rows, (kind,) in zip(passes, kinds):
+        if not kind:
+            assert all(start >= prompt_len for start, _, prompt_len in rows)
+    assert {False} in kinds and {True} in kinds  # resumes recomputed generated tokens
+    assert sum(m.prompt for m in modes) == sum(k == {True} for k in kinds)
     assert [out[str(i)][0] for i in range(6)] == refs
     assert all(out[str(i)][1].finish_reason == "length" for i in range(6))
     s = engine.stats()

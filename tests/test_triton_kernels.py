@@ -521,3 +521,24 @@ def test_many_token_tiles_fill_the_last_wave():
     assert triton_linear.fullest_wave(tiles, 1024, 6144) == tiles[1]  # 192 programs (1.45 waves) vs 384 (2.9)
     assert triton_linear.fullest_wave(tiles, 4096, 6144) == tiles[0]  # 768 vs 1536 programs: both 97% full
     assert triton_linear.tile_config(triton_linear.DENSE.value, False, 6144, 4096, 0, 1024).block_n == 128
+
+
+@pytest.mark.parametrize("storage,mode_name", [("int8", "w8a16"), ("int4", "w4a16"), ("planes", "upper"),
+                                               ("planes", "full")])
+def test_prompt_tokens_run_the_bf16_gemm_on_the_dequantized_weight(storage, mode_name):
+    """Mode.prompt: the weight dequantized exactly as the reference rounds it, then the bf16 GEMM (whose tiles keep
+    every row's bits at any M); the integer kernels' own arithmetic stays for other passes."""
+    torch.manual_seed(13)
+    mode = MODES[mode_name]
+    weight = quantize_weight(torch.randn(40, 256), storage, 64)
+    fmt = triton_linear.kernel_format(weight, mode)
+    assert torch.equal(triton_linear.dequantize(weight, fmt), weight.dequantize(mode).bfloat16())
+    prompt = replace(mode, prompt=True)
+    x = torch.randn(80, 256).bfloat16()
+    r = torch.randn(80, 40).bfloat16()
+    y = triton_linear.linear(x, weight, prompt, None, r)
+    dense = quantize_weight(weight.dequantize(mode).bfloat16(), "dense")
+    assert torch.equal(y, triton_linear.linear(x, dense, MODES["bf16"], None, r))
+    assert rel_err(y, linear_oracle(x, weight, mode, None) + r) < TOL
+    for i in (0, 79):
+        assert torch.equal(y[i], triton_linear.linear(x[i:i + 1], weight, prompt, None, r[i:i + 1])[0])

@@ -18,7 +18,7 @@ from selfspec.bench.device import time_ms
 from selfspec.bench.synthetic import synthetic_model
 from selfspec.kernels import reference
 from selfspec.model import Transformer
-from selfspec.quant.modes import MODES
+from selfspec.quant.modes import MODES, prompt_mode
 
 STORAGE = {"bf16": "dense", "w8a16": "int8", "w8a8": "int8", "w4a16": "int4", "upper": "planes", "full": "planes"}
 
@@ -48,7 +48,7 @@ def our_prefill(model: Transformer, tokens: torch.Tensor, mode_name: str) -> tor
     """Last-position logits [B, vocab], the prompt's KV written into a fresh cache (as a serving prefill does)."""
     b, t = tokens.shape
     cache = model.new_cache(t, b)
-    mode = MODES[mode_name]
+    mode = prompt_mode(MODES[mode_name])
     hidden = model.hidden(tokens, torch.arange(t, device=tokens.device), cache, mode)
     return model.logits(hidden[:, -1], mode)
 

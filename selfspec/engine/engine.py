@@ -35,6 +35,7 @@ from selfspec.engine.llm import LLM, Generation, check_gamma
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Packed
+from selfspec.quant.modes import prompt_mode
 from selfspec.speculative.decode import GreedyAcceptance, Row, make_generator, pick, run_round
 from selfspec.speculative.draft_model import DraftModel
 from selfspec.speculative.drafters import TokenHistory
@@ -97,6 +98,17 @@ class Sequence:
     @property
     def context_len(self) -> int:
         return len(self.prompt) + max(0, len(self.out.token_ids) - 1)
+
+    @property
+    def in_prompt(self) -> bool:
+        """Whether the next context token to prefill is a prompt token (Mode.prompt's arithmetic) rather than a
+        generated one recomputed after a preemption (the arithmetic it was generated with)."""
+        return self.prefilled < len(self.prompt)
+
+    @property
+    def region_left(self) -> int:
+        """Context tokens to prefill before the kind of token changes: a chunk never mixes prompt and generated."""
+        return (len(self.prompt) if self.in_prompt else self.context_len) - self.prefilled
 
 
 @dataclass
@@ -245,7 +257,7 @@ class Engine:
         chunks, budget = {}, self.prefill_chunk
         for s in self.running:
             if s.row is None and budget:  # FCFS: each takes what it needs of the budget left
-                chunks[s.id] = min(s.context_len - s.prefilled, budget)
+                chunks[s.id] = min(s.region_left, budget)
                 budget -= chunks[s.id]
         auto = sum(s.gamma is None for s in self.running
                    if s.row is not None or s.prefilled + chunks.get(s.id, 0) == s.context_len)
@@ -276,7 +288,7 @@ class Engine:
         preempt what was just prefilled."""
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            chunk = min(seq.context_len - seq.prefilled, self.prefill_chunk - plan.prefill_tokens)
+            chunk = min(seq.region_left, self.prefill_chunk - plan.prefill_tokens)
             if not chunk:
                 break
             k = self._passes(seq, chunk, k_auto)
@@ -323,9 +335,11 @@ class Engine:
             plan.rounds.setdefault(k, []).append(seq)
 
     def _execute(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
-        if plan.prefill:
-            run = lambda group, outs: self._prefill_chunk(group, [plan.chunks[s.id] for s in group], outs)  # noqa: E731
-            self._isolated(plan.prefill, run, outputs)
+        kinds = [[s for s in plan.prefill if s.in_prompt], [s for s in plan.prefill if not s.in_prompt]]
+        for seqs in kinds:  # prompt tokens, then generated ones recomputed (a resume): each kind its own pass
+            if seqs:
+                run = lambda group, outs: self._prefill_chunk(group, [plan.chunks[s.id] for s in group], outs)  # noqa: E731
+                self._isolated(seqs, run, outputs)
         for k, seqs in sorted(plan.rounds.items()):
             seqs = [s for s in seqs if s in self.running]  # its prefill may have ended it (error, EOS, length)
             if seqs:
@@ -390,7 +404,8 @@ class Engine:
         done = [s.prefilled + n == len(c) for s, c, n in zip(seqs, contexts, sizes)]
         drawing = [i for i, (d, r) in enumerate(zip(done, resumed)) if d and not r]  # rows whose first token is due
         packed = Packed.of(sizes, [s.prefilled + n for s, n in zip(seqs, sizes)], dev)
-        last = model(toks.to(dev), pos.to(dev), self.cache.view([s.id for s in seqs]), self.llm.verify_mode,
+        mode = prompt_mode(self.llm.verify_mode) if seqs[0].in_prompt else self.llm.verify_mode
+        last = model(toks.to(dev), pos.to(dev), self.cache.view([s.id for s in seqs]), mode,
                      logits_at=torch.tensor([ends[i] - 1 for i in drawing], device=dev), packed=packed)
         top = last.argmax(-1).tolist()  # greedy rows' first tokens: one pass and one copy, not one per row
         first = [None] * len(seqs)

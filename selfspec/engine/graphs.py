@@ -79,7 +79,7 @@ class _Graphed:
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode,
                  logits_at: torch.Tensor | None = None) -> torch.Tensor:
-        if logits_at is not None or tokens.shape[1] > MAX_GRAPHED_TOKENS:  # a prefill: eager
+        if logits_at is not None or mode.prompt or tokens.shape[1] > MAX_GRAPHED_TOKENS:  # a prefill: eager
             return self.model(tokens, pos, cache, mode, logits_at)
         static, rows = self._static(cache, tokens.shape[0])
         key = (id(static), mode, rows, tokens.shape[1])  # the mode itself: its skipped layers too

@@ -678,6 +678,8 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     n, k = weight.shape
     x2 = x.reshape(-1, k).contiguous()
     act = mode.act_bits is not None
+    if mode.prompt and fmt != DENSE.value and not act:
+        return prompt_linear(x2, weight, fmt, bias, residual).view(*x.shape[:-1], n)
     xs = None
     if act:
         x2, xs = act_quant(x2, mode.act_bits)
@@ -692,8 +694,15 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
 def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt: int, act: bool,
             bias: torch.Tensor | None, cfg: TileConfig, r2: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ W^T (+ r2 [M, N]) under one tile config (the benchmark's tuner calls this)."""
-    (m, k), n = x2.shape, weight.shape[0]
-    w, w2, scale, lo = _tensors(weight, fmt)
+    return _run(x2, xs, _tensors(weight, fmt), weight.shape[0], getattr(weight, "group_size", 0), fmt, act, bias,
+                cfg, r2)
+
+
+def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, group: int, fmt: int, act: bool,
+         bias: torch.Tensor | None, cfg: TileConfig, r2: torch.Tensor | None) -> torch.Tensor:
+    """_launch on the tensors the kernel reads: (w, w2, scale, lo) of a weight of N rows in quant groups of `group`."""
+    m, k = x2.shape
+    w, w2, scale, lo = tensors
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     chunk = k_chunk(k, cfg.split_k, cfg.block_k)
     grid_split = 1 if cfg.in_program else cfg.split_k
@@ -702,7 +711,6 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
     if grid_split > 1:
         part = torch.empty((grid_split, m, n), dtype=torch.float32, device=x2.device)
         counts = group_counts(x2.device, grid[0] * grid[1])
-    group = getattr(weight, "group_size", 0)
     flags = dict(FMT=fmt, ACT=act, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None,
                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=grid_split,
                  IN_PROGRAM=cfg.in_program, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options())
@@ -719,6 +727,70 @@ def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt:
         _linear_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, SHIFT=_shift(fmt) if act else 0,
                              SWAP=cfg.swap, **flags)
     return y
+
+
+# ---------------------------------------------------------------- prompt tokens (Mode.prompt)
+# A prompt's tokens go through one arithmetic and generated tokens through another, each batch invariant: integer
+# weights with bf16 activations are dequantized to bf16 (as the reference rounds them) and run through the bf16
+# GEMM above, whose tiles keep every row's bits from 1 to 8192 rows, mma.sync or wgmma alike. So a prompt prefilled
+# in one piece or in chunks of any size, alone or packed with others, gets the same bits; decode and verify passes
+# keep the integer kernels' exact group affine (their tiles cannot grow past 32 rows without changing bits:
+# docs/bench-h100/gemm-many-tokens.md).
+
+_SCRATCH: dict[torch.device, torch.Tensor] = {}  # per device: the largest weight dequantized so far, reused
+
+
+@triton.jit
+def _dequantize_kernel(w_desc, w2_desc, scale_ptr, lo_ptr, out_ptr, N, K, stride_sn, stride_sg,
+                       FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] tile of W in bf16: scale * code, + lo for the group-wise formats, in float32 (launched
+    without FMA contraction, so it rounds as quant/formats.affine_dequant_ does), then rounded once."""
+    wait(PDL)  # the previous GEMM may still read the scratch this overwrites
+    n0 = tl.program_id(0) * BLOCK_N
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    q = _load_weight(w_desc, w2_desc, n0, k0, FMT, BLOCK_K).to(tl.float32)
+    if FMT == INT8:
+        w = q * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0)[:, None]
+    else:  # BLOCK_K divides GROUP
+        s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
+        w = q * s[:, None] + lo[:, None]
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w.to(tl.bfloat16), mask=mask)
+
+
+def dequantize(weight: QuantWeight, fmt: int) -> torch.Tensor:
+    """W [N, K] in bf16, bit for bit `weight.dequantize(mode).bfloat16()` for the mode `fmt` reads, in a scratch
+    buffer the next call overwrites (one per device, as large as the largest weight: 235 MB for an 8B model's
+    fused gate/up)."""
+    (n, k), dev = weight.shape, weight.scale.device
+    buf = _SCRATCH.get(dev)
+    if buf is None or buf.numel() < n * k:
+        buf = _SCRATCH[dev] = torch.empty(n * k, dtype=torch.bfloat16, device=dev)
+    out = buf[:n * k].view(n, k)
+    w, w2, scale, lo = _tensors(weight, fmt)
+    group = getattr(weight, "group_size", 0)
+    block_n, block_k = 64, min(group, 128) if fmt >= INT4.value else 128
+    block = [block_n, block_k // 2 if fmt >= INT4.value else block_k]
+    descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
+    stride_sn, stride_sg = (0, 0) if lo is None else lo.stride()
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        *descs, scale, lo, out, n, k, stride_sn, stride_sg, FMT=fmt, GROUP=group, BLOCK_N=block_n,
+        BLOCK_K=block_k, enable_fp_fusion=False, **launch_options())
+    return out
+
+
+def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.Tensor | None,
+                  residual: torch.Tensor | None) -> torch.Tensor:
+    """y [M, N] of prompt tokens x2 [M, K]: the weight dequantized to bf16, then the bf16 GEMM."""
+    n, k = weight.shape
+    r2 = None if residual is None else residual.reshape(-1, n)
+    if r2 is not None and r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    cfg = tile_config(DENSE.value, False, n, k, 0, x2.shape[0])
+    return _run(x2, None, (dequantize(weight, fmt), None, None, None), n, 0, DENSE.value, False, bias, cfg, r2)
 
 
 for _storage in STORAGES:

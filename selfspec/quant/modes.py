@@ -1,7 +1,7 @@
 """Execution modes: how one stored weight is read (weight bits) and how activations enter (act bits)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from selfspec.errors import SelfspecError
 
@@ -14,6 +14,10 @@ class Mode:
     planes_only: bool = False  # `upper`/`full` name a view of the INT8-plane format
     # Layers a layer-skip draft passes over (the residual stream goes through them unchanged).
     skip_layers: frozenset[int] = frozenset()
+    # The pass runs prompt tokens: on the GPU, integer weights with float activations then compute with the weight
+    # dequantized to bf16 (kernels/triton_linear.py `prompt_linear`), every prompt token alike, so chunking and
+    # packing leave its bits alone; generated tokens keep the exact group affine. The CPU kernels have one path.
+    prompt: bool = False
 
     @property
     def dense(self) -> bool:
@@ -34,6 +38,11 @@ MODES: dict[str, Mode] = {
         Mode("full", 8, planes_only=True),
     )
 }
+
+
+def prompt_mode(mode: Mode) -> Mode:
+    """`mode` for a pass over prompt tokens (prefill)."""
+    return replace(mode, prompt=True)
 
 
 def get_mode(name: str) -> Mode:

@@ -16,7 +16,7 @@ import torch
 from selfspec.cache import KVCache
 from selfspec.engine.stats import GenerationStats
 from selfspec.model import Transformer
-from selfspec.quant.modes import Mode
+from selfspec.quant.modes import Mode, prompt_mode
 from selfspec.speculative.drafters import Drafter, TokenHistory, as_drafter
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.sampling import SamplingParams, sample, to_probs
@@ -65,7 +65,8 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
     cache = cache or model.new_cache(min(model.cfg.max_seq_len, len(prompt) + params.max_new_tokens + gamma + 1))
     t0 = time.perf_counter()
     last = torch.tensor([len(prompt) - 1], device=dev)  # only the last position's logits
-    logits = model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev), cache, verify, last)
+    logits = model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev), cache,
+                   prompt_mode(verify), last)
     cache.commit(len(prompt))
     first = pick(logits[0], params, gen)
     row = Row(first, len(prompt), params, gen, stats, draft.history(prompt + [first]) if draft else None)

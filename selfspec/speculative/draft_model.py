@@ -30,7 +30,7 @@ from selfspec.cache.paged import PagedBatchView, PagedKVCache
 from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
 from selfspec.model import Packed, Transformer
-from selfspec.quant.modes import Mode
+from selfspec.quant.modes import Mode, prompt_mode
 from selfspec.speculative.drafters import Proposal, draft_tokens
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ class DraftModel:
         toks = torch.tensor([[t for s, n in zip(states, lengths) for t in s.tokens[s.cached:n]]], device=dev)
         pos = torch.tensor([[p for s, n in zip(states, lengths) for p in range(s.cached, n)]], device=dev)
         nothing = torch.empty(0, dtype=torch.long, device=dev)  # no logits: the next step drafts from pending
-        self.model(toks, pos, view, self.mode, logits_at=nothing, packed=Packed.of(sizes, lengths, dev))
+        self.model(toks, pos, view, prompt_mode(self.mode), logits_at=nothing, packed=Packed.of(sizes, lengths, dev))
 
 
 def check_same_vocabulary(target: str, cfg: ModelConfig, tokenizer, draft: str, draft_cfg: ModelConfig,

@@ -1,5 +1,7 @@
 """The compiled Triton kernels on a CUDA device at model shapes: float64 oracles, the torch references, and
 bitwise batch invariance (a row alone gives the same bits as among up to 8192 rows)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -85,6 +87,28 @@ def test_linear_many_tokens_keeps_each_rows_bits(storage, mode_name, n, k):
         for i in rows:
             if i < m:
                 assert torch.equal(y[i:i + 1], alone[i]), f"M={m} row {i}"
+
+
+@pytest.mark.parametrize("storage,mode_name", [("int8", "w8a16"), ("int4", "w4a16"), ("planes", "upper"),
+                                               ("planes", "full")])
+def test_prompt_tokens_keep_each_rows_bits_at_any_m(storage, mode_name):
+    """Mode.prompt on the GPU: the weight dequantized exactly as the reference rounds it (no FMA), then the bf16
+    GEMM: a row alone, among 16 and among up to 8192 rows gets the same bits, and those of the bf16 GEMM on the
+    reference's dequantized weight."""
+    torch.manual_seed(5)
+    mode = MODES[mode_name]
+    prompt = replace(mode, prompt=True)
+    weight = quantize_weight(torch.randn(4096, 4096, device=DEV) * 0.02, storage, 128)
+    fmt = triton_linear.kernel_format(weight, mode)
+    dense = weight.dequantize(mode).bfloat16()
+    assert torch.equal(triton_linear.dequantize(weight, fmt), dense)
+    x = torch.randn(MANY_ROWS[-1], 4096, device=DEV).bfloat16()
+    y = triton_linear.linear(x, weight, prompt, None)
+    assert torch.equal(y, triton_linear.linear(x, DenseWeight(dense), MODES["bf16"], None))
+    for m in (1, 16) + tuple(MANY_ROWS[:-1]):
+        assert torch.equal(triton_linear.linear(x[:m], weight, prompt, None), y[:m]), f"M={m}"
+    for i in (0, 100, 8191):
+        assert torch.equal(triton_linear.linear(x[i:i + 1], weight, prompt, None), y[i:i + 1]), f"row {i}"
 
 
 @pytest.mark.parametrize("values", ["signs", "integers"])

@@ -12,7 +12,7 @@ from selfspec.errors import SelfspecError
 from selfspec.eval.data import package_file
 from selfspec.eval.tasks import Item
 from selfspec.model import Transformer
-from selfspec.quant.modes import Mode
+from selfspec.quant.modes import Mode, prompt_mode
 
 NAME = "ppl"
 WINDOW = 512
@@ -39,7 +39,7 @@ def positions(n: int, device: torch.device) -> torch.Tensor:
 def window_nll(model: Transformer, tokens: list[int], mode: Mode) -> tuple[float, int]:
     """(summed negative log-likelihood of tokens[1:] given their prefixes, number of predicted tokens)."""
     ids = torch.tensor([tokens], device=model.device)
-    logits = model(ids, positions(len(tokens), model.device), model.new_cache(len(tokens)), mode)[0, :-1]
+    logits = model(ids, positions(len(tokens), model.device), model.new_cache(len(tokens)), prompt_mode(mode))[0, :-1]
     logp = torch.log_softmax(logits.float(), dim=-1)
     nll = -logp.gather(1, ids[0, 1:, None]).sum()
     return float(nll), len(tokens) - 1
