@@ -118,9 +118,9 @@ class Attention(nn.Module):
         q = rope_and_store(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), fb.cos, fb.sin, k_pool, v_pool,
                            fb.slots)
         if fb.packed is None:
-            out = attention(q, k_pool, v_pool, table, fb.pos)
+            out = attention(q, k_pool, v_pool, table, fb.pos, fb.mode.prompt)
         else:
-            out = packed_attention(q, k_pool, v_pool, table, fb.pos, fb.packed)
+            out = packed_attention(q, k_pool, v_pool, table, fb.pos, fb.packed, fb.mode.prompt)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1), fb.mode, residual)
 
 

@@ -233,10 +233,10 @@ def test_in_program_attention_is_the_split_path_bitwise(t, start, bs):
     """One program walking all its chunks gives each query the bits of chunks split over programs and merged by
     the merge kernel: decode, a verify pass straddling a chunk end (256), a prompt from 0, one crossing 512."""
     q, k, v, k_pool, v_pool, table, pos = paged_prompt(t, start, bs, seed=t)
-    out = triton_attention.attention(q, k_pool, v_pool, table, pos, IN_PROGRAM)
+    out = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=IN_PROGRAM)
     assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
-    assert torch.equal(out, triton_attention.attention(q, k_pool, v_pool, table, pos, SPLIT))
-    assert torch.equal(out, triton_attention.attention(q, k, v, rows_table(2), pos, IN_PROGRAM))  # == contiguous
+    assert torch.equal(out, triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=SPLIT))
+    assert torch.equal(out, triton_attention.attention(q, k, v, rows_table(2), pos, tiles=IN_PROGRAM))  # == contiguous
 
 
 def test_attention_prefill_equals_the_prompt_cut_into_pieces_bitwise():
@@ -245,13 +245,25 @@ def test_attention_prefill_equals_the_prompt_cut_into_pieces_bitwise():
     to the blocks it reaches."""
     q, k, v, k_pool, v_pool, table, pos = paged_prompt(300, 0, 16, seed=5)
     q, k, v, table, pos = q[1:], k[1:], v[1:], table[1:], pos[1:]  # row 1: the prompt follows 3 cached keys
-    whole = triton_attention.attention(q, k_pool, v_pool, table, pos, IN_PROGRAM)
+    whole = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=IN_PROGRAM)
     assert rel_err(whole, attention_oracle(q, k, v, pos)) < TOL
     for lo, hi in [(0, 100), (100, 257), (257, 300)]:
         used = -(-(int(pos[0, hi - 1]) + 1) // 16)
         for tiles in (SPLIT, IN_PROGRAM):
-            piece = triton_attention.attention(q[:, :, lo:hi], k_pool, v_pool, table[:, :used], pos[:, lo:hi], tiles)
+            piece = triton_attention.attention(q[:, :, lo:hi], k_pool, v_pool, table[:, :used], pos[:, lo:hi], tiles=tiles)
             assert torch.equal(piece, whole[:, :, lo:hi]), f"queries {lo}..{hi - 1}, {tiles}"
+
+
+def test_prompt_attention_equals_the_prompt_cut_into_pieces():
+    """Prompt queries take their own tiles (PROMPT_TILES) at any count: a 300-query prompt in one call == its
+    pieces, each a prompt call too."""
+    q, k, v, k_pool, v_pool, table, pos = paged_prompt(300, 0, 16, seed=6)
+    whole = triton_attention.attention(q, k_pool, v_pool, table, pos, prompt=True)
+    assert rel_err(whole, attention_oracle(q, k, v, pos)) < TOL
+    for lo, hi in [(0, 1), (1, 130), (130, 300)]:
+        used = -(-(int(pos[:, hi - 1].max()) + 1) // 16)
+        piece = triton_attention.attention(q[:, :, lo:hi], k_pool, v_pool, table[:, :used], pos[:, lo:hi], prompt=True)
+        assert torch.equal(piece, whole[:, :, lo:hi]), f"queries {lo}..{hi - 1}"
 
 
 @pytest.mark.parametrize("in_program", [False, True])
@@ -259,14 +271,14 @@ def test_attention_tile_heights_run_and_agree(in_program):
     """Taller tiles compute the same attention. The interpreter cannot show tensor-core rounding: tests/gpu compares
     their bits."""
     q, k, v, k_pool, v_pool, table, pos = paged_prompt(20, 260, 16, seed=7)
-    base = triton_attention.attention(q, k_pool, v_pool, table, pos, triton_attention.Tiles(in_program=in_program))
+    base = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=triton_attention.Tiles(in_program=in_program))
     for block_t in (16, 32, 64):
         tiles = triton_attention.Tiles(block_t, in_program)
-        out = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles)
+        out = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=tiles)
         assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL, tiles
         torch.testing.assert_close(out, base)
     with pytest.raises(SelfspecError, match="power of two >= 16"):
-        triton_attention.attention(q, k_pool, v_pool, table, pos, triton_attention.Tiles(block_t=8))
+        triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=triton_attention.Tiles(block_t=8))
 
 
 # --- small ops

@@ -69,20 +69,20 @@ def measure_case(kind: str, b: int, t: int, s: int, candidates: list[Tiles], gen
     q = torch.randn(b, HQ, t, D, device="cuda").bfloat16()
     pos = (s - t + torch.arange(t, device="cuda")).expand(b, t).contiguous()
     k_pool, v_pool, table = caches[0]
-    base = triton_attention.attention(q, k_pool, v_pool, table, pos, BASE)
+    base = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=BASE)
     rows = []
     for tiles in candidates:
         row = {"kind": kind, "b": b, "t": t, "s": s, "tiles": name(tiles), "block_t": tiles.block_t,
                "in_program": tiles.in_program}
         try:
-            out = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles)
+            out = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=tiles)
         except Exception as e:  # noqa: BLE001  (Triton's compile errors have no common base class)
             rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             print(f"{kind} b={b} t={t} s={s} {name(tiles)}: {rows[-1]['error']}")
             continue
         diff = (out.float() - base.float()).abs()
         row.update(bitwise=torch.equal(out, base), mismatches=int((out != base).sum()), max_abs_diff=diff.max().item())
-        row["us"] = 1000 * graph_time_ms([lambda c=c, tiles=tiles: triton_attention.attention(q, *c, pos, tiles)
+        row["us"] = 1000 * graph_time_ms([lambda c=c, tiles=tiles: triton_attention.attention(q, *c, pos, tiles=tiles)
                                           for c in caches])
         rows.append(row)
     if kind == "prefill":

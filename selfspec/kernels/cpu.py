@@ -172,11 +172,12 @@ for _fmt in (DenseWeight, Int8Weight, Int4Weight, Int8PlanesWeight):
 
 @register("attention", "", "cpu")
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-              q_pos: torch.Tensor) -> torch.Tensor:
+              q_pos: torch.Tensor, prompt: bool = False) -> torch.Tensor:
     """The reference attention, query by query up to ROW_BY_ROW_MAX queries: each over exactly its keys 0..pos,
     unmasked. torch's CPU attention gives a query other bits with another number of keys (even masked ones: the
     table's width, or a contiguous cache's length, which differ between a verify pass and a plain step) and with
-    other queries beside it; so a query's result here depends on its own position and keys alone."""
+    other queries beside it; so a query's result here depends on its own position and keys alone (prompt tokens
+    too: `prompt` makes no difference on the CPU)."""
     b, h, t, _ = q.shape
     if b * t > ROW_BY_ROW_MAX:
         return reference_attention(q, k_pool, v_pool, table, q_pos)
@@ -193,7 +194,7 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
 
 @register("packed_attention", "", "cpu")
 def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                     q_pos: torch.Tensor, packed: Packed) -> torch.Tensor:
+                     q_pos: torch.Tensor, packed: Packed, prompt: bool = False) -> torch.Tensor:
     """One attention call per row, over its own queries and the blocks its keys fill: torch's CPU attention costs
     rows x longest row x keys, masked or not (one long prompt beside short ones pads them all to it)."""
     bs, out, start = k_pool.shape[2], [], 0

@@ -45,16 +45,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-              q_pos: torch.Tensor) -> torch.Tensor:
+              q_pos: torch.Tensor, prompt: bool = False) -> torch.Tensor:
     """q [B, Hq, T, D] at positions q_pos [B, T]; keys and values in pools [N, Hkv, bs, D] of blocks of bs
     positions, row b's key s at pool[table[b, s // bs], :, s % bs] (table [B, W]; GQA when Hkv < Hq).
     Query (b, t) reads keys 0..q_pos[b, t]; later slots may hold stale scratch. A contiguous cache [B, Hkv, S, D]
-    is the case of one block of S positions per row (table[b] = [b])."""
-    return kernels.lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos)
+    is the case of one block of S positions per row (table[b] = [b]). prompt: the queries are prompt tokens
+    (Mode.prompt), which a device may run in their own arithmetic, the same for every prompt token."""
+    return kernels.lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt)
 
 
 def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                     q_pos: torch.Tensor, packed: Packed) -> torch.Tensor:
+                     q_pos: torch.Tensor, packed: Packed, prompt: bool = False) -> torch.Tensor:
     """`attention` of the rows of a packed pass (model.Packed): q [1, Hq, N, D] at positions q_pos [1, N], row b's
     queries reading keys through table[b] -> [1, Hq, N, D]."""
-    return kernels.lookup("packed_attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, packed)
+    return kernels.lookup("packed_attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, packed, prompt)

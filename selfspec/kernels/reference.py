@@ -82,7 +82,8 @@ def gather_blocks(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 @register("attention")
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-              q_pos: torch.Tensor) -> torch.Tensor:
+              q_pos: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+    """kernels/ops.py `attention` (one arithmetic for every query: `prompt` makes no difference here)."""
     k, v = gather_blocks(k_pool, table), gather_blocks(v_pool, table)
     n_rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(n_rep, dim=1)
@@ -94,9 +95,9 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
 
 @register("packed_attention")
 def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                     q_pos: torch.Tensor, packed: Packed) -> torch.Tensor:
+                     q_pos: torch.Tensor, packed: Packed, prompt: bool = False) -> torch.Tensor:
     """The rows padded to [B, T] for the device's `attention` (one call; padding repeats a row's last query, and
     its output is dropped)."""
     rows = packed.pad(q.transpose(1, 2)).transpose(1, 2)
-    out = lookup("attention", "", q.device.type)(rows, k_pool, v_pool, table, packed.pad(q_pos))
+    out = lookup("attention", "", q.device.type)(rows, k_pool, v_pool, table, packed.pad(q_pos), prompt)
     return packed.unpad(out.transpose(1, 2)).transpose(1, 2)

@@ -63,6 +63,12 @@ DECODE_TILES = Tiles()  # decode and verify: few queries, so the keys are split 
 # B=1 x 2048: 643 us against 1116 for 16 rows in-program and 837 for 16-row split tiles
 # (docs/bench-h100/attention-prefill-tiles.json).
 PREFILL_TILES = Tiles(32, in_program=True)
+# Prompt tokens (Mode.prompt) in their own arithmetic: every prompt query on 128-row tiles, at any T. wgmma then
+# rounds some rows otherwise than the tiles above, but the same way at any tile height from 64 rows and whatever
+# the other rows of the tile (the 64- and 128-row tiles changed the same 5-163 outputs, split or in-program), so
+# chunked == one piece and packed == alone still hold; 3.4x SDPA's time at B=1 x 8192 against 10.1x for 32 rows
+# (docs/bench-h100/attention-prefill-tiles.json).
+PROMPT_TILES = Tiles(128, in_program=True)
 # Queries per row from which a call takes PREFILL_TILES. Either path gives the same bits, so this is speed only:
 # at 256 queries a batch of one already has 256 * N_REP / 16 tiles per kv head (python -m selfspec.bench.attention
 # times both paths there).
@@ -223,14 +229,14 @@ def _attention_in_program_kernel(
 
 @register("attention", "", "cuda")
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-              q_pos: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
+              q_pos: torch.Tensor, prompt: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
     """q [B, Hq, T, D] at positions q_pos [B, T]; pools [N, Hkv, bs, D], block table [B, W] (kernels/ops.py):
-    the reference attention, reading the keys in place. tiles: PREFILL_TILES from PREFILL_MIN_T queries on,
-    else DECODE_TILES (read at each call, so a script may set them)."""
+    the reference attention, reading the keys in place. tiles: PROMPT_TILES for prompt tokens, else
+    PREFILL_TILES from PREFILL_MIN_T queries on, else DECODE_TILES (read at each call, so a script may set them)."""
     if not q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16:
         return reference_attention(q, k_pool, v_pool, table, q_pos)  # bf16 only: other dtypes take the reference
     b, h, t, d = q.shape
-    tiles = tiles or (PREFILL_TILES if t >= PREFILL_MIN_T else DECODE_TILES)
+    tiles = tiles or (PROMPT_TILES if prompt else PREFILL_TILES if t >= PREFILL_MIN_T else DECODE_TILES)
     if tiles.block_t < 16 or tiles.block_t & (tiles.block_t - 1):
         raise SelfspecError(f"attention tiles need a power of two >= 16 rows (a tensor-core tile), got {tiles.block_t}")
     bs, w = k_pool.shape[2], table.shape[1]

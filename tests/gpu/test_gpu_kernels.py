@@ -243,9 +243,9 @@ def paged_8b_prompt(t: int, start: int, seed: int):
 @pytest.mark.parametrize("t,start", [(1, 3000), (9, 1492), (700, 0), (2048, 1000)])
 def test_in_program_attention_is_the_split_path_bitwise(t, start):
     q, k, v, k_pool, v_pool, table, pos = paged_8b_prompt(t, start, seed=t)
-    out = triton_attention.attention(q, k_pool, v_pool, table, pos, triton_attention.Tiles(in_program=True))
+    out = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=triton_attention.Tiles(in_program=True))
     assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
-    assert torch.equal(out, triton_attention.attention(q, k_pool, v_pool, table, pos, SPLIT_16))
+    assert torch.equal(out, triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=SPLIT_16))
 
 
 def test_attention_prefill_equals_the_prompt_cut_into_pieces_and_decode_bitwise():
@@ -263,6 +263,21 @@ def test_attention_prefill_equals_the_prompt_cut_into_pieces_and_decode_bitwise(
         assert torch.equal(alone, whole[1:, :, i:i + 1]), f"query {i} decoded alone"
 
 
+def test_prompt_attention_equals_the_prompt_cut_into_pieces_bitwise():
+    """Prompt queries (their own arithmetic, wgmma tiles): a 2048-query prompt in one call == its queries in pieces
+    of 1 to 1000 (the cache holding the earlier keys) and each query alone, all as prompt queries."""
+    q, k, v, k_pool, v_pool, table, pos = paged_8b_prompt(2048, 0, seed=22)
+    whole = triton_attention.attention(q, k_pool, v_pool, table, pos, prompt=True)
+    assert rel_err(whole, attention_oracle(q, k, v, pos)) < TOL
+    for lo, hi in [(0, 100), (100, 1000), (1000, 1001), (1001, 2048)]:
+        used = -(-(int(pos[:, hi - 1].max()) + 1) // 16)
+        piece = triton_attention.attention(q[:, :, lo:hi], k_pool, v_pool, table[:, :used], pos[:, lo:hi], prompt=True)
+        assert torch.equal(piece, whole[:, :, lo:hi]), f"queries {lo}..{hi - 1}"
+    for i in (0, 255, 1500, 2047):
+        alone = triton_attention.attention(q[1:, :, i:i + 1], k_pool, v_pool, table[1:], pos[1:, i:i + 1], prompt=True)
+        assert torch.equal(alone, whole[1:, :, i:i + 1]), f"query {i} alone"
+
+
 @pytest.mark.parametrize("which", ["DECODE_TILES", "PREFILL_TILES"])
 @pytest.mark.parametrize("t,start", [(9, 1492), (1024, 0)])
 def test_chosen_attention_tiles_keep_the_16_row_bits(which, t, start):
@@ -270,8 +285,8 @@ def test_chosen_attention_tiles_keep_the_16_row_bits(which, t, start):
     every query the bits of 16-row split tiles, or decode and prefill would disagree."""
     q, k, v, k_pool, v_pool, table, pos = paged_8b_prompt(t, start, seed=t + 1)
     tiles = getattr(triton_attention, which)
-    out = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles)
-    assert torch.equal(out, triton_attention.attention(q, k_pool, v_pool, table, pos, SPLIT_16)), tiles
+    out = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=tiles)
+    assert torch.equal(out, triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=SPLIT_16)), tiles
 
 
 def test_rms_norm():
