@@ -153,8 +153,9 @@ GPU_BENCHES = {
     "trace": ("traces", "record acceptance traces on a real model"),
     "tune": ("tune_linear", "search the linear kernel's tile configs"),
     "lookup": ("lookup", "host cost of the n-gram lookup drafter per round (batch x history length)"),
+    "trees": ("trees", "accepted drafts per round of chain vs tree drafters on a real model (CPU or GPU)"),
 }
-CPU_BENCHES = ("trace", "lookup")
+CPU_BENCHES = ("trace", "lookup", "trees")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -171,7 +172,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.bench not in CPU_BENCHES and not wants_help and not torch.cuda.is_available():
         why = "this torch build has no CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
         raise SelfspecError(f"`selfspec bench {args.bench}` needs a CUDA GPU ({why}); "
-                            "`selfspec bench serve`, `trace` and `lookup` run on the CPU")
+                            "`selfspec bench serve`, `trace`, `lookup` and `trees` run on the CPU")
     module = importlib.import_module(f"selfspec.bench.{GPU_BENCHES[args.bench][0]}")
     module.main(args.args, prog=f"selfspec bench {args.bench}")
 
