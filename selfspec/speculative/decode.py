@@ -18,9 +18,9 @@ import torch
 
 from selfspec.cache import KVCache
 from selfspec.engine.stats import GenerationStats
+from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
 from selfspec.quant.modes import Mode
-from selfspec.errors import SelfspecError
 from selfspec.speculative.drafters import TREE_NAMES, Drafter, TokenHistory, TreeDrafter, as_drafter
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.sampling import SamplingParams, sample, to_probs
@@ -62,7 +62,8 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
     """Yield the tokens each round commits (AR: one per step); the caller stops the iteration.
     Each round drafts `gamma` tokens, or with `policy` as many as it picks from measured costs and acceptance
     (at most its max_gamma, which should not exceed gamma: the cache is sized by gamma).
-    `accept` judges greedy drafts (benchmarks replay recorded acceptance through it)."""
+    `accept` judges greedy drafts (benchmarks replay recorded acceptance through it). A tree drafter (greedy
+    only) needs a cache of a row per branch (made here when none is given) and runs `tree_round`s."""
     dev = model.device
     draft = as_drafter(draft)
     tree = isinstance(draft, TreeDrafter)
@@ -73,7 +74,7 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
     rows = draft.branches if tree else 1
     cache = cache or model.new_cache(min(model.cfg.max_seq_len, len(prompt) + params.max_new_tokens + gamma + 1),
                                      rows)
-    if cache.batch < rows:
+    if tree and cache.batch < rows:
         raise SelfspecError(f"a tree of {rows} branches needs a cache of {rows} rows, got {cache.batch}")
     t0 = time.perf_counter()
     last = torch.tensor([len(prompt) - 1], device=dev)  # only the last position's logits
