@@ -282,6 +282,8 @@ def make_drafter(name: str) -> Drafter | TreeDrafter:
     tree = TREE_NAME.fullmatch(name)
     if tree is not None:
         return make_tree(tree)
+    if name.startswith(("tree", "hybrid")):
+        raise SelfspecError(f"unknown tree drafter '{name}'; write {TREE_NAMES}")
     if not name.startswith("ngram"):
         return SelfDraft(get_mode(name))
     m = NGRAM_NAME.fullmatch(name)
