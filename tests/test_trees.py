@@ -1,9 +1,10 @@
 """Token trees (forked chains): greedy output of every tree drafter == AR of the verify mode (tiny model, several
 branch counts and gammas; SmolLM2 on a few prompts), the branch rows' committed KV == the AR cache's bit for bit,
-n-gram tree proposals (distinct continuations, == a brute-force rescan), names, recipe hybrid, and the refusals
-(T > 0, the serving engine)."""
+n-gram tree proposals (distinct continuations, == a brute-force rescan), names, recipe hybrid, sampling with trees
+follows the verify distribution, and the serving engine's refusal."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -20,6 +21,7 @@ from selfspec.speculative.drafters import (HybridDrafter, NgramDrafter, NgramTre
                                            TokenHistory, TreeDrafter, make_drafter)
 from selfspec.speculative.recipes import resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
+from test_speculative import SAMPLING, VOCAB, check_against_verify, draw, next_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -218,11 +220,55 @@ def test_hybrid_recipe_generates_ar_output(llm):
         assert out.stats.draft_accepted > 0
 
 
-def test_trees_refuse_sampling(llm):
-    params = SamplingParams(temperature=0.8, seed=1, max_new_tokens=4)
-    with pytest.raises(SelfspecError, match="greedy decoding only"):
-        llm.generate(REPETITIVE[0], params)
-    assert llm.generate(REPETITIVE[0], params, gamma=0).token_ids  # AR samples
+# ---------------------------------------------------------------- sampling: multi-candidate rejection sampling
+
+# Every token a is followed by a + 1, a + 3 and a + 5 (mod 16) in the prompt: the n-gram tree proposes three
+# candidates for token 1 whatever token 0 is.
+SAMPLING_PROMPT = list(range(VOCAB)) + [(3 * i + 1) % VOCAB for i in range(VOCAB)] + [(5 * i + 2) % VOCAB
+                                                                                      for i in range(VOCAB)]
+
+
+@pytest.fixture(scope="module")
+def sampling_model():
+    """A one-layer model over 16 tokens (planes storage: `upper` drafts for hybrid) and the exact verify
+    probabilities of tokens 0, 1 and 2."""
+    cfg, sd, _ = tiny_model("llama", seed=9, vocab_size=VOCAB, eos_token_id=None, num_hidden_layers=1)
+    llm = build(cfg, sd, None, resolve_recipe("hybrid"), group_size=32)
+    prompt, params, m = SAMPLING_PROMPT, SamplingParams(**SAMPLING), llm.model
+    p0 = next_probs(m, [prompt], llm.verify_mode, params)[tuple(prompt)]
+    p1 = next_probs(m, [prompt + [a] for a in range(VOCAB)], llm.verify_mode, params)
+    p2 = next_probs(m, [prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)], llm.verify_mode, params)
+    return llm, p0, p1, p2
+
+
+def first_candidates(llm, name: str, prefix: list[int]) -> set[int]:
+    """The distinct first tokens a tree drafter proposes after `prefix` (prompt + token 0)."""
+    if name.startswith("ngram"):
+        return {c[0] for c in llm.drafter.history(prefix).continuations(2, llm.drafter.branches)}
+    logits = llm.model(torch.tensor([prefix]), torch.arange(len(prefix)), llm.model.new_cache(len(prefix)),
+                       llm.drafter.mode)[0, -1]
+    return set(logits.topk(llm.drafter.branches).indices.tolist())  # the draft mode's top B
+
+
+@pytest.mark.parametrize("name", ["ngram-tree:3", "tree:upper:3", "hybrid:3"])
+def test_tree_sampling_matches_verify_distribution(sampling_model, name):
+    """Temperature 1, 1000 seeds: tokens 0, 1 and 2 follow the verify distribution (chi-square), and token 1 is an
+    accepted candidate with probability sum p(c) over the candidates (not 1 - prod(1 - p(c)), as it would be had
+    rejected candidates not been taken out of p: the self-draft tree's candidates hold most of p, so this tells
+    the two apart)."""
+    llm, p0, p1, p2 = sampling_model
+    llm.drafter = make_drafter(name)
+    n, prompt = 1000, SAMPLING_PROMPT
+    rows = draw(llm, prompt, n, gamma=2)
+    check_against_verify(rows, prompt, p0, p1, p2)
+    t0, acc = rows[:, 0].tolist(), rows[:, 3].bool()
+    assert 0.1 * n < int(acc.sum()) < 0.95 * n
+    if name.startswith("hybrid"):  # its chain branch is sampled: candidates known only in the run
+        return
+    firsts = {a: first_candidates(llm, name, prompt + [a]) for a in range(VOCAB)}
+    assert all(len(f) == 3 for f in firsts.values())
+    p_tree = torch.tensor([sum(float(p1[tuple(prompt + [a])][c]) for c in firsts[a]) for a in t0])
+    assert abs(int(acc.sum()) - p_tree.sum()) < 4 * math.sqrt((p_tree * (1 - p_tree)).sum()) + 1
 
 
 def test_engine_refuses_trees(llm):

@@ -21,10 +21,10 @@ from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
 from selfspec.quant.modes import Mode
-from selfspec.speculative.drafters import TREE_NAMES, Drafter, TokenHistory, TreeDrafter, as_drafter
+from selfspec.speculative.drafters import Drafter, TokenHistory, TreeDrafter, as_drafter
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.sampling import SamplingParams, sample, to_probs
-from selfspec.speculative.verify import accept_greedy, accept_rejection
+from selfspec.speculative.verify import accept_greedy, accept_rejection, accept_tree_sampling
 
 GreedyAcceptance = Callable[[list[int], list[int]], tuple[int, int]]  # (drafts, verify argmaxes) -> (n, next)
 
@@ -62,14 +62,11 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
     """Yield the tokens each round commits (AR: one per step); the caller stops the iteration.
     Each round drafts `gamma` tokens, or with `policy` as many as it picks from measured costs and acceptance
     (at most its max_gamma, which should not exceed gamma: the cache is sized by gamma).
-    `accept` judges greedy drafts (benchmarks replay recorded acceptance through it). A tree drafter (greedy
-    only) needs a cache of a row per branch (made here when none is given) and runs `tree_round`s."""
+    `accept` judges greedy drafts (benchmarks replay recorded acceptance through it). A tree drafter needs a cache
+    of a row per branch (made here when none is given) and runs `tree_round`s."""
     dev = model.device
     draft = as_drafter(draft)
     tree = isinstance(draft, TreeDrafter)
-    if tree and not params.greedy:
-        raise SelfspecError(f"tree drafters ({TREE_NAMES}) verify greedy decoding only; for temperature > 0 use a "
-                            "chain drafter: ngram, a draft mode, or one branch (e.g. ngram-tree:1)")
     gen = make_generator(params, dev)
     rows = draft.branches if tree else 1
     cache = cache or model.new_cache(min(model.cfg.max_seq_len, len(prompt) + params.max_new_tokens + gamma + 1),
@@ -156,12 +153,12 @@ def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verif
 @torch.inference_mode()
 def tree_round(model: Transformer, cache: KVCache, row: Row, k: int, draft: TreeDrafter, verify: Mode,
                accept: GreedyAcceptance = accept_greedy) -> tuple[list[int], RoundTiming]:
-    """One greedy round of a tree drafter over one sequence, as forked chains: cache row b holds the sequence's
-    committed KV and branch b is verified there as a chain, all branches in one batched pass (shared prefixes are
+    """One round of a tree drafter over one sequence, as forked chains: cache row b holds the sequence's committed
+    KV and branch b is verified there as a chain, all branches in one batched pass (shared prefixes are
     recomputed: at batch 1 the extra rows are nearly free on a GPU). The batch-invariant kernels make each row's
-    verify the chain verify bit for bit, so the winning row's KV is already AR's; the longest accepted branch wins
-    (ties: the first), and only the positions it commits are copied to the other rows. No tree-attention mask
-    and no re-run."""
+    verify the chain verify bit for bit, so the winning row's KV is already AR's, and only the positions it commits
+    are copied to the other rows: no tree-attention mask and no re-run. Greedy: the longest accepted branch wins
+    (ties: the first). Sampling: multi-candidate rejection sampling down the branches (verify.py)."""
     dev = model.device
     t0 = time.perf_counter()
     branches = draft.propose_tree(model, cache, row, k) if k else []
@@ -171,9 +168,12 @@ def tree_round(model: Transformer, cache: KVCache, row: Row, k: int, draft: Tree
     toks = torch.tensor([[row.pending] + b + [0] * (width - len(b)) for b in branches], device=dev)
     logits = model(toks, torch.arange(row.length, row.length + width + 1, device=dev),
                    cache.rows(0, len(branches)), verify)
-    results = [accept(b, t) for b, t in zip(branches, logits.argmax(-1).tolist())]
-    best = max(range(len(branches)), key=lambda i: (results[i][0], -i))
-    n, nxt = results[best]
+    if row.params.greedy:
+        results = [accept(b, t) for b, t in zip(branches, logits.argmax(-1).tolist())]
+        best = max(range(len(branches)), key=lambda i: (results[i][0], -i))
+        n, nxt = results[best]
+    else:
+        best, n, nxt = accept_tree_sampling(branches, to_probs(logits, row.params), row.gen)
     cache.copy_positions(best, row.length, row.length + n + 1)  # the pending token and the accepted drafts
     t2 = time.perf_counter()
     return advance(row, branches[best], n, nxt, t1 - t0, t2 - t1), RoundTiming(t1 - t0, t2 - t1, width)

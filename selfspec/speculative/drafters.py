@@ -6,7 +6,7 @@
   recent earlier occurrence are proposed. No model step: its cost is a few dictionary look-ups per row.
 
 Tree drafters propose several candidate continuations (branches) of one sequence, verified in one batched pass
-as forked chains (decode.py `tree_round`); solo decoding only, greedy only:
+as forked chains (decode.py `tree_round`); solo decoding only:
 - `NgramTree(branches)`: distinct continuations of several earlier occurrences (longest n first, most recent
   first);
 - `SelfDraftTree(mode, branches)`: the draft mode's top-B first tokens, each continued greedily (B rows at once);
