@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     refs = [run(llm, ids, None, 0, args.new_tokens)[0] for ids in prompts]
     print(f"{llm.description}; verify {llm.verify_mode.name}, gamma {args.gamma}, {len(prompts)} prompts x "
           f"{args.new_tokens} tokens")
-    print("| drafter | rounds | accepted drafts / round | tokens / verify pass | acceptance | == AR | s |")
+    print("| drafter | rounds | accepted drafts / round | tokens / verify pass | accepted / proposed | == AR | "
+          "draft + verify s |")
     print("|---|---|---|---|---|---|---|")
     for name in args.drafts:
         drafter = make_drafter(name)
