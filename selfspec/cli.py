@@ -25,7 +25,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", default=None, choices=list(PRESETS), help="stored format + draft + verify (default: planes)")
     p.add_argument("--draft", default=None, metavar="MODE",
                    help=f"draft mode, one of: {', '.join(MODES)}; or ngram[:MIN-MAX] (prompt lookup of the last "
-                        "MAX..MIN tokens, default 3..1)")
+                        "MAX..MIN tokens, default 3..1); or a tree of B candidates verified in one pass (solo "
+                        "decoding): ngram-tree[:B], tree:MODE[:B], hybrid[:B]")
     p.add_argument("--verify", default=None, metavar="MODE", help="verify mode (the output's precision)")
     add_draft_model_arg(p)
     p.add_argument("--gamma", type=int, default=4, help="most drafted tokens per round (0: autoregressive)")
@@ -152,9 +153,10 @@ GPU_BENCHES = {
     "trace": ("traces", "record acceptance traces on a real model"),
     "tune": ("tune_linear", "search the linear kernel's tile configs"),
     "lookup": ("lookup", "host cost of the n-gram lookup drafter per round (batch x history length)"),
+    "trees": ("trees", "accepted drafts per round of chain vs tree drafters on a real model (CPU or GPU)"),
     "resources": ("kernel_resources", "registers, spills and MMA instruction of linear tile configs (sm_90, no GPU)"),
 }
-CPU_BENCHES = ("trace", "lookup", "resources")
+CPU_BENCHES = ("trace", "lookup", "trees", "resources")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -171,7 +173,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.bench not in CPU_BENCHES and not wants_help and not torch.cuda.is_available():
         why = "this torch build has no CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
         raise SelfspecError(f"`selfspec bench {args.bench}` needs a CUDA GPU ({why}); "
-                            "`selfspec bench serve`, `trace` and `lookup` run on the CPU")
+                            "`selfspec bench serve`, `trace`, `lookup` and `trees` run on the CPU")
     module = importlib.import_module(f"selfspec.bench.{GPU_BENCHES[args.bench][0]}")
     module.main(args.args, prog=f"selfspec bench {args.bench}")
 

@@ -5,6 +5,8 @@ position p reads keys 0..p only, and every key it reads was written in the curre
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from selfspec.cache.paged import KEY_TILE
@@ -21,6 +23,27 @@ class KVCache:
         self.table = torch.arange(batch, device=device)[:, None]
         self.max_len = max_len
         self.length = 0  # positions 0..length-1 hold committed tokens' KV
+        self._views: dict[tuple[int, int], KVCache] = {}
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Rows start..stop-1 as a cache of their own over the same buffers: a pass through it reads and writes
+        those rows only. One object per range, so the CUDA graphs bound to it are found again."""
+        view = self._views.get((start, stop))
+        if view is None:
+            view = self._views[(start, stop)] = copy.copy(self)
+            view.table, view._views = self.table[start:stop], {}
+        return view
+
+    def copy_positions(self, src: int, start: int, end: int) -> None:
+        """Copy every layer's keys and values of positions start..end-1 from row src to every other row (exact)."""
+        others = [b for b in range(self.batch) if b != src]
+        if others and end > start:
+            for buf in (self.k, self.v):
+                buf[:, others, :, start:end] = buf[:, src:src + 1, :, start:end]
 
     @property
     def block_size(self) -> int:

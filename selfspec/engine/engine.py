@@ -38,7 +38,7 @@ from selfspec.model import Packed
 from selfspec.quant.modes import prompt_mode
 from selfspec.speculative.decode import GreedyAcceptance, Row, make_generator, pick, run_round
 from selfspec.speculative.draft_model import DraftModel
-from selfspec.speculative.drafters import TokenHistory
+from selfspec.speculative.drafters import TokenHistory, TreeDrafter
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.sampling import SamplingParams
 from selfspec.speculative.verify import accept_greedy
@@ -143,6 +143,10 @@ class Engine:
             if value < 1:
                 raise SelfspecError(f"{name} must be >= 1, got {value}")
         check_gamma(max_gamma)
+        if isinstance(llm.drafter, TreeDrafter):
+            raise SelfspecError(f"the serving engine verifies one chain of drafts per sequence; the tree drafter "
+                                f"'{llm.recipe.draft}' runs in solo decoding only (selfspec generate): serve with "
+                                "a chain drafter, e.g. --recipe ngram or planes")
         cfg = llm.model.cfg
         self.llm = llm
         self.max_batch = max_batch

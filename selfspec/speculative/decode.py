@@ -4,6 +4,9 @@ State between rounds, per sequence (`Row`): the cache holds KV for positions 0..
 the last emitted token, whose KV is not yet written (it is fed at position `length` by the next pass).
 `run_round` is one batched round over any number of rows; the solo loop `decode` is that round with one row,
 and the serving engine (engine/engine.py) runs it over its whole batch.
+
+With a tree drafter (several candidate continuations per round), the solo loop runs `tree_round` instead: forked
+chains, one cache row per branch (see tree_round).
 """
 from __future__ import annotations
 
@@ -15,12 +18,13 @@ import torch
 
 from selfspec.cache import KVCache
 from selfspec.engine.stats import GenerationStats
+from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
 from selfspec.quant.modes import Mode, prompt_mode
-from selfspec.speculative.drafters import Drafter, TokenHistory, as_drafter
+from selfspec.speculative.drafters import Drafter, TokenHistory, TreeDrafter, as_drafter
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.sampling import SamplingParams, sample, to_probs
-from selfspec.speculative.verify import accept_greedy, accept_rejection
+from selfspec.speculative.verify import accept_greedy, accept_rejection, accept_tree_sampling
 
 GreedyAcceptance = Callable[[list[int], list[int]], tuple[int, int]]  # (drafts, verify argmaxes) -> (n, next)
 
@@ -58,15 +62,23 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
     """Yield the tokens each round commits (AR: one per step); the caller stops the iteration.
     Each round drafts `gamma` tokens, or with `policy` as many as it picks from measured costs and acceptance
     (at most its max_gamma, which should not exceed gamma: the cache is sized by gamma).
-    `accept` judges greedy drafts (benchmarks replay recorded acceptance through it)."""
+    `accept` judges greedy drafts (benchmarks replay recorded acceptance through it). A tree drafter needs a cache
+    of a row per branch (made here when none is given) and runs `tree_round`s."""
     dev = model.device
     draft = as_drafter(draft)
+    tree = isinstance(draft, TreeDrafter)
     gen = make_generator(params, dev)
-    cache = cache or model.new_cache(min(model.cfg.max_seq_len, len(prompt) + params.max_new_tokens + gamma + 1))
+    rows = draft.branches if tree else 1
+    cache = cache or model.new_cache(min(model.cfg.max_seq_len, len(prompt) + params.max_new_tokens + gamma + 1),
+                                     rows)
+    if tree and cache.batch < rows:
+        raise SelfspecError(f"a tree of {rows} branches needs a cache of {rows} rows, got {cache.batch}")
     t0 = time.perf_counter()
     last = torch.tensor([len(prompt) - 1], device=dev)  # only the last position's logits
-    logits = model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev), cache,
-                   prompt_mode(verify), last)
+    logits = model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev),
+                   cache.rows(0, 1) if tree else cache, prompt_mode(verify), last)
+    if tree:  # every branch row starts from the prompt's KV
+        cache.copy_positions(0, 0, len(prompt))
     cache.commit(len(prompt))
     first = pick(logits[0], params, gen)
     row = Row(first, len(prompt), params, gen, stats, draft.history(prompt + [first]) if draft else None)
@@ -76,7 +88,10 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
         k = gamma if policy is None else policy.choose(1)
         k = min(k, cache.max_len - row.length - 1) if draft is not None else 0
         accepted = stats.draft_accepted
-        (tokens,), timing = run_round(model, cache, [row], k, draft, verify, accept)
+        if tree:
+            tokens, timing = tree_round(model, cache, row, k, draft, verify, accept)
+        else:
+            (tokens,), timing = run_round(model, cache, [row], k, draft, verify, accept)
         cache.commit(row.length)
         if policy is not None:
             policy.observe_round(1, timing.k, timing.draft_s, timing.verify_s)
@@ -115,20 +130,53 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Drafter
                                                                        to_probs(lg, r.params), r.gen)
                 for r, d, qq, lg, t in zip(rows, drafts, q, logits, targets)]
     t2 = time.perf_counter()
-    out = []
-    for r, d, (n, nxt) in zip(rows, drafts, accepted):
-        r.length += n + 1
-        r.pending = nxt
-        s = r.stats
-        s.draft_s += t1 - t0
-        s.verify_s += t2 - t1
-        s.rounds += 1
-        s.draft_proposed += len(d)
-        s.draft_accepted += n
-        out.append(d[:n] + [nxt])
-        if r.history is not None:
-            r.history.extend(out[-1])
+    out = [advance(r, d, n, nxt, t1 - t0, t2 - t1) for r, d, (n, nxt) in zip(rows, drafts, accepted)]
     return out, RoundTiming(t1 - t0 - prefill_s, t2 - t1, k)
+
+
+def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verify_s: float) -> list[int]:
+    """Commit a row's n accepted drafts and the verify pass's next token; returns the tokens committed."""
+    row.length += n + 1
+    row.pending = nxt
+    s = row.stats
+    s.draft_s += draft_s
+    s.verify_s += verify_s
+    s.rounds += 1
+    s.draft_proposed += len(drafts)
+    s.draft_accepted += n
+    out = drafts[:n] + [nxt]
+    if row.history is not None:
+        row.history.extend(out)
+    return out
+
+
+@torch.inference_mode()
+def tree_round(model: Transformer, cache: KVCache, row: Row, k: int, draft: TreeDrafter, verify: Mode,
+               accept: GreedyAcceptance = accept_greedy) -> tuple[list[int], RoundTiming]:
+    """One round of a tree drafter over one sequence, as forked chains: cache row b holds the sequence's committed
+    KV and branch b is verified there as a chain, all branches in one batched pass (shared prefixes are
+    recomputed: at batch 1 the extra rows are nearly free on a GPU). The batch-invariant kernels make each row's
+    verify the chain verify bit for bit, so the winning row's KV is already AR's, and only the positions it commits
+    are copied to the other rows: no tree-attention mask and no re-run. Greedy: the longest accepted branch wins
+    (ties: the first). Sampling: multi-candidate rejection sampling down the branches (verify.py)."""
+    dev = model.device
+    t0 = time.perf_counter()
+    branches = draft.propose_tree(model, cache, row, k) if k else []
+    width = max(map(len, branches), default=0)
+    branches = branches or [[]]  # nothing proposed: a plain step on row 0
+    t1 = time.perf_counter()
+    toks = torch.tensor([[row.pending] + b + [0] * (width - len(b)) for b in branches], device=dev)
+    logits = model(toks, torch.arange(row.length, row.length + width + 1, device=dev),
+                   cache.rows(0, len(branches)), verify)
+    if row.params.greedy:
+        results = [accept(b, t) for b, t in zip(branches, logits.argmax(-1).tolist())]
+        best = max(range(len(branches)), key=lambda i: (results[i][0], -i))
+        n, nxt = results[best]
+    else:
+        best, n, nxt = accept_tree_sampling(branches, to_probs(logits, row.params), row.gen)
+    cache.copy_positions(best, row.length, row.length + n + 1)  # the pending token and the accepted drafts
+    t2 = time.perf_counter()
+    return advance(row, branches[best], n, nxt, t1 - t0, t2 - t1), RoundTiming(t1 - t0, t2 - t1, width)
 
 
 def one_hot(drafts: list[int], logits: torch.Tensor) -> torch.Tensor:

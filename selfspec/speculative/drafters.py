@@ -5,6 +5,14 @@
   max_n down to min_n) are looked up in its own prompt + generated text, and the tokens that followed their most
   recent earlier occurrence are proposed. No model step: its cost is a few dictionary look-ups per row.
 
+Tree drafters propose several candidate continuations (branches) of one sequence, verified in one batched pass
+as forked chains (decode.py `tree_round`); solo decoding only:
+- `NgramTree(branches)`: distinct continuations of several earlier occurrences (longest n first, most recent
+  first);
+- `SelfDraftTree(mode, branches)`: the draft mode's top-B first tokens, each continued greedily (B rows at once);
+- `HybridDrafter(branches)`: n-gram branches when the lookup matches, plus the `upper` self-draft chain as the last
+  branch; the self-draft tree when nothing matches.
+
 A proposal of n < k tokens (none where nothing matches) is padded for the batched verify pass, which runs as far
 as the longest proposal of the batch (a round where nothing matches costs a plain step), and only its n real
 tokens are judged: a row with no proposal is a plain decoding step. With sampling, a lookup proposal is
@@ -14,7 +22,7 @@ draws from p with d removed: the output still follows the verify distribution ex
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -27,7 +35,11 @@ if TYPE_CHECKING:
     from selfspec.speculative.decode import Row
 
 NGRAM_NAME = re.compile(r"ngram(?::(\d+)-(\d+))?")
+TREE_NAME = re.compile(r"(ngram-tree|hybrid|tree:([\w-]+?))(?::(\d+))?")
 DEFAULT_NGRAM = (1, 3)  # (min_n, max_n)
+DEFAULT_BRANCHES = 4
+HYBRID_DRAFT = "upper"  # the hybrid's self-draft mode: the cheap half of the planes storage
+TREE_NAMES = "ngram-tree[:B], tree:MODE[:B] (e.g. tree:upper:4) or hybrid[:B]"
 
 
 @dataclass
@@ -93,22 +105,28 @@ def draft_tokens(model, cache, rows: list[Row], pending: torch.Tensor, lengths: 
 
 class TokenHistory:
     """A row's tokens and an index of its n-grams (min_n <= n <= max_n) -> where the continuation of the most
-    recent occurrence starts. Appending a token costs max_n - min_n + 1 dictionary writes and a lookup as many
-    reads, whatever the history's length."""
+    recent occurrence starts (and, with keep > 1, of the keep - 1 occurrences before it, for tree drafters).
+    Appending a token costs max_n - min_n + 1 dictionary writes and a lookup as many reads, whatever the history's
+    length."""
 
-    def __init__(self, tokens: list[int], min_n: int, max_n: int):
-        self.min_n, self.max_n = min_n, max_n
+    def __init__(self, tokens: list[int], min_n: int, max_n: int, keep: int = 1):
+        self.min_n, self.max_n, self.keep = min_n, max_n, keep
         self.tokens: list[int] = []
         self.tail: tuple[int, ...] = ()  # the last max_n tokens: its slices are the keys (cheaper than the list's)
         self.index: dict[tuple[int, ...], int] = {}  # tuples of different lengths are different keys
+        self.earlier: dict[tuple[int, ...], tuple[int, ...]] = {}  # keep > 1: earlier starts, most recent first
         self.extend(tokens)
 
     def extend(self, tokens: list[int]) -> None:
-        index, tail, sizes = self.index, self.tail, range(-self.min_n, -self.max_n - 1, -1)
+        index, earlier, tail, sizes = self.index, self.earlier, self.tail, range(-self.min_n, -self.max_n - 1, -1)
+        older = self.keep - 1
         for t in tokens:
             end = len(self.tokens)  # the n-grams ending just before t are now followed by t
             for n in sizes[:len(tail) - self.min_n + 1]:
-                index[tail[n:]] = end
+                key = tail[n:]
+                if older and key in index:
+                    earlier[key] = (index[key],) + earlier.get(key, ())[:older - 1]
+                index[key] = end
             self.tokens.append(t)
             tail = tail[1 - self.max_n:] + (t,) if self.max_n > 1 else (t,)
         self.tail = tail
@@ -121,11 +139,30 @@ class TokenHistory:
         for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
             start = self.index.get(tuple(toks[-n:]))
             if start is not None:
-                out: list[int] = []
-                for i in range(start, start + k):
-                    out.append(toks[i] if i < len(toks) else out[i - len(toks)])
-                return out
+                return self.continuation(start, k)
         return []
+
+    def continuations(self, k: int, branches: int) -> list[list[int]]:
+        """Up to `branches` distinct continuations of up to k tokens: of the longest suffix's occurrences first,
+        each n's most recent first (up to `keep` occurrences per n-gram); [] if nothing matches."""
+        toks, out = self.tokens, []
+        for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
+            key = tuple(toks[-n:])
+            start = self.index.get(key)
+            for s in () if start is None else (start,) + self.earlier.get(key, ()):
+                c = self.continuation(s, k)
+                if c and c not in out:
+                    out.append(c)
+                if len(out) == branches:
+                    return out
+        return out
+
+    def continuation(self, start: int, k: int) -> list[int]:
+        """k tokens from `start`; past the end, the proposal's own text again (the text repeats with that period)."""
+        toks, out = self.tokens, []
+        for i in range(start, start + k):
+            out.append(toks[i] if i < len(toks) else out[i - len(toks)])
+        return out
 
 
 @dataclass(frozen=True)
@@ -149,26 +186,124 @@ class NgramDrafter:
         return Proposal(tokens, [len(f) for f in found], [None] * len(rows))
 
 
+# ---------------------------------------------------------------- trees: several branches for one sequence
+
+
+class TreeDrafter:
+    """Proposes up to `branches` candidate continuations of one sequence. Its cache has a row per branch, each
+    holding the sequence's committed KV (decode.py `tree_round` keeps them equal); the draft steps may write past
+    the committed length of any row."""
+    branches: int
+
+    def history(self, tokens: list[int]) -> TokenHistory | None:
+        return None
+
+    def propose_tree(self, model, cache, row: Row, k: int) -> list[list[int]]:
+        """Distinct non-empty branches of at most k tokens, at most `branches` of them ([]: no candidate)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class NgramTree(TreeDrafter):
+    branches: int = DEFAULT_BRANCHES
+    max_n: int = DEFAULT_NGRAM[1]
+    min_n: int = DEFAULT_NGRAM[0]
+
+    def history(self, tokens: list[int]) -> TokenHistory:
+        return TokenHistory(tokens, self.min_n, self.max_n, keep=self.branches)
+
+    def propose_tree(self, model, cache, row: Row, k: int) -> list[list[int]]:
+        return row.history.continuations(k, self.branches)
+
+
+@dataclass(frozen=True)
+class SelfDraftTree(TreeDrafter):
+    mode: Mode
+    branches: int = DEFAULT_BRANCHES
+
+    def propose_tree(self, model, cache, row: Row, k: int) -> list[list[int]]:
+        """One draft step from the pending token (row 0), its top-B tokens as the branches' first tokens, then
+        k - 1 greedy steps of the B branches at once (the pending token's draft KV copied to every branch row)."""
+        dev, b = model.device, self.branches
+        logits = model(torch.tensor([[row.pending]], device=dev), torch.tensor([row.length], device=dev),
+                       cache.rows(0, 1), self.mode)[0, -1]
+        toks = logits.topk(b).indices
+        cache.copy_positions(0, row.length, row.length + 1)
+        steps = [toks]
+        for i in range(1, k):
+            pos = torch.tensor([row.length + i], device=dev)
+            toks = model(toks[:, None], pos, cache.rows(0, b), self.mode)[:, -1].argmax(-1)
+            steps.append(toks)
+        return torch.stack(steps, 1).tolist()
+
+
+@dataclass(frozen=True)
+class HybridDrafter(TreeDrafter):
+    branches: int = DEFAULT_BRANCHES
+    mode: Mode = field(default_factory=lambda: get_mode(HYBRID_DRAFT))
+    ngram: NgramTree = field(default_factory=NgramTree)
+
+    def __post_init__(self) -> None:
+        if self.branches < 2:
+            raise SelfspecError(f"hybrid drafts n-gram branches plus a self-draft chain: it needs at least 2 "
+                                f"branches, got {self.branches}; write hybrid:B with B >= 2")
+
+    def history(self, tokens: list[int]) -> TokenHistory:
+        return TokenHistory(tokens, self.ngram.min_n, self.ngram.max_n, keep=self.branches - 1)
+
+    def propose_tree(self, model, cache, row: Row, k: int) -> list[list[int]]:
+        found = row.history.continuations(k, self.branches - 1)
+        if not found:
+            return SelfDraftTree(self.mode, self.branches).propose_tree(model, cache, row, k)
+        dev, m = model.device, len(found)  # the chain drafts in the first row no n-gram branch takes
+        chain, _ = draft_tokens(model, cache.rows(m, m + 1), [row], torch.tensor([row.pending], device=dev),
+                                torch.tensor([[row.length]], device=dev), k, self.mode)
+        chain = chain[0].tolist()
+        return found + ([chain] if chain not in found else [])
+
+
 # ---------------------------------------------------------------- names
 
 
-def is_lookup(name: str) -> bool:
-    """Whether a --draft name is the lookup drafter (ngram or ngram:MIN-MAX) rather than a draft mode."""
-    return name.startswith("ngram")
+def draft_modes(name: str) -> list[str]:
+    """The draft modes a --draft name runs (none for a lookup)."""
+    if name.startswith("ngram"):
+        return []
+    m = TREE_NAME.fullmatch(name)
+    if m is None:
+        return [name]
+    return [HYBRID_DRAFT] if m.group(1) == "hybrid" else [m.group(2)] if m.group(2) else []
 
 
-def make_drafter(name: str) -> Drafter:
+def make_drafter(name: str) -> Drafter | TreeDrafter:
     """A draft mode name -> its self-draft; 'ngram' or 'ngram:MIN-MAX' (n-gram sizes tried, longest first) ->
-    prompt lookup."""
-    if not is_lookup(name):
+    prompt lookup; tree names (TREE_NAMES, B branches, default DEFAULT_BRANCHES) -> a tree drafter. One branch is
+    the chain drafter itself (ngram-tree:1 is ngram, tree:MODE:1 is MODE)."""
+    tree = TREE_NAME.fullmatch(name)
+    if tree is not None:
+        return make_tree(tree)
+    if name.startswith(("tree", "hybrid")):
+        raise SelfspecError(f"unknown tree drafter '{name}'; write {TREE_NAMES}")
+    if not name.startswith("ngram"):
         return SelfDraft(get_mode(name))
     m = NGRAM_NAME.fullmatch(name)
     if m is None:
         raise SelfspecError(f"unknown drafter '{name}'; write ngram (n-grams of {DEFAULT_NGRAM[0]} to "
-                            f"{DEFAULT_NGRAM[1]} tokens) or ngram:MIN-MAX, e.g. ngram:2-4")
+                            f"{DEFAULT_NGRAM[1]} tokens), ngram:MIN-MAX, e.g. ngram:2-4, or a tree: {TREE_NAMES}")
     if m.group(1) is None:
         return NgramDrafter()
     return NgramDrafter(max_n=int(m.group(2)), min_n=int(m.group(1)))
+
+
+def make_tree(m: re.Match) -> Drafter | TreeDrafter:
+    kind, mode, branches = m.group(1), m.group(2), int(m.group(3) or DEFAULT_BRANCHES)
+    if branches < 1:
+        raise SelfspecError(f"a tree drafter needs at least 1 branch, got {branches}; write {TREE_NAMES}")
+    if kind == "hybrid":
+        return HybridDrafter(branches)
+    if mode is not None:
+        return SelfDraft(get_mode(mode)) if branches == 1 else SelfDraftTree(get_mode(mode), branches)
+    return NgramDrafter() if branches == 1 else NgramTree(branches)
 
 
 def as_drafter(draft: Drafter | Mode | None) -> Drafter | None:

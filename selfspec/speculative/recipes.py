@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from selfspec.errors import SelfspecError
 from selfspec.quant.formats import storage_supports
 from selfspec.quant.modes import get_mode
-from selfspec.speculative.drafters import is_lookup, make_drafter
+from selfspec.speculative.drafters import SelfDraft, draft_modes, make_drafter
 
 # Cheapest first: when the user names modes, the first storage that runs both is used.
 STORAGE_PREFERENCE = ("int4", "int8", "planes", "dense")
@@ -18,7 +18,7 @@ class Recipe:
     name: str
     storage: str
     verify: str
-    draft: str | None  # a draft mode, or 'ngram[:MIN-MAX]' (prompt lookup); None: autoregressive decoding
+    draft: str | None  # a draft mode, 'ngram[:MIN-MAX]' (prompt lookup) or a tree drafter; None: autoregressive
     rotate: bool = False  # store weights Hadamard-rotated and rotate activations (quant/rotation.py)
     layer_skip: bool = False  # the draft skips the layers its calibration chose (speculative/layer_skip.py)
     skip_layers: tuple[int, ...] = ()  # the layers the draft skips
@@ -40,6 +40,8 @@ PRESETS = {
     "draft-model": Recipe("draft-model", "planes", "full", None),
     # Quasar: SmoothQuant W8A8 (per-channel INT8 weights, per-token INT8 activations) verifying lookup drafts.
     "quasar": Recipe("quasar", "int8", "w8a8", "ngram", smooth_alpha=0.5),
+    # n-gram branches when the lookup matches, plus the upper self-draft chain; upper's tree when nothing matches.
+    "hybrid": Recipe("hybrid", "planes", "full", "hybrid"),
 }
 
 
@@ -58,11 +60,11 @@ def resolve_recipe(name: str | None = None, draft: str | None = None, verify: st
         return draft_model_recipe(base, draft, verify, draft_model)
     draft = draft or base.draft
     if draft is not None:
-        make_drafter(draft)  # a clear error for an unknown mode or a malformed ngram range
-    if base.layer_skip and draft is not None and is_lookup(draft):
-        raise SelfspecError(f"recipe '{name}' skips layers of a draft mode; a lookup draft runs no layers: "
-                            "drop --draft, or use --recipe ngram")
-    modes = [get_mode(m) for m in (verify, draft) if m is not None and not is_lookup(m)]
+        drafter = make_drafter(draft)  # a clear error for an unknown mode or a malformed ngram range
+        if base.layer_skip and not isinstance(drafter, SelfDraft):
+            raise SelfspecError(f"recipe '{name}' skips layers of one draft mode's chain; '{draft}' is not "
+                                "one (a lookup draft runs no layers): drop --draft, or use --recipe ngram or hybrid")
+    modes = [get_mode(m) for m in [verify] + (draft_modes(draft) if draft is not None else [])]
     if all(storage_supports(base.storage, m) for m in modes):
         return replace(base, verify=verify, draft=draft)
     for storage in STORAGE_PREFERENCE:
@@ -84,9 +86,9 @@ def draft_model_recipe(base: Recipe, draft: str | None, verify: str, draft_model
         raise SelfspecError("recipe 'draft-model' needs the model that drafts: --draft-model NAME_OR_PATH (a model "
                             "with the same tokenizer, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
     draft = draft or verify
-    if is_lookup(draft):
+    if not isinstance(make_drafter(draft), SelfDraft):
         raise SelfspecError(f"under recipe 'draft-model', --draft is the draft model's mode, not '{draft}'; "
-                            "for lookup drafts use --recipe ngram")
+                            "for lookup drafts use --recipe ngram, for trees --recipe hybrid")
     get_mode(draft)
     storage = resolve_recipe("ar", None, verify).storage
     return replace(base, storage=storage, verify=verify, draft=draft, draft_model=draft_model)

@@ -32,3 +32,32 @@ def accept_rejection(drafts: list[int], q: torch.Tensor, p: torch.Tensor, gen: t
         # p == q on the support leaves no residual mass; then p itself is the right distribution.
         return i, sample(residual / total if total > 0 else p[i], gen)
     return len(drafts), sample(p[len(drafts)], gen)
+
+
+def accept_tree_sampling(branches: list[list[int]], p: torch.Tensor,
+                         gen: torch.Generator | None) -> tuple[int, int, int]:
+    """Multi-candidate speculative sampling (SpecInfer) over branches judged as one-hot proposals.
+
+    branches: the candidate continuations, row b of p [B, k+1, V] the verify probabilities along branch b (at the
+    pending token and each of its drafts). Walking down from the root, a node's candidates are the distinct next
+    tokens of the branches still alive; each is accepted with probability r(c) / r.sum(), r the node's verify
+    distribution with the candidates rejected so far removed; if all are rejected, the token is drawn from r. Any
+    token t is then emitted with probability p(t), whatever the candidates: the output follows the verify
+    distribution exactly. Returns (a branch holding the accepted path, drafts accepted, next token)."""
+    live, n = list(range(len(branches))), 0
+    while True:
+        r = p[live[0], n].clone()  # the live branches share the path, hence this distribution
+        candidates = dict.fromkeys(branches[b][n] for b in live if len(branches[b]) > n)
+        accepted = None
+        for c in candidates:
+            u = float(torch.rand((), generator=gen, device=p.device))
+            if u * r.sum() < r[c]:
+                accepted = c
+                break
+            r[c] = 0
+        if accepted is None:
+            total = r.sum()
+            # Every candidate rejected yet no mass left: only where rounding left p(c) < 1 for the sole token.
+            return live[0], n, sample(r / total if total > 0 else p[live[0], n], gen)
+        live = [b for b in live if len(branches[b]) > n and branches[b][n] == accepted]
+        n += 1

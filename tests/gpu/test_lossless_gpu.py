@@ -19,9 +19,12 @@ from selfspec.speculative.sampling import SamplingParams  # noqa: E402
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=["planes", "qspec", "ngram"])
+# (recipe, --draft): trees (hybrid, ngram-tree) verify their branches as rows of one pass over forked cache rows.
+@pytest.fixture(scope="module", params=[("planes", None), ("qspec", None), ("ngram", None), ("hybrid", None),
+                                        ("ngram", "ngram-tree:4")], ids=str)
 def llm(request):
-    return selfspec.load(os.environ.get("SELFSPEC_GPU_MODEL"), request.param, device="cuda")
+    recipe, draft = request.param
+    return selfspec.load(os.environ.get("SELFSPEC_GPU_MODEL"), recipe, draft, device="cuda")
 
 
 def test_greedy_speculative_equals_ar_on_gpu(llm):

@@ -1,0 +1,296 @@
+"""Token trees (forked chains): greedy output of every tree drafter == AR of the verify mode (tiny model, several
+branch counts and gammas; SmolLM2 on a few prompts), the branch rows' committed KV == the AR cache's bit for bit,
+n-gram tree proposals (distinct continuations, == a brute-force rescan), names, recipe hybrid, sampling with trees
+follows the verify distribution, and the serving engine's refusal."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from selfspec.engine.engine import Engine
+from selfspec.engine.llm import build
+from selfspec.engine.stats import GenerationStats
+from selfspec.errors import SelfspecError
+from selfspec.quant.modes import get_mode
+from selfspec.speculative.decode import decode
+from selfspec.speculative.drafters import (HybridDrafter, NgramDrafter, NgramTree, SelfDraft, SelfDraftTree,
+                                           TokenHistory, TreeDrafter, make_drafter)
+from selfspec.speculative.recipes import resolve_recipe
+from selfspec.speculative.sampling import SamplingParams
+from test_speculative import SAMPLING, VOCAB, check_against_verify, draw, next_probs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+REPETITIVE = [[5, 9, 200, 17, 3, 5, 9, 200, 17, 3, 5, 9], [40, 41, 42, 43, 40, 41, 50, 40, 41, 42, 60, 40, 41],
+              [7] * 6, [11, 250, 3, 99, 64]]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    cfg, sd, _ = tiny_model("llama", seed=1)
+    return build(cfg, sd, None, resolve_recipe("hybrid"), group_size=32)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+class PassRows:
+    """The model, recording the rows of each pass."""
+
+    def __init__(self, model):
+        self.model, self.rows = model, []
+        self.device, self.cfg, self.new_cache = model.device, model.cfg, model.new_cache
+
+    def __call__(self, tokens, *args, **kwargs):
+        self.rows.append(tokens.shape[0])
+        return self.model(tokens, *args, **kwargs)
+
+
+def run(model, prompt, verify, drafter, gamma, n, cache=None) -> tuple[list[int], GenerationStats]:
+    """Decode until n tokens are emitted (the last round may emit past n)."""
+    stats, out = GenerationStats(), []
+    for chunk in decode(model, prompt, verify, drafter, gamma, greedy(n), stats, cache):
+        out += chunk
+        if len(out) >= n:
+            break
+    return out, stats
+
+
+# ---------------------------------------------------------------- greedy trees == AR
+
+
+@pytest.mark.parametrize("name", ["ngram-tree:2", "ngram-tree:4", "tree:upper:2", "tree:upper:4", "hybrid:2",
+                                  "hybrid:3"])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_tree_equals_ar(llm, name, gamma):
+    drafter, verify = make_drafter(name), llm.verify_mode
+    accepted = proposed = 0
+    model = PassRows(llm.model)
+    for p in REPETITIVE:
+        ref, _ = run(llm.model, p, verify, None, 0, 30)
+        out, stats = run(model, p, verify, drafter, gamma, 30)
+        assert out[:30] == ref[:30], (name, gamma, p)
+        accepted, proposed = accepted + stats.draft_accepted, proposed + stats.draft_proposed
+    assert 0 < accepted  # drafts were accepted: the branches' tokens were emitted, not only the verify's
+    if gamma > 1:  # (one-token continuations of these random texts mostly coincide)
+        assert max(model.rows) > 1  # several branches were verified in one pass
+
+
+class FixedBranches(TreeDrafter):
+    """Proposes the given branches (cut to k) every round."""
+
+    def __init__(self, branches: list[list[int]]):
+        self.fixed, self.branches = branches, len(branches)
+
+    def propose_tree(self, model, cache, row, k: int) -> list[list[int]]:
+        return [b[:k] for b in self.fixed]
+
+
+def test_the_longest_accepted_branch_wins(llm):
+    prompt, verify = REPETITIVE[3], llm.verify_mode
+    ref, _ = run(llm.model, prompt, verify, None, 0, 8)
+    wrong = lambda t: (t + 1) % llm.model.cfg.vocab_size  # noqa: E731
+    branches = [[wrong(ref[1])] + ref[2:4], ref[1:3] + [wrong(ref[3])], ref[1:4], [ref[1], wrong(ref[2]), ref[3]]]
+    stats = GenerationStats()
+    rounds = decode(llm.model, prompt, verify, FixedBranches(branches), 3, greedy(8), stats)
+    assert next(rounds) == ref[:1]  # the prefill's token
+    assert next(rounds) == ref[1:5]  # branch 2's three drafts and the verify's next token
+    assert stats.draft_accepted == 3
+
+
+def test_branch_rows_hold_the_ar_cache_bitwise(llm):
+    """After several tree rounds, every branch row's KV of the committed positions equals the KV that AR decoding
+    of the same tokens wrote: the winner's is the verify pass's, the others were copied from it."""
+    prompt, verify = REPETITIVE[0], llm.verify_mode
+    for name in ("ngram-tree:3", "tree:upper:3", "hybrid:3"):
+        drafter = make_drafter(name)
+        tree_cache = llm.model.new_cache(64, drafter.branches)
+        out, stats = run(llm.model, prompt, verify, drafter, 4, 20, tree_cache)
+        assert stats.draft_accepted > 0
+        ar_cache = llm.model.new_cache(64)
+        ref, _ = run(llm.model, prompt, verify, None, 0, len(out), ar_cache)
+        assert ref == out and ar_cache.length == tree_cache.length
+        n = tree_cache.length
+        for b in range(drafter.branches):
+            assert torch.equal(tree_cache.k[:, b, :, :n], ar_cache.k[:, 0, :, :n]), (name, b)
+            assert torch.equal(tree_cache.v[:, b, :, :n], ar_cache.v[:, 0, :, :n]), (name, b)
+
+
+def test_copy_positions_copies_one_row_to_the_others_exactly(llm):
+    cache = llm.model.new_cache(32, 3)
+    cache.k.normal_(), cache.v.normal_()
+    before = cache.k.clone()
+    cache.copy_positions(1, 4, 9)
+    for b in (0, 2):
+        assert torch.equal(cache.k[:, b, :, 4:9], before[:, 1, :, 4:9])
+        assert torch.equal(cache.k[:, b, :, :4], before[:, b, :, :4])  # other positions untouched
+        assert torch.equal(cache.k[:, b, :, 9:], before[:, b, :, 9:])
+        assert torch.equal(cache.v[:, b, :, 4:9], cache.v[:, 1, :, 4:9])
+    assert torch.equal(cache.k[:, 1], before[:, 1])
+    assert cache.rows(1, 3) is cache.rows(1, 3)  # one view per range (CUDA graphs are bound to it)
+
+
+# ---------------------------------------------------------------- n-gram tree proposals
+
+
+def brute_force_continuations(tokens: list[int], k: int, branches: int, keep: int, min_n: int,
+                              max_n: int) -> list[list[int]]:
+    """By rescanning: for n = max_n .. min_n, the keep most recent earlier occurrences of the last n tokens, most
+    recent first, each proposing its continuation (periodic past the end); distinct ones, up to `branches`."""
+    out = []
+    for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+        starts = [s + n for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]][::-1][:keep]
+        for start in starts:
+            text = list(tokens)
+            while len(text) < start + k:
+                text.append(text[len(text) - (len(tokens) - start)])
+            c = text[start:start + k]
+            if c and c not in out:
+                out.append(c)
+            if len(out) == branches:
+                return out
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ngram_tree_continuations_equal_a_rescan(seed):
+    rng = random.Random(seed)
+    vocab, min_n, max_n, keep = rng.choice([3, 5, 8]), rng.randint(1, 2), rng.randint(2, 4), rng.randint(1, 4)
+    h = TokenHistory([rng.randrange(vocab) for _ in range(rng.randint(0, 6))], min_n, max_n, keep)
+    several = 0
+    for _ in range(60):
+        h.extend([rng.randrange(vocab) for _ in range(rng.randint(1, 4))])
+        k, branches = rng.randint(1, 6), rng.randint(1, 5)
+        found = h.continuations(k, branches)
+        assert found == brute_force_continuations(h.tokens, k, branches, keep, min_n, max_n), (h.tokens, k)
+        assert len({tuple(c) for c in found}) == len(found) <= branches  # distinct
+        assert found[:1] == ([h.lookup(k)] if h.lookup(k) else [])  # the first is the chain lookup's
+        several += len(found) > 1
+    assert several > 0 or keep == 1
+
+
+def test_ngram_tree_proposes_distinct_continuations_longest_n_first():
+    # Suffix [1, 2]: the 2-gram occurs twice (-> 30, then 20); the 1-gram [2] also once more (-> 40).
+    h = TokenHistory([1, 2, 20, 21, 2, 40, 1, 2, 30, 31, 1, 2], 1, 2, keep=4)
+    assert h.continuations(2, 4) == [[30, 31], [20, 21], [40, 1]]
+    assert h.continuations(2, 2) == [[30, 31], [20, 21]]
+    assert TokenHistory([1, 2, 9, 1, 2, 9, 1, 2], 1, 2, keep=4).continuations(1, 4) == [[9]]  # deduplicated
+
+
+# ---------------------------------------------------------------- names, recipe, refusals
+
+
+def test_tree_names():
+    upper = get_mode("upper")
+    assert make_drafter("ngram-tree") == NgramTree(4)
+    assert make_drafter("ngram-tree:2") == NgramTree(2)
+    assert make_drafter("tree:upper:3") == SelfDraftTree(upper, 3)
+    assert make_drafter("tree:w4a16") == SelfDraftTree(get_mode("w4a16"), 4)
+    assert make_drafter("hybrid:3") == HybridDrafter(3)
+    assert make_drafter("ngram-tree:1") == NgramDrafter()  # one branch: the chain drafter (sampling works)
+    assert make_drafter("tree:upper:1") == SelfDraft(upper)
+    for bad, needle in (("hybrid:1", "at least 2 branches"), ("ngram-tree:0", "at least 1 branch"),
+                        ("tree:w9a9", "unknown mode 'w9a9'"), ("ngram-tree:x", "ngram-tree"), ("tree", "tree:MODE"),
+                        ("hybrid:x", "unknown tree drafter")):
+        with pytest.raises(SelfspecError, match=needle):
+            make_drafter(bad)
+
+
+def test_hybrid_recipe():
+    r = resolve_recipe("hybrid")
+    assert (r.storage, r.verify, r.draft) == ("planes", "full", "hybrid")
+    assert resolve_recipe("planes", draft="tree:upper:2").storage == "planes"
+    assert resolve_recipe("qspec", draft="tree:w4a4").storage == "int4"
+    with pytest.raises(SelfspecError, match="no stored weight format"):
+        resolve_recipe("hybrid", verify="w4a16", draft="tree:bf16")
+    with pytest.raises(SelfspecError, match="not one"):
+        resolve_recipe("layerskip", draft="hybrid")
+
+
+def test_hybrid_recipe_generates_ar_output(llm):
+    assert isinstance(llm.drafter, HybridDrafter)
+    for p in REPETITIVE[:2]:
+        out = llm.generate(p, greedy(12), gamma=4)  # fixed: the CPU-measured policy may not draft at all
+        assert out.token_ids == llm.generate(p, greedy(12), gamma=0).token_ids
+        assert out.stats.draft_accepted > 0
+
+
+# ---------------------------------------------------------------- sampling: multi-candidate rejection sampling
+
+# Every token a is followed by a + 1, a + 3 and a + 5 (mod 16) in the prompt: the n-gram tree proposes three
+# candidates for token 1 whatever token 0 is.
+SAMPLING_PROMPT = list(range(VOCAB)) + [(3 * i + 1) % VOCAB for i in range(VOCAB)] + [(5 * i + 2) % VOCAB
+                                                                                      for i in range(VOCAB)]
+
+
+@pytest.fixture(scope="module")
+def sampling_model():
+    """A one-layer model over 16 tokens (planes storage: `upper` drafts for hybrid) and the exact verify
+    probabilities of tokens 0, 1 and 2."""
+    cfg, sd, _ = tiny_model("llama", seed=9, vocab_size=VOCAB, eos_token_id=None, num_hidden_layers=1)
+    llm = build(cfg, sd, None, resolve_recipe("hybrid"), group_size=32)
+    prompt, params, m = SAMPLING_PROMPT, SamplingParams(**SAMPLING), llm.model
+    p0 = next_probs(m, [prompt], llm.verify_mode, params)[tuple(prompt)]
+    p1 = next_probs(m, [prompt + [a] for a in range(VOCAB)], llm.verify_mode, params)
+    p2 = next_probs(m, [prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)], llm.verify_mode, params)
+    return llm, p0, p1, p2
+
+
+def first_candidates(llm, name: str, prefix: list[int]) -> set[int]:
+    """The distinct first tokens a tree drafter proposes after `prefix` (prompt + token 0)."""
+    if name.startswith("ngram"):
+        return {c[0] for c in llm.drafter.history(prefix).continuations(2, llm.drafter.branches)}
+    logits = llm.model(torch.tensor([prefix]), torch.arange(len(prefix)), llm.model.new_cache(len(prefix)),
+                       llm.drafter.mode)[0, -1]
+    return set(logits.topk(llm.drafter.branches).indices.tolist())  # the draft mode's top B
+
+
+@pytest.mark.parametrize("name", ["ngram-tree:3", "tree:upper:3", "hybrid:3"])
+def test_tree_sampling_matches_verify_distribution(sampling_model, name):
+    """Temperature 1, 1000 seeds: tokens 0, 1 and 2 follow the verify distribution (chi-square), and token 1 is an
+    accepted candidate with probability sum p(c) over the candidates (not 1 - prod(1 - p(c)), as it would be had
+    rejected candidates not been taken out of p: the self-draft tree's candidates hold most of p, so this tells
+    the two apart)."""
+    llm, p0, p1, p2 = sampling_model
+    llm.drafter = make_drafter(name)
+    n, prompt = 1000, SAMPLING_PROMPT
+    rows = draw(llm, prompt, n, gamma=2)
+    check_against_verify(rows, prompt, p0, p1, p2)
+    t0, acc = rows[:, 0].tolist(), rows[:, 3].bool()
+    assert 0.1 * n < int(acc.sum()) < 0.95 * n
+    if name.startswith("hybrid"):  # its chain branch is sampled: candidates known only in the run
+        return
+    firsts = {a: first_candidates(llm, name, prompt + [a]) for a in range(VOCAB)}
+    assert all(len(f) == 3 for f in firsts.values())
+    p_tree = torch.tensor([sum(float(p1[tuple(prompt + [a])][c]) for c in firsts[a]) for a in t0])
+    assert abs(int(acc.sum()) - p_tree.sum()) < 4 * math.sqrt((p_tree * (1 - p_tree)).sum()) + 1
+
+
+def test_engine_refuses_trees(llm):
+    with pytest.raises(SelfspecError, match="selfspec generate"):
+        Engine(llm)
+
+
+# ---------------------------------------------------------------- SmolLM2
+
+
+SMOLLM2_PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+                   "The quick brown fox jumps over the lazy dog. The quick brown fox"]
+
+
+@pytest.mark.parametrize("name", ["ngram-tree:3", "hybrid:3"])
+def test_greedy_tree_equals_ar_on_smollm2(smollm2, name):
+    llm = smollm2("hybrid")
+    llm.drafter = make_drafter(name)
+    p = greedy(16)
+    accepted = 0
+    for prompt in SMOLLM2_PROMPTS:
+        out = llm.generate(prompt, p, gamma=4)
+        assert out.token_ids == llm.generate(prompt, p, gamma=0).token_ids, (name, prompt)
+        accepted += out.stats.draft_accepted
+    assert accepted > 0
