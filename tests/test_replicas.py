@@ -90,7 +90,7 @@ def test_killing_a_replica_loses_no_request_it_had_not_started(url):
         """("done", finish reason) or ("failed", message); `started[i]` is set once a replica admitted it."""
         try:
             stream = client(url).chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=24,
+                model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=8,
                 temperature=0, stream=True)
             finish = None
             for chunk in stream:  # the first chunk (the role) is sent once a replica admitted the request

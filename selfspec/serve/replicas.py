@@ -48,6 +48,7 @@ ADMIT_TIMEOUT_S = 60.0  # how long a request may go on finding a live replica (R
 RETRY_WAIT_S = 0.1
 REPLICA_LOST = "the engine replica running this request failed mid-generation; retry the request"
 FRONT_MAX_ONGOING = 100_000  # the front only relays: the replicas' --max-batch and --max-queue bound the work
+QUIET = {"enable_access_log": False}  # Ray Serve would log every request and every replica call
 
 
 class LeastLoadedRouter(RequestRouter):
@@ -214,10 +215,10 @@ def build_app(args: argparse.Namespace, gpus_per_replica: int) -> serve.Applicat
     replica_resources = {"num_gpus": 1} if gpus_per_replica else {"num_cpus": 1}
     engines = serve.deployment(EngineReplica).options(
         num_replicas=args.replicas, max_ongoing_requests=args.max_batch, max_queued_requests=args.max_queue,
-        ray_actor_options=replica_resources,
+        ray_actor_options=replica_resources, logging_config=QUIET,
         request_router_config=RequestRouterConfig(request_router_class=LeastLoadedRouter))
     front = serve.deployment(Front).options(num_replicas=1, max_ongoing_requests=FRONT_MAX_ONGOING,
-                                            ray_actor_options={"num_cpus": 0})
+                                            ray_actor_options={"num_cpus": 0}, logging_config=QUIET)
     return front.bind(engines.bind(args), served_model_name(args), args.max_request_bytes)
 
 
