@@ -76,6 +76,7 @@ def test_64_concurrent_requests_equal_the_library(url, llm):
     generated = sum(a.usage.completion_tokens for a in answers)
     assert metric(url, "generation_tokens_total") - tokens_before == generated  # both replicas' tokens, summed
     assert metric(url, "kv_blocks_total") > 0
+    assert metric(url, "kv_blocks_used") == 0  # each replica's latest state: idle again
 
 
 def replica_actor_names() -> list[str]:
@@ -115,5 +116,5 @@ def test_killing_a_replica_loses_no_request_it_had_not_started(url):
     failed = [(i, message) for i, (status, message) in enumerate(results) if status == "failed"]
     assert all(started[i].is_set() for i, _ in failed), "a request that had not started was lost"
     assert all(REPLICA_LOST in message for _, message in failed), failed
-    assert len(failed) <= MAX_BATCH  # at most what the killed replica was decoding
+    assert 0 < len(failed) <= MAX_BATCH  # what the killed replica was decoding (7 of 9 started in one run)
     assert all(finish in ("stop", "length") for status, finish in results if status == "done")

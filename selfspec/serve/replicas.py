@@ -64,12 +64,14 @@ class EngineReplica:
     def __init__(self, args: argparse.Namespace):
         engine = build_engine(args)
         self.prompts = PromptSide.of(engine.llm)
+        self.idle_stats = engine.stats()
         self.runner = EngineRunner(engine, ServerMetrics(lambda: self.runner.latest_stats))
         self.runner.start()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
-    def prompt_side(self) -> PromptSide:
-        return self.prompts
+    def prompt_side(self) -> tuple[PromptSide, EngineStats]:
+        """The tokenizer and config the front needs, and an idle replica's stats (every replica's until it reports)."""
+        return self.prompts, self.idle_stats
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        gamma: int | None) -> AsyncIterator[tuple[RequestOutput | None, str, EngineStats | None]]:
@@ -96,15 +98,16 @@ class EngineReplica:
 class ReplicaRunner:
     """The front's runner (app.py's Runner): requests go to the engine replicas through a Ray Serve handle."""
 
-    def __init__(self, engines: DeploymentHandle, metrics: ServerMetrics):
-        self.engines, self.metrics = engines, metrics
+    def __init__(self, engines: DeploymentHandle, metrics: ServerMetrics, replicas: int, idle_stats: EngineStats):
+        self.engines, self.metrics, self.replicas, self.idle_stats = engines, metrics, replicas, idle_stats
         self.replica_stats: dict[str, EngineStats] = {}
         self._pumps: dict[str, asyncio.Task] = {}
         self._accepting = True
 
     @property
     def latest_stats(self) -> EngineStats | None:
-        return sum_stats(list(self.replica_stats.values()))
+        reported = list(self.replica_stats.values())
+        return sum_stats(reported + [self.idle_stats] * (self.replicas - len(reported)))  # the rest are idle
 
     @property
     def alive(self) -> bool:
@@ -150,6 +153,9 @@ class ReplicaRunner:
                 log.warning("an engine replica failed before admitting %s; sending it to another", request_id)
                 await asyncio.sleep(RETRY_WAIT_S)
                 continue
+            except asyncio.CancelledError:
+                outputs.cancel()  # the client left while the request waited: it must not start later
+                raise
             except BackPressureError:
                 raise QueueFull("every engine replica is busy and the front's queue is full; retry later") from None
             except RayTaskError as e:
@@ -183,10 +189,8 @@ class ReplicaRunner:
                                                   message))
 
 
-def sum_stats(stats: list[EngineStats]) -> EngineStats | None:
+def sum_stats(stats: list[EngineStats]) -> EngineStats:
     """The replicas' engine stats added up (gamma: the largest; acceptance: unknown across replicas)."""
-    if not stats:
-        return None
     total = {f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)
              if f.name not in ("gamma", "acceptance")}
     return EngineStats(**total, gamma=max(s.gamma for s in stats), acceptance=None)
@@ -194,13 +198,14 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats | None:
 
 @serve.ingress()
 class Front:
-    def __init__(self, engines: DeploymentHandle, model_name: str, max_request_bytes: int):
-        self.engines, self.model_name, self.max_request_bytes = engines, model_name, max_request_bytes
+    def __init__(self, engines: DeploymentHandle, replicas: int, model_name: str, max_request_bytes: int):
+        self.engines, self.replicas = engines, replicas
+        self.model_name, self.max_request_bytes = model_name, max_request_bytes
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
-        prompts = await self.engines.prompt_side.remote()
+        prompts, idle_stats = await self.engines.prompt_side.remote()
         metrics = ServerMetrics(lambda: runner.latest_stats)
-        runner = ReplicaRunner(self.engines, metrics)
+        runner = ReplicaRunner(self.engines, metrics, self.replicas, idle_stats)
 
         @asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -219,7 +224,7 @@ def build_app(args: argparse.Namespace, gpus_per_replica: int) -> serve.Applicat
         request_router_config=RequestRouterConfig(request_router_class=LeastLoadedRouter))
     front = serve.deployment(Front).options(num_replicas=1, max_ongoing_requests=FRONT_MAX_ONGOING,
                                             ray_actor_options={"num_cpus": 0}, logging_config=QUIET)
-    return front.bind(engines.bind(args), served_model_name(args), args.max_request_bytes)
+    return front.bind(engines.bind(args), args.replicas, served_model_name(args), args.max_request_bytes)
 
 
 def start(args: argparse.Namespace) -> str:
