@@ -36,7 +36,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from selfspec.engine.engine import EngineStats, QueueFull, RequestOutput
 from selfspec.engine.llm import Generation
-from selfspec.serve.app import PromptSide, openai_app
+from selfspec.serve.app import APIError, PromptSide, openai_app
 from selfspec.serve.metrics import ServerMetrics
 from selfspec.serve.runner import EngineRunner, ServerShuttingDown, Stream, observe
 from selfspec.serve.server import build_engine, served_model_name
@@ -148,8 +148,9 @@ class ReplicaRunner:
                 _, replica, stats = await outputs.__anext__()
             except (RayActorError, ActorUnavailableError) as e:
                 if time.monotonic() > deadline:
-                    raise ServerShuttingDown(f"no engine replica admitted the request in {ADMIT_TIMEOUT_S:.0f} s "
-                                             f"(the last one failed: {e}); retry later") from None
+                    raise APIError(503, f"no engine replica admitted the request in {ADMIT_TIMEOUT_S:.0f} s "
+                                   f"(the last one failed: {e}); retry later", type="server_error",
+                                   code="no_live_replica") from None
                 log.warning("an engine replica failed before admitting %s; sending it to another", request_id)
                 await asyncio.sleep(RETRY_WAIT_S)
                 continue
