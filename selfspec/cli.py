@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "those still running then end with a 503 or a stream error event")
     s.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest request body accepted; bigger ones get 413 (default: 1 MiB)")
+    s.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas behind the one endpoint, on Ray Serve (one GPU each where there are GPUs)")
+    s.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join for the replicas (default: start a local one); implies Ray Serve")
     return parser
 
 

@@ -511,7 +511,7 @@ def test_load_with_faults_stalls_and_a_sigterm_loses_nothing(smollm2):
 
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-batch", "0"], ["--max-queue", "-1"],
                                   ["--num-blocks", "0"], ["--shutdown-timeout", "-1"],
-                                  ["--max-request-bytes", "0"]])
+                                  ["--max-request-bytes", "0"], ["--replicas", "0"]])
 def test_serve_refuses_bad_arguments_before_loading(argv, capsys):
     assert main(["serve", *argv]) == 2
     assert capsys.readouterr().err.startswith("selfspec: error: --")

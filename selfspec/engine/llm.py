@@ -63,24 +63,7 @@ class LLM:
             self.eos_ids.add(tokenizer.eos_token_id)
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        if isinstance(prompt, list):
-            ids = prompt
-        else:
-            check_prompt(prompt)
-            if self.tokenizer is None:
-                raise SelfspecError("this model has no tokenizer files; pass token ids instead of text")
-            if chat:
-                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                         add_generation_prompt=True, tokenize=True)
-                ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-            else:
-                ids = self.tokenizer.encode(prompt)
-        if not ids:
-            raise SelfspecError("the prompt is empty after tokenization")
-        limit = self.model.cfg.max_seq_len
-        if len(ids) >= limit:
-            raise SelfspecError(f"the prompt has {len(ids)} tokens; the model's context window is {limit}")
-        return ids
+        return encode_prompt(self.tokenizer, self.model.cfg.max_seq_len, prompt, chat)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, chat: bool = False,
                gamma: int | None = None) -> Iterator[tuple[str, list[int], Generation]]:
@@ -152,6 +135,27 @@ class LLM:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def encode_prompt(tokenizer, max_seq_len: int, prompt: str | list[int], chat: bool = False) -> list[int]:
+    """Token ids of `prompt` (text, or ids as they are), checked to fit a context of `max_seq_len`."""
+    if isinstance(prompt, list):
+        ids = prompt
+    else:
+        check_prompt(prompt)
+        if tokenizer is None:
+            raise SelfspecError("this model has no tokenizer files; pass token ids instead of text")
+        if chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        else:
+            ids = tokenizer.encode(prompt)
+    if not ids:
+        raise SelfspecError("the prompt is empty after tokenization")
+    if len(ids) >= max_seq_len:
+        raise SelfspecError(f"the prompt has {len(ids)} tokens; the model's context window is {max_seq_len}")
+    return ids
 
 
 def check_prompt(prompt: str) -> None:

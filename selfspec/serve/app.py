@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes in front of an EngineRunner.
+"""The FastAPI app: OpenAI routes in front of a runner (an EngineRunner, or engine replicas: serve/replicas.py).
 
 Error statuses (OpenAI's body `{"error": {"message", "type", "param", "code"}}` on every one):
 400 invalid_request_error  malformed JSON, wrong types, unknown or unsupported parameters, n > 1, bad sampling
@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from contextlib import asynccontextmanager
-from typing import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -28,8 +29,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from selfspec.config import ModelConfig
 from selfspec.engine.engine import Engine, QueueFull, RequestOutput
-from selfspec.engine.llm import LLM
+from selfspec.engine.llm import LLM, encode_prompt
 from selfspec.errors import SelfspecError
 from selfspec.serve.metrics import ServerMetrics
 from selfspec.serve.protocol import (
@@ -49,7 +51,7 @@ from selfspec.serve.protocol import (
     ModelList,
     Usage,
 )
-from selfspec.serve.runner import SHUTDOWN, EngineRunner, ServerShuttingDown
+from selfspec.serve.runner import SHUTDOWN, EngineRunner, Runner, ServerShuttingDown
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client has gone away
 RETRY_AFTER_S = 1
@@ -72,10 +74,24 @@ class APIError(Exception):
         self.headers = headers
 
 
+@dataclass
+class PromptSide:
+    """What the routes need of the model: its tokenizer and config (a replicated server's front holds these alone;
+    the weights stay in the engine replicas)."""
+    tokenizer: Any
+    cfg: ModelConfig
+
+    @classmethod
+    def of(cls, llm: LLM) -> PromptSide:
+        return cls(llm.tokenizer, llm.model.cfg)
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return encode_prompt(self.tokenizer, self.cfg.max_seq_len, prompt)
+
+
 def create_app(engine: Engine, model_name: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """An app serving `engine` under the model id `model_name`; the lifespan starts and stops the engine thread.
     Bodies over `max_request_bytes` get 413."""
-    llm: LLM = engine.llm
     metrics = ServerMetrics(lambda: runner.latest_stats)  # read at scrape time, once the runner exists
     runner = EngineRunner(engine, metrics)
 
@@ -85,6 +101,13 @@ def create_app(engine: Engine, model_name: str, max_request_bytes: int = DEFAULT
         yield
         await asyncio.to_thread(runner.shutdown)
 
+    return openai_app(runner, PromptSide.of(engine.llm), model_name, metrics, lifespan, max_request_bytes)
+
+
+def openai_app(runner: Runner, prompts: PromptSide, model_name: str, metrics: ServerMetrics,
+               lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]],
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The OpenAI routes in front of `runner` (one engine in this process, or engine replicas elsewhere)."""
     app = FastAPI(title="selfspec", lifespan=lifespan)
     app.state.runner = runner  # the server drains it on SIGINT / SIGTERM
     add_error_handlers(app, metrics)
@@ -104,7 +127,7 @@ def create_app(engine: Engine, model_name: str, max_request_bytes: int = DEFAULT
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=llm.model.cfg.max_seq_len)])
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=prompts.cfg.max_seq_len)])
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -114,9 +137,9 @@ def create_app(engine: Engine, model_name: str, max_request_bytes: int = DEFAULT
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         check_model(req.model)
         # tokenizers run in a worker thread: a long prompt must not hold up every other client on the event loop
-        prompt_ids = check_token_ids(llm, await asyncio.to_thread(llm.encode, req.prompt))
+        prompt_ids = check_token_ids(prompts, await asyncio.to_thread(prompts.encode, req.prompt))
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs = submit(runner, llm, request_id, prompt_ids, req, COMPLETION_DEFAULT_MAX_TOKENS)
+        outputs = await submit(runner, prompts, request_id, prompt_ids, req, COMPLETION_DEFAULT_MAX_TOKENS)
         if req.stream:
             return event_stream(runner, request_id, completion_events(req, model_name, request_id, len(prompt_ids),
                                                                        watch(outputs, raw)))
@@ -128,9 +151,9 @@ def create_app(engine: Engine, model_name: str, max_request_bytes: int = DEFAULT
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         check_model(req.model)
-        prompt_ids = await asyncio.to_thread(chat_prompt_ids, llm, req)
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, prompts, req)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = submit(runner, llm, request_id, prompt_ids, req, CHAT_DEFAULT_MAX_TOKENS)
+        outputs = await submit(runner, prompts, request_id, prompt_ids, req, CHAT_DEFAULT_MAX_TOKENS)
         if req.stream:
             return event_stream(runner, request_id, chat_events(req, model_name, request_id, len(prompt_ids),
                                                                  watch(outputs, raw)))
@@ -232,25 +255,25 @@ class AnswerCancelled:
         await send({"type": "http.response.body", "body": response.body})
 
 
-def check_token_ids(llm: LLM, ids: list[int]) -> list[int]:
-    vocab = llm.model.cfg.vocab_size
+def check_token_ids(prompts: PromptSide, ids: list[int]) -> list[int]:
+    vocab = prompts.cfg.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
     return ids
 
 
-def chat_prompt_ids(llm: LLM, req: ChatCompletionRequest) -> list[int]:
+def chat_prompt_ids(prompts: PromptSide, req: ChatCompletionRequest) -> list[int]:
     """The chat template applied to the whole conversation, ending with the assistant's turn."""
-    if llm.tokenizer is None:
+    if prompts.tokenizer is None:
         raise SelfspecError("this model has no tokenizer files, so it cannot serve chat completions")
     try:
-        text = llm.tokenizer.apply_chat_template([m.for_template() for m in req.messages],
+        text = prompts.tokenizer.apply_chat_template([m.for_template() for m in req.messages],
                                                  add_generation_prompt=True, tokenize=False)
     except jinja2.TemplateError as e:
         raise APIError(400, f"the model's chat template refused these messages: {e}", param="messages") from e
     # add_special_tokens=False: the template already wrote them (apply_chat_template(tokenize=True) does the same)
-    return llm.encode(llm.tokenizer.encode(text, add_special_tokens=False))
+    return prompts.encode(prompts.tokenizer.encode(text, add_special_tokens=False))
 
 
 def resolve_max_tokens(requested: int | None, default: int, prompt_len: int, context: int) -> int:
@@ -267,12 +290,12 @@ def resolve_max_tokens(requested: int | None, default: int, prompt_len: int, con
     return requested
 
 
-def submit(runner: EngineRunner, llm: LLM, request_id: str, prompt_ids: list[int],
-           req: CompletionRequest | ChatCompletionRequest,
-           default_max_tokens: int) -> asyncio.Queue[RequestOutput]:
+async def submit(runner: Runner, prompts: PromptSide, request_id: str, prompt_ids: list[int],
+                 req: CompletionRequest | ChatCompletionRequest,
+                 default_max_tokens: int) -> asyncio.Queue[RequestOutput]:
     max_tokens = resolve_max_tokens(req.requested_max_tokens, default_max_tokens, len(prompt_ids),
-                                    llm.model.cfg.max_seq_len)
-    return runner.add_request(request_id, prompt_ids, req.sampling_params(max_tokens), req.gamma)
+                                    prompts.cfg.max_seq_len)
+    return await runner.add_request(request_id, prompt_ids, req.sampling_params(max_tokens), req.gamma)
 
 
 async def watch(outputs: asyncio.Queue[RequestOutput], raw: Request) -> AsyncIterator[RequestOutput]:
@@ -295,7 +318,7 @@ async def watch(outputs: asyncio.Queue[RequestOutput], raw: Request) -> AsyncIte
             return
 
 
-async def collect(runner: EngineRunner, request_id: str,
+async def collect(runner: Runner, request_id: str,
                   outputs: AsyncIterator[RequestOutput]) -> tuple[str, RequestOutput, int]:
     """(text, finished output, token count) of a non-streamed request; 500 if it failed."""
     parts, final, n_tokens = [], None, 0
@@ -338,7 +361,7 @@ def shutdown_error() -> ErrorResponse:
     return ErrorResponse(error=ErrorInfo(message=SHUTDOWN_MESSAGE, type="server_error", code="shutting_down"))
 
 
-def event_stream(runner: EngineRunner, request_id: str, events: AsyncIterator[str]) -> StreamingResponse:
+def event_stream(runner: Runner, request_id: str, events: AsyncIterator[str]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:

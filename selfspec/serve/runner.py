@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from selfspec.engine.engine import Engine, EngineStats, RequestOutput
 from selfspec.engine.llm import Generation
@@ -35,6 +36,22 @@ class Stream:
     loop: asyncio.AbstractEventLoop
     arrival: float
     last_token_at: float | None = None
+
+
+class Runner(Protocol):
+    """What the routes use: an EngineRunner here, or the front of engine replicas (serve/replicas.py)."""
+    latest_stats: EngineStats | None
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def accepting(self) -> bool: ...
+
+    async def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                          gamma: int | None = None) -> asyncio.Queue[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
 
 
 class EngineRunner:
@@ -75,8 +92,8 @@ class EngineRunner:
         for request_id in list(self._streams):
             self._fail(request_id, SHUTDOWN, "the server shut down before this request finished")
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    gamma: int | None = None) -> asyncio.Queue[RequestOutput]:
+    async def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                          gamma: int | None = None) -> asyncio.Queue[RequestOutput]:
         """Admit a request; raises SelfspecError (bad input), QueueFull, or ServerShuttingDown."""
         if not self._accepting:
             raise ServerShuttingDown("the server is shutting down; retry on another instance")
@@ -119,9 +136,9 @@ class EngineRunner:
                 for request_id in list(self._streams):
                     self._fail(request_id, "error", f"engine failure: {e}")
                 continue
+            self.latest_stats = self.engine.stats()  # before the outputs: a finished one carries its aftermath
             for out in outputs:
                 self._dispatch(out)
-            self.latest_stats = self.engine.stats()
         self._apply_aborts()
         if self.engine.has_work():  # every request was ended: this step only applies their aborts (frees blocks)
             self.engine.step()
@@ -146,7 +163,7 @@ class EngineRunner:
         stream = self._streams.get(out.request_id)
         if stream is None:  # aborted while this step ran
             return
-        self._observe(stream, out)
+        observe(self.metrics, stream, out)
         if out.finished:
             self._streams.pop(out.request_id, None)
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
@@ -167,15 +184,17 @@ class EngineRunner:
             self._wakeup.set()
         return stream
 
-    def _observe(self, stream: Stream, out: RequestOutput) -> None:
-        m, now, n = self.metrics, time.perf_counter(), len(out.new_token_ids)
-        if n:
-            if stream.last_token_at is None:
-                m.ttft.observe(now - stream.arrival)
-            else:
-                m.itl.observe((now - stream.last_token_at) / n)
-            stream.last_token_at = now
-            m.generation_tokens.inc(n)
-        if out.finished:
-            m.finished.labels(out.finish_reason or "unknown").inc()
-            m.e2e.observe(now - stream.arrival)
+
+def observe(m: ServerMetrics, stream: Stream, out: RequestOutput) -> None:
+    """Record a request's output in the request-level series (tokens, TTFT, ITL, end-to-end, finish reason)."""
+    now, n = time.perf_counter(), len(out.new_token_ids)
+    if n:
+        if stream.last_token_at is None:
+            m.ttft.observe(now - stream.arrival)
+        else:
+            m.itl.observe((now - stream.last_token_at) / n)
+        stream.last_token_at = now
+        m.generation_tokens.inc(n)
+    if out.finished:
+        m.finished.labels(out.finish_reason or "unknown").inc()
+        m.e2e.observe(now - stream.arrival)

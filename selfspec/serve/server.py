@@ -6,11 +6,15 @@ import asyncio
 import socket
 import time
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from selfspec.errors import SelfspecError
 from selfspec.serve.runner import EngineRunner
+
+if TYPE_CHECKING:
+    from selfspec.engine.engine import Engine
 
 DRAIN_POLL_S = 0.05
 # After the drain, how long uvicorn lets the last answers reach their clients before it cancels what is left
@@ -62,23 +66,40 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise SelfspecError(f"--num-blocks must be >= 1, got {args.num_blocks}")
     if args.max_request_bytes < 1:
         raise SelfspecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.replicas < 1:
+        raise SelfspecError(f"--replicas must be >= 1, got {args.replicas}")
     if args.shutdown_timeout < 0:
         raise SelfspecError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
 
 
-def serve(args: argparse.Namespace) -> None:
+def build_engine(args: argparse.Namespace) -> Engine:
+    """The model loaded as `selfspec serve` asks, in an engine warmed up for its first request."""
     import selfspec
     from selfspec.engine.engine import Engine
-    from selfspec.loading.named import DEFAULT_MODEL
-    from selfspec.serve.app import create_app
 
-    check_serve_args(args)
     llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device,
                         draft_model=args.draft_model)
     engine = Engine(llm, max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
                     max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, max_gamma=args.gamma)
     engine.warm_up()  # on the GPU: capture every decode pass's CUDA graph before the first request waits on one
-    model_name = args.served_model_name or args.model or DEFAULT_MODEL
+    return engine
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    from selfspec.loading.named import DEFAULT_MODEL
+
+    return args.served_model_name or args.model or DEFAULT_MODEL
+
+
+def serve(args: argparse.Namespace) -> None:
+    from selfspec.serve.app import create_app
+
+    check_serve_args(args)
+    if args.replicas > 1 or args.ray_address is not None:
+        from selfspec.serve.replicas import serve_replicas
+        return serve_replicas(args)
+    engine = build_engine(args)
+    llm, model_name = engine.llm, served_model_name(args)
     print(f"selfspec: serving {llm.description} as `{model_name}` (recipe {llm.recipe.name}, up to {args.gamma} "
           f"drafts per round) on http://{args.host}:{args.port}/v1", flush=True)
     app = create_app(engine, model_name, args.max_request_bytes)
