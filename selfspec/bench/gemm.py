@@ -1,5 +1,6 @@
 """Per-layer GEMM time vs M for every mode, on the GPU: our op table vs cuBLAS BF16 (and torch._int_mm, cuBLAS's
-int8 GEMM, for the int8-activation modes), and the bandwidth reached.
+int8 GEMM, for the int8-activation modes), and the bandwidth reached. "(prompt)" rows: the same weights read as
+prompt tokens read them (Mode.prompt: dequantized to bf16, then the bf16 GEMM), past 16 rows.
 
 python -m selfspec.bench.gemm [--shape llama-3-8b] [--m 1 16 64 256 1024 4096]
 """
@@ -14,7 +15,7 @@ from selfspec.bench.device import copies_past_l2, copy_bandwidth, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import linear
 from selfspec.quant.formats import quantize_weight, storage_supports
-from selfspec.quant.modes import MODES
+from selfspec.quant.modes import MODES, prompt_mode
 
 # (storage, mode) pairs measured: each mode from the cheapest storage that runs it, plus the plane views.
 PAIRS = [("dense", "bf16"), ("int8", "w8a16"), ("int8", "w8a8"), ("int4", "w4a16"), ("int4", "w4a8"),
@@ -37,6 +38,11 @@ def measure(shape: str, ms: list[int], group_size: int = 128) -> list[dict]:
                 t = graph_time_ms([lambda w=w, m=m: linear(xs[m], w, mode) for w in weights])
                 rows.append({"gemm": name, "n": n, "k": k, "storage": storage, "mode": mode_name, "m": m,
                              "ms": t, "gb_per_s": nbytes / t / 1e6})
+            if storage != "dense" and mode.act_bits is None:  # prompt tokens: dequantized, then the bf16 GEMM
+                for m in (m for m in ms if m > 16):
+                    t = graph_time_ms([lambda w=w, m=m: linear(xs[m], w, prompt_mode(mode)) for w in weights])
+                    rows.append({"gemm": name, "n": n, "k": k, "storage": storage, "mode": f"{mode_name} (prompt)",
+                                 "m": m, "ms": t, "gb_per_s": nbytes / t / 1e6})
             del weights
         dense = [w.bfloat16() for w in ws]
         for m in ms:
