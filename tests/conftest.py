@@ -152,3 +152,16 @@ def check_mixed_batch_equals_solo(llm, prompts: list[list[int]]):
     tokens = served_tokens(engine)
     assert [tokens[str(i)] for i in range(len(ps))] == refs
     return engine.stats()
+
+
+class RecordedPasses:
+    """The model, recording each pass's token shape (rows, tokens per row); the decoding loop takes it for the
+    model."""
+
+    def __init__(self, model):
+        self.model, self.shapes = model, []
+        self.device, self.cfg, self.new_cache = model.device, model.cfg, model.new_cache
+
+    def __call__(self, tokens, *args, **kwargs):
+        self.shapes.append(tuple(tokens.shape))
+        return self.model(tokens, *args, **kwargs)

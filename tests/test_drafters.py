@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import check_mixed_batch_equals_solo, tiny_model
+from conftest import RecordedPasses, check_mixed_batch_equals_solo, tiny_model
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.speculative.drafters import NgramDrafter, SelfDraft, TokenHistory, make_drafter
@@ -127,18 +127,6 @@ def test_greedy_ngram_equals_ar(llm, gamma):
     assert rounds_without > 0  # rows without a full proposal were verified too
 
 
-class PassWidths:
-    """The model, recording the tokens per row of each pass."""
-
-    def __init__(self, model):
-        self.model, self.widths = model, []
-        self.device, self.cfg, self.new_cache = model.device, model.cfg, model.new_cache
-
-    def __call__(self, tokens, *args, **kwargs):
-        self.widths.append(tokens.shape[1])
-        return self.model(tokens, *args, **kwargs)
-
-
 def test_verify_pass_stops_at_the_longest_proposal(llm):
     """Each round verifies the pending token and the proposal only (no padding to gamma): a round without a
     match is a one-token plain step."""
@@ -147,10 +135,10 @@ def test_verify_pass_stops_at_the_longest_proposal(llm):
 
     plain_steps = 0
     for prompt in REPETITIVE:
-        model, stats = PassWidths(llm.model), GenerationStats()
+        model, stats = RecordedPasses(llm.model), GenerationStats()
         for _ in decode(model, prompt, llm.verify_mode, NgramDrafter(), 6, greedy(30), stats):
             pass  # to the end of the cache
-        rounds = model.widths[1:]  # [0]: the prefill
+        rounds = [width for _, width in model.shapes[1:]]  # [0]: the prefill
         assert len(rounds) == stats.rounds and sum(rounds) == stats.rounds + stats.draft_proposed
         plain_steps += rounds.count(1)
     assert plain_steps > 0

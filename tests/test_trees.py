@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import RecordedPasses, tiny_model
 from selfspec.engine.engine import Engine
 from selfspec.engine.llm import build
 from selfspec.engine.stats import GenerationStats
@@ -39,18 +39,6 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, ignore_eos=True)
 
 
-class PassRows:
-    """The model, recording the rows of each pass."""
-
-    def __init__(self, model):
-        self.model, self.rows = model, []
-        self.device, self.cfg, self.new_cache = model.device, model.cfg, model.new_cache
-
-    def __call__(self, tokens, *args, **kwargs):
-        self.rows.append(tokens.shape[0])
-        return self.model(tokens, *args, **kwargs)
-
-
 def run(model, prompt, verify, drafter, gamma, n, cache=None) -> tuple[list[int], GenerationStats]:
     """Decode until n tokens are emitted (the last round may emit past n)."""
     stats, out = GenerationStats(), []
@@ -70,7 +58,7 @@ def run(model, prompt, verify, drafter, gamma, n, cache=None) -> tuple[list[int]
 def test_greedy_tree_equals_ar(llm, name, gamma):
     drafter, verify = make_drafter(name), llm.verify_mode
     accepted = proposed = 0
-    model = PassRows(llm.model)
+    model = RecordedPasses(llm.model)
     for p in REPETITIVE:
         ref, _ = run(llm.model, p, verify, None, 0, 30)
         out, stats = run(model, p, verify, drafter, gamma, 30)
@@ -78,7 +66,7 @@ def test_greedy_tree_equals_ar(llm, name, gamma):
         accepted, proposed = accepted + stats.draft_accepted, proposed + stats.draft_proposed
     assert 0 < accepted  # drafts were accepted: the branches' tokens were emitted, not only the verify's
     if gamma > 1:  # (one-token continuations of these random texts mostly coincide)
-        assert max(model.rows) > 1  # several branches were verified in one pass
+        assert max(rows for rows, _ in model.shapes) > 1  # several branches were verified in one pass
 
 
 class FixedBranches(TreeDrafter):
