@@ -131,6 +131,9 @@ class Engine:
             if value < 1:
                 raise SelfspecError(f"{name} must be >= 1, got {value}")
         check_gamma(max_gamma)
+        if llm.recipe.kv != "bf16":
+            raise SelfspecError(f"the serving engine keeps a paged bf16 KV cache; recipe '{llm.recipe.name}' "
+                                f"(KV cache {llm.recipe.kv}) runs on the solo path only: selfspec generate")
         cfg = llm.model.cfg
         self.llm = llm
         self.max_batch = max_batch

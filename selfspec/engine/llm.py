@@ -40,8 +40,11 @@ class LLM:
             raise SelfspecError("recipe 'draft-model' and a DraftModel go together: load the draft model with "
                                 "selfspec.load(..., recipe='draft-model', draft_model=NAME_OR_PATH)")
         self.model = model
-        # On the GPU, decode steps replay CUDA graphs (the host would otherwise set the speed).
-        self.runner = GraphedModel(model) if model.device.type == "cuda" else model
+        model.set_kv_format(recipe.kv, recipe.kv_group)
+        # On the GPU, decode steps replay CUDA graphs (the host would otherwise set the speed); a quantized KV
+        # cache moves its buffer on the host between passes, so it runs eagerly.
+        graphed = model.device.type == "cuda" and recipe.kv == "bf16"
+        self.runner = GraphedModel(model) if graphed else model
         self.tokenizer = tokenizer
         self.recipe = recipe
         self.gamma = gamma
@@ -52,6 +55,8 @@ class LLM:
             self.description += f"; {drafter.describe()}"
         if isinstance(self.drafter, SelfDraft) and recipe.skip_layers:  # layer-skip: the draft mode skips them
             self.drafter = SelfDraft(replace(self.drafter.mode, skip_layers=frozenset(recipe.skip_layers)))
+        if isinstance(self.drafter, SelfDraft) and recipe.kv == "hier":  # the draft reads the KV's upper plane
+            self.drafter = SelfDraft(replace(self.drafter.mode, kv_upper=True))
         self.draft_mode = self.drafter.mode if isinstance(self.drafter, SelfDraft) else None  # None: no draft steps
         # gamma caps the drafts per round; the policy (shared by this LLM's generations, which teach it the
         # step costs and the acceptance) picks each round's, drafting none where drafting loses.

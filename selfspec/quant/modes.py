@@ -14,6 +14,8 @@ class Mode:
     planes_only: bool = False  # `upper`/`full` name a view of the INT8-plane format
     # Layers a layer-skip draft passes over (the residual stream goes through them unchanged).
     skip_layers: frozenset[int] = frozenset()
+    # Reads only the upper INT4 plane of a hierarchical KV cache (a draft; verify reads both planes).
+    kv_upper: bool = False
 
     @property
     def dense(self) -> bool:

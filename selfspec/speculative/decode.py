@@ -64,9 +64,7 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
     gen = make_generator(params, dev)
     cache = cache or model.new_cache(min(model.cfg.max_seq_len, len(prompt) + params.max_new_tokens + gamma + 1))
     t0 = time.perf_counter()
-    last = torch.tensor([len(prompt) - 1], device=dev)  # only the last position's logits
-    logits = model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev), cache, verify, last)
-    cache.commit(len(prompt))
+    logits = model.prefill(prompt, cache, verify)  # only the last position's logits
     first = pick(logits[0], params, gen)
     row = Row(first, len(prompt), params, gen, stats, draft.history(prompt + [first]) if draft else None)
     stats.prefill_s += time.perf_counter() - t0
