@@ -125,3 +125,28 @@ def test_a_pass_too_long_for_the_buffer_is_refused(hier_llm):
     cache = hier_llm.model.new_cache(100)
     with pytest.raises(SelfspecError, match="gamma"):
         hier_llm.model(torch.tensor([prompt(3 * G + 1)]), torch.arange(3 * G + 1), cache, MODES["full"])
+
+
+def test_quantspec_greedy_equals_ar_of_dense_weights_and_int8_kv():
+    llm = make_llm("hier", "quantspec")  # dense verify weights, their INT4 copy drafts, over hier KV
+    assert llm.recipe.storage == "dense+int4" and llm.draft_mode.kv_upper
+    p, params = prompt(2 * G + 5, 4), SamplingParams(max_new_tokens=4 * G, ignore_eos=True)
+    out = llm.generate(p, params, gamma=4)
+    assert out.token_ids == llm.generate(p, params, gamma=0).token_ids
+    assert 0 < out.stats.draft_accepted < out.stats.draft_proposed
+
+
+@pytest.mark.parametrize("recipe", ["selfspec", "quantspec"])
+def test_smollm2_greedy_speculative_equals_ar(smollm2_resolved, recipe):
+    """Real SmolLM2 (CPU), a prompt longer than 2G, a few tokens past a group boundary."""
+    from selfspec.engine.llm import build as build_llm
+
+    cfg, sd, tok, desc = smollm2_resolved
+    llm = build_llm(cfg, {k: t.clone() for k, t in sd.items()}, tok, replace(resolve_recipe(recipe), kv_group=G))
+    p = tok.encode("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+                   "combined movable metal type, oil-based ink and a wooden press. Within decades, printing")
+    assert len(p) > 2 * G
+    params = SamplingParams(max_new_tokens=G + 4, ignore_eos=True)
+    out = llm.generate(p, params, gamma=3)
+    assert out.token_ids == llm.generate(p, params, gamma=0).token_ids
+    assert out.stats.draft_accepted > 0

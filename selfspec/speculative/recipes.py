@@ -44,6 +44,8 @@ PRESETS = {
     "quasar": Recipe("quasar", "int8", "w8a8", "ngram", smooth_alpha=0.5),
     # Self-speculation over the KV cache too: the draft reads the upper planes of the weights and of a
     # hierarchical KV cache, verify both planes of each.
+    # QuantSpec: dense verify weights with a second, INT4 copy for the draft, over a hierarchical KV cache.
+    "quantspec": Recipe("quantspec", "dense+int4", "fp32", "w4a16", kv="hier"),
     "selfspec": Recipe("selfspec", "planes", "full", "upper", kv="hier"),
 }
 
