@@ -10,10 +10,13 @@ import torch
 from conftest import tiny_model
 from selfspec.cache import KVCache
 from selfspec.cache.quant_kv import QuantKVCache
+from selfspec.engine.engine import Engine
 from selfspec.engine.llm import build
+from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.quant.kv import dequantize_hier, quantize_hier
 from selfspec.quant.modes import MODES
+from selfspec.speculative.decode import decode
 from selfspec.speculative.recipes import resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
 
@@ -77,9 +80,6 @@ def test_greedy_speculative_equals_ar_far_past_2g(hier_llm, gamma):
 def test_generation_keeps_quantizing(hier_llm):
     llm, p = hier_llm, prompt(2 * G + 3)
     cache = llm.model.new_cache(len(p) + 8 * G + 8)
-    from selfspec.engine.stats import GenerationStats
-    from selfspec.speculative.decode import decode
-
     n = len(p)
     for chunk in decode(llm.model, p, llm.verify_mode, llm.draft_mode, 4, SamplingParams(max_new_tokens=8 * G),
                         GenerationStats(), cache):
@@ -139,10 +139,8 @@ def test_quantspec_greedy_equals_ar_of_dense_weights_and_int8_kv():
 @pytest.mark.parametrize("recipe", ["selfspec", "quantspec"])
 def test_smollm2_greedy_speculative_equals_ar(smollm2_resolved, recipe):
     """Real SmolLM2 (CPU), a prompt longer than 2G, a few tokens past a group boundary."""
-    from selfspec.engine.llm import build as build_llm
-
     cfg, sd, tok, desc = smollm2_resolved
-    llm = build_llm(cfg, {k: t.clone() for k, t in sd.items()}, tok, replace(resolve_recipe(recipe), kv_group=G))
+    llm = build(cfg, {k: t.clone() for k, t in sd.items()}, tok, replace(resolve_recipe(recipe), kv_group=G))
     p = tok.encode("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
                    "combined movable metal type, oil-based ink and a wooden press. Within decades, printing")
     assert len(p) > 2 * G
@@ -150,3 +148,8 @@ def test_smollm2_greedy_speculative_equals_ar(smollm2_resolved, recipe):
     out = llm.generate(p, params, gamma=3)
     assert out.token_ids == llm.generate(p, params, gamma=0).token_ids
     assert out.stats.draft_accepted > 0
+
+
+def test_engine_refuses_a_quantized_kv_cache(hier_llm):
+    with pytest.raises(SelfspecError, match="solo path"):
+        Engine(hier_llm)
