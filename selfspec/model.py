@@ -269,22 +269,6 @@ class Transformer(nn.Module):
         return QuantKVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device,
                             self.kv_format, self.kv_group)
 
-    def prefill(self, tokens: list[int], cache: KVCache | QuantKVCache, mode: Mode, start: int = 0,
-                all_logits: bool = False) -> torch.Tensor:
-        """Run one row's tokens at positions start.. through the model in passes the cache takes (a quantized
-        cache: at most a group at a time), committing each: the logits of the last token [1, vocab], or with
-        all_logits of every token [len(tokens), vocab]."""
-        step, out = cache.max_pass, []
-        for i in range(0, len(tokens), step):
-            chunk = tokens[i:i + step]
-            pos = torch.arange(start + i, start + i + len(chunk), device=self.device)
-            last = i + step >= len(tokens)
-            at = None if all_logits else torch.tensor([len(chunk) - 1] if last else [], dtype=torch.long,
-                                                        device=self.device)
-            logits = self(torch.tensor([chunk], device=self.device), pos, cache, mode, at)
-            out.append(logits[0] if all_logits else logits)
-            cache.commit(start + i + len(chunk))
-        return torch.cat(out)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode,
                 logits_at: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
@@ -332,3 +316,20 @@ class Transformer(nn.Module):
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
         return total
+
+
+def prefill(model, tokens: list[int], cache, mode: Mode, start: int = 0, all_logits: bool = False) -> torch.Tensor:
+    """Run one row's tokens at positions start.. through `model` (a Transformer, or anything called as one) in
+    passes the cache takes (a quantized one: at most a group at a time), committing each: the logits of the last
+    token [1, vocab], or with all_logits of every token [len(tokens), vocab]."""
+    step, out = cache.max_pass, []
+    for i in range(0, len(tokens), step):
+        chunk = tokens[i:i + step]
+        pos = torch.arange(start + i, start + i + len(chunk), device=model.device)
+        last = i + step >= len(tokens)
+        at = None if all_logits else torch.tensor([len(chunk) - 1] if last else [], dtype=torch.long,
+                                                    device=model.device)
+        logits = model(torch.tensor([chunk], device=model.device), pos, cache, mode, at)
+        out.append(logits[0] if all_logits else logits)
+        cache.commit(start + i + len(chunk))
+    return torch.cat(out)

@@ -14,6 +14,7 @@ from selfspec.engine.engine import Engine
 from selfspec.engine.llm import build
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
+from selfspec.model import prefill
 from selfspec.quant.kv import dequantize_hier, quantize_hier
 from selfspec.quant.modes import MODES
 from selfspec.speculative.decode import decode
@@ -38,7 +39,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 def test_prefill_leaves_g_to_2g_full_precision(n):
     llm = make_llm()
     cache = llm.model.new_cache(100)
-    llm.model.prefill(prompt(n), cache, llm.verify_mode)
+    prefill(llm.model, prompt(n), cache, llm.verify_mode)
     full = n - cache.start  # committed tokens the next query reads at full precision
     assert (G <= full < 2 * G) if n >= G else full == n
     assert cache.quantized == n // G * G  # every completed group is quantized
@@ -51,7 +52,7 @@ def test_groups_hold_the_quantized_keys_of_a_plain_cache():
     plain = KVCache(m.cfg.n_layers, 1, m.cfg.n_kv_heads, 64, m.cfg.head_dim, m.dtype)
     m(torch.tensor([toks]), torch.arange(50), plain, llm.verify_mode)
     cache = m.new_cache(64)
-    m.prefill(toks, cache, llm.verify_mode)
+    prefill(m, toks, cache, llm.verify_mode)
     for g in range(50 // G):
         k = plain.k[0, :, :, g * G:(g + 1) * G]
         upper, lower, scale, zero = quantize_hier(k, -2)
@@ -100,7 +101,7 @@ def test_draft_reads_the_upper_plane(hier_llm):
     exact = m(seq, torch.arange(3 * G), plain, llm.verify_mode)[0]
     logits = {}
     for name, mode in (("full", llm.verify_mode), ("upper", replace(llm.verify_mode, kv_upper=True))):
-        logits[name] = m.prefill(toks, m.new_cache(3 * G), mode, all_logits=True)
+        logits[name] = prefill(m, toks, m.new_cache(3 * G), mode, all_logits=True)
     err_full, err_upper = ((logits[k] - exact).abs().max() for k in ("full", "upper"))
     assert 0 < err_full < err_upper
     assert torch.equal(logits["full"][:2 * G], exact[:2 * G])  # no query before 2G reads a quantized key

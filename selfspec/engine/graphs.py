@@ -64,8 +64,6 @@ class _Graphed:
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None  # the graphs' shared memory pool, made at the first capture
 
-    prefill = Transformer.prefill  # its passes go through __call__ (eager: they ask for logits)
-
     @property
     def device(self) -> torch.device:
         return self.model.device

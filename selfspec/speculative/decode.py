@@ -15,7 +15,7 @@ import torch
 
 from selfspec.cache import KVCache
 from selfspec.engine.stats import GenerationStats
-from selfspec.model import Transformer
+from selfspec.model import Transformer, prefill
 from selfspec.quant.modes import Mode
 from selfspec.speculative.drafters import Drafter, TokenHistory, as_drafter
 from selfspec.speculative.policy import GammaPolicy
@@ -64,7 +64,7 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
     gen = make_generator(params, dev)
     cache = cache or model.new_cache(min(model.cfg.max_seq_len, len(prompt) + params.max_new_tokens + gamma + 1))
     t0 = time.perf_counter()
-    logits = model.prefill(prompt, cache, verify)  # only the last position's logits
+    logits = prefill(model, prompt, cache, verify)  # only the last position's logits
     first = pick(logits[0], params, gen)
     row = Row(first, len(prompt), params, gen, stats, draft.history(prompt + [first]) if draft else None)
     stats.prefill_s += time.perf_counter() - t0
