@@ -269,7 +269,6 @@ class Transformer(nn.Module):
         return QuantKVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device,
                             self.kv_format, self.kv_group)
 
-
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode,
                 logits_at: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
         """tokens [B, T] at positions pos [B, T] (each row its own; [T] when all rows share them)
