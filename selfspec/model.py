@@ -259,7 +259,7 @@ class Transformer(nn.Module):
     def set_kv_format(self, fmt: str, group_size: int = 128) -> None:
         """The KV cache format `new_cache` builds: bf16 (the model's own precision), int8 or hier, quantized in
         groups of group_size tokens (cache/quant_kv.py)."""
-        check_kv_format(fmt)
+        check_kv_format(fmt, group_size)
         self.kv_format, self.kv_group = fmt, group_size
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache | QuantKVCache:

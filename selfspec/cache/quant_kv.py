@@ -70,11 +70,9 @@ class QuantLayer:
 class QuantKVCache:
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, fmt: str, group: int):
-        check_kv_format(fmt)
+        check_kv_format(fmt, group)
         if fmt == "bf16":
             raise SelfspecError("a bf16 KV cache is the plain KVCache; QuantKVCache holds int8 or hier")
-        if group < 1:
-            raise SelfspecError(f"the KV quantization group must be at least 1 token, got {group}")
         if fmt == "hier" and head_dim % 2:
             raise SelfspecError(f"a hier KV cache packs two channels a byte: head_dim must be even, got {head_dim}")
         self.fmt, self.group, self.max_len = fmt, group, max_len

@@ -12,6 +12,7 @@ from selfspec.engine.graphs import GraphedModel
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
+from selfspec.quant.kv import check_kv_format
 from selfspec.quant.modes import get_mode
 from selfspec.quant.smooth import activation_maxima, calibration_tokens, smooth_
 from selfspec.speculative.decode import decode
@@ -243,10 +244,11 @@ def build_draft_model(cfg, tokenizer, name: str, draft: tuple, recipe: Recipe, g
 
 def load(model: str | None = None, recipe: str | None = None, draft: str | None = None, verify: str | None = None,
          gamma: int = 4, group_size: int = 128, device: str = "cpu", fixed_gamma: bool = False,
-         draft_model: str | None = None) -> LLM:
+         draft_model: str | None = None, kv: str | None = None, kv_group: int | None = None) -> LLM:
     """Load a named model, HF directory or .gguf file under a recipe (default: `planes`). `gamma` caps the drafted
     tokens per round, each round's picked by a measured-cost policy; with `fixed_gamma`, every round drafts gamma.
-    Recipe draft-model drafts with `draft_model` (a name or path, same tokenizer), in mode `draft`."""
+    Recipe draft-model drafts with `draft_model` (a name or path, same tokenizer), in mode `draft`. `kv`, `kv_group`:
+    the KV cache format and its group, in place of the recipe's (quant/kv.py)."""
     from selfspec.loading import DEFAULT_MODEL, resolve
     from selfspec.speculative.layer_skip import calibrated_recipe
 
@@ -257,6 +259,8 @@ def load(model: str | None = None, recipe: str | None = None, draft: str | None 
     if threads is not None:
         torch.set_num_threads(threads)
     rec = resolve_recipe(recipe, draft, verify, draft_model)
+    rec = replace(rec, kv=kv or rec.kv, kv_group=rec.kv_group if kv_group is None else kv_group)
+    check_kv_format(rec.kv, rec.kv_group)
     cfg, sd, tok, desc = resolve(model)
     if rec.layer_skip:
         rec = calibrated_recipe(rec, model, group_size, device, cfg.n_layers)

@@ -23,9 +23,11 @@ KV_FORMATS = ("bf16", "int8", "hier")
 SMALLEST_SCALE = 2.0 ** -14  # float16's smallest normal: a constant run of values still divides by a nonzero scale
 
 
-def check_kv_format(fmt: str) -> None:
+def check_kv_format(fmt: str, group: int = 128) -> None:
     if fmt not in KV_FORMATS:
         raise SelfspecError(f"unknown KV cache format '{fmt}'; choose one of: {', '.join(KV_FORMATS)}")
+    if group < 1:
+        raise SelfspecError(f"the KV quantization group must be at least 1 token, got {group}")
 
 
 def scale_and_zero(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
