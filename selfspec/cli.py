@@ -9,6 +9,7 @@ from selfspec.bench.serve import add_args as add_serve_bench_args
 from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK
 from selfspec.errors import SelfspecError
 from selfspec.eval.runner import DEFAULT_BATCH_SIZE
+from selfspec.quant.kv import KV_FORMATS
 from selfspec.quant.modes import MODES
 from selfspec.speculative.layer_skip import add_args as add_calibrate_skip_args
 from selfspec.speculative.recipes import PRESETS
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     g.add_argument("--prompt", default=None, help="prompt text (default: read stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--kv", default=None, choices=KV_FORMATS,
+                   help="KV cache format, in place of the recipe's: bf16, int8, or hier (a draft reads its upper plane)")
+    g.add_argument("--kv-group", type=int, default=None, help="tokens per KV quantization group (default 128)")
     g.add_argument("--fixed-gamma", action="store_true",
                    help="draft --gamma tokens every round (default: a measured-cost policy picks up to --gamma)")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -125,7 +129,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens, args.stop)
     check_prompt(prompt)
     llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device,
-                        fixed_gamma=args.fixed_gamma, draft_model=args.draft_model)
+                        fixed_gamma=args.fixed_gamma, draft_model=args.draft_model, kv=args.kv,
+                        kv_group=args.kv_group)
     out = None
     for text, _, out in llm.stream(prompt, params, chat=args.chat):
         if not args.json:
@@ -133,7 +138,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     r = llm.recipe
     drafts = r.draft is not None and llm.gamma > 0  # else the run is autoregressive: no draft, no gamma
     info = {"model": llm.description, "recipe": r.name, "storage": r.storage, "draft": r.draft if drafts else None,
-            "verify": r.verify, "gamma": llm.gamma if drafts else 0}
+            "verify": r.verify, "gamma": llm.gamma if drafts else 0, "kv": r.kv}
     if r.draft_model is not None:
         info["draft_model"] = llm.drafter.memory()  # what drafting adds: weights and KV bytes
     if args.json:
@@ -143,7 +148,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
         skip = f" skipping layers {','.join(map(str, r.skip_layers))}" if r.skip_layers else ""
         how = f"draft {r.draft}{skip}, verify {r.verify}, gamma {llm.gamma}" if drafts else \
             f"verify {r.verify}, autoregressive"
-        print(f"[{info['model']} | recipe {r.name}: {r.storage} weights, {how}] {out.stats.summary()}", file=sys.stderr)
+        kv = "" if r.kv == "bf16" else f", {r.kv} KV (group {r.kv_group})"
+        print(f"[{info['model']} | recipe {r.name}: {r.storage} weights{kv}, {how}] {out.stats.summary()}",
+              file=sys.stderr)
 
 
 # `selfspec bench NAME` -> selfspec.bench.MODULE.main(arguments); all on the GPU but CPU_BENCHES.

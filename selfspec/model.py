@@ -12,10 +12,13 @@ import torch
 from torch import nn
 
 from selfspec.cache import KVCache
+from selfspec.cache.quant_kv import QuantKVCache
 from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
-from selfspec.kernels import attention, linear, packed_attention, rms_norm, rope_and_store, swiglu
+from selfspec.kernels import (attention, linear, packed_attention, quantized_attention, rms_norm, rope_and_store,
+                              swiglu)
 from selfspec.quant.formats import DenseWeight, QuantWeight, quantize_weight
+from selfspec.quant.kv import check_kv_format
 from selfspec.quant.modes import MODES, Mode
 
 
@@ -114,13 +117,15 @@ class Attention(nn.Module):
         q, k, v = (z.view(b, t, -1, hd) for z in self.wqkv(x, fb.mode).split(self.sizes, dim=-1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        k_pool, v_pool, table = fb.cache.pools(layer)
-        q = rope_and_store(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), fb.cos, fb.sin, k_pool, v_pool,
+        kv = fb.cache.layer(layer)
+        q = rope_and_store(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), fb.cos, fb.sin, kv.k, kv.v,
                            fb.slots)
-        if fb.packed is None:
-            out = attention(q, k_pool, v_pool, table, fb.pos, fb.mode.prompt)
+        if kv.quant is not None:  # the mode says which planes of a hierarchical cache it reads
+            out = quantized_attention(q, kv, fb.pos, fb.mode.kv_upper)
+        elif fb.packed is None:
+            out = attention(q, kv.k, kv.v, kv.table, fb.pos, fb.mode.prompt)
         else:
-            out = packed_attention(q, k_pool, v_pool, table, fb.pos, fb.packed, fb.mode.prompt)
+            out = packed_attention(q, kv.k, kv.v, kv.table, fb.pos, fb.packed, fb.mode.prompt)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1), fb.mode, residual)
 
 
@@ -224,6 +229,7 @@ class Transformer(nn.Module):
         scale = rope_attention_factor(cfg)
         self.register_buffer("cos", (emb.cos() * scale).float(), persistent=False)
         self.register_buffer("sin", (emb.sin() * scale).float(), persistent=False)
+        self.kv_format, self.kv_group = "bf16", 128  # the KV cache new_cache builds (set_kv_format)
 
     def _apply(self, fn, *args, **kwargs):
         # .to()/.cuda() move parameters and buffers one by one, which would give the tied head its own copy.
@@ -250,9 +256,18 @@ class Transformer(nn.Module):
         for lin in self.linears():
             lin.weight = quantize_weight(lin.weight.weight, storage, group_size, rotations)
 
-    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+    def set_kv_format(self, fmt: str, group_size: int = 128) -> None:
+        """The KV cache format `new_cache` builds: bf16 (the model's own precision), int8 or hier, quantized in
+        groups of group_size tokens (cache/quant_kv.py)."""
+        check_kv_format(fmt, group_size)
+        self.kv_format, self.kv_group = fmt, group_size
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache | QuantKVCache:
         c = self.cfg
-        return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
+        if self.kv_format == "bf16":
+            return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
+        return QuantKVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device,
+                            self.kv_format, self.kv_group)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode,
                 logits_at: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
@@ -300,3 +315,20 @@ class Transformer(nn.Module):
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
         return total
+
+
+def prefill(model, tokens: list[int], cache, mode: Mode, start: int = 0, all_logits: bool = False) -> torch.Tensor:
+    """Run one row's tokens at positions start.. through `model` (a Transformer, or anything called as one) in
+    passes the cache takes (a quantized one: at most a group at a time), committing each: the logits of the last
+    token [1, vocab], or with all_logits of every token [len(tokens), vocab]."""
+    step, out = cache.max_pass, []
+    for i in range(0, len(tokens), step):
+        chunk = tokens[i:i + step]
+        pos = torch.arange(start + i, start + i + len(chunk), device=model.device)
+        last = i + step >= len(tokens)
+        at = None if all_logits else torch.tensor([len(chunk) - 1] if last else [], dtype=torch.long,
+                                                    device=model.device)
+        logits = model(torch.tensor([chunk], device=model.device), pos, cache, mode, at)
+        out.append(logits[0] if all_logits else logits)
+        cache.commit(start + i + len(chunk))
+    return torch.cat(out)

@@ -93,6 +93,16 @@ def test_ngram_recipe_generates(capsys, tiny_dirs):
     assert res["stats"]["new_tokens"] == 12
 
 
+def test_kv_format_and_group_override_the_recipe(capsys, tiny_dirs):
+    rc, out, err = run(capsys, "--model", str(tiny_dirs[0]), "--prompt", "hello " * 12, "--json", "--group-size", "32",
+                       "--max-new-tokens", "20", "--recipe", "selfspec", "--kv", "int8", "--kv-group", "8")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert (res["recipe"], res["kv"]) == ("selfspec", "int8") and res["stats"]["new_tokens"] == 20
+    rc, _, err = run(capsys, "--model", str(tiny_dirs[0]), "--prompt", "hi", "--kv", "hier", "--kv-group", "0")
+    assert_clean_error(rc, err, "KV quantization group", "got 0")
+
+
 # Errors in the arguments: reported before any model is loaded (loading would fail the test).
 BEFORE_LOADING = {
     "unknown verify mode": (["--verify", "w9a9"], "unknown mode 'w9a9'", "w4a16"),

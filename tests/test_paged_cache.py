@@ -20,7 +20,8 @@ def make(num_blocks=8):
 
 def store(cache, layer, pos, k, v):
     """Store k, v [B, Hkv, T, D] at positions pos [B, T] as the model does; return the layer's pools and table."""
-    k_pool, v_pool, table = cache.pools(layer)
+    kv = cache.layer(layer)
+    k_pool, v_pool, table = kv.k, kv.v, kv.table
     cos, sin = torch.ones(*pos.shape, D), torch.zeros(*pos.shape, D)  # angle 0: RoPE is the identity
     rope_and_store(k, k, v, cos, sin, k_pool, v_pool, cache.slots(pos))
     return k_pool, v_pool, table

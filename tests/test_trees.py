@@ -282,3 +282,13 @@ def test_greedy_tree_equals_ar_on_smollm2(smollm2, name):
         assert out.token_ids == llm.generate(prompt, p, gamma=0).token_ids, (name, prompt)
         accepted += out.stats.draft_accepted
     assert accepted > 0
+
+
+def test_trees_refuse_a_quantized_kv_cache(llm):
+    llm.model.set_kv_format("int8", 16)
+    try:
+        with pytest.raises(SelfspecError, match="quantized KV cache"):
+            next(decode(llm.model, [5, 6, 7], llm.verify_mode, NgramTree(branches=2), 3, greedy(4),
+                        GenerationStats()))
+    finally:
+        llm.model.set_kv_format("bf16")

@@ -24,7 +24,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from selfspec.errors import SelfspecError  # noqa: E402
 from selfspec.kernels import reference, reference_op, semaphores, triton_attention  # noqa: E402
-from selfspec.kernels import triton_linear, triton_small  # noqa: E402
+from selfspec.kernels import triton_linear, triton_quant_attention, triton_small  # noqa: E402
 from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
@@ -554,3 +554,36 @@ def test_prompt_tokens_run_the_bf16_gemm_on_the_dequantized_weight(storage, mode
     assert rel_err(y, linear_oracle(x, weight, mode, None) + r) < TOL
     for i in (0, 79):
         assert torch.equal(y[i], triton_linear.linear(x[i:i + 1], weight, prompt, None, r[i:i + 1])[0])
+
+
+# --- attention over a quantized KV cache
+
+
+def filled_quant_cache(fmt: str, length: int, g: int = 16, hkv: int = 2, d: int = 16):
+    """A one-layer QuantKVCache of 2 rows holding `length` committed positions of random k/v."""
+    from selfspec.cache.quant_kv import QuantKVCache
+
+    cache = QuantKVCache(1, 2, hkv, 8 * g, d, torch.float32, "cpu", fmt, g)
+    gen = torch.Generator().manual_seed(0)
+    for first in range(0, length + g, g):  # a group a pass, plus scratch past the committed length
+        pos = torch.arange(first, first + g).expand(2, g)
+        slots, kv = cache.slots(pos), cache.layer(0)
+        for pool in (kv.k, kv.v):  # as rope_and_store writes them
+            pool[slots // cache.block_size, :, slots % cache.block_size] = 2 * torch.randn(2, g, hkv, d, generator=gen)
+        cache.commit(min(first + g, length))
+    return cache
+
+
+@pytest.mark.parametrize("fmt,upper", [("int8", False), ("hier", False), ("hier", True)])
+def test_quantized_attention_matches_reference_and_is_query_invariant(fmt, upper, monkeypatch):
+    monkeypatch.setattr(triton_quant_attention, "CHUNK_KEYS", 32)  # several chunks to merge
+    g, length = 16, 87
+    cache = filled_quant_cache(fmt, length, g)
+    kv = cache.layer(0)
+    q = torch.randn(2, 4, 5, 16, generator=torch.Generator().manual_seed(1))
+    q_pos = torch.tensor([[87, 88, 89, 90, 91], [87, 89, 91, 93, 95]])  # a verify pass; past a group boundary
+    ref = reference_op("quantized_attention")(q, kv, q_pos, upper)
+    out = triton_quant_attention.quantized_attention(q, kv, q_pos, upper)
+    assert rel_err(out, ref) < 1e-5
+    alone = triton_quant_attention.quantized_attention(q[:1, :, 3:4], kv, q_pos[:1, 3:4], upper)  # row 0's
+    assert torch.equal(alone, out[:1, :, 3:4])  # a query's bits do not depend on the others of the call

@@ -6,10 +6,26 @@ position p reads keys 0..p only, and every key it reads was written in the curre
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from selfspec.cache.paged import KEY_TILE
+
+if TYPE_CHECKING:
+    from selfspec.cache.quant_kv import QuantLayer
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """What one layer's attention reads and writes: the pools [N, Hkv, bs, D] a pass stores its k/v into and the
+    block table [B, W] attention reads them through; with a quantized cache (cache/quant_kv.py), also its
+    quantized groups (then the pools are the full-precision buffer of the recent tokens)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    table: torch.Tensor
+    quant: "QuantLayer | None" = None
 
 
 class KVCache:
@@ -22,6 +38,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.table = torch.arange(batch, device=device)[:, None]
         self.max_len = max_len
+        self.max_pass = max_len  # the most tokens one pass may write: all of them
         self.length = 0  # positions 0..length-1 hold committed tokens' KV
         self._views: dict[tuple[int, int], KVCache] = {}
 
@@ -55,11 +72,11 @@ class KVCache:
         so slot = b * slots_per_row + pos."""
         return self.table * self.k.shape[3] + pos
 
-    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def layer(self, layer: int) -> LayerKV:
         """This layer's whole key/value buffers [B, Hkv, slots, D] as pools of one block per row, and the block
         table [B, 1]. Slots past a query's position are masked by attention, so no slicing is needed: no host
         sync and fixed shapes, which CUDA graphs require."""
-        return self.k[layer], self.v[layer], self.table
+        return LayerKV(self.k[layer], self.v[layer], self.table)
 
     def commit(self, length: int) -> None:
         """Keep positions 0..length-1; anything after is discarded (rollback of rejected drafts)."""

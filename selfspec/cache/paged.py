@@ -9,9 +9,14 @@ Attention reads keys through the block table (kernels/ops.py `attention`): nothi
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from selfspec.errors import SelfspecError
+
+if TYPE_CHECKING:
+    from selfspec.cache.kv import LayerKV
 
 TRASH = 0
 KEY_TILE = 128  # keys per online-softmax step of the attention kernel (kernels/triton_attention.py BLOCK_S)
@@ -88,7 +93,7 @@ class PagedKVCache:
 
 class PagedBatchView:
     """The cache as one forward pass over a batch sees it: `slots` says where each new token's k/v go in the
-    pools, `pools` gives what attention reads them through: a layer's pools [N, Hkv, bs, D] and the block
+    pools, `layer` gives what attention reads them through: a layer's pools [N, Hkv, bs, D] and the block
     table [B, W].
 
     table [B, W]: each row's block ids, padded with the trash block (padding sits past the row's positions, so
@@ -104,6 +109,8 @@ class PagedBatchView:
         bs = self.cache.block_size
         return self.table.gather(1, pos // bs) * bs + pos % bs
 
-    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def layer(self, layer: int) -> LayerKV:
         """This layer's pools [N, Hkv, bs, D] (keys, values) and the block table [B, W]."""
-        return self.cache.k[layer], self.cache.v[layer], self.table
+        from selfspec.cache.kv import LayerKV
+
+        return LayerKV(self.cache.k[layer], self.cache.v[layer], self.table)

@@ -150,6 +150,9 @@ class Engine:
             raise SelfspecError(f"the serving engine verifies one chain of drafts per sequence; the tree drafter "
                                 f"'{llm.recipe.draft}' runs in solo decoding only (selfspec generate): serve with "
                                 "a chain drafter, e.g. --recipe ngram or planes")
+        if llm.recipe.kv != "bf16":
+            raise SelfspecError(f"the serving engine keeps a paged bf16 KV cache; recipe '{llm.recipe.name}' "
+                                f"(KV cache {llm.recipe.kv}) runs on the solo path only: selfspec generate")
         cfg = llm.model.cfg
         self.llm = llm
         self.max_batch = max_batch

@@ -12,6 +12,7 @@ from selfspec.engine.graphs import GraphedModel
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
+from selfspec.quant.kv import check_kv_format
 from selfspec.quant.modes import get_mode
 from selfspec.quant.smooth import activation_maxima, calibration_tokens, smooth_
 from selfspec.speculative.decode import decode
@@ -40,8 +41,11 @@ class LLM:
             raise SelfspecError("recipe 'draft-model' and a DraftModel go together: load the draft model with "
                                 "selfspec.load(..., recipe='draft-model', draft_model=NAME_OR_PATH)")
         self.model = model
-        # On the GPU, decode steps replay CUDA graphs (the host would otherwise set the speed).
-        self.runner = GraphedModel(model) if model.device.type == "cuda" else model
+        model.set_kv_format(recipe.kv, recipe.kv_group)
+        # On the GPU, decode steps replay CUDA graphs (the host would otherwise set the speed); a quantized KV
+        # cache moves its buffer on the host between passes, so it runs eagerly.
+        graphed = model.device.type == "cuda" and recipe.kv == "bf16"
+        self.runner = GraphedModel(model) if graphed else model
         self.tokenizer = tokenizer
         self.recipe = recipe
         self.gamma = gamma
@@ -52,6 +56,8 @@ class LLM:
             self.description += f"; {drafter.describe()}"
         if isinstance(self.drafter, SelfDraft) and recipe.skip_layers:  # layer-skip: the draft mode skips them
             self.drafter = SelfDraft(replace(self.drafter.mode, skip_layers=frozenset(recipe.skip_layers)))
+        if isinstance(self.drafter, SelfDraft) and recipe.kv == "hier":  # the draft reads the KV's upper plane
+            self.drafter = SelfDraft(replace(self.drafter.mode, kv_upper=True))
         self.draft_mode = self.drafter.mode if isinstance(self.drafter, SelfDraft) else None  # None: no draft steps
         # gamma caps the drafts per round; the policy (shared by this LLM's generations, which teach it the
         # step costs and the acceptance) picks each round's, drafting none where drafting loses.
@@ -242,10 +248,11 @@ def build_draft_model(cfg, tokenizer, name: str, draft: tuple, recipe: Recipe, g
 
 def load(model: str | None = None, recipe: str | None = None, draft: str | None = None, verify: str | None = None,
          gamma: int = 4, group_size: int = 128, device: str = "cpu", fixed_gamma: bool = False,
-         draft_model: str | None = None) -> LLM:
+         draft_model: str | None = None, kv: str | None = None, kv_group: int | None = None) -> LLM:
     """Load a named model, HF directory or .gguf file under a recipe (default: `planes`). `gamma` caps the drafted
     tokens per round, each round's picked by a measured-cost policy; with `fixed_gamma`, every round drafts gamma.
-    Recipe draft-model drafts with `draft_model` (a name or path, same tokenizer), in mode `draft`."""
+    Recipe draft-model drafts with `draft_model` (a name or path, same tokenizer), in mode `draft`. `kv`, `kv_group`:
+    the KV cache format and its group, in place of the recipe's (quant/kv.py)."""
     from selfspec.loading import DEFAULT_MODEL, resolve
     from selfspec.speculative.layer_skip import calibrated_recipe
 
@@ -256,6 +263,8 @@ def load(model: str | None = None, recipe: str | None = None, draft: str | None 
     if threads is not None:
         torch.set_num_threads(threads)
     rec = resolve_recipe(recipe, draft, verify, draft_model)
+    rec = replace(rec, kv=kv or rec.kv, kv_group=rec.kv_group if kv_group is None else kv_group)
+    check_kv_format(rec.kv, rec.kv_group)
     cfg, sd, tok, desc = resolve(model)
     if rec.layer_skip:
         rec = calibrated_recipe(rec, model, group_size, device, cfg.n_layers)

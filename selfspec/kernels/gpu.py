@@ -17,4 +17,5 @@ def triton_usable() -> bool:
 if triton_usable():
     import selfspec.kernels.triton_attention  # noqa: F401
     import selfspec.kernels.triton_linear  # noqa: F401
+    import selfspec.kernels.triton_quant_attention  # noqa: F401
     import selfspec.kernels.triton_small  # noqa: F401

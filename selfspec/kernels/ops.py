@@ -6,16 +6,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec import kernels
-from selfspec.quant.formats import QuantWeight
+from selfspec.quant.formats import DenseAndInt4Weight, QuantWeight
 from selfspec.quant.modes import Mode
 
 if TYPE_CHECKING:
+    from selfspec.cache.kv import LayerKV
     from selfspec.model import Packed
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T (+ bias), W read as `mode` says; + residual, when given, in the same pass over the output."""
+    if isinstance(weight, DenseAndInt4Weight):  # two stored copies: the one this mode reads
+        weight = weight.for_mode(mode)
     if weight.rotation is not None:  # stored as W H: (x H)(W H)^T = x W^T, with outliers spread before act quant
         x = rotate(x, weight.rotation.matrix)
     return kernels.lookup("linear", weight.storage, x.device.type)(x, weight, mode, bias, residual)
@@ -59,3 +62,11 @@ def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     """`attention` of the rows of a packed pass (model.Packed): q [1, Hq, N, D] at positions q_pos [1, N], row b's
     queries reading keys through table[b] -> [1, Hq, N, D]."""
     return kernels.lookup("packed_attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, packed, prompt)
+
+
+def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper: bool) -> torch.Tensor:
+    """`attention` over a quantized cache (cache/quant_kv.py): query (b, t) at position p = q_pos[b, t] reads keys
+    below quantized_below(p) from kv.quant's groups (the upper plane alone where `upper` and the cache is
+    hierarchical) and keys up to p from the full-precision buffer kv.k/kv.v (slot = p - kv.quant.start, row b's
+    buffer is block b). q [B, Hq, T, D] -> [B, Hq, T, D]."""
+    return kernels.lookup("quantized_attention", "", q.device.type)(q, kv, q_pos, upper)

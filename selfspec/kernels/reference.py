@@ -6,12 +6,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from selfspec.cache.quant_kv import quantized_below
 from selfspec.kernels import lookup, register
 from selfspec.quant.act import fake_quantize_per_token
 from selfspec.quant.formats import STORAGES, QuantWeight
 from selfspec.quant.modes import Mode
 
 if TYPE_CHECKING:
+    from selfspec.cache.kv import LayerKV
     from selfspec.model import Packed
 
 
@@ -101,3 +103,20 @@ def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     rows = packed.pad(q.transpose(1, 2)).transpose(1, 2)
     out = lookup("attention", "", q.device.type)(rows, k_pool, v_pool, table, packed.pad(q_pos), prompt)
     return packed.unpad(out.transpose(1, 2)).transpose(1, 2)
+
+
+@register("quantized_attention")
+def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper: bool) -> torch.Tensor:
+    """Query by query over exactly its keys (as the CPU `attention`, so a query's bits depend on its position and
+    the cache alone): the dequantized groups below quantized_below(p), then the buffer up to p."""
+    quant = kv.quant
+    below = quantized_below(q_pos, quant.group)
+    k_groups, v_groups = quant.dequantize(int(below.max()), upper)
+    out = torch.empty_like(q)
+    for b, (positions, firsts) in enumerate(zip(q_pos.tolist(), below.tolist())):
+        for t, (pos, first) in enumerate(zip(positions, firsts)):
+            lo, hi = first - quant.start, pos - quant.start + 1
+            k = torch.cat((k_groups[b:b + 1, :, :first].to(q.dtype), kv.k[b:b + 1, :, lo:hi].to(q.dtype)), 2)
+            v = torch.cat((v_groups[b:b + 1, :, :first].to(q.dtype), kv.v[b:b + 1, :, lo:hi].to(q.dtype)), 2)
+            out[b:b + 1, :, t:t + 1] = F.scaled_dot_product_attention(q[b:b + 1, :, t:t + 1], k, v, enable_gqa=True)
+    return out

@@ -253,6 +253,29 @@ def doubled(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((t, t), 1)
 
 
+class DenseAndInt4Weight(QuantWeight):
+    """QuantSpec's weights: the dense weight for verify and a second, INT4 copy (a quarter of bf16's bytes) for
+    the draft. The one format here that stores two copies; `for_mode` hands the kernels the one a mode reads."""
+
+    storage = "dense+int4"
+
+    def __init__(self, w: torch.Tensor, group_size: int):
+        super().__init__()
+        self.dense = DenseWeight(w)
+        self.int4 = Int4Weight(w, group_size)
+        self.shape = tuple(w.shape)
+
+    def for_mode(self, mode: Mode) -> QuantWeight:
+        self.check(mode)
+        return self.dense if mode.dense else self.int4
+
+    def dequantize(self, mode: Mode) -> torch.Tensor:
+        return self.for_mode(mode).dequantize(mode)
+
+    def nbytes(self) -> int:
+        return self.dense.nbytes() + self.int4.nbytes()
+
+
 def quantize_weight(w: torch.Tensor, storage: str, group_size: int = 128,
                     rotations: dict[int, BlockHadamard] | None = None) -> QuantWeight:
     """Store w [N, K] in a format. With `rotations` (a model's shared rotations by block order, filled as
@@ -272,6 +295,8 @@ def quantize_weight(w: torch.Tensor, storage: str, group_size: int = 128,
         qw = Int4Weight(w, group_size)
     elif storage == "planes":
         qw = Int8PlanesWeight(w, group_size)
+    elif storage == "dense+int4":
+        qw = DenseAndInt4Weight(w, group_size)
     else:
         raise SelfspecError(f"unknown storage '{storage}'; choose one of: {', '.join(STORAGES)}")
     qw.rotation = rotation
@@ -285,4 +310,5 @@ def storage_supports(storage: str, mode: Mode) -> bool:
         "int8": mode.weight_bits == 8 and not mode.planes_only,
         "int4": mode.weight_bits == 4 and not mode.planes_only,
         "planes": mode.weight_bits in (4, 8),
+        "dense+int4": mode.dense or mode.weight_bits == 4 and not mode.planes_only,
     }[storage]

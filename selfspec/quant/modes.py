@@ -18,6 +18,8 @@ class Mode:
     # dequantized to bf16 (kernels/triton_linear.py `prompt_linear`), every prompt token alike, so chunking and
     # packing leave its bits alone; generated tokens keep the exact group affine. The CPU kernels have one path.
     prompt: bool = False
+    # Reads only the upper INT4 plane of a hierarchical KV cache (a draft; verify reads both planes).
+    kv_upper: bool = False
 
     @property
     def dense(self) -> bool:

@@ -19,7 +19,7 @@ import torch
 from selfspec.cache import KVCache
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
-from selfspec.model import Transformer
+from selfspec.model import Transformer, prefill
 from selfspec.quant.modes import Mode, prompt_mode
 from selfspec.speculative.drafters import Drafter, TokenHistory, TreeDrafter, as_drafter
 from selfspec.speculative.policy import GammaPolicy
@@ -71,15 +71,16 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
     rows = draft.branches if tree else 1
     cache = cache or model.new_cache(min(model.cfg.max_seq_len, len(prompt) + params.max_new_tokens + gamma + 1),
                                      rows)
+    if tree and not isinstance(cache, KVCache):
+        raise SelfspecError("token trees copy KV between branch rows of the bf16 cache; a quantized KV cache "
+                            "(--kv int8 / hier) drafts in chains: drop --kv or pick a chain drafter")
     if tree and cache.batch < rows:
         raise SelfspecError(f"a tree of {rows} branches needs a cache of {rows} rows, got {cache.batch}")
     t0 = time.perf_counter()
-    last = torch.tensor([len(prompt) - 1], device=dev)  # only the last position's logits
-    logits = model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev),
-                   cache.rows(0, 1) if tree else cache, prompt_mode(verify), last)
+    logits = prefill(model, prompt, cache.rows(0, 1) if tree else cache, prompt_mode(verify))  # the last logits
     if tree:  # every branch row starts from the prompt's KV
         cache.copy_positions(0, 0, len(prompt))
-    cache.commit(len(prompt))
+        cache.commit(len(prompt))
     first = pick(logits[0], params, gen)
     row = Row(first, len(prompt), params, gen, stats, draft.history(prompt + [first]) if draft else None)
     stats.prefill_s += time.perf_counter() - t0

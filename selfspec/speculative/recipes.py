@@ -24,6 +24,8 @@ class Recipe:
     skip_layers: tuple[int, ...] = ()  # the layers the draft skips
     draft_model: str | None = None  # recipe draft-model: the model that drafts (in mode `draft`), not these weights
     smooth_alpha: float | None = None  # SmoothQuant the weights with this migration strength (quant/smooth.py)
+    kv: str = "bf16"  # KV cache format (quant/kv.py): bf16, int8, or hier (a draft mode reads its upper plane)
+    kv_group: int = 128  # tokens per KV quantization group (G); the most recent G to 2G stay full precision
 
     @property
     def speculative(self) -> bool:
@@ -42,6 +44,11 @@ PRESETS = {
     "quasar": Recipe("quasar", "int8", "w8a8", "ngram", smooth_alpha=0.5),
     # n-gram branches when the lookup matches, plus the upper self-draft chain; upper's tree when nothing matches.
     "hybrid": Recipe("hybrid", "planes", "full", "hybrid"),
+    # Self-speculation over the KV cache too: the draft reads the upper planes of the weights and of a
+    # hierarchical KV cache, verify both planes of each.
+    # QuantSpec: dense verify weights with a second, INT4 copy for the draft, over a hierarchical KV cache.
+    "quantspec": Recipe("quantspec", "dense+int4", "fp32", "w4a16", kv="hier"),
+    "selfspec": Recipe("selfspec", "planes", "full", "upper", kv="hier"),
 }
 
 

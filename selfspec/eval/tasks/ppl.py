@@ -11,7 +11,7 @@ import torch
 from selfspec.errors import SelfspecError
 from selfspec.eval.data import package_file
 from selfspec.eval.tasks import Item
-from selfspec.model import Transformer
+from selfspec.model import Transformer, prefill
 from selfspec.quant.modes import Mode, prompt_mode
 
 NAME = "ppl"
@@ -39,7 +39,8 @@ def positions(n: int, device: torch.device) -> torch.Tensor:
 def window_nll(model: Transformer, tokens: list[int], mode: Mode) -> tuple[float, int]:
     """(summed negative log-likelihood of tokens[1:] given their prefixes, number of predicted tokens)."""
     ids = torch.tensor([tokens], device=model.device)
-    logits = model(ids, positions(len(tokens), model.device), model.new_cache(len(tokens)), prompt_mode(mode))[0, :-1]
+    # In the passes the model's KV cache takes (a quantized one: a group of tokens at a time).
+    logits = prefill(model, tokens, model.new_cache(len(tokens)), prompt_mode(mode), all_logits=True)[:-1]
     logp = torch.log_softmax(logits.float(), dim=-1)
     nll = -logp.gather(1, ids[0, 1:, None]).sum()
     return float(nll), len(tokens) - 1

@@ -1,0 +1,172 @@
+"""Triton flash-decoding attention over a quantized KV cache (cache/quant_kv.py): `quantized_attention`.
+
+A query at position p reads keys below quantized_below(p) from the quantized groups and the rest (up to p) from
+the full-precision buffer. The quantized keys are split into chunks of whole groups (CHUNK_KEYS, a multiple of
+G): one program per (query, kv head, chunk), for the query heads that share the kv head (GQA), loads the chunk's
+codes (INT8, or one or both INT4 planes, two codes a byte), dequantizes them in registers with the group's
+per-channel key scales and the per-token value scales, and runs an online softmax over the chunk in fp32; one
+more program per (query, kv head) does the same over its buffer keys, the only place a causal mask applies. A
+second kernel merges each query head's chunk states (max, sum, accumulator) by log-sum-exp in chunk order. A
+query's chunks and their order depend on its position alone, so its result does not depend on the other queries
+of the call (batch invariance).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from selfspec.cache.kv import LayerKV
+from selfspec.cache.quant_kv import quantized_below
+from selfspec.errors import SelfspecError
+from selfspec.kernels import register
+
+CHUNK_KEYS = 256  # quantized keys per program (rounded to whole groups)
+BLOCK_N = 16  # keys per step of a program's online softmax
+
+
+@triton.jit
+def _dequantize(planes_lo_ptr, planes_hi_ptr, scale_ptr, zero_ptr, code_off, scale_off, d,
+                FMT_HIER: tl.constexpr, UPPER: tl.constexpr, mask):
+    """Values [BLOCK_N, BLOCK_D] from their codes: INT8 bytes, or nibbles of the upper (and lower) planes."""
+    s = tl.load(scale_ptr + scale_off, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(zero_ptr + scale_off, mask=mask, other=0.0).to(tl.float32)
+    if FMT_HIER:
+        shift = (d % 2) * 4
+        up = (tl.load(planes_lo_ptr + code_off, mask=mask, other=0).to(tl.int32) >> shift) & 15
+        x = z + s * up.to(tl.float32)
+        if not UPPER:
+            lo = (tl.load(planes_hi_ptr + code_off, mask=mask, other=0).to(tl.int32) >> shift) & 15
+            x = x + (s / 16) * (lo - 8).to(tl.float32)
+    else:
+        x = z + s * tl.load(planes_lo_ptr + code_off, mask=mask, other=0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _softmax_step(m, l, acc, k, v, q, live):
+    """One online-softmax step of the rows q [BLOCK_H, BLOCK_D] over keys, values [BLOCK_N, BLOCK_D] (live [BLOCK_N])."""
+    scores = tl.sum(k[:, None, :] * q[None, :, :], 2)  # [BLOCK_N, BLOCK_H], fp32
+    scores = tl.where(live[:, None], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 0))
+    alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
+    p = tl.where(live[:, None], tl.exp(scores - m_new[None, :]), 0.0)
+    l = l * alpha + tl.sum(p, 0)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[:, None, :], 0)
+    return m_new, l, acc
+
+
+@triton.jit
+def _quant_attention_chunks(
+        q_ptr, pos_ptr, kq0, kq1, ks_ptr, kz_ptr, vq0, vq1, vs_ptr, vz_ptr, kb_ptr, vb_ptr,
+        m_ptr, l_ptr, acc_ptr,
+        T, HQ, HKV, S, D, BS, START, N_CHUNKS, sm_scale,
+        sqb, sqh, sqt,
+        G: tl.constexpr, CHUNK: tl.constexpr, FMT_HIER: tl.constexpr, UPPER: tl.constexpr,
+        BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)  # (b, t, kv head): its query heads share each key read
+    c = tl.program_id(1)  # chunk; the last one is the buffer's
+    hk = pid % HKV
+    t = (pid // HKV) % T
+    b = pid // (HKV * T)
+    n_rep = HQ // HKV
+    hr = tl.arange(0, BLOCK_H)
+    h = hk * n_rep + hr
+    hmask = hr < n_rep
+    pos = tl.load(pos_ptr + b * T + t)
+    below = G * tl.maximum(pos // G - 1, 0)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + t * sqt + d[None, :], mask=hmask[:, None] & dmask[None, :],
+                other=0.0).to(tl.float32) * sm_scale
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    row = b * HKV + hk
+    if FMT_HIER:  # two channels a byte: channel d in byte d // 2
+        pd = d // 2
+        width = D // 2
+    else:
+        pd = d
+        width = D
+    if c < N_CHUNKS:  # quantized keys c * CHUNK .. below - 1 of this chunk
+        lo, hi = c * CHUNK, tl.minimum(c * CHUNK + CHUNK, below)
+        for n0 in range(lo, hi, BLOCK):  # no step past the chunk's last key
+            n = n0 + tl.arange(0, BLOCK)
+            live = n < hi
+            mask = live[:, None] & dmask[None, :]
+            code_off = (row * S + n)[:, None] * width + pd[None, :]
+            k = _dequantize(kq0, kq1, ks_ptr, kz_ptr, code_off, (row * (S // G) + n // G)[:, None] * D + d[None, :],
+                            d[None, :], FMT_HIER, UPPER, mask)
+            v = _dequantize(vq0, vq1, vs_ptr, vz_ptr, code_off, (row * S + n)[:, None] + 0 * d[None, :],
+                            d[None, :], FMT_HIER, UPPER, mask)
+            m, l, acc = _softmax_step(m, l, acc, k, v, q, live)
+    else:  # the buffer: keys below .. pos at slots below - START .., causal
+        for n0 in range(below - START, pos - START + 1, BLOCK):
+            slot = n0 + tl.arange(0, BLOCK)
+            key_pos = START + slot
+            live = (key_pos >= below) & (key_pos <= pos)
+            mask = live[:, None] & dmask[None, :]
+            off = (row * BS + slot)[:, None] * D + d[None, :]
+            k = tl.load(kb_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(vb_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            m, l, acc = _softmax_step(m, l, acc, k, v, q, live)
+    # States [B, T, HQ, N_CHUNKS + 1]: each query head's chunks side by side, for the merge.
+    state = ((b * T + t) * HQ + h) * (N_CHUNKS + 1) + c
+    tl.store(m_ptr + state, m, mask=hmask)
+    tl.store(l_ptr + state, l, mask=hmask)
+    tl.store(acc_ptr + state[:, None] * D + d[None, :], acc, mask=hmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _merge_chunks(m_ptr, l_ptr, acc_ptr, out_ptr, N_STATES, D, BLOCK_D: tl.constexpr):
+    """Each (query, head)'s chunk states merged by log-sum-exp in chunk order -> out [B, T, HQ, D] float32."""
+    r = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    m = tl.full((), float("-inf"), tl.float32)
+    l = tl.zeros((), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for c in range(0, N_STATES):
+        mc = tl.load(m_ptr + r * N_STATES + c)
+        lc = tl.load(l_ptr + r * N_STATES + c)
+        ac = tl.load(acc_ptr + (r * N_STATES + c) * D + d, mask=dmask, other=0.0)
+        m_new = tl.maximum(m, mc)
+        a = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_new))
+        w = tl.where(mc == float("-inf"), 0.0, tl.exp(mc - m_new))
+        l = l * a + lc * w
+        acc = acc * a + ac * w
+        m = m_new
+    tl.store(out_ptr + r * D + d, acc / l, mask=dmask)
+
+
+def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper: bool) -> torch.Tensor:
+    quant = kv.quant
+    g = quant.group
+    if g & (g - 1):
+        raise SelfspecError(f"the Triton quantized attention needs a power-of-two KV group, got {g}")
+    b, hq, t, dim = q.shape
+    hkv, s = quant.keys[0].shape[1], quant.keys[0].shape[2]
+    chunk = max(g, CHUNK_KEYS // g * g)
+    n_chunks = -(-int(quantized_below(q_pos, g).max()) // chunk)
+    states = b * t * hq * (n_chunks + 1)
+    m = torch.empty(states, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(states, dim, dtype=torch.float32, device=q.device)
+    hier = quant.fmt == "hier"
+    kq1 = quant.keys[1] if hier else quant.keys[0]
+    vq1 = quant.values[1] if hier else quant.values[0]
+    block_d = triton.next_power_of_2(dim)
+    _quant_attention_chunks[(b * t * hkv, n_chunks + 1)](
+        q, q_pos.contiguous(), quant.keys[0], kq1, quant.k_scale, quant.k_zero, quant.values[0], vq1,
+        quant.v_scale, quant.v_zero, kv.k, kv.v, m, l, acc,
+        t, hq, hkv, s, dim, kv.k.shape[2], quant.start, n_chunks, dim ** -0.5,
+        q.stride(0), q.stride(1), q.stride(2),
+        G=g, CHUNK=chunk, FMT_HIER=hier, UPPER=upper, BLOCK=BLOCK_N,
+        BLOCK_H=triton.next_power_of_2(hq // hkv), BLOCK_D=block_d)
+    out = torch.empty(b, t, hq, dim, dtype=torch.float32, device=q.device)
+    _merge_chunks[(b * t * hq,)](m, l, acc, out, n_chunks + 1, dim, BLOCK_D=block_d)
+    return out.transpose(1, 2).to(q.dtype)
+
+
+register("quantized_attention", "", "cuda")(quantized_attention)
