@@ -1,5 +1,6 @@
 """The quantized KV cache on the GPU: the Triton attention against the torch reference, and greedy speculative ==
 greedy AR of the verify configuration (weights mode + INT8 KV) on real SmolLM2 with a prompt longer than 2G."""
+import os
 from dataclasses import replace
 
 import pytest
@@ -44,7 +45,7 @@ def test_quantized_attention_matches_reference(fmt, upper):
 
 @pytest.mark.parametrize("recipe", ["selfspec", "quantspec"])
 def test_greedy_speculative_equals_ar_with_quantized_kv(recipe):
-    cfg, sd, tok, desc = resolve(None)
+    cfg, sd, tok, desc = resolve(os.environ.get("SELFSPEC_GPU_MODEL"))  # SmolLM2, embedded or its .gguf
     llm = build(cfg, sd, tok, replace(resolve_recipe(recipe), verify="bf16" if recipe == "quantspec" else "full",
                                       kv_group=G), device="cuda")
     ids = tok.encode(" ".join(["The printing press spread across Europe within decades of its invention."] * 12))
