@@ -120,14 +120,16 @@ def percentiles(xs: list[float]) -> dict[str, float]:
 
 def make_engine(llm: selfspec.LLM, prompts: list[list[int]], batch: int, max_new_tokens: int, max_gamma: int,
                 replay: list[int] | None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
-    """An engine for `batch` requests in flight, its CUDA graphs captured (on the GPU) before any is timed;
-    `replay`: the accepted-draft counts greedy rounds replay (None: real acceptance)."""
+    """An engine for `batch` requests in flight, its CUDA graphs captured (on the GPU) and its prefill kernels
+    compiled (one untimed pass of `batch` prompts, one token each) before any run is timed; `replay`: the
+    accepted-draft counts greedy rounds replay (None: real acceptance)."""
     block_size = 16
     blocks_per_seq = -(-(max(map(len, prompts)) + max_new_tokens + max_gamma + 1) // block_size)
     engine = Engine(llm, max_batch=batch, block_size=block_size, num_blocks=batch * blocks_per_seq,
                     max_queue=len(prompts), prefill_chunk=prefill_chunk, max_gamma=max_gamma,
                     accept=accept_greedy if replay is None else ReplayAcceptance(replay))
     engine.warm_up()
+    run_closed_loop(engine, prompts[:batch], SamplingParams(max_new_tokens=1, ignore_eos=True), 0)
     return engine
 
 
