@@ -677,15 +677,15 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
         return reference_linear(x, weight, mode, bias, residual)
     n, k = weight.shape
     x2 = x.reshape(-1, k).contiguous()
-    act = mode.act_bits is not None
-    if mode.prompt and fmt != DENSE.value and not act:
-        return prompt_linear(x2, weight, fmt, bias, residual).view(*x.shape[:-1], n)
-    xs = None
-    if act:
-        x2, xs = act_quant(x2, mode.act_bits)
     r2 = None if residual is None else residual.reshape(-1, n)
     if r2 is not None and r2.stride(-1) != 1:
         r2 = r2.contiguous()
+    act = mode.act_bits is not None
+    if mode.prompt and fmt != DENSE.value and not act:
+        return prompt_linear(x2, weight, fmt, bias, r2).view(*x.shape[:-1], n)
+    xs = None
+    if act:
+        x2, xs = act_quant(x2, mode.act_bits)
     group = getattr(weight, "group_size", 0)
     cfg = tile_config(fmt, act, n, k, group, x2.shape[0])
     return _launch(x2, xs, weight, fmt, act, bias, cfg, r2).view(*x.shape[:-1], n)
@@ -783,12 +783,9 @@ def dequantize(weight: QuantWeight, fmt: int) -> torch.Tensor:
 
 
 def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.Tensor | None,
-                  residual: torch.Tensor | None) -> torch.Tensor:
-    """y [M, N] of prompt tokens x2 [M, K]: the weight dequantized to bf16, then the bf16 GEMM."""
+                  r2: torch.Tensor | None) -> torch.Tensor:
+    """y [M, N] (+ r2 [M, N]) of prompt tokens x2 [M, K]: the weight dequantized to bf16, then the bf16 GEMM."""
     n, k = weight.shape
-    r2 = None if residual is None else residual.reshape(-1, n)
-    if r2 is not None and r2.stride(-1) != 1:
-        r2 = r2.contiguous()
     cfg = tile_config(DENSE.value, False, n, k, 0, x2.shape[0])
     return _run(x2, None, (dequantize(weight, fmt), None, None, None), n, 0, DENSE.value, False, bias, cfg, r2)
 
