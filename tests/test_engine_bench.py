@@ -73,6 +73,8 @@ def test_bench_recipe_reports_best_of_and_each_pair(llm):
     cells = markdown_row(row).split(" | ")
     assert len(cells) == HEADER.splitlines()[0].count(" | ") + 1
     assert cells[5] == f"{row['speedup_median']:.2f}x ({row['speedup_min']:.2f}-{row['speedup_max']:.2f}, 3 pairs)"
+    ar, spec = row["ar"]["ttft_s"], row["spec"]["ttft_s"]  # each side's own time to first token
+    assert cells[8] == f"{ar['p50']:.2f} / {ar['p99']:.2f}, {spec['p50']:.2f} / {spec['p99']:.2f}"
 
 
 def test_read_json_array_head_stops_at_a_cut_record():

@@ -219,19 +219,20 @@ def pair_speedups(runs: dict[str, list[dict]]) -> dict:
 
 
 HEADER = ("| recipe (draft -> verify) | batch | AR tok/s | spec tok/s | spec/AR | spec/AR per pair: median (min-max) | "
-          "acceptance | mean gamma | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | batched == solo |\n"
+          "acceptance | mean gamma | TTFT p50 / p99 (s): AR, spec | ITL p50 / p99 (ms): AR, spec | batched == solo |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def markdown_row(r: dict) -> str:
-    s = r["spec"]
+    a, s = r["ar"], r["spec"]
     acc = "-" if s["acceptance"] is None else f"{100 * s['acceptance']:.1f}%"
     check = "-" if "mismatches" not in r else ("yes" if r["mismatches"] == 0 else f"NO ({r['mismatches']})")
     label = " SYNTHETIC, acceptance replayed" if r["synthetic"] else ""
-    return (f"| {r['recipe']} ({r['draft']} -> {r['verify']}){label} | {r['batch']} | {r['ar']['tokens_per_s']:.2f} | "
+    ttft = ", ".join(f"{run['ttft_s']['p50']:.2f} / {run['ttft_s']['p99']:.2f}" for run in (a, s))
+    itl = ", ".join(f"{1e3 * run['itl_s']['p50']:.0f} / {1e3 * run['itl_s']['p99']:.0f}" for run in (a, s))
+    return (f"| {r['recipe']} ({r['draft']} -> {r['verify']}){label} | {r['batch']} | {a['tokens_per_s']:.2f} | "
             f"{s['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {spread(r)} | {acc} | {s['mean_gamma']:.2f} | "
-            f"{s['ttft_s']['p50']:.2f} / {s['ttft_s']['p99']:.2f} | "
-            f"{1e3 * s['itl_s']['p50']:.0f} / {1e3 * s['itl_s']['p99']:.0f} | {check} |")
+            f"{ttft} | {itl} | {check} |")
 
 
 def spread(r: dict) -> str:
