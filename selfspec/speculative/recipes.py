@@ -47,7 +47,7 @@ PRESETS = {
     # Self-speculation over the KV cache too: the draft reads the upper planes of the weights and of a
     # hierarchical KV cache, verify both planes of each.
     # QuantSpec: dense verify weights with a second, INT4 copy for the draft, over a hierarchical KV cache.
-    "quantspec": Recipe("quantspec", "dense+int4", "fp32", "w4a16", kv="hier"),
+    "quantspec": Recipe("quantspec", "dense+int4", "bf16", "w4a16", kv="hier"),
     "selfspec": Recipe("selfspec", "planes", "full", "upper", kv="hier"),
 }
 
