@@ -292,3 +292,14 @@ def test_trees_refuse_a_quantized_kv_cache(llm):
                         GenerationStats()))
     finally:
         llm.model.set_kv_format("bf16")
+
+
+def test_bench_trees_compares_drafters_against_ar(capsys):
+    """`selfspec bench trees` on SmolLM2: a row per drafter, each run checked token for token against AR."""
+    from selfspec.bench import trees
+
+    trees.main(["--prompts", "1", "--new-tokens", "6", "--gamma", "2", "--drafts", "ngram-tree:2", "upper"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ngram-tree:2 |")
+            or line.startswith("| upper |")]
+    assert len(rows) == 2 and all(r[5] == "yes" for r in rows)
+    assert float(rows[1][3]) > 1  # the upper chain emits more than one token per verify pass here
