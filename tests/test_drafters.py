@@ -78,11 +78,17 @@ def test_drafter_names():
     assert make_drafter("ngram") == NgramDrafter(max_n=3, min_n=1)
     assert make_drafter("ngram:2-4") == NgramDrafter(max_n=4, min_n=2)
     assert isinstance(make_drafter("upper"), SelfDraft)
-    for bad, needle in (("ngram:3-1", "1 <= min_n <= max_n"), ("ngram:0-2", "1 <= min_n <= max_n"),
-                        ("ngram3", "unknown drafter 'ngram3'"), ("ngram:2", "ngram:MIN-MAX"),
-                        ("w9a9", "unknown mode 'w9a9'")):
-        with pytest.raises(SelfspecError, match=needle):
-            make_drafter(bad)
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ("ngram:3-1", "1 <= min_n <= max_n"), ("ngram:0-2", "1 <= min_n <= max_n"), ("ngram3", "unknown drafter 'ngram3'"),
+    ("ngram:2", "ngram:MIN-MAX"), ("w9a9", "unknown mode 'w9a9'"),
+    # tree drafters
+    ("hybrid:1", "at least 2 branches"), ("ngram-tree:0", "at least 1 branch"), ("tree:w9a9", "unknown mode 'w9a9'"),
+    ("ngram-tree:x", "ngram-tree"), ("tree", "tree:MODE"), ("hybrid:x", "unknown tree drafter")])
+def test_bad_drafter_names_say_what_to_write(bad, needle):
+    with pytest.raises(SelfspecError, match=needle):
+        make_drafter(bad)
 
 
 def test_ngram_recipe_and_overrides():

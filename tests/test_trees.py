@@ -181,12 +181,7 @@ def test_tree_names():
     assert make_drafter("tree:w4a16") == SelfDraftTree(get_mode("w4a16"), 4)
     assert make_drafter("hybrid:3") == HybridDrafter(3)
     assert make_drafter("ngram-tree:1") == NgramDrafter()  # one branch: the chain drafter (sampling works)
-    assert make_drafter("tree:upper:1") == SelfDraft(upper)
-    for bad, needle in (("hybrid:1", "at least 2 branches"), ("ngram-tree:0", "at least 1 branch"),
-                        ("tree:w9a9", "unknown mode 'w9a9'"), ("ngram-tree:x", "ngram-tree"), ("tree", "tree:MODE"),
-                        ("hybrid:x", "unknown tree drafter")):
-        with pytest.raises(SelfspecError, match=needle):
-            make_drafter(bad)
+    assert make_drafter("tree:upper:1") == SelfDraft(upper)  # malformed names: test_drafters.py
 
 
 def test_hybrid_recipe():

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec import kernels
-from selfspec.quant.formats import DenseAndInt4Weight, QuantWeight
+from selfspec.quant.formats import QuantWeight
 from selfspec.quant.modes import Mode
 
 if TYPE_CHECKING:
@@ -17,8 +17,7 @@ if TYPE_CHECKING:
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T (+ bias), W read as `mode` says; + residual, when given, in the same pass over the output."""
-    if isinstance(weight, DenseAndInt4Weight):  # two stored copies: the one this mode reads
-        weight = weight.for_mode(mode)
+    weight = weight.for_mode(mode)  # a format with a copy per mode (dense+int4) hands over the one `mode` reads
     if weight.rotation is not None:  # stored as W H: (x H)(W H)^T = x W^T, with outliers spread before act quant
         x = rotate(x, weight.rotation.matrix)
     return kernels.lookup("linear", weight.storage, x.device.type)(x, weight, mode, bias, residual)

@@ -87,6 +87,10 @@ class QuantWeight(nn.Module):
         """The float weight that `mode` computes with (the reference semantics of every kernel)."""
         raise NotImplementedError
 
+    def for_mode(self, mode: Mode) -> QuantWeight:
+        """The stored weight `mode` reads: this one, but for a format that keeps one copy per mode."""
+        return self
+
     def check(self, mode: Mode) -> None:
         if not self.supports(mode):
             raise SelfspecError(f"stored format '{self.storage}' cannot run mode '{mode.name}'")
