@@ -106,3 +106,32 @@ def test_verify_table_shows_each_pass_against_the_one_token_step():
     table = verify_table(rows)
     assert "| planes | full | 1 | 5.000 (1.00) | 5.500 (1.10) |" in table
     assert "| planes | full | 32 | 9.000 (1.00) | 27.000 (3.00) |" in table
+
+
+def test_pass_log_counts_every_pass_of_a_run(llm):
+    """The step-cost bound counts what the engine ran: AR passes are 1 token per row, a prefill pass packs the
+    prompts' lengths, and the bound (each counted pass timed alone, back to back) gives a ratio to the run."""
+    prompts = random_prompts(5)
+    engine = make_engine(llm, prompts, 2, 4, 4, None)
+    r = run_closed_loop(engine, prompts, SamplingParams(max_new_tokens=4, ignore_eos=True), 0)
+    passes = r["passes"]
+    prefill = {shape: n for (_, shape), n in passes.items() if shape[0] == "prefill"}
+    decode = {shape: n for (_, shape), n in passes.items() if shape[0] != "prefill"}
+    assert sum(sum(lengths) * n for (_, lengths, _), n in prefill.items()) == sum(map(len, prompts))
+    assert decode and all(t == 1 and rows <= 2 for rows, t in decode)
+    # each request's first token comes from a prefill pass, each later one from a decode pass
+    assert sum(rows * n for (rows, _), n in decode.items()) == 5 * 3
+    from selfspec.bench.step_bound import bound_seconds
+    costs = {}
+    seconds = bound_seconds(engine, passes, 20, costs)
+    assert seconds > 0 and len(costs) == len(passes)
+    assert bound_seconds(engine, passes, 20, costs) == seconds  # each shape timed once
+
+
+def test_bench_recipe_reports_the_step_cost_bound(llm):
+    prompts = random_prompts(3)
+    (row,) = bench_recipe(llm, prompts, [2], SamplingParams(max_new_tokens=3), 4, None)
+    for side in ("ar", "spec"):
+        run = row[side]
+        assert "passes" not in run and run["step_bound_tokens_per_s"] > 0
+        assert run["of_step_bound"] == pytest.approx(run["tokens_per_s"] / run["step_bound_tokens_per_s"])

@@ -35,6 +35,7 @@ import torch
 
 import selfspec
 from selfspec.bench.shapes import SHAPES
+from selfspec.bench.step_bound import PassLog, bound_seconds
 from selfspec.bench.synthetic import synthetic_model
 from selfspec.bench.traces import TRACE_DIR, ReplayAcceptance, load
 from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
@@ -141,6 +142,7 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
     tokens: dict[str, list[int]] = {}
     next_i = 0
     start = engine.stats()
+    log = engine.runner = PassLog(engine.runner)
     t0 = time.perf_counter()
 
     def submit() -> None:
@@ -168,6 +170,7 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
             if o.finished and next_i < len(prompts):
                 submit()
     wall = time.perf_counter() - t0
+    engine.runner = log.runner
     s = engine.stats()
     drafted, accepted = s.num_draft_tokens - start.num_draft_tokens, s.num_accepted_tokens - start.num_accepted_tokens
     row_rounds = s.num_row_rounds - start.num_row_rounds
@@ -176,7 +179,7 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
             "ttft_s": percentiles([first[r] - submitted[r] for r in first]), "itl_s": percentiles(itl),
             "acceptance": accepted / drafted if drafted else None,
             "mean_gamma": drafted / row_rounds if row_rounds else 0.0,
-            "tokens": [tokens[str(i)] for i in range(len(prompts))]}
+            "tokens": [tokens[str(i)] for i in range(len(prompts))], "passes": log.passes}
 
 
 def bench_recipe(llm: selfspec.LLM, prompts: list[list[int]], batch_sizes: list[int], params: SamplingParams,
@@ -191,6 +194,12 @@ def bench_recipe(llm: selfspec.LLM, prompts: list[list[int]], batch_sizes: list[
         for _ in range(repeats):
             runs["ar"].append(run_closed_loop(engine, prompts, params, 0))
             runs["spec"].append(run_closed_loop(engine, prompts, params, None))
+        costs = {}  # each pass shape timed once per engine
+        context = round(statistics.mean(map(len, prompts)) + params.max_new_tokens / 2)
+        for run in (*runs["ar"], *runs["spec"]):
+            run["step_bound_tokens_per_s"] = run["output_tokens"] / bound_seconds(engine, run.pop("passes"), context,
+                                                                                  costs)
+            run["of_step_bound"] = run["tokens_per_s"] / run["step_bound_tokens_per_s"]
         ar, spec = (max(runs[side], key=lambda r: r["tokens_per_s"]) for side in ("ar", "spec"))
         row = {"recipe": llm.recipe.name, "draft": llm.recipe.draft, "verify": llm.recipe.verify, "batch": b,
                "synthetic": replay is not None, "ar": ar, "spec": spec,
@@ -219,8 +228,9 @@ def pair_speedups(runs: dict[str, list[dict]]) -> dict:
 
 
 HEADER = ("| recipe (draft -> verify) | batch | AR tok/s | spec tok/s | spec/AR | spec/AR per pair: median (min-max) | "
-          "acceptance | mean gamma | TTFT p50 / p99 (s): AR, spec | ITL p50 / p99 (ms): AR, spec | batched == solo |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+          "acceptance | mean gamma | TTFT p50 / p99 (s): AR, spec | ITL p50 / p99 (ms): AR, spec | "
+          "step-cost bound tok/s (measured / bound): AR, spec | batched == solo |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def markdown_row(r: dict) -> str:
@@ -230,9 +240,10 @@ def markdown_row(r: dict) -> str:
     label = " SYNTHETIC, acceptance replayed" if r["synthetic"] else ""
     ttft = ", ".join(f"{run['ttft_s']['p50']:.2f} / {run['ttft_s']['p99']:.2f}" for run in (a, s))
     itl = ", ".join(f"{1e3 * run['itl_s']['p50']:.0f} / {1e3 * run['itl_s']['p99']:.0f}" for run in (a, s))
+    bound = ", ".join(f"{run['step_bound_tokens_per_s']:.0f} ({run['of_step_bound']:.2f})" for run in (a, s))
     return (f"| {r['recipe']} ({r['draft']} -> {r['verify']}){label} | {r['batch']} | {a['tokens_per_s']:.2f} | "
             f"{s['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {spread(r)} | {acc} | {s['mean_gamma']:.2f} | "
-            f"{ttft} | {itl} | {check} |")
+            f"{ttft} | {itl} | {bound} | {check} |")
 
 
 def spread(r: dict) -> str:

@@ -50,6 +50,12 @@ DEFAULT_TOKENS_PER_SEQ = 1024  # default pool: max_batch sequences of this many 
 DEFAULT_PREFILL_CHUNK = 2048
 
 
+def prefill_warm_sizes(max_tokens: int) -> list[int]:
+    """Token counts of the prefill passes warm_up runs: one in each tile bucket of the GEMMs (kernels'
+    MANY_TOKENS: up to 16, 64, 256 rows, then tile shapes chosen per size) up to max_tokens, and max_tokens."""
+    return sorted({min(t, max_tokens) for t in (1, 17, 65, 257, 512, 1024, 2048, max_tokens)})
+
+
 class QueueFull(SelfspecError):
     """The waiting queue is at max_queue; retry later."""
 
@@ -225,8 +231,9 @@ class Engine:
 
     def warm_up(self) -> None:
         """Capture the CUDA graph of every decode pass the engine can replay (each batch bucket up to max_batch:
-        AR and verify passes of up to max_gamma drafts, draft steps), so that no request waits on a capture.
-        The passes run on padding rows (trash blocks only). Nothing to do on CPU."""
+        AR and verify passes of up to max_gamma drafts, draft steps), and compile the prefill kernels of every
+        size bucket a prefill chunk can fall in (`prefill_warm_sizes`), so that no request waits on a capture or
+        a compile. The passes run on padding rows (trash blocks only). Nothing to do on CPU."""
         if not isinstance(self.runner, PagedGraphedModel):
             return
         dev = self.llm.model.device
@@ -240,6 +247,13 @@ class Engine:
                 zeros = torch.zeros(rows, t, dtype=torch.long, device=dev)
                 self.runner(zeros, zeros, trash, mode)
             rows *= 2
+        with torch.inference_mode():
+            for t in prefill_warm_sizes(min(self.prefill_chunk, self.max_len)):
+                trash = PagedBatchView(self.cache, torch.zeros(1, self.cache.blocks_for(t), dtype=torch.long,
+                                                               device=dev))
+                pos = torch.arange(t, device=dev)[None]
+                self.runner(torch.zeros_like(pos), pos, trash, prompt_mode(self.llm.verify_mode),
+                            logits_at=torch.tensor([t - 1], device=dev), packed=Packed.of([t], [t], dev))
 
     # ---------------------------------------------------------------- the scheduler
 
@@ -403,7 +417,7 @@ class Engine:
     @torch.inference_mode()
     def _prefill_chunk(self, seqs: list[Sequence], sizes: list[int], outputs: list[RequestOutput]) -> None:
         """Prefill sizes[i] more context tokens of each seqs[i], packed into one pass without padding."""
-        model, dev = self.llm.model, self.llm.model.device
+        dev = self.llm.model.device
         contexts = [s.context for s in seqs]
         resumed = [bool(s.out.token_ids) for s in seqs]  # preempted: the pending token is drawn already
         for s, n in zip(seqs, sizes):
@@ -415,8 +429,8 @@ class Engine:
         drawing = [i for i, (d, r) in enumerate(zip(done, resumed)) if d and not r]  # rows whose first token is due
         packed = Packed.of(sizes, [s.prefilled + n for s, n in zip(seqs, sizes)], dev)
         mode = prompt_mode(self.llm.verify_mode) if seqs[0].in_prompt else self.llm.verify_mode
-        last = model(toks.to(dev), pos.to(dev), self.cache.view([s.id for s in seqs]), mode,
-                     logits_at=torch.tensor([ends[i] - 1 for i in drawing], device=dev), packed=packed)
+        last = self.runner(toks.to(dev), pos.to(dev), self.cache.view([s.id for s in seqs]), mode,
+                           logits_at=torch.tensor([ends[i] - 1 for i in drawing], device=dev), packed=packed)
         top = last.argmax(-1).tolist()  # greedy rows' first tokens: one pass and one copy, not one per row
         first = [None] * len(seqs)
         for j, i in enumerate(drawing):

@@ -18,7 +18,7 @@ import torch
 
 from selfspec.cache import KVCache
 from selfspec.cache.paged import PagedBatchView, PagedKVCache
-from selfspec.model import Transformer
+from selfspec.model import Packed, Transformer
 from selfspec.quant.modes import Mode
 
 MAX_GRAPHED_TOKENS = 16  # decode steps: AR (1), draft (1), verify (gamma + 1)
@@ -78,9 +78,9 @@ class _Graphed:
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode,
-                 logits_at: torch.Tensor | None = None) -> torch.Tensor:
-        if logits_at is not None or mode.prompt or tokens.shape[1] > MAX_GRAPHED_TOKENS:  # a prefill: eager
-            return self.model(tokens, pos, cache, mode, logits_at)
+                 logits_at: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
+        if logits_at is not None or packed is not None or mode.prompt or tokens.shape[1] > MAX_GRAPHED_TOKENS:
+            return self.model(tokens, pos, cache, mode, logits_at, packed)  # a prefill: eager
         static, rows = self._static(cache, tokens.shape[0])
         key = (id(static), mode, rows, tokens.shape[1])  # the mode itself: its skipped layers too
         graph = self._graphs.get(key)

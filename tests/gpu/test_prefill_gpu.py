@@ -63,3 +63,23 @@ def test_packed_prefill_equals_each_prompt_alone(llm):
     _, head, tokens = serve_first_tokens(llm, prompts, 512)
     assert torch.equal(head, torch.cat([a[1] for a in alone]))  # first tokens, drawn in request order
     assert tokens == [a[2][0] for a in alone]
+
+
+def test_warm_up_compiles_every_prefill_kernel(llm):
+    """After Engine.warm_up, serving prompts of many sizes (packed, cut into 512-token chunks) compiles no kernel:
+    the first requests of a server do not wait on Triton."""
+    knobs = pytest.importorskip("triton.knobs")
+    prompts = [long_prompt(llm, n) for n in (3, 40, 200, 700, 1500)]
+    engine = Engine(llm, max_batch=len(prompts), block_size=BLOCK, num_blocks=sum(-(-len(p) // BLOCK) + 2
+                                                                                  for p in prompts),
+                    prefill_chunk=512)
+    engine.warm_up()
+    compiled = []
+    hook, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, lambda **kw: compiled.append(kw["repr"])
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_new_tokens=3, ignore_eos=True), gamma=0)
+        served_tokens(engine)
+    finally:
+        knobs.runtime.jit_cache_hook = hook
+    assert compiled == []

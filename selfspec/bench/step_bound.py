@@ -1,0 +1,79 @@
+"""The step-cost bound of a serving run: the throughput the run would reach if the GPU ran its passes back to back,
+each at the cost it has alone. measured / bound says how much the host (scheduling, sampling, Python between
+passes) and idle gaps took: 1.0 is a run that never waits on the host.
+
+`PassLog` stands in for the engine's runner during a run and counts every pass by what sets its cost: the mode,
+rows and tokens of a decode, draft or verify pass (the CUDA graphs replay these), the packed rows' lengths and
+keys of a prefill pass. `bound_seconds` then times each distinct pass alone on padding rows (trash blocks), decode
+passes at a given context length, and adds them up. A draft model's own passes run outside the engine's runner and
+are not counted (the bound of `draft-model` is optimistic by their cost).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+
+import torch
+
+from selfspec.cache.paged import PagedBatchView
+from selfspec.engine.engine import Engine
+from selfspec.model import Packed
+from selfspec.quant.modes import Mode
+
+
+class PassLog:
+    """A runner that counts each pass (mode, shape) and runs it on the runner it wraps."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.passes: Counter = Counter()
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode,
+                 logits_at: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
+        shape = ("prefill", tuple(packed.lengths), tuple(packed.keys)) if packed is not None else tuple(tokens.shape)
+        self.passes[(mode, shape)] += 1
+        return self.runner(tokens, pos, cache, mode, logits_at, packed)
+
+
+def pass_seconds(engine: Engine, mode: Mode, shape: tuple, context: int, repeats: int = 5) -> float:
+    """The median time of one pass of this shape alone (after one untimed run), on padding rows."""
+    dev = engine.llm.model.device
+    if shape[0] == "prefill":
+        _, lengths, keys = shape
+        table = torch.zeros(len(lengths), engine.cache.blocks_for(max(keys)), dtype=torch.long, device=dev)
+        pos = torch.cat([torch.arange(k - n, k) for n, k in zip(lengths, keys)]).to(dev)[None]
+        args = (torch.zeros_like(pos), pos, PagedBatchView(engine.cache, table), mode,
+                torch.tensor(list(range(len(lengths))), device=dev), Packed.of(list(lengths), list(keys), dev))
+    else:
+        rows, t = shape
+        context = min(context, engine.max_len - t)
+        table = torch.zeros(rows, engine.cache.blocks_for(context + t), dtype=torch.long, device=dev)
+        pos = (context + torch.arange(t, device=dev)).expand(rows, t).contiguous()
+        args = (torch.zeros_like(pos), pos, PagedBatchView(engine.cache, table), mode)
+    times = []
+    for i in range(repeats + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            engine.runner(*args)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bound_seconds(engine: Engine, passes: Counter, context: int, costs: dict) -> float:
+    """The time the counted passes take back to back; `costs` keeps each pass shape's time across runs."""
+    total = 0.0
+    for (mode, shape), n in passes.items():
+        key = (mode, shape, context)
+        if key not in costs:
+            costs[key] = pass_seconds(engine, mode, shape, context)
+        total += n * costs[key]
+    return total
