@@ -133,5 +133,7 @@ def test_bench_recipe_reports_the_step_cost_bound(llm):
     (row,) = bench_recipe(llm, prompts, [2], SamplingParams(max_new_tokens=3), 4, None)
     for side in ("ar", "spec"):
         run = row[side]
-        assert "passes" not in run and run["step_bound_tokens_per_s"] > 0
+        assert run["step_bound_tokens_per_s"] > 0 and run["preemptions"] == 0
+        assert sum(p["ms_total"] for p in run["passes"]) == pytest.approx(1e3 * run["output_tokens"]
+                                                                         / run["step_bound_tokens_per_s"])
         assert run["of_step_bound"] == pytest.approx(run["tokens_per_s"] / run["step_bound_tokens_per_s"])

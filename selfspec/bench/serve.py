@@ -35,7 +35,7 @@ import torch
 
 import selfspec
 from selfspec.bench.shapes import SHAPES
-from selfspec.bench.step_bound import PassLog, bound_seconds
+from selfspec.bench.step_bound import PassLog, bound_seconds, pass_table
 from selfspec.bench.synthetic import synthetic_model
 from selfspec.bench.traces import TRACE_DIR, ReplayAcceptance, load
 from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
@@ -179,6 +179,7 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
             "ttft_s": percentiles([first[r] - submitted[r] for r in first]), "itl_s": percentiles(itl),
             "acceptance": accepted / drafted if drafted else None,
             "mean_gamma": drafted / row_rounds if row_rounds else 0.0,
+            "preemptions": s.num_preemptions - start.num_preemptions,
             "tokens": [tokens[str(i)] for i in range(len(prompts))], "passes": log.passes}
 
 
@@ -197,8 +198,9 @@ def bench_recipe(llm: selfspec.LLM, prompts: list[list[int]], batch_sizes: list[
         costs = {}  # each pass shape timed once per engine
         context = round(statistics.mean(map(len, prompts)) + params.max_new_tokens / 2)
         for run in (*runs["ar"], *runs["spec"]):
-            run["step_bound_tokens_per_s"] = run["output_tokens"] / bound_seconds(engine, run.pop("passes"), context,
-                                                                                  costs)
+            passes = run.pop("passes")
+            run["step_bound_tokens_per_s"] = run["output_tokens"] / bound_seconds(engine, passes, context, costs)
+            run["passes"] = pass_table(passes, context, costs)
             run["of_step_bound"] = run["tokens_per_s"] / run["step_bound_tokens_per_s"]
         ar, spec = (max(runs[side], key=lambda r: r["tokens_per_s"]) for side in ("ar", "spec"))
         row = {"recipe": llm.recipe.name, "draft": llm.recipe.draft, "verify": llm.recipe.verify, "batch": b,

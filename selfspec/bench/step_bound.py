@@ -77,3 +77,12 @@ def bound_seconds(engine: Engine, passes: Counter, context: int, costs: dict) ->
             costs[key] = pass_seconds(engine, mode, shape, context)
         total += n * costs[key]
     return total
+
+
+def pass_table(passes: Counter, context: int, costs: dict) -> list[dict]:
+    """The counted passes for a JSON report, the dearest in all first: mode, shape, count, ms each, ms in all."""
+    rows = [{"mode": mode.name, "prompt": mode.prompt, "shape": list(shape), "count": n,
+             "ms": 1e3 * costs[(mode, shape, context)]} for (mode, shape), n in passes.items()]
+    for r in rows:
+        r["ms_total"] = r["count"] * r["ms"]
+    return sorted(rows, key=lambda r: -r["ms_total"])
