@@ -284,7 +284,7 @@ def test_a_small_request_is_not_held_up_by_a_max_context_one(llm):
     solo_engine = Engine(llm, max_batch=4, block_size=16, num_blocks=32)
     solo_engine.add_request("small", small, greedy(12), gamma=2)
     solo_tokens, solo_steps = steps_to_finish(solo_engine, "small")
-    engine = Engine(llm, max_batch=4, block_size=16, num_blocks=32)
+    engine = Engine(llm, max_batch=4, block_size=16, num_blocks=32, prefill_wait=0)
     engine.add_request("big", prompts(1, seed=9)[0], greedy(engine.max_len), gamma=2)
     for _ in range(3):
         engine.step()
@@ -295,6 +295,34 @@ def test_a_small_request_is_not_held_up_by_a_max_context_one(llm):
     engine.abort("big")
     engine.step()
     assert_idle(engine)
+
+
+def test_newcomers_wait_a_few_steps_to_share_one_prefill_pass(llm, monkeypatch):
+    """While a request decodes, prompts arriving one step apart wait (up to prefill_wait steps from the first)
+    and are prefilled in one pass; with prefill_wait=0 each gets its own. Outputs are the solo ones either way,
+    and a prompt arriving to an idle engine is prefilled at once."""
+    ps = prompts(3, seed=4)
+    passes = {}
+    for wait in (0, 3):
+        engine = Engine(llm, max_batch=4, block_size=16, num_blocks=64, prefill_wait=wait)
+        sizes = []
+        prefill = engine._prefill_chunk
+        monkeypatch.setattr(engine, "_prefill_chunk", lambda seqs, n, outs: sizes.append(len(seqs)) or
+                            prefill(seqs, n, outs))
+        arrivals = {0: ("first", ps[0], 12), 1: ("a", ps[1], 6), 2: ("b", ps[2], 6)}
+
+        def feed(step):
+            if step in arrivals:
+                rid, p, n = arrivals[step]
+                engine.add_request(rid, p, greedy(n), gamma=0)
+            return step < len(arrivals)
+
+        out, _ = run(engine, feed)
+        passes[wait] = sizes
+        for rid, p in (("a", ps[1]), ("b", ps[2])):
+            assert out[rid][0] == llm.generate(p, greedy(6), gamma=0).token_ids
+        assert_idle(engine)
+    assert passes == {0: [1, 1, 1], 3: [1, 2]}  # the first, on an idle engine, at once
 
 
 def test_preempted_requests_resume_with_unchanged_greedy_output(llm, monkeypatch):

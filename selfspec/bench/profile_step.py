@@ -1,6 +1,7 @@
-"""Where a decode step's time goes: the GPU kernels of an AR step (run eagerly), by total time (torch.profiler).
+"""Where a decode step's time goes: the GPU kernels of an AR step (run eagerly), by total time (torch.profiler);
+with --prompt-tokens T, those of a prompt pass of T tokens (the prompt arithmetic, logits of the last one).
 
-python -m selfspec.bench.profile_step [--shape llama-3-8b] [--modes bf16 full upper]
+python -m selfspec.bench.profile_step [--shape llama-3-8b] [--modes bf16 full upper] [--prompt-tokens 512]
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from selfspec.bench.steps import STORAGE_MODES, filled_cache
 from selfspec.bench.synthetic import synthetic_model
-from selfspec.quant.modes import MODES
+from selfspec.quant.modes import MODES, prompt_mode
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,6 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--modes", nargs="+", default=["bf16", "full", "upper"])
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="profile a prompt pass of this many tokens")
     args = ap.parse_args(argv)
     for storage, modes in STORAGE_MODES.items():
         wanted = [m for m in modes if m in args.modes]
@@ -26,17 +28,21 @@ def main(argv: list[str] | None = None) -> None:
             continue
         model = synthetic_model(args.shape, storage)
         for mode in wanted:
-            cache = filled_cache(model, 1, args.context, args.context + 8)  # attention reads a real history
-            tok = torch.randint(0, model.cfg.vocab_size, (1, 1), device="cuda")
-            pos = torch.full((1, 1), args.context, device="cuda")
+            t = args.prompt_tokens or 1
+            cache = filled_cache(model, 1, args.context, args.context + t)  # attention reads a real history
+            tok = torch.randint(0, model.cfg.vocab_size, (1, t), device="cuda")
+            pos = args.context + torch.arange(t, device="cuda")[None]
+            m = prompt_mode(MODES[mode]) if args.prompt_tokens else MODES[mode]
+            last = torch.tensor([t - 1], device="cuda")
             for _ in range(2):
-                model(tok, pos, cache, MODES[mode])  # eager: each kernel's GPU time is what the profile sums
+                model(tok, pos, cache, m, last)  # eager: each kernel's GPU time is what the profile sums
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
-                    model(tok, pos, cache, MODES[mode])
+                    model(tok, pos, cache, m, last)
                 torch.cuda.synchronize()
-            print(f"\n=== {args.shape} {storage} {mode}: GPU kernels of 3 eager AR steps, context {args.context}")
+            what = f"prompt passes of {t} tokens" if args.prompt_tokens else "AR steps"
+            print(f"\n=== {args.shape} {storage} {mode}: GPU kernels of 3 eager {what}, context {args.context}")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
         del model
         torch.cuda.empty_cache()

@@ -48,6 +48,12 @@ DEFAULT_TOKENS_PER_SEQ = 1024  # default pool: max_batch sequences of this many 
 # 512-token prompts: 2048 gave TTFT p99 0.71 s and 1,576 tok/s (planes, speculative), ITL p99 97 ms (docs/gpu.md);
 # every prompt pass dequantizes each integer weight once (Mode.prompt), which small chunks would pay again and again.
 DEFAULT_PREFILL_CHUNK = 2048
+# Decode steps a newcomer's prompt may wait, while other sequences decode, for more prompts to share its prefill
+# pass. A prompt pass costs far more than its tokens' share when it carries few: on the H100 (8B shape, `full`) one
+# 512-token prompt took 70 ms alone and four of them 74 ms in one pass (the host launching each layer's kernels,
+# every integer weight dequantized once per pass), so a run whose requests finished one by one paid twice the
+# prefill time of one whose requests finished together (docs/gpu.md, "Serving").
+DEFAULT_PREFILL_WAIT = 8
 
 
 def prefill_warm_sizes(max_tokens: int) -> list[int]:
@@ -95,6 +101,7 @@ class Sequence:
     gen: torch.Generator | None
     arrival: float
     out: Generation
+    queued_step: int = 0  # the engine step at which it last joined the waiting queue
     prefilled: int = 0  # positions of the context in the cache
     row: Row | None = None  # set once the context is prefilled (and, the first time, the first token drawn)
 
@@ -144,13 +151,16 @@ class _Counters:
 
 class Engine:
     def __init__(self, llm: LLM, max_batch: int = 32, block_size: int = 16, num_blocks: int | None = None,
-                 max_queue: int = 256, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_gamma: int = 8,
+                 max_queue: int = 256, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 prefill_wait: int = DEFAULT_PREFILL_WAIT, max_gamma: int = 8,
                  policy: GammaPolicy | None = None, accept: GreedyAcceptance = accept_greedy):
         """`accept` judges greedy rows' drafts (benchmarks replay recorded acceptance through it)."""
         for name, value in (("max_batch", max_batch), ("block_size", block_size), ("max_queue", max_queue),
                             ("prefill_chunk", prefill_chunk)):
             if value < 1:
                 raise SelfspecError(f"{name} must be >= 1, got {value}")
+        if prefill_wait < 0:
+            raise SelfspecError(f"prefill_wait must be >= 0 decode steps, got {prefill_wait}")
         check_gamma(max_gamma)
         if isinstance(llm.drafter, TreeDrafter):
             raise SelfspecError(f"the serving engine verifies one chain of drafts per sequence; the tree drafter "
@@ -164,6 +174,7 @@ class Engine:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
+        self.prefill_wait = prefill_wait
         self.max_len = cfg.max_seq_len
         if num_blocks is None:
             num_blocks = max_batch * -(-min(cfg.max_seq_len, DEFAULT_TOKENS_PER_SEQ) // block_size)
@@ -178,6 +189,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission (FCFS: arrival) order; the newest is preempted first
         self.counters = _Counters()
+        self.steps = 0
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, object]] = []
         self._live: set[str] = set()  # ids added and not yet finished
@@ -262,6 +274,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         self._drain(outputs)
         self._execute(self._schedule(), outputs)
+        self.steps += 1
         return outputs
 
     def _drain(self, outputs: list[RequestOutput]) -> None:
@@ -269,6 +282,7 @@ class Engine:
             inbox, self._inbox = self._inbox, []
         for kind, item in inbox:
             if kind == "add":
+                item.queued_step = self.steps
                 self.waiting.append(item)
                 continue
             seq = next((s for s in [*self.waiting, *self.running] if s.id == item), None)
@@ -310,6 +324,8 @@ class Engine:
         """Waiting sequences FCFS into this step's prefill chunk while the batch, the chunk's token budget and the
         pool allow; one block per running sequence stays spare, so that the next round's growth does not at once
         preempt what was just prefilled."""
+        if self._hold_prefill(plan):
+            return
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             chunk = min(seq.region_left, self.prefill_chunk - plan.prefill_tokens)
@@ -327,6 +343,17 @@ class Engine:
             spare -= need
             self._plan(plan, seq, chunk, k)
 
+    def _hold_prefill(self, plan: StepPlan) -> bool:
+        """Whether the waiting prompts wait for more to share their prefill pass (DEFAULT_PREFILL_WAIT): only
+        while others decode, no prefill pass runs this step anyway, more could still join (free batch slots), the
+        waiting ones fill less than half the budget, and the oldest has waited fewer than prefill_wait steps."""
+        if not self.waiting or plan.prefill or not any(s.row is not None for s in self.running):
+            return False
+        if len(self.running) + len(self.waiting) >= self.max_batch:
+            return False
+        tokens = sum(s.region_left for s in self.waiting)
+        return tokens < self.prefill_chunk // 2 and self.steps - self.waiting[0].queued_step < self.prefill_wait
+
     def _preempt(self, seq: Sequence) -> int:
         """Send a running sequence back to the head of the queue and free its blocks; it is prefilled again
         (recomputed) on resume. -> the blocks freed."""
@@ -334,6 +361,7 @@ class Engine:
         self.running.remove(seq)
         self.cache.free(seq.id)
         seq.prefilled, seq.row = 0, None
+        seq.queued_step = self.steps
         self.waiting.appendleft(seq)
         with self._lock:
             self._queued += 1

@@ -28,6 +28,7 @@ which saves the separate add after each block's output projection.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -515,6 +516,7 @@ def uses_nibble_kernel(fmt: int, act: bool, group: int) -> bool:
     return fmt >= INT4.value and not (act and (fmt == FULL.value or group < 64))
 
 
+@functools.lru_cache(maxsize=4096)  # called per GEMM launch: an eager prompt pass of an 8B model makes ~130
 def tile_config(fmt: int, act: bool, n: int, k: int, group: int, m: int = 1) -> TileConfig:
     """The tiles of a GEMM of M rows. What fixes a row's sums (BLOCK_K, the K split, the swap, and so the order
     of every add) comes from the weight and the mode only (`decode_config`); the M and N tiles, the warps and the

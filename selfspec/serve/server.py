@@ -64,6 +64,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise SelfspecError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise SelfspecError(f"--num-blocks must be >= 1, got {args.num_blocks}")
+    if args.prefill_wait < 0:
+        raise SelfspecError(f"--prefill-wait must be >= 0 decode steps, got {args.prefill_wait}")
     if args.max_request_bytes < 1:
         raise SelfspecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.replicas < 1:
@@ -80,7 +82,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
     llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device,
                         draft_model=args.draft_model)
     engine = Engine(llm, max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
-                    max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, max_gamma=args.gamma)
+                    max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, prefill_wait=args.prefill_wait,
+                    max_gamma=args.gamma)
     engine.warm_up()  # on the GPU: capture every decode pass's CUDA graph before the first request waits on one
     return engine
 
