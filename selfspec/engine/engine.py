@@ -345,11 +345,10 @@ class Engine:
 
     def _hold_prefill(self, plan: StepPlan) -> bool:
         """Whether the waiting prompts wait for more to share their prefill pass (DEFAULT_PREFILL_WAIT): only
-        while others decode, no prefill pass runs this step anyway, more could still join (free batch slots), the
-        waiting ones fill less than half the budget, and the oldest has waited fewer than prefill_wait steps."""
+        while others decode (one of them may finish and let another prompt in), no prefill pass runs this step
+        anyway, the waiting ones fill less than half the budget, and the oldest has waited fewer than prefill_wait
+        steps."""
         if not self.waiting or plan.prefill or not any(s.row is not None for s in self.running):
-            return False
-        if len(self.running) + len(self.waiting) >= self.max_batch:
             return False
         tokens = sum(s.region_left for s in self.waiting)
         return tokens < self.prefill_chunk // 2 and self.steps - self.waiting[0].queued_step < self.prefill_wait
