@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import check_mixed_batch_equals_solo, tiny_model
 from selfspec.cache.paged_quant import PagedQuantKVCache
 from selfspec.cache.quant_kv import QuantKVCache
 from selfspec.engine.engine import Engine
@@ -141,6 +141,12 @@ def test_preemption_and_aborts_keep_outputs_and_free_everything(llm):
         engine.abort(f"a{i}")
     engine.step()
     assert_idle(engine)
+
+
+def test_greedy_and_sampling_rows_mixed_equal_solo(llm):
+    """conftest's mixed batch (per-request gammas, the policy's, seeded sampling rows beside greedy ones)."""
+    s = check_mixed_batch_equals_solo(llm, prompts([2 * G + 5, G - 1], seed=4))
+    assert s.kv_blocks_used == 0 and s.num_draft_tokens > 0
 
 
 def test_a_long_generation_keeps_quantizing(llm):

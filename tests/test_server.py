@@ -170,7 +170,8 @@ def test_serve_recipe_selfspec_gives_the_library_text(smollm2_resolved, monkeypa
     """`selfspec serve --recipe selfspec` (INT8-plane weights, hierarchical INT8 KV; groups of 16 tokens here, so
     the buffers roll over within the prompts): concurrent greedy completions equal the library's solo ones."""
     cfg, sd, tok, desc = smollm2_resolved
-    monkeypatch.setattr("selfspec.loading.resolve", lambda name: (cfg, {k: t.clone() for k, t in sd.items()}, tok, desc))
+    weights = lambda: {k: t.clone() for k, t in sd.items()}  # noqa: E731 (load quantizes its own copy)
+    monkeypatch.setattr("selfspec.loading.resolve", lambda name: (cfg, weights(), tok, desc))
     engine = build_engine(build_parser().parse_args(["serve", "--recipe", "selfspec", "--kv-group", "16", "--gamma",
                                                      "3", "--max-batch", "4"]))
     prompts = [" ".join(OPENINGS[i:] + OPENINGS[:i]) for i in range(2)]  # over 2 groups of tokens each

@@ -10,11 +10,11 @@ itself included) at full precision. So a token's logits are the same bits whethe
 of several tokens, a plain decoding step or a prefill chunk: greedy speculative decoding equals greedy AR.
 
 The double buffer (`settle`: each row's commit, in the contiguous cache of solo decoding here as in the paged cache
-of the serving engine, cache/paged_quant.py): the buffer holds the previous group (its first half) and the current one (its
-second half, where new tokens go) plus room for one pass of up to G tokens past the committed length (drafts,
-which verify overwrites: a rejected token is dropped from the buffer only, never quantized). After a prefill,
-at least G and fewer than 2G committed tokens stay full precision. When a commit completes the second half, it is
-quantized and appended to the groups, the first half dropped and the second moved down: the groups hold every
+of the serving engine, cache/paged_quant.py): the buffer holds the previous group (its first half) and the current
+one (its second half, where new tokens go) plus room for one pass of up to G tokens past the committed length
+(drafts, which verify overwrites: a rejected token is dropped from the buffer only, never quantized). After a
+prefill, at least G and fewer than 2G committed tokens stay full precision. When a commit completes the second half,
+it is quantized and appended to the groups, the first half dropped and the second moved down: the groups hold every
 completed group of committed tokens, and the buffer keeps the last one at full precision until the next group
 completes (queries past it read it quantized). This repeats for any length of generation.
 """

@@ -18,6 +18,9 @@ the next round's growth. Blocks are freed on rollback as well. A request is refu
 Threads: add_request/abort only touch a locked inbox; step() (one thread) drains it.
 On CUDA the rounds' passes (AR and draft steps, verify passes) replay CUDA graphs, batches padded to power-of-two
 buckets (engine/graphs.py `PagedGraphedModel`); prefill runs eagerly.
+A recipe with a quantized KV cache (int8, hier) keeps the quantized groups in the pool's blocks and each running
+sequence's recent tokens in a full-precision buffer of its own (cache/paged_quant.py); it runs eagerly, and a pass
+writes at most a KV group of tokens per sequence (prefill chunks are cut to it, and gamma stays below it).
 """
 from __future__ import annotations
 
@@ -176,13 +179,9 @@ class Engine:
         self.max_len = cfg.max_seq_len
         if num_blocks is None:
             num_blocks = max_batch * -(-min(cfg.max_seq_len, DEFAULT_TOKENS_PER_SEQ) // block_size)
-        if quant_kv:
-            self.cache = PagedQuantKVCache(cfg.n_layers, num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim,
-                                           llm.model.dtype, llm.model.device, llm.recipe.kv, llm.recipe.kv_group,
-                                           max_batch)
-        else:
-            self.cache = PagedKVCache(cfg.n_layers, num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim,
-                                      llm.model.dtype, llm.model.device)
+        shape = (cfg.n_layers, num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim, llm.model.dtype, llm.model.device)
+        self.cache = (PagedQuantKVCache(*shape, llm.recipe.kv, llm.recipe.kv_group, max_batch) if quant_kv
+                      else PagedKVCache(*shape))
         if isinstance(llm.drafter, DraftModel):  # its pool mirrors this one's blocks: allocated up front too
             llm.drafter.store_for(self.cache)
         self.policy = policy or GammaPolicy(max_gamma if llm.drafter is not None else 0)
