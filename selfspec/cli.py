@@ -40,6 +40,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=int, default=4, help="most drafted tokens per round (0: autoregressive)")
     p.add_argument("--group-size", type=int, default=128, help="quantization group size along K")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--kv", default=None, choices=KV_FORMATS,
+                   help="KV cache format, in place of the recipe's: bf16, int8, or hier (a draft reads its upper plane)")
+    p.add_argument("--kv-group", type=int, default=None, help="tokens per KV quantization group (default 128)")
 
 
 def add_draft_model_arg(p: argparse.ArgumentParser) -> None:
@@ -55,9 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     g.add_argument("--prompt", default=None, help="prompt text (default: read stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--kv", default=None, choices=KV_FORMATS,
-                   help="KV cache format, in place of the recipe's: bf16, int8, or hier (a draft reads its upper plane)")
-    g.add_argument("--kv-group", type=int, default=None, help="tokens per KV quantization group (default 128)")
     g.add_argument("--fixed-gamma", action="store_true",
                    help="draft --gamma tokens every round (default: a measured-cost policy picks up to --gamma)")
     g.add_argument("--temperature", type=float, default=0.0)

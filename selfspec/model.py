@@ -121,7 +121,7 @@ class Attention(nn.Module):
         q = rope_and_store(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), fb.cos, fb.sin, kv.k, kv.v,
                            fb.slots)
         if kv.quant is not None:  # the mode says which planes of a hierarchical cache it reads
-            out = quantized_attention(q, kv, fb.pos, fb.mode.kv_upper)
+            out = quantized_attention(q, kv, fb.pos, fb.mode.kv_upper, fb.packed)
         elif fb.packed is None:
             out = attention(q, kv.k, kv.v, kv.table, fb.pos, fb.mode.prompt)
         else:

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from selfspec.cache import KVCache
-from selfspec.cache.paged import TRASH, PagedKVCache
+from selfspec.cache.paged import TRASH, PagedKVCache, gather_blocks
 from selfspec.errors import SelfspecError
 from selfspec.kernels import rope_and_store
-from selfspec.kernels.reference import gather_blocks
 
 L, HKV, D, BS = 2, 2, 4, 4
 

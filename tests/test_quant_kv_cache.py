@@ -10,7 +10,6 @@ import torch
 from conftest import tiny_model
 from selfspec.cache import KVCache
 from selfspec.cache.quant_kv import QuantKVCache
-from selfspec.engine.engine import Engine
 from selfspec.engine.llm import build
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
@@ -149,8 +148,3 @@ def test_smollm2_greedy_speculative_equals_ar(smollm2_resolved, recipe):
     out = llm.generate(p, params, gamma=3)
     assert out.token_ids == llm.generate(p, params, gamma=0).token_ids
     assert out.stats.draft_accepted > 0
-
-
-def test_engine_refuses_a_quantized_kv_cache(hier_llm):
-    with pytest.raises(SelfspecError, match="solo path"):
-        Engine(hier_llm)

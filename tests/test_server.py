@@ -29,11 +29,11 @@ from hypothesis import strategies as st
 
 import selfspec
 from selfspec.bench.prompts import PROMPTS
-from selfspec.cli import main
+from selfspec.cli import build_parser, main
 from selfspec.engine.engine import Engine
 from selfspec.serve.app import create_app
 from selfspec.serve.loadtest import inject_faults, run_load
-from selfspec.serve.server import FLUSH_TIMEOUT_S, DrainingServer
+from selfspec.serve.server import FLUSH_TIMEOUT_S, DrainingServer, build_engine
 
 MODEL = "smollm2-135m"
 TIMEOUT_S = 120
@@ -164,6 +164,25 @@ def test_32_concurrent_streams_each_get_the_solo_text(srv, llm):
     got = asyncio.run(all_at_once())
     assert got == [expected[job] for job in jobs]
     wait_idle(srv)
+
+
+def test_serve_recipe_selfspec_gives_the_library_text(smollm2_resolved, monkeypatch):
+    """`selfspec serve --recipe selfspec` (INT8-plane weights, hierarchical INT8 KV; groups of 16 tokens here, so
+    the buffers roll over within the prompts): concurrent greedy completions equal the library's solo ones."""
+    cfg, sd, tok, desc = smollm2_resolved
+    weights = lambda: {k: t.clone() for k, t in sd.items()}  # noqa: E731 (load quantizes its own copy)
+    monkeypatch.setattr("selfspec.loading.resolve", lambda name: (cfg, weights(), tok, desc))
+    engine = build_engine(build_parser().parse_args(["serve", "--recipe", "selfspec", "--kv-group", "16", "--gamma",
+                                                     "3", "--max-batch", "4"]))
+    prompts = [" ".join(OPENINGS[i:] + OPENINGS[:i]) for i in range(2)]  # over 2 groups of tokens each
+    assert all(len(engine.llm.encode(p)) > 32 for p in prompts)
+    expected = [solo(engine.llm, p, 10) for p in prompts]
+    with serving(engine) as live:
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda p: live.client().completions.create(
+                model=MODEL, prompt=p, max_tokens=10, temperature=0, extra_body={"gamma": 3}).choices[0].text, prompts))
+        assert got == expected and all(expected)
+        wait_idle(live)
 
 
 def test_disconnect_cancels_the_sequence_and_frees_its_blocks(srv):

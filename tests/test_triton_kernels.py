@@ -594,3 +594,36 @@ def test_quantized_attention_matches_reference_and_is_query_invariant(fmt, upper
     assert rel_err(out, ref) < 1e-5
     alone = triton_quant_attention.quantized_attention(q[:1, :, 3:4], kv, q_pos[:1, 3:4], upper)  # row 0's
     assert torch.equal(alone, out[:1, :, 3:4])  # a query's bits do not depend on the others of the call
+
+
+@pytest.mark.parametrize("fmt,upper", [("int8", False), ("hier", True)])
+def test_quantized_attention_reads_paged_blocks(fmt, upper, monkeypatch):
+    """The serving engine's paged cache: two sequences at different lengths, their blocks interleaved in the pool,
+    their buffers in rows 2 and 1 (cache/paged_quant.py)."""
+    from selfspec.cache.paged_quant import PagedQuantKVCache
+
+    monkeypatch.setattr(triton_quant_attention, "CHUNK_KEYS", 32)
+    g = 16
+    lengths = [6 * g + 5, 2 * g + 9]
+    cache = PagedQuantKVCache(1, 16, 2, 2 * g, 16, torch.float32, "cpu", fmt, g, max_seqs=2)
+    gen = torch.Generator().manual_seed(0)
+    for s in "10":
+        cache.allocate(s)
+    for first in range(0, max(lengths), g):  # the two take their blocks in turn
+        for s, n in zip("01", lengths):
+            if first < n:
+                cache.extend(s, g)
+                view = cache.view([s])
+                slots, kv = view.slots(torch.arange(first, first + g)[None]), view.layer(0)
+                for pool in (kv.k, kv.v):
+                    pool[slots // pool.shape[2], :, slots % pool.shape[2]] = 2 * torch.randn(1, g, 2, 16, generator=gen)
+                cache.truncate(s, min(first + g, n))
+    kv = cache.view(["0", "1"]).layer(0)
+    assert kv.quant.table.tolist()[0][:3] != [1, 2, 3] and kv.table.tolist() == [[2], [1]]
+    q = torch.randn(2, 4, 3, 16, generator=gen)
+    q_pos = torch.tensor(lengths)[:, None] + torch.arange(3)
+    ref = reference_op("quantized_attention")(q, kv, q_pos, upper)
+    out = triton_quant_attention.quantized_attention(q, kv, q_pos, upper)
+    assert rel_err(out, ref) < 1e-5
+    alone = triton_quant_attention.quantized_attention(q[1:, :, 2:], cache.view(["1"]).layer(0), q_pos[1:, 2:], upper)
+    assert torch.equal(alone, out[1:, :, 2:])

@@ -28,14 +28,18 @@ def check_block_size(block_size: int) -> None:
         raise SelfspecError(f"KV block size must divide {KEY_TILE} or be a multiple of it, got {block_size}")
 
 
-class PagedKVCache:
-    def __init__(self, n_layers: int, num_blocks: int, n_kv_heads: int, block_size: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
-        check_block_size(block_size)
-        # Zeros, not empty: attention multiplies masked slots' values by 0, and 0 * NaN garbage would be NaN.
-        shape = (n_layers, num_blocks + 1, n_kv_heads, block_size, head_dim)  # + the trash block
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+def gather_blocks(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Pool [N, Hkv, bs, D] and block table [B, W] -> each row's entries [B, Hkv, W * bs, D] in position order."""
+    b, w = table.shape
+    x = pool[table]  # [B, W, Hkv, bs, D]
+    return x.permute(0, 2, 1, 3, 4).reshape(b, pool.shape[1], w * pool.shape[2], pool.shape[3])
+
+
+class BlockPool:
+    """The block accounting of a paged cache: a free list of block ids, each sequence's block table and committed
+    length. A subclass holds the blocks' storage; `blocks_for` says how many blocks a length takes."""
+
+    def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.free_blocks = list(range(num_blocks, 0, -1))  # pop() hands out low ids first
@@ -81,11 +85,27 @@ class PagedKVCache:
             self.free_blocks.extend(reversed(self.tables.pop(seq)))
             del self.lengths[seq]
 
+    def padded_tables(self, seqs: list[str]) -> torch.Tensor:
+        """The block tables of rows `seqs` [B, W] on the CPU, padded with the trash block to the longest."""
+        width = max(len(self.tables[s]) for s in seqs)
+        return torch.tensor([self.tables[s] + [TRASH] * (width - len(self.tables[s])) for s in seqs],
+                            dtype=torch.long)
+
+
+class PagedKVCache(BlockPool):
+    def __init__(self, n_layers: int, num_blocks: int, n_kv_heads: int, block_size: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        check_block_size(block_size)
+        super().__init__(num_blocks, block_size)
+        # Zeros, not empty: attention multiplies masked slots' values by 0, and 0 * NaN garbage would be NaN.
+        shape = (n_layers, num_blocks + 1, n_kv_heads, block_size, head_dim)  # + the trash block
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_pass = num_blocks * block_size  # the most tokens one pass may write: the whole pool
+
     def view(self, seqs: list[str]) -> PagedBatchView:
         """The batch view of rows `seqs`; their block tables padded with the trash block to the longest."""
-        width = max(len(self.tables[s]) for s in seqs)
-        table = [self.tables[s] + [TRASH] * (width - len(self.tables[s])) for s in seqs]
-        return PagedBatchView(self, torch.tensor(table, dtype=torch.long, device=self.k.device))
+        return PagedBatchView(self, self.padded_tables(seqs).to(self.k.device))
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2

@@ -18,6 +18,9 @@ the next round's growth. Blocks are freed on rollback as well. A request is refu
 Threads: add_request/abort only touch a locked inbox; step() (one thread) drains it.
 On CUDA the rounds' passes (AR and draft steps, verify passes) replay CUDA graphs, batches padded to power-of-two
 buckets (engine/graphs.py `PagedGraphedModel`); prefill runs eagerly.
+A recipe with a quantized KV cache (int8, hier) keeps the quantized groups in the pool's blocks and each running
+sequence's recent tokens in a full-precision buffer of its own (cache/paged_quant.py); it runs eagerly, and a pass
+writes at most a KV group of tokens per sequence (prefill chunks are cut to it, and gamma stays below it).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from itertools import accumulate
 import torch
 
 from selfspec.cache.paged import PagedBatchView, PagedKVCache
+from selfspec.cache.paged_quant import PagedQuantKVCache
 from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, PagedGraphedModel, bucket
 from selfspec.engine.llm import LLM, Generation, check_gamma
 from selfspec.engine.stats import GenerationStats
@@ -60,6 +64,19 @@ def prefill_warm_sizes(max_tokens: int) -> list[int]:
     """Token counts of the prefill passes warm_up runs: one in each tile bucket of the GEMMs (kernels'
     MANY_TOKENS: up to 16, 64, 256 rows, then tile shapes chosen per size) up to max_tokens, and max_tokens."""
     return sorted({min(t, max_tokens) for t in (1, 17, 65, 257, 512, 1024, 2048, max_tokens)})
+
+
+def check_quant_kv(llm: LLM, max_gamma: int) -> None:
+    """A quantized KV cache takes passes of at most a group of tokens (the buffer's room past the committed length),
+    and a draft model keeps its own cache laid out like a bf16 pool."""
+    group = llm.recipe.kv_group
+    if llm.drafter is not None and max_gamma + 1 > group:
+        raise SelfspecError(f"a verify pass of {max_gamma} drafts writes {max_gamma + 1} tokens, more than the KV "
+                            f"group of {group} a quantized KV cache takes in one pass: serve with --gamma "
+                            f"{group - 1} or less, or a larger --kv-group")
+    if isinstance(llm.drafter, DraftModel):
+        raise SelfspecError("a draft model mirrors the blocks of a bf16 KV cache; the serving engine runs recipe "
+                            "draft-model with --kv bf16 only")
 
 
 class QueueFull(SelfspecError):
@@ -166,10 +183,11 @@ class Engine:
             raise SelfspecError(f"the serving engine verifies one chain of drafts per sequence; the tree drafter "
                                 f"'{llm.recipe.draft}' runs in solo decoding only (selfspec generate): serve with "
                                 "a chain drafter, e.g. --recipe ngram or planes")
-        if llm.recipe.kv != "bf16":
-            raise SelfspecError(f"the serving engine keeps a paged bf16 KV cache; recipe '{llm.recipe.name}' "
-                                f"(KV cache {llm.recipe.kv}) runs on the solo path only: selfspec generate")
         cfg = llm.model.cfg
+        quant_kv = llm.recipe.kv != "bf16"
+        if quant_kv:
+            check_quant_kv(llm, max_gamma)
+            block_size = -(-block_size // llm.recipe.kv_group) * llm.recipe.kv_group  # whole groups a block
         self.llm = llm
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -178,13 +196,15 @@ class Engine:
         self.max_len = cfg.max_seq_len
         if num_blocks is None:
             num_blocks = max_batch * -(-min(cfg.max_seq_len, DEFAULT_TOKENS_PER_SEQ) // block_size)
-        self.cache = PagedKVCache(cfg.n_layers, num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim,
-                                  llm.model.dtype, llm.model.device)
+        shape = (cfg.n_layers, num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim, llm.model.dtype, llm.model.device)
+        self.cache = (PagedQuantKVCache(*shape, llm.recipe.kv, llm.recipe.kv_group, max_batch) if quant_kv
+                      else PagedKVCache(*shape))
         if isinstance(llm.drafter, DraftModel):  # its pool mirrors this one's blocks: allocated up front too
             llm.drafter.store_for(self.cache)
         self.policy = policy or GammaPolicy(max_gamma if llm.drafter is not None else 0)
         self.accept = accept
-        on_gpu = llm.model.device.type == "cuda"
+        # A quantized KV cache moves each sequence's buffer on the host between passes: it runs eagerly (as llm.py).
+        on_gpu = llm.model.device.type == "cuda" and not quant_kv
         self.runner = PagedGraphedModel(llm.model, self.cache, self.max_len) if on_gpu else llm.model
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission (FCFS: arrival) order; the newest is preempted first
@@ -295,7 +315,7 @@ class Engine:
         chunks, budget = {}, self.prefill_chunk
         for s in self.running:
             if s.row is None and budget:  # FCFS: each takes what it needs of the budget left
-                chunks[s.id] = min(s.region_left, budget)
+                chunks[s.id] = min(s.region_left, budget, self.cache.max_pass)
                 budget -= chunks[s.id]
         auto = sum(s.gamma is None for s in self.running
                    if s.row is not None or s.prefilled + chunks.get(s.id, 0) == s.context_len)
@@ -328,7 +348,7 @@ class Engine:
             return
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            chunk = min(seq.region_left, self.prefill_chunk - plan.prefill_tokens)
+            chunk = min(seq.region_left, self.prefill_chunk - plan.prefill_tokens, self.cache.max_pass)
             if not chunk:
                 break
             k = self._passes(seq, chunk, k_auto)

@@ -32,9 +32,9 @@ import torch
 
 import torch.nn.functional as F
 
+from selfspec.cache.paged import gather_blocks
 from selfspec.kernels import register
 from selfspec.kernels.reference import attention as reference_attention
-from selfspec.kernels.reference import gather_blocks
 from selfspec.quant.act import fake_quantize_per_token
 from selfspec.quant.formats import (DenseWeight, Int4Weight, Int8PlanesWeight, Int8Weight, QuantWeight, doubled,
                                     permute_k, upper_affine)

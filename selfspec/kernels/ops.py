@@ -63,9 +63,16 @@ def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     return kernels.lookup("packed_attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, packed, prompt)
 
 
-def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper: bool) -> torch.Tensor:
+def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper: bool,
+                        packed: Packed | None = None) -> torch.Tensor:
     """`attention` over a quantized cache (cache/quant_kv.py): query (b, t) at position p = q_pos[b, t] reads keys
-    below quantized_below(p) from kv.quant's groups (the upper plane alone where `upper` and the cache is
-    hierarchical) and keys up to p from the full-precision buffer kv.k/kv.v (slot = p - kv.quant.start, row b's
-    buffer is block b). q [B, Hq, T, D] -> [B, Hq, T, D]."""
-    return kernels.lookup("quantized_attention", "", q.device.type)(q, kv, q_pos, upper)
+    below quantized_below(p) from row b's quantized groups (kv.quant's blocks through kv.quant.table[b]; the upper
+    plane alone where `upper` and the cache is hierarchical) and keys up to p from row b's full-precision buffer
+    (block kv.table[b, 0] of kv.k/kv.v, slot = p - kv.quant.start[b]). q [B, Hq, T, D] -> [B, Hq, T, D]. With
+    `packed`, q [1, Hq, N, D] and q_pos [1, N] hold the rows it describes: padded to [B, T] for the kernel (padding
+    repeats a row's last query, whose output is dropped)."""
+    fn = kernels.lookup("quantized_attention", "", q.device.type)
+    if packed is None:
+        return fn(q, kv, q_pos, upper)
+    out = fn(packed.pad(q.transpose(1, 2)).transpose(1, 2), kv, packed.pad(q_pos), upper)
+    return packed.unpad(out.transpose(1, 2)).transpose(1, 2)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from selfspec.cache.paged import gather_blocks
 from selfspec.cache.quant_kv import quantized_below
 from selfspec.kernels import lookup, register
 from selfspec.quant.act import fake_quantize_per_token
@@ -75,13 +76,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gather_blocks(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Pool [N, Hkv, bs, D] and block table [B, W] -> each row's keys [B, Hkv, W * bs, D] in position order."""
-    b, w = table.shape
-    x = pool[table]  # [B, W, Hkv, bs, D]
-    return x.permute(0, 2, 1, 3, 4).reshape(b, pool.shape[1], w * pool.shape[2], pool.shape[3])
-
-
 @register("attention")
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
               q_pos: torch.Tensor, prompt: bool = False) -> torch.Tensor:
@@ -108,15 +102,16 @@ def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 @register("quantized_attention")
 def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper: bool) -> torch.Tensor:
     """Query by query over exactly its keys (as the CPU `attention`, so a query's bits depend on its position and
-    the cache alone): the dequantized groups below quantized_below(p), then the buffer up to p."""
+    the cache alone): its row's dequantized groups below quantized_below(p), then its row's buffer up to p."""
     quant = kv.quant
     below = quantized_below(q_pos, quant.group)
     k_groups, v_groups = quant.dequantize(int(below.max()), upper)
     out = torch.empty_like(q)
-    for b, (positions, firsts) in enumerate(zip(q_pos.tolist(), below.tolist())):
+    rows = zip(q_pos.tolist(), below.tolist(), kv.table[:, 0].tolist(), quant.start.tolist())
+    for b, (positions, firsts, buf, start) in enumerate(rows):
         for t, (pos, first) in enumerate(zip(positions, firsts)):
-            lo, hi = first - quant.start, pos - quant.start + 1
-            k = torch.cat((k_groups[b:b + 1, :, :first].to(q.dtype), kv.k[b:b + 1, :, lo:hi].to(q.dtype)), 2)
-            v = torch.cat((v_groups[b:b + 1, :, :first].to(q.dtype), kv.v[b:b + 1, :, lo:hi].to(q.dtype)), 2)
+            lo, hi = first - start, pos - start + 1
+            k = torch.cat((k_groups[b:b + 1, :, :first].to(q.dtype), kv.k[buf:buf + 1, :, lo:hi].to(q.dtype)), 2)
+            v = torch.cat((v_groups[b:b + 1, :, :first].to(q.dtype), kv.v[buf:buf + 1, :, lo:hi].to(q.dtype)), 2)
             out[b:b + 1, :, t:t + 1] = F.scaled_dot_product_attention(q[b:b + 1, :, t:t + 1], k, v, enable_gqa=True)
     return out

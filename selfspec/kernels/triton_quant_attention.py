@@ -1,14 +1,15 @@
 """Triton flash-decoding attention over a quantized KV cache (cache/quant_kv.py): `quantized_attention`.
 
-A query at position p reads keys below quantized_below(p) from the quantized groups and the rest (up to p) from
-the full-precision buffer. The quantized keys are split into chunks of whole groups (CHUNK_KEYS, a multiple of
-G): one program per (query, kv head, chunk), for the query heads that share the kv head (GQA), loads the chunk's
-codes (INT8, or one or both INT4 planes, two codes a byte), dequantizes them in registers with the group's
-per-channel key scales and the per-token value scales, and runs an online softmax over the chunk in fp32; one
-more program per (query, kv head) does the same over its buffer keys, the only place a causal mask applies. A
-second kernel merges each query head's chunk states (max, sum, accumulator) by log-sum-exp in chunk order. A
-query's chunks and their order depend on its position alone, so its result does not depend on the other queries
-of the call (batch invariance).
+A query at position p reads keys below quantized_below(p) from the quantized groups and the rest (up to p) from the
+full-precision buffer. Both are paged: the quantized groups in blocks read through each row's block table, the
+buffer in a block of its own per row (cache/quant_kv.py QuantLayer). The quantized keys are split into chunks of
+whole groups (CHUNK_KEYS, a multiple of G): one program per (query, kv head, chunk), for the query heads that share
+the kv head (GQA), loads the chunk's codes (INT8, or one or both INT4 planes, two codes a byte), dequantizes them in
+registers with the group's per-channel key scales and the per-token value scales, and runs an online softmax over
+the chunk in fp32; one more program per (query, kv head) does the same over its buffer keys, the only place a causal
+mask applies. A second kernel merges each query head's chunk states (max, sum, accumulator) by log-sum-exp in chunk
+order. A query's chunks and their order depend on its position alone, so its result does not depend on the other
+queries of the call (batch invariance).
 """
 from __future__ import annotations
 
@@ -58,9 +59,9 @@ def _softmax_step(m, l, acc, k, v, q, live):
 
 @triton.jit
 def _quant_attention_chunks(
-        q_ptr, pos_ptr, kq0, kq1, ks_ptr, kz_ptr, vq0, vq1, vs_ptr, vz_ptr, kb_ptr, vb_ptr,
-        m_ptr, l_ptr, acc_ptr,
-        T, HQ, HKV, S, D, BS, START, N_CHUNKS, sm_scale,
+        q_ptr, pos_ptr, kq0, kq1, ks_ptr, kz_ptr, vq0, vq1, vs_ptr, vz_ptr, table_ptr, kb_ptr, vb_ptr, buf_ptr,
+        start_ptr, m_ptr, l_ptr, acc_ptr,
+        T, HQ, HKV, QBS, W, D, BS, N_CHUNKS, sm_scale,
         sqb, sqh, sqt,
         G: tl.constexpr, CHUNK: tl.constexpr, FMT_HIER: tl.constexpr, UPPER: tl.constexpr,
         BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -82,7 +83,6 @@ def _quant_attention_chunks(
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-    row = b * HKV + hk
     if FMT_HIER:  # two channels a byte: channel d in byte d // 2
         pd = d // 2
         width = D // 2
@@ -95,13 +95,19 @@ def _quant_attention_chunks(
             n = n0 + tl.arange(0, BLOCK)
             live = n < hi
             mask = live[:, None] & dmask[None, :]
-            code_off = (row * S + n)[:, None] * width + pd[None, :]
-            k = _dequantize(kq0, kq1, ks_ptr, kz_ptr, code_off, (row * (S // G) + n // G)[:, None] * D + d[None, :],
+            # Key n sits at offset n % QBS of block table[b, n // QBS]: pools [N, HKV, QBS, ...].
+            block = tl.load(table_ptr + b * W + n // QBS, mask=live, other=0)
+            row = block * HKV + hk
+            at = n % QBS
+            code_off = (row * QBS + at)[:, None] * width + pd[None, :]
+            k = _dequantize(kq0, kq1, ks_ptr, kz_ptr, code_off, (row * (QBS // G) + at // G)[:, None] * D + d[None, :],
                             d[None, :], FMT_HIER, UPPER, mask)
-            v = _dequantize(vq0, vq1, vs_ptr, vz_ptr, code_off, (row * S + n)[:, None] + 0 * d[None, :],
+            v = _dequantize(vq0, vq1, vs_ptr, vz_ptr, code_off, (row * QBS + at)[:, None] + 0 * d[None, :],
                             d[None, :], FMT_HIER, UPPER, mask)
             m, l, acc = _softmax_step(m, l, acc, k, v, q, live)
-    else:  # the buffer: keys below .. pos at slots below - START .., causal
+    else:  # the buffer (block buf[b] of the buffer pools): keys below .. pos at slots below - START .., causal
+        row = tl.load(buf_ptr + b) * HKV + hk
+        START = tl.load(start_ptr + b)
         for n0 in range(below - START, pos - START + 1, BLOCK):
             slot = n0 + tl.arange(0, BLOCK)
             key_pos = START + slot
@@ -146,7 +152,7 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
     if g & (g - 1):
         raise SelfspecError(f"the Triton quantized attention needs a power-of-two KV group, got {g}")
     b, hq, t, dim = q.shape
-    hkv, s = quant.keys[0].shape[1], quant.keys[0].shape[2]
+    hkv, qbs = quant.keys[0].shape[1], quant.keys[0].shape[2]
     chunk = max(g, CHUNK_KEYS // g * g)
     n_chunks = -(-int(quantized_below(q_pos, g).max()) // chunk)
     states = b * t * hq * (n_chunks + 1)
@@ -159,8 +165,9 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
     block_d = triton.next_power_of_2(dim)
     _quant_attention_chunks[(b * t * hkv, n_chunks + 1)](
         q, q_pos.contiguous(), quant.keys[0], kq1, quant.k_scale, quant.k_zero, quant.values[0], vq1,
-        quant.v_scale, quant.v_zero, kv.k, kv.v, m, l, acc,
-        t, hq, hkv, s, dim, kv.k.shape[2], quant.start, n_chunks, dim ** -0.5,
+        quant.v_scale, quant.v_zero, quant.table.contiguous(), kv.k, kv.v, kv.table[:, 0].contiguous(),
+        quant.start.contiguous(), m, l, acc,
+        t, hq, hkv, qbs, quant.table.shape[1], dim, kv.k.shape[2], n_chunks, dim ** -0.5,
         q.stride(0), q.stride(1), q.stride(2),
         G=g, CHUNK=chunk, FMT_HIER=hier, UPPER=upper, BLOCK=BLOCK_N,
         BLOCK_H=triton.next_power_of_2(hq // hkv), BLOCK_D=block_d)
