@@ -29,14 +29,15 @@ from itertools import accumulate
 
 import torch
 
-from selfspec.cache.paged import PagedBatchView, PagedKVCache
+from selfspec.cache.paged import PagedBatchView, PagedKVCache, PagedTree, tree_view
 from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, PagedGraphedModel, bucket
 from selfspec.engine.llm import LLM, Generation, check_gamma
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Packed
 from selfspec.quant.modes import prompt_mode
-from selfspec.speculative.decode import GreedyAcceptance, Row, make_generator, pick, run_round
+from selfspec.speculative.decode import (GreedyAcceptance, Row, RoundTiming, make_generator, pick, run_round,
+                                         tree_rounds)
 from selfspec.speculative.draft_model import DraftModel
 from selfspec.speculative.drafters import TokenHistory, TreeDrafter
 from selfspec.speculative.policy import GammaPolicy
@@ -146,15 +147,17 @@ class Engine:
             if value < 1:
                 raise SelfspecError(f"{name} must be >= 1, got {value}")
         check_gamma(max_gamma)
-        if isinstance(llm.drafter, TreeDrafter):
-            raise SelfspecError(f"the serving engine verifies one chain of drafts per sequence; the tree drafter "
-                                f"'{llm.recipe.draft}' runs in solo decoding only (selfspec generate): serve with "
-                                "a chain drafter, e.g. --recipe ngram or planes")
+        tree = llm.drafter if isinstance(llm.drafter, TreeDrafter) else None
+        if tree is not None and llm.recipe.kv != "bf16":
+            raise SelfspecError(f"token trees fork a sequence's blocks of the bf16 KV cache; recipe "
+                                f"'{llm.recipe.name}' (KV cache {llm.recipe.kv}) drafts in chains: serve it with a "
+                                "chain drafter (--draft upper) or drop the quantized KV cache")
         if llm.recipe.kv != "bf16":
             raise SelfspecError(f"the serving engine keeps a paged bf16 KV cache; recipe '{llm.recipe.name}' "
                                 f"(KV cache {llm.recipe.kv}) runs on the solo path only: selfspec generate")
         cfg = llm.model.cfg
         self.llm = llm
+        self.tree = tree
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
@@ -194,6 +197,7 @@ class Engine:
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_len - len(ids)))
         drafts = 0 if self.llm.drafter is None else self.policy.max_gamma if gamma is None else gamma
         blocks = self.cache.blocks_for(min(self.max_len, len(ids) + params.max_new_tokens + drafts))
+        blocks += self._branch_blocks(self.cache.block_size - 1, drafts)  # a tree's worst case, at its last round
         if blocks > self.cache.num_blocks:  # it could not finish even alone
             raise SelfspecError(f"the request needs up to {blocks} KV blocks (prompt {len(ids)} + max_new_tokens "
                                 f"{params.max_new_tokens} + {drafts} drafts); the pool has {self.cache.num_blocks}")
@@ -224,17 +228,20 @@ class Engine:
                            c.num_preemptions, self.policy.last_gamma, self.policy.acceptance)
 
     def warm_up(self) -> None:
-        """Capture the CUDA graph of every decode pass the engine can replay (each batch bucket up to max_batch:
-        AR and verify passes of up to max_gamma drafts, draft steps), so that no request waits on a capture.
+        """Capture the CUDA graph of every decode pass the engine can replay (each batch bucket up to max_batch, times
+        the branches of a tree: AR and verify passes of up to max_gamma drafts, draft steps), so that no request
+        waits on a capture.
         The passes run on padding rows (trash blocks only). Nothing to do on CPU."""
         if not isinstance(self.runner, PagedGraphedModel):
             return
         dev = self.llm.model.device
         passes = [(self.llm.verify_mode, t) for t in range(1, min(self.policy.max_gamma + 1, MAX_GRAPHED_TOKENS) + 1)]
-        if self.llm.draft_mode is not None:
-            passes.append((self.llm.draft_mode, 1))
+        draft = self.llm.draft_mode or getattr(self.tree, "mode", None)  # a self-draft tree's steps too
+        if draft is not None:
+            passes.append((draft, 1))
+        most = self.max_batch * (1 if self.tree is None else self.tree.branches)  # a tree verifies a row per branch
         rows = 1
-        while rows <= bucket(self.max_batch):
+        while rows <= bucket(most):
             trash = PagedBatchView(self.cache, torch.zeros(rows, 1, dtype=torch.long, device=dev))
             for mode, t in passes:
                 zeros = torch.zeros(rows, t, dtype=torch.long, device=dev)
@@ -279,6 +286,7 @@ class Engine:
             chunk = chunks.get(seq.id, 0)
             k = self._passes(seq, chunk, k_auto)
             need = self.cache.blocks_needed(seq.id, chunk + (0 if k is None else k + 1))
+            need += self._branch_blocks(self._round_length(seq, chunk), k)
             while need > spare and queue:
                 spare += self._preempt(queue.pop())
                 preempted = True
@@ -303,6 +311,7 @@ class Engine:
                 break
             k = self._passes(seq, chunk, k_auto)
             need = self.cache.blocks_for(chunk + (0 if k is None else k + 1))
+            need += self._branch_blocks(self._round_length(seq, chunk), k)
             if need + len(self.running) > spare:
                 break  # FCFS: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
@@ -331,10 +340,21 @@ class Engine:
         sequence whose chunk completes its context joins this step's round)."""
         if seq.row is None and seq.prefilled + chunk < seq.context_len:
             return None
-        length = seq.prefilled + chunk if seq.row is None else seq.row.length
         if self.llm.drafter is None:
             return 0
-        return min(k_auto if seq.gamma is None else seq.gamma, self.max_len - length - 1)
+        return min(k_auto if seq.gamma is None else seq.gamma, self.max_len - self._round_length(seq, chunk) - 1)
+
+    @staticmethod
+    def _round_length(seq: Sequence, chunk: int) -> int:
+        """seq's length at its round this step, after its prefill chunk of `chunk` tokens."""
+        return seq.prefilled + chunk if seq.row is None else seq.row.length
+
+    def _branch_blocks(self, length: int, k: int | None) -> int:
+        """Blocks a tree round of k drafts at `length` takes for its branch rows (PagedTree) while it runs: each
+        branch owns the blocks of positions length..length+k."""
+        if self.tree is None or not k:
+            return 0
+        return (self.tree.branches - 1) * self.cache.blocks_for(length % self.cache.block_size + k + 1)
 
     @staticmethod
     def _plan(plan: StepPlan, seq: Sequence, chunk: int, k: int | None) -> None:
@@ -442,10 +462,13 @@ class Engine:
     def _round(self, seqs: list[Sequence], k: int, outputs: list[RequestOutput]) -> None:
         for s in seqs:
             self.cache.extend(s.id, k + 1)
-        view = self.cache.view([s.id for s in seqs])
         rows = [s.row for s in seqs]
         before = [(r.stats.draft_proposed, r.stats.draft_accepted) for r in rows]
-        tokens, timing = run_round(self.runner, view, rows, k, self.llm.drafter, self.llm.verify_mode, self.accept)
+        if self.tree is not None and k:
+            tokens, timing = self._tree_round(seqs, k)
+        else:
+            tokens, timing = run_round(self.runner, self.cache.view([s.id for s in seqs]), rows, k,
+                                       self.llm.drafter, self.llm.verify_mode, self.accept)
         proposed = sum(r.stats.draft_proposed - p for r, (p, _) in zip(rows, before))
         accepted = [r.stats.draft_accepted - a for r, (_, a) in zip(rows, before)]
         self.policy.observe_round(len(rows), timing.k, timing.draft_s, timing.verify_s)
@@ -458,3 +481,16 @@ class Engine:
             c.num_accepted_tokens += sum(accepted)
         for s, toks in zip(seqs, tokens):
             self._emit(s, toks, outputs)
+
+    def _tree_round(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], RoundTiming]:
+        """A tree drafter's round: each sequence forked into its branch rows (PagedTree), every branch verified in
+        one pass; the winner's committed KV is copied into the sequence's own blocks, the branch blocks go back."""
+        trees = []
+        try:
+            for s in seqs:
+                trees.append(PagedTree(self.cache, s.id, self.tree.branches))
+            return tree_rounds(self.runner, trees, [s.row for s in seqs], k, self.tree, self.llm.verify_mode,
+                               lambda counts: tree_view(trees, counts), self.accept)
+        finally:
+            for t in trees:
+                t.release()

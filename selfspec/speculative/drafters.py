@@ -6,7 +6,7 @@
   recent earlier occurrence are proposed. No model step: its cost is a few dictionary look-ups per row.
 
 Tree drafters propose several candidate continuations (branches) of one sequence, verified in one batched pass
-as forked chains (decode.py `tree_round`); solo decoding only:
+as forked chains (decode.py `tree_rounds`), in solo decoding and in the serving engine:
 - `NgramTree(branches)`: distinct continuations of several earlier occurrences (longest n first, most recent
   first);
 - `SelfDraftTree(mode, branches)`: the draft mode's top-B first tokens, each continued greedily (B rows at once);
@@ -191,8 +191,9 @@ class NgramDrafter:
 
 class TreeDrafter:
     """Proposes up to `branches` candidate continuations of one sequence. Its cache has a row per branch, each
-    holding the sequence's committed KV (decode.py `tree_round` keeps them equal); the draft steps may write past
-    the committed length of any row."""
+    holding the sequence's committed KV (decode.py `tree_rounds` keeps them equal): the solo KVCache's rows or the
+    engine's PagedTree, both with `rows` and `copy_positions`; the draft steps may write past the committed length
+    of any row."""
     branches: int
 
     def history(self, tokens: list[int]) -> TokenHistory | None:
