@@ -1,0 +1,160 @@
+"""Token trees in the serving engine: each sequence forked into branch rows over its paged blocks (PagedTree), every
+branch of every row verified in one pass. Greedy engine output == AR of the verify mode for ngram-tree:4, hybrid and
+tree:upper:3 as requests join at different times (tiny model, block size 4: branches start inside a shared partial
+block); sampling: engine == solo for the same seed; the fork's rows read the committed KV and copy exactly; the pool
+is empty at the end and no block has two owners after any step; an abort mid-stream leaves the others exact; the
+policy's plain rounds mix with tree rounds; SmolLM2 `hybrid` served over HTTP == the library's AR text."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from selfspec.cache.paged import PagedKVCache, PagedTree, tree_view
+from selfspec.engine.engine import Engine
+from selfspec.engine.llm import build
+from selfspec.errors import SelfspecError
+from selfspec.speculative.drafters import make_drafter
+from selfspec.speculative.recipes import resolve_recipe
+from selfspec.speculative.sampling import SamplingParams
+from test_engine import assert_blocks_owned_once, assert_idle, prompts
+from test_trees import REPETITIVE, greedy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    cfg, sd, _ = tiny_model("llama", seed=1)
+    return build(cfg, sd, None, resolve_recipe("hybrid"), group_size=32)
+
+
+def serve(engine: Engine, requests: list[tuple[list[int], SamplingParams, int | None]], arrivals: list[int],
+          aborts: dict[int, str] | None = None) -> dict[str, tuple[list[int], str]]:
+    """Request i joins at step arrivals[i]; aborts[step] is aborted before that step. Steps until idle, checking
+    block ownership after every step -> {id: (tokens, finish reason)}."""
+    tokens, reasons, step = {}, {}, 0
+    while step <= max(arrivals) or engine.has_work():
+        for i, (prompt, params, gamma) in enumerate(requests):
+            if arrivals[i] == step:
+                engine.add_request(str(i), prompt, params, gamma=gamma)
+        if aborts and step in aborts:
+            engine.abort(aborts[step])
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+        assert_blocks_owned_once(engine)
+        step += 1
+    return {k: (tokens.get(k, []), reasons[k]) for k in reasons}
+
+
+@pytest.mark.parametrize("name", ["ngram-tree:4", "hybrid", "tree:upper:3"])
+def test_engine_trees_greedy_equal_ar_as_requests_join(llm, name):
+    """Eight requests (repetitive texts the lookup matches, random ones it does not), joining over five steps, fixed
+    gammas and the policy's: each request's tokens are its AR output; branches were accepted; the pool ends empty."""
+    llm.drafter = make_drafter(name)
+    ps = REPETITIVE + prompts(4, seed=11)
+    gammas = [4, 3, None, 2, 4, 1, 3, 4]
+    requests = [(p, greedy(10 + 3 * (i % 4)), g) for i, (p, g) in enumerate(zip(ps, gammas))]
+    refs = [llm.generate(p, params, gamma=0).token_ids for p, params, _ in requests]
+    engine = Engine(llm, max_batch=5, block_size=4, num_blocks=96, max_gamma=4)
+    out = serve(engine, requests, arrivals=[0, 0, 1, 1, 2, 3, 4, 4])
+    for i, ref in enumerate(refs):
+        assert out[str(i)] == (ref, "length"), (name, i)
+    s = engine.stats()
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+    assert_idle(engine)
+
+
+def test_engine_tree_sampling_equals_solo_with_the_seed(llm):
+    """T > 0: multi-candidate rejection sampling draws the same random numbers per request as solo decoding, so
+    a seeded request's tokens are the solo ones (the solo path's distribution test: test_trees.py)."""
+    llm.drafter = make_drafter("hybrid:3")
+    params = [SamplingParams(temperature=0.8, top_k=40, seed=i, max_new_tokens=14, ignore_eos=True)
+              for i in range(4)]
+    requests = [(p, sp, 3) for p, sp in zip(REPETITIVE, params)]
+    solo = [llm.generate(p, sp, gamma=3) for p, sp, _ in requests]
+    out = serve(Engine(llm, max_batch=4, block_size=4, num_blocks=64), requests, arrivals=[0, 1, 1, 2])
+    assert [out[str(i)][0] for i in range(4)] == [s.token_ids for s in solo]
+    assert sum(s.stats.draft_accepted for s in solo) > 0
+
+
+def test_an_abort_mid_stream_leaves_the_others_exact(llm):
+    llm.drafter = make_drafter("ngram-tree:4")
+    requests = [(p, greedy(24), 4) for p in REPETITIVE]
+    refs = [llm.generate(p, params, gamma=0).token_ids for p, params, _ in requests]
+    engine = Engine(llm, max_batch=4, block_size=4, num_blocks=64)
+    out = serve(engine, requests, arrivals=[0, 0, 0, 1], aborts={3: "1"})
+    assert out["1"][1] == "abort" and 0 < len(out["1"][0]) < 24
+    for i in (0, 2, 3):
+        assert out[str(i)] == (refs[i], "length"), i
+    assert_idle(engine)
+
+
+def test_a_tight_pool_preempts_for_the_branch_blocks(llm):
+    """A pool too small for every tree at once: the branch rows' blocks are budgeted, so the engine preempts
+    rather than running out, and the outputs are unchanged."""
+    llm.drafter = make_drafter("hybrid")
+    requests = [(p, greedy(30), 4) for p in REPETITIVE]
+    refs = [llm.generate(p, params, gamma=0).token_ids for p, params, _ in requests]
+    engine = Engine(llm, max_batch=4, block_size=4, num_blocks=30, prefill_chunk=8)
+    out = serve(engine, requests, arrivals=[0, 0, 0, 0])
+    assert [out[str(i)] for i in range(4)] == [(r, "length") for r in refs]
+    assert engine.stats().num_preemptions > 0
+    assert_idle(engine)
+
+
+@torch.inference_mode()
+def test_paged_tree_rows_share_the_prefix_and_copy_exactly():
+    """Random pools: a fork at a length inside a block gives every branch row the committed KV of positions
+    0..length-1 (the shared blocks, the partial block copied); writes at positions >= length stay in their row;
+    copy_positions copies one row's positions to the others bit for bit; release returns exactly the branch blocks."""
+    cache = PagedKVCache(2, 20, 2, 4, 8, torch.float32)
+    cache.k.normal_(), cache.v.normal_()
+    cache.allocate("s", 10)
+    cache.truncate("s", 6)  # positions 0..5: one full block, two slots of the second
+    cache.extend("s", 4)  # room for the round: positions 6..9
+    free = len(cache.free_blocks)
+    tree = PagedTree(cache, "s", 3)
+    assert len(cache.free_blocks) == free - 2 * 2 and tree.table.shape == (3, 3)
+    view = tree.rows(0, 3)
+    committed = view.slots(torch.arange(6).expand(3, -1))
+    for pool in (cache.k, cache.v):
+        kv = pool[:, committed // 4, :, committed % 4]  # [3, 6, layers, heads, dim]
+        assert torch.equal(kv[1], kv[0]) and torch.equal(kv[2], kv[0])
+    new = view.slots(torch.arange(6, 10).expand(3, -1))
+    assert len(set(new.flatten().tolist())) == 12  # each row's round positions have their own slots
+    before = cache.k.clone()
+    tree.copy_positions(2, 6, 9)
+    for b in (0, 1):
+        assert torch.equal(cache.k[:, new[b, :3] // 4, :, new[b, :3] % 4], before[:, new[2, :3] // 4, :, new[2, :3] % 4])
+        assert torch.equal(cache.k[:, new[b, 3] // 4, :, new[b, 3] % 4], before[:, new[b, 3] // 4, :, new[b, 3] % 4])
+    assert torch.equal(cache.k[:, new[2] // 4, :, new[2] % 4], before[:, new[2] // 4, :, new[2] % 4])
+    both = tree_view([tree, tree], [1, 3])
+    assert both.table.shape == (4, 3) and torch.equal(both.table[1:], tree.table)
+    tree.release()
+    assert len(cache.free_blocks) == free and sorted(cache.free_blocks + cache.tables["s"]) == list(range(1, 21))
+
+
+def test_engine_refuses_a_tree_over_a_quantized_kv_cache():
+    cfg, sd, _ = tiny_model("llama", seed=1)
+    quant = build(cfg, sd, None, resolve_recipe("selfspec", draft="hybrid"), group_size=32)
+    with pytest.raises(SelfspecError, match="token trees fork"):
+        Engine(quant)
+
+
+def test_serve_recipe_hybrid_on_smollm2(smollm2):
+    """`selfspec serve --recipe hybrid`: two completions over HTTP, each the library's AR text."""
+    from test_server import serving
+
+    llm = smollm2("hybrid")
+    prompts_ = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+                "The quick brown fox jumps over the lazy dog. The quick brown fox"]
+    refs = [llm.generate(p, SamplingParams(max_new_tokens=12), gamma=0).text for p in prompts_]
+    with serving(Engine(llm, max_batch=4)) as live:
+        client = live.client()
+        outs = [client.completions.create(model="smollm2-135m", prompt=p, max_tokens=12, temperature=0,
+                                          extra_body={"gamma": 4}) for p in prompts_]
+    assert [o.choices[0].text for o in outs] == refs
+    assert sum(o.usage.accepted_tokens for o in outs) > 0
