@@ -127,10 +127,11 @@ def test_paged_tree_rows_share_the_prefix_and_copy_exactly():
     assert len(set(new.flatten().tolist())) == 12  # each row's round positions have their own slots
     before = cache.k.clone()
     tree.copy_positions(2, 6, 9)
+    at = lambda pool, slots: pool[:, slots // 4, :, slots % 4]  # noqa: E731
     for b in (0, 1):
-        assert torch.equal(cache.k[:, new[b, :3] // 4, :, new[b, :3] % 4], before[:, new[2, :3] // 4, :, new[2, :3] % 4])
-        assert torch.equal(cache.k[:, new[b, 3] // 4, :, new[b, 3] % 4], before[:, new[b, 3] // 4, :, new[b, 3] % 4])
-    assert torch.equal(cache.k[:, new[2] // 4, :, new[2] % 4], before[:, new[2] // 4, :, new[2] % 4])
+        assert torch.equal(at(cache.k, new[b, :3]), at(before, new[2, :3]))  # copied
+        assert torch.equal(at(cache.k, new[b, 3:]), at(before, new[b, 3:]))  # past `end`: untouched
+    assert torch.equal(at(cache.k, new[2]), at(before, new[2]))  # the source row: untouched
     both = tree_view([tree, tree], [1, 3])
     assert both.table.shape == (4, 3) and torch.equal(both.table[1:], tree.table)
     tree.release()
