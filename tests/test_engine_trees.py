@@ -55,7 +55,7 @@ def test_engine_trees_greedy_equal_ar_as_requests_join(llm, name):
     gammas and the policy's: each request's tokens are its AR output; branches were accepted; the pool ends empty."""
     llm.drafter = make_drafter(name)
     ps = REPETITIVE + prompts(4, seed=11)
-    gammas = [4, 3, None, 2, 4, 1, 3, 4]
+    gammas = [4, 3, None, 0, 4, 1, 3, None]
     requests = [(p, greedy(10 + 3 * (i % 4)), g) for i, (p, g) in enumerate(zip(ps, gammas))]
     refs = [llm.generate(p, params, gamma=0).token_ids for p, params, _ in requests]
     engine = Engine(llm, max_batch=5, block_size=4, num_blocks=96, max_gamma=4)
