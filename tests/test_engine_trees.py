@@ -3,8 +3,11 @@ branch of every row verified in one pass. Greedy engine output == AR of the veri
 tree:upper:3 as requests join at different times (tiny model, block size 4: branches start inside a shared partial
 block); sampling: engine == solo for the same seed; the fork's rows read the committed KV and copy exactly; the pool
 is empty at the end and no block has two owners after any step; an abort mid-stream leaves the others exact; the
-policy's plain rounds mix with tree rounds; SmolLM2 `hybrid` served over HTTP == the library's AR text."""
+policy's plain rounds mix with tree rounds; a failing request fails alone; block accounting under a random schedule;
+SmolLM2 `hybrid` served over HTTP == the library's AR text."""
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -159,3 +162,52 @@ def test_serve_recipe_hybrid_on_smollm2(smollm2):
                                           extra_body={"gamma": 4}) for p in prompts_]
     assert [o.choices[0].text for o in outs] == refs
     assert sum(o.usage.accepted_tokens for o in outs) > 0
+
+
+def test_a_failing_request_fails_alone_and_its_tree_blocks_come_back(llm, monkeypatch):
+    """The model raises whenever a row reaches position 45 (only the long request's rows do): the batched tree round
+    fails, its branch blocks go back, the rows are retried one by one, and only that request ends with an error."""
+    llm.drafter = make_drafter("hybrid")
+    requests = [(p, greedy(12), 3) for p in REPETITIVE] + [(prompts(1, seed=12, max_len=2)[0] * 40, greedy(12), 3)]
+    refs = [llm.generate(p, params, gamma=0).token_ids for p, params, _ in requests[:4]]
+    forward = llm.model.forward
+
+    def failing(tokens, pos, cache, mode, **kwargs):
+        if pos.max() >= 45:
+            raise RuntimeError("boom")
+        return forward(tokens, pos, cache, mode, **kwargs)
+
+    monkeypatch.setattr(llm.model, "forward", failing)
+    engine = Engine(llm, max_batch=5, block_size=4, num_blocks=80)
+    out = serve(engine, requests, arrivals=[0] * 5)
+    assert out["4"][1] == "error" and 0 < len(out["4"][0]) < 12
+    assert [out[str(i)] for i in range(4)] == [(r, "length") for r in refs]
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_block_accounting_under_a_random_schedule(llm, seed):
+    """Requests join at random (greedy and sampling, varied gammas), some are aborted, a tight pool preempts: after
+    every step each block has one owner at most and none is lost (serve checks), the pool ends empty, and every
+    greedy request that ran to its length gave its AR output."""
+    rng = random.Random(seed)
+    llm.drafter = make_drafter(rng.choice(["ngram-tree:3", "hybrid:3"]))
+    requests, arrivals, aborts = [], [], {}
+    for i in range(14):
+        prompt = [rng.randrange(3, 12) for _ in range(rng.randrange(1, 24))]
+        params = greedy(rng.randrange(1, 30)) if rng.random() < 0.7 else SamplingParams(
+            temperature=1.0, top_k=20, seed=i, max_new_tokens=rng.randrange(1, 30), ignore_eos=True)
+        requests.append((prompt, params, rng.choice([None, 0, 1, 3, 4])))
+        arrivals.append(rng.randrange(0, 30))
+        if rng.random() < 0.15:
+            aborts[arrivals[-1] + rng.randrange(1, 6)] = str(i)
+    engine = Engine(llm, max_batch=4, block_size=4, num_blocks=28, prefill_chunk=12, max_gamma=4)
+    out = serve(engine, requests, arrivals, aborts)
+    assert sorted(out, key=int) == [str(i) for i in range(14)]
+    assert {reason for _, reason in out.values()} <= {"length", "abort"}  # no pass ran out of blocks
+    s = engine.stats()
+    assert s.num_preemptions > 0 and s.num_accepted_tokens > 0
+    assert_idle(engine)
+    for i, (prompt, params, _) in enumerate(requests):
+        if out[str(i)][1] == "length" and params.greedy:
+            assert out[str(i)][0] == llm.generate(prompt, params, gamma=0).token_ids, i
