@@ -32,6 +32,17 @@ def llm():
     return build(cfg, sd, None, resolve_recipe("hybrid"), group_size=32)
 
 
+class Passes:
+    """The model, recording each pass's rows and mode (the engine takes it for its runner)."""
+
+    def __init__(self, model):
+        self.model, self.device, self.seen = model, model.device, []
+
+    def __call__(self, tokens, pos, cache, mode, *args, **kwargs):
+        self.seen.append((tokens.shape[0], mode))
+        return self.model(tokens, pos, cache, mode, *args, **kwargs)
+
+
 def serve(engine: Engine, requests: list[tuple[list[int], SamplingParams, int | None]], arrivals: list[int],
           aborts: dict[int, str] | None = None) -> dict[str, tuple[list[int], str]]:
     """Request i joins at step arrivals[i]; aborts[step] is aborted before that step. Steps until idle, checking
@@ -53,21 +64,28 @@ def serve(engine: Engine, requests: list[tuple[list[int], SamplingParams, int | 
 
 
 @pytest.mark.parametrize("name", ["ngram-tree:4", "hybrid", "tree:upper:3"])
-def test_engine_trees_greedy_equal_ar_as_requests_join(llm, name):
-    """Eight requests (repetitive texts the lookup matches, random ones it does not), joining over five steps, fixed
+def test_engine_trees_greedy_equal_ar_as_requests_join(llm, name, monkeypatch):
+    """Eight requests (repetitive texts, random ones of 9 tokens), joining over five steps, fixed
     gammas and the policy's: each request's tokens are its AR output; branches were accepted; the pool ends empty."""
     llm.drafter = make_drafter(name)
-    ps = REPETITIVE + prompts(4, seed=11)
-    gammas = [4, 3, None, 0, 4, 1, 3, None]
+    ps = REPETITIVE + prompts(4, seed=11, hi=12)
+    gammas = [4, 4, None, 0, 4, 4, 3, 4]
     requests = [(p, greedy(10 + 3 * (i % 4)), g) for i, (p, g) in enumerate(zip(ps, gammas))]
     refs = [llm.generate(p, params, gamma=0).token_ids for p, params, _ in requests]
     engine = Engine(llm, max_batch=5, block_size=4, num_blocks=96, max_gamma=4)
+    engine.runner = passes = Passes(llm.model)
+    trees, tree_round = [], Engine._tree_round
+    monkeypatch.setattr(Engine, "_tree_round",
+                        lambda self, seqs, k: trees.append(len(seqs)) or tree_round(self, seqs, k))
     out = serve(engine, requests, arrivals=[0, 0, 1, 1, 2, 3, 4, 4])
     for i, ref in enumerate(refs):
         assert out[str(i)] == (ref, "length"), (name, i)
     s = engine.stats()
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens
     assert_idle(engine)
+    assert max(trees) > 1  # a round over several sequences' trees: one verify pass for all their branches
+    if name != "ngram-tree:4":  # ... whose draft steps ran together
+        assert max(rows for rows, mode in passes.seen if mode == llm.drafter.mode) > llm.drafter.branches
 
 
 def test_engine_tree_sampling_equals_solo_with_the_seed(llm):
@@ -135,8 +153,9 @@ def test_paged_tree_rows_share_the_prefix_and_copy_exactly():
         assert torch.equal(at(cache.k, new[b, :3]), at(before, new[2, :3]))  # copied
         assert torch.equal(at(cache.k, new[b, 3:]), at(before, new[b, 3:]))  # past `end`: untouched
     assert torch.equal(at(cache.k, new[2]), at(before, new[2]))  # the source row: untouched
-    both = tree_view([tree, tree], [1, 3])
-    assert both.table.shape == (4, 3) and torch.equal(both.table[1:], tree.table)
+    both = tree_view([tree, tree], [(1, 2), (0, 3)])
+    assert both.table.shape == (4, 3) and torch.equal(both.table[0], tree.table[1])
+    assert torch.equal(both.table[1:], tree.table)
     tree.release()
     assert len(cache.free_blocks) == free and sorted(cache.free_blocks + cache.tables["s"]) == list(range(1, 21))
 

@@ -144,11 +144,11 @@ class PagedTree:
         self.blocks = []
 
 
-def tree_view(trees: list[PagedTree], counts: list[int]) -> PagedBatchView:
-    """One batch view over the first counts[i] rows of each tree (their tables padded with the trash block)."""
+def tree_view(trees: list[PagedTree], spans: list[tuple[int, int]]) -> PagedBatchView:
+    """One batch view over rows spans[i] (start, stop) of each trees[i] (their tables padded with the trash block)."""
     width = max(t.table.shape[1] for t in trees)
-    tables = [torch.nn.functional.pad(t.table[:n], (0, width - t.table.shape[1]), value=TRASH)
-              for t, n in zip(trees, counts)]
+    tables = [torch.nn.functional.pad(t.table[start:stop], (0, width - t.table.shape[1]), value=TRASH)
+              for t, (start, stop) in zip(trees, spans)]
     return PagedBatchView(trees[0].cache, torch.cat(tables))
 
 

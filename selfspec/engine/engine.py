@@ -490,7 +490,7 @@ class Engine:
             for s in seqs:
                 trees.append(PagedTree(self.cache, s.id, self.tree.branches))
             return tree_rounds(self.runner, trees, [s.row for s in seqs], k, self.tree, self.llm.verify_mode,
-                               lambda counts: tree_view(trees, counts), self.accept)
+                               lambda spans: tree_view(trees, spans), self.accept)
         finally:
             for t in trees:
                 t.release()

@@ -22,7 +22,7 @@ from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Transformer, prefill
 from selfspec.quant.modes import Mode, prompt_mode
-from selfspec.speculative.drafters import Drafter, TokenHistory, TreeDrafter, as_drafter
+from selfspec.speculative.drafters import Drafter, RowsView, TokenHistory, TreeDrafter, as_drafter
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.sampling import SamplingParams, sample, to_probs
 from selfspec.speculative.verify import accept_greedy, accept_rejection, accept_tree_sampling
@@ -92,7 +92,7 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
         accepted = stats.draft_accepted
         if tree:
             (tokens,), timing = tree_rounds(model, [cache], [row], k, draft, verify,
-                                            lambda counts: cache.rows(0, counts[0]), accept)
+                                            lambda spans: cache.rows(*spans[0]), accept)
         else:
             (tokens,), timing = run_round(model, cache, [row], k, draft, verify, accept)
         cache.commit(row.length)
@@ -155,28 +155,29 @@ def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verif
 
 @torch.inference_mode()
 def tree_rounds(model: Transformer, trees: list, rows: list[Row], k: int, draft: TreeDrafter, verify: Mode,
-                view: Callable[[list[int]], object], accept: GreedyAcceptance = accept_greedy
+                view: RowsView, accept: GreedyAcceptance = accept_greedy
                 ) -> tuple[list[list[int]], RoundTiming]:
     """One round of a tree drafter over a batch of sequences, as forked chains: trees[i] holds rows[i]'s branch
-    rows (a solo KVCache of a row per branch, or the engine's PagedTree), each holding the sequence's committed KV;
-    branch b of sequence i is verified in row b of trees[i] as a chain, every branch of every sequence in one
-    batched verify pass over `view(branch counts)` (shared prefixes are recomputed: at small batch the extra rows
-    are nearly free on a GPU). The batch-invariant kernels make each row's verify the chain verify bit for bit, so
-    the winning row's KV is already AR's, and only the positions it commits are copied to the other rows: no
-    tree-attention mask and no re-run. Greedy: the longest accepted branch wins (ties: the first). Sampling:
+    rows (a solo KVCache of a row per branch, or the engine's PagedTree), each holding the sequence's committed KV,
+    and `view(spans)` is one batch view of rows spans[i] of each trees[i]. The drafter proposes every sequence's
+    branches (its draft steps batched over the sequences); branch b of sequence i is verified in row b of trees[i]
+    as a chain, every branch of every sequence in one batched verify pass (shared prefixes are recomputed: at small
+    batch the extra rows are nearly free on a GPU). The batch-invariant kernels make each row's verify the chain
+    verify bit for bit, so the winning row's KV is already AR's, and only the positions it commits are copied to the
+    other rows: no tree-attention mask and no re-run. Greedy: the longest accepted branch wins (ties: the first). Sampling:
     multi-candidate rejection sampling down the branches (verify.py). Rows are updated only once the verify pass
     succeeded."""
     dev = model.device
     t0 = time.perf_counter()
-    proposed = [draft.propose_tree(model, tree, row, k) if k else [] for tree, row in zip(trees, rows)]
+    proposed = draft.propose_trees(model, trees, rows, k, view) if k else [[] for _ in rows]
     width = max((len(b) for branches in proposed for b in branches), default=0)
     proposed = [branches or [[]] for branches in proposed]  # nothing proposed: a plain step on row 0
     t1 = time.perf_counter()
     toks = torch.tensor([[row.pending] + b + [0] * (width - len(b)) for row, branches in zip(rows, proposed)
                          for b in branches], device=dev)
     lengths = torch.tensor([row.length for row, branches in zip(rows, proposed) for _ in branches], device=dev)
-    logits = model(toks, lengths[:, None] + torch.arange(width + 1, device=dev), view(list(map(len, proposed))),
-                   verify)
+    logits = model(toks, lengths[:, None] + torch.arange(width + 1, device=dev),
+                   view([(0, len(branches)) for branches in proposed]), verify)
     targets = logits.argmax(-1).tolist()
     ends = list(accumulate(map(len, proposed)))
     chosen = []
