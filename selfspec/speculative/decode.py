@@ -164,9 +164,9 @@ def tree_rounds(model: Transformer, trees: list, rows: list[Row], k: int, draft:
     as a chain, every branch of every sequence in one batched verify pass (shared prefixes are recomputed: at small
     batch the extra rows are nearly free on a GPU). The batch-invariant kernels make each row's verify the chain
     verify bit for bit, so the winning row's KV is already AR's, and only the positions it commits are copied to the
-    other rows: no tree-attention mask and no re-run. Greedy: the longest accepted branch wins (ties: the first). Sampling:
-    multi-candidate rejection sampling down the branches (verify.py). Rows are updated only once the verify pass
-    succeeded."""
+    other rows: no tree-attention mask and no re-run. Greedy: the longest accepted branch wins (ties: the first).
+    Sampling: multi-candidate rejection sampling down the branches (verify.py). Rows are updated only once the verify
+    pass succeeded."""
     dev = model.device
     t0 = time.perf_counter()
     proposed = draft.propose_trees(model, trees, rows, k, view) if k else [[] for _ in rows]
