@@ -230,3 +230,23 @@ def test_tree_block_accounting_under_a_random_schedule(llm, seed):
     for i, (prompt, params, _) in enumerate(requests):
         if out[str(i)][1] == "length" and params.greedy:
             assert out[str(i)][0] == llm.generate(prompt, params, gamma=0).token_ids, i
+
+
+def test_eval_sizes_its_pool_for_the_branch_rows(llm):
+    """`selfspec eval` sizes the pool per request (batch 1 here): with a tree drafter, the branch rows' blocks too."""
+    from selfspec.eval.runner import generate_batched
+
+    llm.drafter = make_drafter("hybrid")
+    prompts_ = {str(i): p for i, p in enumerate(REPETITIVE[:2])}
+    outs = {o.request_id: o for o in generate_batched(llm, prompts_, greedy(10), gamma=3, batch_size=1)}
+    assert {i: o.generation.token_ids for i, o in outs.items()} == {
+        i: llm.generate(p, greedy(10), gamma=0).token_ids for i, p in prompts_.items()}
+
+
+def test_a_request_whose_tree_cannot_fit_is_refused(llm):
+    llm.drafter = make_drafter("ngram-tree:4")
+    engine = Engine(llm, max_batch=2, block_size=4, num_blocks=8)
+    with pytest.raises(SelfspecError, match="branch rows"):
+        engine.add_request("a", [3, 4, 5], greedy(8), gamma=4)  # 4 blocks of its own + 3 x 2 for the branches
+    out = serve(engine, [([3, 4, 5], greedy(8), 0)], arrivals=[0])  # no drafts, no branches: 3 blocks
+    assert out["0"] == (llm.generate([3, 4, 5], greedy(8), gamma=0).token_ids, "length")

@@ -51,6 +51,16 @@ DEFAULT_TOKENS_PER_SEQ = 1024  # default pool: max_batch sequences of this many 
 DEFAULT_PREFILL_CHUNK = 2048
 
 
+def branch_blocks(drafter, block_size: int, k: int | None, length: int | None = None) -> int:
+    """KV blocks a tree drafter's round of k drafts at `length` takes for its branch rows (PagedTree) while it runs:
+    each branch owns the blocks of positions length..length+k (length None: the worst case). 0 for other drafters:
+    what a pool sized per request adds for trees."""
+    if not isinstance(drafter, TreeDrafter) or not k:
+        return 0
+    offset = block_size - 1 if length is None else length % block_size
+    return (drafter.branches - 1) * -(-(offset + k + 1) // block_size)
+
+
 class QueueFull(SelfspecError):
     """The waiting queue is at max_queue; retry later."""
 
@@ -196,11 +206,13 @@ class Engine:
         ids = self.llm.encode(prompt, chat)
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_len - len(ids)))
         drafts = 0 if self.llm.drafter is None else self.policy.max_gamma if gamma is None else gamma
-        blocks = self.cache.blocks_for(min(self.max_len, len(ids) + params.max_new_tokens + drafts))
-        blocks += self._branch_blocks(self.cache.block_size - 1, drafts)  # a tree's worst case, at its last round
+        branches = branch_blocks(self.tree, self.cache.block_size, drafts)  # a tree's worst case, during a round
+        blocks = self.cache.blocks_for(min(self.max_len, len(ids) + params.max_new_tokens + drafts)) + branches
         if blocks > self.cache.num_blocks:  # it could not finish even alone
+            tree = f" + {branches} for the tree's branch rows" if branches else ""
             raise SelfspecError(f"the request needs up to {blocks} KV blocks (prompt {len(ids)} + max_new_tokens "
-                                f"{params.max_new_tokens} + {drafts} drafts); the pool has {self.cache.num_blocks}")
+                                f"{params.max_new_tokens} + {drafts} drafts{tree}); the pool has "
+                                f"{self.cache.num_blocks}")
         seq = Sequence(request_id, ids, params, gamma, make_generator(params, self.llm.model.device),
                        time.perf_counter(), Generation("", [], "length", GenerationStats(prompt_tokens=len(ids))))
         with self._lock:
@@ -286,7 +298,7 @@ class Engine:
             chunk = chunks.get(seq.id, 0)
             k = self._passes(seq, chunk, k_auto)
             need = self.cache.blocks_needed(seq.id, chunk + (0 if k is None else k + 1))
-            need += self._branch_blocks(self._round_length(seq, chunk), k)
+            need += branch_blocks(self.tree, self.cache.block_size, k, self._round_length(seq, chunk))
             while need > spare and queue:
                 spare += self._preempt(queue.pop())
                 preempted = True
@@ -311,7 +323,7 @@ class Engine:
                 break
             k = self._passes(seq, chunk, k_auto)
             need = self.cache.blocks_for(chunk + (0 if k is None else k + 1))
-            need += self._branch_blocks(self._round_length(seq, chunk), k)
+            need += branch_blocks(self.tree, self.cache.block_size, k, self._round_length(seq, chunk))
             if need + len(self.running) > spare:
                 break  # FCFS: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
@@ -348,13 +360,6 @@ class Engine:
     def _round_length(seq: Sequence, chunk: int) -> int:
         """seq's length at its round this step, after its prefill chunk of `chunk` tokens."""
         return seq.prefilled + chunk if seq.row is None else seq.row.length
-
-    def _branch_blocks(self, length: int, k: int | None) -> int:
-        """Blocks a tree round of k drafts at `length` takes for its branch rows (PagedTree) while it runs: each
-        branch owns the blocks of positions length..length+k."""
-        if self.tree is None or not k:
-            return 0
-        return (self.tree.branches - 1) * self.cache.blocks_for(length % self.cache.block_size + k + 1)
 
     @staticmethod
     def _plan(plan: StepPlan, seq: Sequence, chunk: int, k: int | None) -> None:
