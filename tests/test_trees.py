@@ -1,7 +1,7 @@
 """Token trees (forked chains): greedy output of every tree drafter == AR of the verify mode (tiny model, several
 branch counts and gammas; SmolLM2 on a few prompts), the branch rows' committed KV == the AR cache's bit for bit,
 n-gram tree proposals (distinct continuations, == a brute-force rescan), names, recipe hybrid, sampling with trees
-follows the verify distribution, and the serving engine's refusal."""
+follows the verify distribution. The serving engine's trees: test_engine_trees.py."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from conftest import RecordedPasses, tiny_model
-from selfspec.engine.engine import Engine
 from selfspec.engine.llm import build
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
@@ -252,11 +251,6 @@ def test_tree_sampling_matches_verify_distribution(sampling_model, name):
     assert all(len(f) == 3 for f in firsts.values())
     p_tree = torch.tensor([sum(float(p1[tuple(prompt + [a])][c]) for c in firsts[a]) for a in t0])
     assert abs(int(acc.sum()) - p_tree.sum()) < 4 * math.sqrt((p_tree * (1 - p_tree)).sum()) + 1
-
-
-def test_engine_refuses_trees(llm):
-    with pytest.raises(SelfspecError, match="selfspec generate"):
-        Engine(llm)
 
 
 # ---------------------------------------------------------------- SmolLM2

@@ -38,7 +38,7 @@ from selfspec.bench.shapes import SHAPES
 from selfspec.bench.step_bound import PassLog, bound_seconds, pass_table
 from selfspec.bench.synthetic import synthetic_model
 from selfspec.bench.traces import TRACE_DIR, ReplayAcceptance, load
-from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT, Engine
+from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT, Engine, branch_blocks
 from selfspec.engine.llm import LLM
 from selfspec.errors import SelfspecError
 from selfspec.eval.data import package_file
@@ -127,6 +127,7 @@ def make_engine(llm: selfspec.LLM, prompts: list[list[int]], batch: int, max_new
     accepted-draft counts greedy rounds replay (None: real acceptance)."""
     block_size = 16
     blocks_per_seq = -(-(max(map(len, prompts)) + max_new_tokens + max_gamma + 1) // block_size)
+    blocks_per_seq += branch_blocks(llm.drafter, block_size, max_gamma)
     engine = Engine(llm, max_batch=batch, block_size=block_size, num_blocks=batch * blocks_per_seq,
                     max_queue=len(prompts), prefill_chunk=prefill_chunk, prefill_wait=prefill_wait,
                     max_gamma=max_gamma, accept=accept_greedy if replay is None else ReplayAcceptance(replay))

@@ -6,6 +6,7 @@ length go back to the free list; slots past it inside the last block are stale, 
 them (a query at position p reads positions 0..p, all written in the current or an earlier pass).
 Block 0 is the trash block: never allocated, it pads block tables and takes the writes of CUDA graphs' padding rows.
 Attention reads keys through the block table (kernels/ops.py `attention`): nothing is gathered per pass.
+A token tree's round forks a sequence into branch rows for one pass (`PagedTree`).
 """
 from __future__ import annotations
 
@@ -109,6 +110,66 @@ class PagedKVCache(BlockPool):
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's keys and values at pool slots src [P] to slots dst [P] (exact)."""
+        bs = self.block_size
+        for pool in (self.k, self.v):
+            pool[:, dst // bs, :, dst % bs] = pool[:, src // bs, :, src % bs]
+
+
+class PagedTree:
+    """One sequence forked into `branches` rows for a token tree's round (speculative/decode.py `tree_rounds`): row
+    0 is the sequence's own block table; row b > 0 shares its blocks before the one holding position `length` and
+    owns fresh blocks from there on (that block's committed slots copied in), so a pass writes each row's positions
+    >= length into that row's slots alone, and every row reads the committed prefix. Offers what tree drafters use
+    of the solo path's KVCache (`rows`, `copy_positions`). The sequence's table must already cover the round's
+    positions; `release` gives the branch rows' blocks back to the pool."""
+
+    def __init__(self, cache: PagedKVCache, seq: str, branches: int):
+        own, length, bs = cache.tables[seq], cache.lengths[seq], cache.block_size
+        first = length // bs  # the block holding position `length`: the first one a branch owns
+        tail = len(own) - first
+        need = (branches - 1) * tail
+        if need > len(cache.free_blocks):
+            raise SelfspecError(f"KV cache out of blocks: the tree of '{seq}' needs {need}, "
+                                f"{len(cache.free_blocks)} free")
+        self.cache = cache
+        self.blocks = [cache.free_blocks.pop() for _ in range(need)]
+        tails = [self.blocks[i:i + tail] for i in range(0, need, tail)]
+        if length % bs:  # the committed slots of the shared partial block
+            starts = torch.tensor([t[0] * bs for t in tails], device=cache.k.device)[:, None]
+            offsets = torch.arange(length % bs, device=cache.k.device)
+            cache.copy_slots((own[first] * bs + offsets).repeat(len(tails)), (starts + offsets).flatten())
+        self.table = torch.tensor([own] + [own[:first] + t for t in tails], dtype=torch.long, device=cache.k.device)
+
+    @property
+    def batch(self) -> int:
+        return self.table.shape[0]
+
+    def rows(self, start: int, stop: int) -> PagedBatchView:
+        """Rows start..stop-1 as a batch view: a pass through it reads and writes those rows only."""
+        return PagedBatchView(self.cache, self.table[start:stop])
+
+    def copy_positions(self, src: int, start: int, end: int) -> None:
+        """Copy every layer's keys and values of positions start..end-1 (>= length) from row src to every other row."""
+        others = [b for b in range(self.batch) if b != src]
+        if others and end > start:
+            slots = self.rows(0, self.batch).slots(torch.arange(start, end, device=self.table.device)
+                                                   .expand(self.batch, -1))
+            self.cache.copy_slots(slots[src].repeat(len(others)), slots[others].flatten())
+
+    def release(self) -> None:
+        self.cache.free_blocks.extend(reversed(self.blocks))
+        self.blocks = []
+
+
+def tree_view(trees: list[PagedTree], spans: list[tuple[int, int]]) -> PagedBatchView:
+    """One batch view over rows spans[i] (start, stop) of each trees[i] (their tables padded with the trash block)."""
+    width = max(t.table.shape[1] for t in trees)
+    tables = [torch.nn.functional.pad(t.table[start:stop], (0, width - t.table.shape[1]), value=TRASH)
+              for t, (start, stop) in zip(trees, spans)]
+    return PagedBatchView(trees[0].cache, torch.cat(tables))
 
 
 class PagedBatchView:

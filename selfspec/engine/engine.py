@@ -6,7 +6,9 @@ one forward without padding, so every GEMM runs on real tokens only), then one b
 past prefill: k draft steps and one verify pass, each row accepting its own number of tokens and rolling its own
 cache back. k comes from the gamma policy (speculative/policy.py) unless a request asks
 for its own, which is capped at the engine's max_gamma (the server's --gamma); rows are grouped by k and each
-group runs its own batched passes.
+group runs its own batched passes. With a tree drafter, a round with drafts forks each sequence into a row per
+branch over its blocks (cache/paged.py `PagedTree`) and verifies every branch of the group in one pass
+(speculative/decode.py `tree_rounds`); the branch rows' blocks are budgeted with the round's and freed after it.
 
 KV blocks follow current need, as in vLLM's scheduler: each step gives every running sequence, oldest first, the
 blocks its passes will write (its prefill chunk; k + 1 positions of its round). When the pool runs short, the
@@ -32,7 +34,7 @@ from itertools import accumulate
 
 import torch
 
-from selfspec.cache.paged import PagedBatchView, PagedKVCache
+from selfspec.cache.paged import PagedBatchView, PagedKVCache, PagedTree, tree_view
 from selfspec.cache.paged_quant import PagedQuantKVCache
 from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, PagedGraphedModel, bucket
 from selfspec.engine.llm import LLM, Generation, check_gamma
@@ -40,7 +42,8 @@ from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Packed
 from selfspec.quant.modes import prompt_mode
-from selfspec.speculative.decode import GreedyAcceptance, Row, make_generator, pick, run_round
+from selfspec.speculative.decode import (GreedyAcceptance, Row, RoundTiming, make_generator, pick, run_round,
+                                         tree_rounds)
 from selfspec.speculative.draft_model import DraftModel
 from selfspec.speculative.drafters import TokenHistory, TreeDrafter
 from selfspec.speculative.policy import GammaPolicy
@@ -77,6 +80,16 @@ def check_quant_kv(llm: LLM, max_gamma: int) -> None:
     if isinstance(llm.drafter, DraftModel):
         raise SelfspecError("a draft model mirrors the blocks of a bf16 KV cache; the serving engine runs recipe "
                             "draft-model with --kv bf16 only")
+
+
+def branch_blocks(drafter, block_size: int, k: int | None, length: int | None = None) -> int:
+    """KV blocks a tree drafter's round of k drafts at `length` takes for its branch rows (PagedTree) while it runs:
+    each branch owns the blocks of positions length..length+k (length None: the worst case). 0 for other drafters:
+    what a pool sized per request adds for trees."""
+    if not isinstance(drafter, TreeDrafter) or not k:
+        return 0
+    offset = block_size - 1 if length is None else length % block_size
+    return (drafter.branches - 1) * -(-(offset + k + 1) // block_size)
 
 
 class QueueFull(SelfspecError):
@@ -179,16 +192,18 @@ class Engine:
         if prefill_wait < 0:
             raise SelfspecError(f"prefill_wait must be >= 0 decode steps, got {prefill_wait}")
         check_gamma(max_gamma)
-        if isinstance(llm.drafter, TreeDrafter):
-            raise SelfspecError(f"the serving engine verifies one chain of drafts per sequence; the tree drafter "
-                                f"'{llm.recipe.draft}' runs in solo decoding only (selfspec generate): serve with "
-                                "a chain drafter, e.g. --recipe ngram or planes")
+        tree = llm.drafter if isinstance(llm.drafter, TreeDrafter) else None
+        if tree is not None and llm.recipe.kv != "bf16":
+            raise SelfspecError(f"token trees fork a sequence's blocks of the bf16 KV cache; recipe "
+                                f"'{llm.recipe.name}' (KV cache {llm.recipe.kv}) drafts in chains: serve it with a "
+                                "chain drafter (--draft upper) or drop the quantized KV cache")
         cfg = llm.model.cfg
         quant_kv = llm.recipe.kv != "bf16"
         if quant_kv:
             check_quant_kv(llm, max_gamma)
             block_size = -(-block_size // llm.recipe.kv_group) * llm.recipe.kv_group  # whole groups a block
         self.llm = llm
+        self.tree = tree
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
@@ -231,10 +246,13 @@ class Engine:
         ids = self.llm.encode(prompt, chat)
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_len - len(ids)))
         drafts = 0 if self.llm.drafter is None else self.policy.max_gamma if gamma is None else gamma
-        blocks = self.cache.blocks_for(min(self.max_len, len(ids) + params.max_new_tokens + drafts))
+        branches = branch_blocks(self.tree, self.cache.block_size, drafts)  # a tree's worst case, during a round
+        blocks = self.cache.blocks_for(min(self.max_len, len(ids) + params.max_new_tokens + drafts)) + branches
         if blocks > self.cache.num_blocks:  # it could not finish even alone
+            tree = f" + {branches} for the tree's branch rows" if branches else ""
             raise SelfspecError(f"the request needs up to {blocks} KV blocks (prompt {len(ids)} + max_new_tokens "
-                                f"{params.max_new_tokens} + {drafts} drafts); the pool has {self.cache.num_blocks}")
+                                f"{params.max_new_tokens} + {drafts} drafts{tree}); the pool has "
+                                f"{self.cache.num_blocks}")
         seq = Sequence(request_id, ids, params, gamma, make_generator(params, self.llm.model.device),
                        time.perf_counter(), Generation("", [], "length", GenerationStats(prompt_tokens=len(ids))))
         with self._lock:
@@ -262,18 +280,20 @@ class Engine:
                            c.num_preemptions, self.policy.last_gamma, self.policy.acceptance)
 
     def warm_up(self) -> None:
-        """Capture the CUDA graph of every decode pass the engine can replay (each batch bucket up to max_batch:
-        AR and verify passes of up to max_gamma drafts, draft steps), and compile the prefill kernels of every
-        size bucket a prefill chunk can fall in (`prefill_warm_sizes`), so that no request waits on a capture or
-        a compile. The passes run on padding rows (trash blocks only). Nothing to do on CPU."""
+        """Capture the CUDA graph of every decode pass the engine can replay (each batch bucket up to max_batch, times
+        the branches of a tree: AR and verify passes of up to max_gamma drafts, draft steps), and compile the
+        prefill kernels of every size bucket a prefill chunk can fall in (`prefill_warm_sizes`), so that no request
+        waits on a capture or a compile. The passes run on padding rows (trash blocks only). Nothing to do on CPU."""
         if not isinstance(self.runner, PagedGraphedModel):
             return
         dev = self.llm.model.device
         passes = [(self.llm.verify_mode, t) for t in range(1, min(self.policy.max_gamma + 1, MAX_GRAPHED_TOKENS) + 1)]
-        if self.llm.draft_mode is not None:
-            passes.append((self.llm.draft_mode, 1))
+        draft = self.llm.draft_mode or getattr(self.tree, "mode", None)  # a self-draft tree's steps too
+        if draft is not None:
+            passes.append((draft, 1))
+        most = self.max_batch * (1 if self.tree is None else self.tree.branches)  # a tree verifies a row per branch
         rows = 1
-        while rows <= bucket(self.max_batch):
+        while rows <= bucket(most):
             trash = PagedBatchView(self.cache, torch.zeros(rows, 1, dtype=torch.long, device=dev))
             for mode, t in passes:
                 zeros = torch.zeros(rows, t, dtype=torch.long, device=dev)
@@ -327,6 +347,7 @@ class Engine:
             chunk = chunks.get(seq.id, 0)
             k = self._passes(seq, chunk, k_auto)
             need = self.cache.blocks_needed(seq.id, chunk + (0 if k is None else k + 1))
+            need += branch_blocks(self.tree, self.cache.block_size, k, self._round_length(seq, chunk))
             while need > spare and queue:
                 spare += self._preempt(queue.pop())
                 preempted = True
@@ -353,6 +374,7 @@ class Engine:
                 break
             k = self._passes(seq, chunk, k_auto)
             need = self.cache.blocks_for(chunk + (0 if k is None else k + 1))
+            need += branch_blocks(self.tree, self.cache.block_size, k, self._round_length(seq, chunk))
             if need + len(self.running) > spare:
                 break  # FCFS: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
@@ -392,10 +414,14 @@ class Engine:
         sequence whose chunk completes its context joins this step's round)."""
         if seq.row is None and seq.prefilled + chunk < seq.context_len:
             return None
-        length = seq.prefilled + chunk if seq.row is None else seq.row.length
         if self.llm.drafter is None:
             return 0
-        return min(k_auto if seq.gamma is None else seq.gamma, self.max_len - length - 1)
+        return min(k_auto if seq.gamma is None else seq.gamma, self.max_len - self._round_length(seq, chunk) - 1)
+
+    @staticmethod
+    def _round_length(seq: Sequence, chunk: int) -> int:
+        """seq's length at its round this step, after its prefill chunk of `chunk` tokens."""
+        return seq.prefilled + chunk if seq.row is None else seq.row.length
 
     @staticmethod
     def _plan(plan: StepPlan, seq: Sequence, chunk: int, k: int | None) -> None:
@@ -503,10 +529,13 @@ class Engine:
     def _round(self, seqs: list[Sequence], k: int, outputs: list[RequestOutput]) -> None:
         for s in seqs:
             self.cache.extend(s.id, k + 1)
-        view = self.cache.view([s.id for s in seqs])
         rows = [s.row for s in seqs]
         before = [(r.stats.draft_proposed, r.stats.draft_accepted) for r in rows]
-        tokens, timing = run_round(self.runner, view, rows, k, self.llm.drafter, self.llm.verify_mode, self.accept)
+        if self.tree is not None and k:
+            tokens, timing = self._tree_round(seqs, k)
+        else:
+            tokens, timing = run_round(self.runner, self.cache.view([s.id for s in seqs]), rows, k,
+                                       self.llm.drafter, self.llm.verify_mode, self.accept)
         proposed = sum(r.stats.draft_proposed - p for r, (p, _) in zip(rows, before))
         accepted = [r.stats.draft_accepted - a for r, (_, a) in zip(rows, before)]
         self.policy.observe_round(len(rows), timing.k, timing.draft_s, timing.verify_s)
@@ -519,3 +548,16 @@ class Engine:
             c.num_accepted_tokens += sum(accepted)
         for s, toks in zip(seqs, tokens):
             self._emit(s, toks, outputs)
+
+    def _tree_round(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], RoundTiming]:
+        """A tree drafter's round: each sequence forked into its branch rows (PagedTree), every branch verified in
+        one pass; the winner's committed KV is copied into the sequence's own blocks, the branch blocks go back."""
+        trees = []
+        try:
+            for s in seqs:
+                trees.append(PagedTree(self.cache, s.id, self.tree.branches))
+            return tree_rounds(self.runner, trees, [s.row for s in seqs], k, self.tree, self.llm.verify_mode,
+                               lambda spans: tree_view(trees, spans), self.accept)
+        finally:
+            for t in trees:
+                t.release()

@@ -16,7 +16,7 @@ from typing import Iterator
 from tqdm import tqdm
 
 import selfspec
-from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, Engine, RequestOutput
+from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, Engine, RequestOutput, branch_blocks
 from selfspec.engine.llm import LLM, Generation, check_gamma
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
@@ -96,9 +96,11 @@ def generate_batched(llm: LLM, prompts: dict[str, list[int]], params: SamplingPa
     if not prompts:
         return
     batch = min(batch_size, len(prompts))
-    # Every row's worst case fits at once: the longest prompt + max_new_tokens + the drafts of a round.
+    # Every row's worst case fits at once: the longest prompt + max_new_tokens + the drafts of a round (+ a tree's
+    # branch rows).
     longest = min(llm.model.cfg.max_seq_len, max(map(len, prompts.values())) + params.max_new_tokens + gamma)
-    engine = Engine(llm, max_batch=batch, block_size=BLOCK_SIZE, num_blocks=batch * -(-longest // BLOCK_SIZE),
+    per_row = -(-longest // BLOCK_SIZE) + branch_blocks(llm.drafter, BLOCK_SIZE, gamma)
+    engine = Engine(llm, max_batch=batch, block_size=BLOCK_SIZE, num_blocks=batch * per_row,
                     max_queue=batch, prefill_chunk=prefill_chunk, max_gamma=gamma)  # the engine caps a request's gamma
     pending = deque(prompts.items())
     in_flight = 0

@@ -5,13 +5,14 @@ the last emitted token, whose KV is not yet written (it is fed at position `leng
 `run_round` is one batched round over any number of rows; the solo loop `decode` is that round with one row,
 and the serving engine (engine/engine.py) runs it over its whole batch.
 
-With a tree drafter (several candidate continuations per round), the solo loop runs `tree_round` instead: forked
-chains, one cache row per branch (see tree_round).
+With a tree drafter (several candidate continuations per round), rounds are `tree_rounds` instead: forked chains,
+one cache row per branch (the solo cache's rows; the engine's paged cache forks each sequence's blocks).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Iterator
 
 import torch
@@ -21,7 +22,7 @@ from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Transformer, prefill
 from selfspec.quant.modes import Mode, prompt_mode
-from selfspec.speculative.drafters import Drafter, TokenHistory, TreeDrafter, as_drafter
+from selfspec.speculative.drafters import Drafter, RowsView, TokenHistory, TreeDrafter, as_drafter
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.sampling import SamplingParams, sample, to_probs
 from selfspec.speculative.verify import accept_greedy, accept_rejection, accept_tree_sampling
@@ -63,7 +64,7 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
     Each round drafts `gamma` tokens, or with `policy` as many as it picks from measured costs and acceptance
     (at most its max_gamma, which should not exceed gamma: the cache is sized by gamma).
     `accept` judges greedy drafts (benchmarks replay recorded acceptance through it). A tree drafter needs a cache
-    of a row per branch (made here when none is given) and runs `tree_round`s."""
+    of a row per branch (made here when none is given) and runs `tree_rounds`."""
     dev = model.device
     draft = as_drafter(draft)
     tree = isinstance(draft, TreeDrafter)
@@ -90,7 +91,8 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
         k = min(k, cache.max_len - row.length - 1) if draft is not None else 0
         accepted = stats.draft_accepted
         if tree:
-            tokens, timing = tree_round(model, cache, row, k, draft, verify, accept)
+            (tokens,), timing = tree_rounds(model, [cache], [row], k, draft, verify,
+                                            lambda spans: cache.rows(*spans[0]), accept)
         else:
             (tokens,), timing = run_round(model, cache, [row], k, draft, verify, accept)
         cache.commit(row.length)
@@ -152,32 +154,46 @@ def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verif
 
 
 @torch.inference_mode()
-def tree_round(model: Transformer, cache: KVCache, row: Row, k: int, draft: TreeDrafter, verify: Mode,
-               accept: GreedyAcceptance = accept_greedy) -> tuple[list[int], RoundTiming]:
-    """One round of a tree drafter over one sequence, as forked chains: cache row b holds the sequence's committed
-    KV and branch b is verified there as a chain, all branches in one batched pass (shared prefixes are
-    recomputed: at batch 1 the extra rows are nearly free on a GPU). The batch-invariant kernels make each row's
-    verify the chain verify bit for bit, so the winning row's KV is already AR's, and only the positions it commits
-    are copied to the other rows: no tree-attention mask and no re-run. Greedy: the longest accepted branch wins
-    (ties: the first). Sampling: multi-candidate rejection sampling down the branches (verify.py)."""
+def tree_rounds(model: Transformer, trees: list, rows: list[Row], k: int, draft: TreeDrafter, verify: Mode,
+                view: RowsView, accept: GreedyAcceptance = accept_greedy
+                ) -> tuple[list[list[int]], RoundTiming]:
+    """One round of a tree drafter over a batch of sequences, as forked chains: trees[i] holds rows[i]'s branch
+    rows (a solo KVCache of a row per branch, or the engine's PagedTree), each holding the sequence's committed KV,
+    and `view(spans)` is one batch view of rows spans[i] of each trees[i]. The drafter proposes every sequence's
+    branches (its draft steps batched over the sequences); branch b of sequence i is verified in row b of trees[i]
+    as a chain, every branch of every sequence in one batched verify pass (shared prefixes are recomputed: at small
+    batch the extra rows are nearly free on a GPU). The batch-invariant kernels make each row's verify the chain
+    verify bit for bit, so the winning row's KV is already AR's, and only the positions it commits are copied to the
+    other rows: no tree-attention mask and no re-run. Greedy: the longest accepted branch wins (ties: the first).
+    Sampling: multi-candidate rejection sampling down the branches (verify.py). Rows are updated only once the verify
+    pass succeeded."""
     dev = model.device
     t0 = time.perf_counter()
-    branches = draft.propose_tree(model, cache, row, k) if k else []
-    width = max(map(len, branches), default=0)
-    branches = branches or [[]]  # nothing proposed: a plain step on row 0
+    proposed = draft.propose_trees(model, trees, rows, k, view) if k else [[] for _ in rows]
+    width = max((len(b) for branches in proposed for b in branches), default=0)
+    proposed = [branches or [[]] for branches in proposed]  # nothing proposed: a plain step on row 0
     t1 = time.perf_counter()
-    toks = torch.tensor([[row.pending] + b + [0] * (width - len(b)) for b in branches], device=dev)
-    logits = model(toks, torch.arange(row.length, row.length + width + 1, device=dev),
-                   cache.rows(0, len(branches)), verify)
-    if row.params.greedy:
-        results = [accept(b, t) for b, t in zip(branches, logits.argmax(-1).tolist())]
-        best = max(range(len(branches)), key=lambda i: (results[i][0], -i))
-        n, nxt = results[best]
-    else:
-        best, n, nxt = accept_tree_sampling(branches, to_probs(logits, row.params), row.gen)
-    cache.copy_positions(best, row.length, row.length + n + 1)  # the pending token and the accepted drafts
+    toks = torch.tensor([[row.pending] + b + [0] * (width - len(b)) for row, branches in zip(rows, proposed)
+                         for b in branches], device=dev)
+    lengths = torch.tensor([row.length for row, branches in zip(rows, proposed) for _ in branches], device=dev)
+    logits = model(toks, lengths[:, None] + torch.arange(width + 1, device=dev),
+                   view([(0, len(branches)) for branches in proposed]), verify)
+    targets = logits.argmax(-1).tolist()
+    ends = list(accumulate(map(len, proposed)))
+    chosen = []
+    for tree, row, branches, end in zip(trees, rows, proposed, ends):
+        start = end - len(branches)
+        if row.params.greedy:
+            results = [accept(b, t) for b, t in zip(branches, targets[start:end])]
+            best = max(range(len(branches)), key=lambda i: (results[i][0], -i))
+            n, nxt = results[best]
+        else:
+            best, n, nxt = accept_tree_sampling(branches, to_probs(logits[start:end], row.params), row.gen)
+        tree.copy_positions(best, row.length, row.length + n + 1)  # the pending token and the accepted drafts
+        chosen.append((branches[best], n, nxt))
     t2 = time.perf_counter()
-    return advance(row, branches[best], n, nxt, t1 - t0, t2 - t1), RoundTiming(t1 - t0, t2 - t1, width)
+    out = [advance(row, b, n, nxt, t1 - t0, t2 - t1) for row, (b, n, nxt) in zip(rows, chosen)]
+    return out, RoundTiming(t1 - t0, t2 - t1, width)
 
 
 def one_hot(drafts: list[int], logits: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,9 @@
   max_n down to min_n) are looked up in its own prompt + generated text, and the tokens that followed their most
   recent earlier occurrence are proposed. No model step: its cost is a few dictionary look-ups per row.
 
-Tree drafters propose several candidate continuations (branches) of one sequence, verified in one batched pass
-as forked chains (decode.py `tree_round`); solo decoding only:
+Tree drafters propose several candidate continuations (branches) of each sequence, verified in one batched pass
+as forked chains (decode.py `tree_rounds`), in solo decoding and in the serving engine (whose sequences' draft steps
+run together):
 - `NgramTree(branches)`: distinct continuations of several earlier occurrences (longest n first, most recent
   first);
 - `SelfDraftTree(mode, branches)`: the draft mode's top-B first tokens, each continued greedily (B rows at once);
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -40,6 +41,7 @@ DEFAULT_NGRAM = (1, 3)  # (min_n, max_n)
 DEFAULT_BRANCHES = 4
 HYBRID_DRAFT = "upper"  # the hybrid's self-draft mode: the cheap half of the planes storage
 TREE_NAMES = "ngram-tree[:B], tree:MODE[:B] (e.g. tree:upper:4) or hybrid[:B]"
+RowsView = Callable[[list[tuple[int, int]]], object]  # spans[i]: rows start..stop-1 of tree i -> one batch view
 
 
 @dataclass
@@ -190,13 +192,19 @@ class NgramDrafter:
 
 
 class TreeDrafter:
-    """Proposes up to `branches` candidate continuations of one sequence. Its cache has a row per branch, each
-    holding the sequence's committed KV (decode.py `tree_round` keeps them equal); the draft steps may write past
+    """Proposes up to `branches` candidate continuations of each sequence of a batch. A sequence's tree has a row
+    per branch, each holding the sequence's committed KV (decode.py `tree_rounds` keeps them equal): the solo
+    KVCache's rows or the engine's PagedTree, both with `rows` and `copy_positions`; the draft steps may write past
     the committed length of any row."""
     branches: int
 
     def history(self, tokens: list[int]) -> TokenHistory | None:
         return None
+
+    def propose_trees(self, model, trees: list, rows: list[Row], k: int, view: RowsView) -> list[list[list[int]]]:
+        """Each sequence's branches (rows[i]'s, over trees[i]). `view` makes one batch view of rows of several trees,
+        so that draft steps run every sequence at once; by default, each sequence's `propose_tree`."""
+        return [self.propose_tree(model, tree, row, k) for tree, row in zip(trees, rows)]
 
     def propose_tree(self, model, cache, row: Row, k: int) -> list[list[int]]:
         """Distinct non-empty branches of at most k tokens, at most `branches` of them ([]: no candidate)."""
@@ -221,20 +229,21 @@ class SelfDraftTree(TreeDrafter):
     mode: Mode
     branches: int = DEFAULT_BRANCHES
 
-    def propose_tree(self, model, cache, row: Row, k: int) -> list[list[int]]:
-        """One draft step from the pending token (row 0), its top-B tokens as the branches' first tokens, then
-        k - 1 greedy steps of the B branches at once (the pending token's draft KV copied to every branch row)."""
-        dev, b = model.device, self.branches
-        logits = model(torch.tensor([[row.pending]], device=dev), torch.tensor([row.length], device=dev),
-                       cache.rows(0, 1), self.mode)[0, -1]
-        toks = logits.topk(b).indices
-        cache.copy_positions(0, row.length, row.length + 1)
-        steps = [toks]
+    def propose_trees(self, model, trees: list, rows: list[Row], k: int, view: RowsView) -> list[list[list[int]]]:
+        """One draft step from every sequence's pending token (its row 0), each one's top-B tokens as its branches'
+        first tokens, then k - 1 greedy steps of every sequence's B branches at once (the pending token's draft KV
+        copied to every branch row)."""
+        dev, b, n = model.device, self.branches, len(rows)
+        lengths = torch.tensor([[r.length] for r in rows], device=dev)
+        pending = torch.tensor([[r.pending] for r in rows], device=dev)
+        toks = model(pending, lengths, view([(0, 1)] * n), self.mode)[:, -1].topk(b).indices  # [n, B]
+        for tree, row in zip(trees, rows):
+            tree.copy_positions(0, row.length, row.length + 1)
+        steps, branch_rows, pos = [toks], view([(0, b)] * n), lengths.repeat_interleave(b, 0)
         for i in range(1, k):
-            pos = torch.tensor([row.length + i], device=dev)
-            toks = model(toks[:, None], pos, cache.rows(0, b), self.mode)[:, -1].argmax(-1)
+            toks = model(toks.reshape(-1, 1), pos + i, branch_rows, self.mode)[:, -1].argmax(-1).view(n, b)
             steps.append(toks)
-        return torch.stack(steps, 1).tolist()
+        return torch.stack(steps, 2).tolist()
 
 
 @dataclass(frozen=True)
@@ -251,15 +260,37 @@ class HybridDrafter(TreeDrafter):
     def history(self, tokens: list[int]) -> TokenHistory:
         return TokenHistory(tokens, self.ngram.min_n, self.ngram.max_n, keep=self.branches - 1)
 
-    def propose_tree(self, model, cache, row: Row, k: int) -> list[list[int]]:
-        found = row.history.continuations(k, self.branches - 1)
-        if not found:
-            return SelfDraftTree(self.mode, self.branches).propose_tree(model, cache, row, k)
-        dev, m = model.device, len(found)  # the chain drafts in the first row no n-gram branch takes
-        chain, _ = draft_tokens(model, cache.rows(m, m + 1), [row], torch.tensor([row.pending], device=dev),
-                                torch.tensor([[row.length]], device=dev), k, self.mode)
-        chain = chain[0].tolist()
-        return found + ([chain] if chain not in found else [])
+    def propose_trees(self, model, trees: list, rows: list[Row], k: int, view: RowsView) -> list[list[list[int]]]:
+        """The sequences the lookup matches draft their chains together (each in the first row no n-gram branch
+        takes); the others' self-draft trees run together too."""
+        dev, n = model.device, len(rows)
+        out = [r.history.continuations(k, self.branches - 1) for r in rows]
+        hits = [i for i in range(n) if out[i]]
+        misses = [i for i in range(n) if not out[i]]
+        if hits:
+            spans = [(len(f), len(f) + 1) if f else (0, 0) for f in out]
+            chains, _ = draft_tokens(model, view(spans), [rows[i] for i in hits],
+                                     torch.tensor([rows[i].pending for i in hits], device=dev),
+                                     torch.tensor([[rows[i].length] for i in hits], device=dev), k, self.mode)
+            for i, chain in zip(hits, chains.tolist()):
+                if chain not in out[i]:
+                    out[i].append(chain)
+        if misses:
+            drafted = SelfDraftTree(self.mode, self.branches).propose_trees(
+                model, [trees[i] for i in misses], [rows[i] for i in misses], k, subset(view, misses, n))
+            for i, branches in zip(misses, drafted):
+                out[i] = branches
+        return out
+
+
+def subset(view: RowsView, picked: list[int], n: int) -> RowsView:
+    """`view` over the trees `picked` (ascending) of n: the others give no rows."""
+    def of(spans: list[tuple[int, int]]):
+        full = [(0, 0)] * n
+        for i, span in zip(picked, spans):
+            full[i] = span
+        return view(full)
+    return of
 
 
 # ---------------------------------------------------------------- names

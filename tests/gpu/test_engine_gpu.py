@@ -1,7 +1,8 @@
 """The serving engine on CUDA: paged Triton attention and CUDA graphs over batch buckets. 32 concurrent greedy
 requests (speculative rounds and plain steps, requests joining and leaving so the buckets change) each give
 exactly the tokens of a solo greedy AR run, for the planes and qspec recipes, on a tiny random model and on the
-real SmolLM2 (SELFSPEC_GPU_MODEL: its .gguf path or HF directory)."""
+real SmolLM2 (SELFSPEC_GPU_MODEL: its .gguf path or HF directory); tree drafters (hybrid, ngram-tree:4) too, their
+branch rows replaying graphs of up to max_batch x branches rows."""
 import os
 
 import pytest
@@ -17,7 +18,7 @@ from selfspec.bench.prompts import PROMPTS  # noqa: E402
 from selfspec.engine.engine import Engine  # noqa: E402
 from selfspec.engine.graphs import PagedGraphedModel  # noqa: E402
 from selfspec.engine.llm import build  # noqa: E402
-from selfspec.speculative.drafters import SelfDraft  # noqa: E402
+from selfspec.speculative.drafters import SelfDraft, make_drafter  # noqa: E402
 from selfspec.speculative.recipes import resolve_recipe  # noqa: E402
 from selfspec.speculative.sampling import SamplingParams  # noqa: E402
 
@@ -68,3 +69,26 @@ def test_smollm2_batched_greedy_equals_solo(recipe):
     llm = selfspec.load(os.environ["SELFSPEC_GPU_MODEL"], recipe, device="cuda")
     prompts = [llm.encode(PROMPTS[i % len(PROMPTS)], chat=True) for i in range(40)]
     check_batched_equals_solo(llm, prompts, [16 + 3 * i % 33 for i in range(40)])
+
+
+@pytest.mark.parametrize("draft", ["hybrid", "ngram-tree:4"])
+def test_tiny_model_tree_drafters_batched_greedy_equals_solo(draft):
+    """Every branch of every row in one verify pass over the paged cache (PagedTree), under CUDA graphs warmed up
+    to max_batch x branches rows: each request's tokens are its solo AR ones, and no pass captures a new graph."""
+    cfg, sd, _ = tiny_model("qwen2", seed=3, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                            num_key_value_heads=2)
+    llm = build(cfg, sd, None, resolve_recipe("hybrid", draft=draft), group_size=32, device="cuda")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 20, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (40,), generator=g)]
+    lengths = [8 + i % 17 for i in range(40)]
+    refs = [llm.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True), gamma=0).token_ids
+            for p, n in zip(prompts, lengths)]
+    engine = Engine(llm, max_batch=32, block_size=16, num_blocks=32 * 24, max_gamma=8)
+    engine.warm_up()
+    captured = len(engine.runner._graphs)
+    tokens = serve_all(engine, prompts, lengths)
+    assert len(engine.runner._graphs) == captured
+    mismatches = [i for i, ref in enumerate(refs) if tokens[str(i)] != ref]
+    assert not mismatches, f"{len(mismatches)} of {len(refs)} requests differ from solo greedy: {mismatches[:5]}"
+    s = engine.stats()
+    assert s.num_draft_tokens > 0 and s.kv_blocks_used == 0
