@@ -1,0 +1,81 @@
+"""Tensor parallelism on the CPU: 2 processes over gloo, tiny random models (parallel/, model.RowParallelLinear)."""
+import multiprocessing
+
+import pytest
+import torch
+
+import selfspec
+from conftest import tiny_model
+from selfspec.errors import SelfspecError
+from selfspec.parallel import SOLO
+from selfspec.parallel.launch import run_ranks
+from tp_ranks import GROUP, RUNS, logits_and_bytes
+
+# Weight-only modes of group-aligned formats store the same codes at TP2 and TP1: only the split sums differ.
+# Per-channel INT8 scales and per-token activation scales of a row-split layer cover its rank's features only.
+CLOSE = {"fp32": 1e-5, "w4a16": 1e-5, "full": 1e-5, "upper": 1e-5, "w8a16": 0.02, "w8a8": 0.05, "w4a4": 0.4}
+
+
+def models():
+    """A llama with every bias (o and down too: added on rank 0 only) and a qwen3 with qk-norm and tied embeddings."""
+    return [tiny_model("llama", seed=1, attention_bias=True, mlp_bias=True)[:2],
+            tiny_model("qwen3", seed=2, tie_word_embeddings=True, head_dim=16)[:2]]
+
+
+def test_tp2_logits_close_to_tp1_and_shards_hold_half():
+    """Every stored format and mode, on two model families: the ranks agree bitwise, TP2 is close to TP1, and each
+    rank stores half the sharded bytes (per-channel INT8 a little more: its scales are not split by a row split)."""
+    both = models()
+    tokens = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(0))
+    solos = logits_and_bytes(SOLO, both, tokens)
+    ranks = run_ranks(logits_and_bytes, 2, both, tokens)
+    for which, solo in enumerate(solos):
+        for storage, _, modes in RUNS:
+            for name in modes:
+                got = ranks[0][which][name]
+                assert torch.equal(got, ranks[1][which][name]), f"model {which} {name}: the ranks disagree"
+                err = (got - solo[name]).abs().max() / solo[name].abs().max()
+                assert err < CLOSE[name], f"model {which} {storage} {name}: TP2 off TP1 by {err:.2e} of the top logit"
+            half = solo[storage] / 2
+            held = [r[which][storage] for r in ranks]
+            assert all(half <= b <= half * (1.02 if storage == "int8" else 1) for b in held), \
+                f"model {which} {storage}: ranks store {held} bytes of {solo[storage]}"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama", seed=5)[2].save_pretrained(path)
+    return str(path)
+
+
+def test_tp2_greedy_speculative_equals_ar(tiny_dir):
+    """Under TP 2 (this process rank 0, one spawned worker): planes drafting 4 a round == `full` AR, token for token;
+    again the same on a second run, and with lookup drafts; each rank holds less than the whole model."""
+    solo = selfspec.load(tiny_dir, recipe="planes", group_size=GROUP)
+    llm = selfspec.load(tiny_dir, recipe="planes", group_size=GROUP, tensor_parallel=2)
+    try:
+        params = selfspec.SamplingParams(max_new_tokens=24, ignore_eos=True)
+        prompt = [3, 17, 9, 200, 41, 17, 9, 200]
+        ar = llm.generate(prompt, params, gamma=0)
+        spec = llm.generate(prompt, params, gamma=4)
+        assert spec.token_ids == ar.token_ids
+        assert spec.stats.draft_accepted > 0 and spec.stats.rounds < len(ar.token_ids), spec.stats.summary()
+        assert llm.generate(prompt, params, gamma=4).token_ids == spec.token_ids
+        sampled = selfspec.SamplingParams(temperature=0.8, seed=7, max_new_tokens=12, ignore_eos=True)
+        assert llm.generate(prompt, sampled).token_ids == llm.generate(prompt, sampled).token_ids
+        assert len(llm.rank_weight_bytes) == 2
+        assert all(b < solo.model.weight_bytes() for b in llm.rank_weight_bytes)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tensor_parallel=3), "4 attention heads, 2 KV heads"),
+    (dict(tensor_parallel=2, group_size=64), "64 attention output features in quantization groups of 64"),
+    (dict(tensor_parallel=2, recipe="quasar"), "SmoothQuant"),
+])
+def test_bad_tensor_parallel_refused_before_any_process(tiny_dir, kwargs, message):
+    with pytest.raises(SelfspecError, match=message):
+        selfspec.load(tiny_dir, **{"group_size": GROUP, **kwargs})
+    assert not multiprocessing.active_children()
