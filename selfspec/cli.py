@@ -33,6 +33,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=int, default=4, help="most drafted tokens per round (0: autoregressive)")
     p.add_argument("--group-size", type=int, default=128, help="quantization group size along K")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model across N processes (one GPU each with --device cuda; gloo on the CPU)")
 
 
 def add_draft_model_arg(p: argparse.ArgumentParser) -> None:
@@ -60,8 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text + stats) instead of streaming")
-    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                   help="split the model across N processes (one GPU each with --device cuda; gloo on the CPU)")
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bs = bench.add_parser("serve", help="closed-loop serving throughput and latency, AR vs recipes")
     add_serve_bench_args(bs)

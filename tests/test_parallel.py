@@ -72,6 +72,33 @@ def test_tp2_greedy_speculative_equals_ar(tiny_dir):
         llm.close()
 
 
+def test_tp2_engine_batched_equals_solo_ar(tiny_dir):
+    """The serving engine under TP 2 (rank 0 schedules, the worker follows its steps): 3 greedy requests batched 2 at
+    a time in a pool small enough to preempt, drafting by the policy, 4 a round, or not at all, each == TP2 solo AR;
+    and a sampled request without a seed (rank 0 draws one for every rank) finishes."""
+    llm = selfspec.load(tiny_dir, recipe="planes", group_size=GROUP, tensor_parallel=2)
+    try:
+        params = selfspec.SamplingParams(max_new_tokens=16, ignore_eos=True)
+        prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [100, 3, 4], [9, 9, 9, 9, 1, 2, 3, 4, 5, 6]]
+        want = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
+        engine = llm.serve_engine(max_batch=2, block_size=4, num_blocks=9, max_gamma=4)
+        with pytest.raises(SelfspecError, match="serves an engine"):
+            llm.generate(prompts[0], params)
+        for i, (p, gamma) in enumerate(zip(prompts, [None, 4, 0])):
+            engine.add_request(str(i), p, params, gamma=gamma)
+        engine.add_request("sampled", prompts[0], selfspec.SamplingParams(temperature=0.9, max_new_tokens=8))
+        got = {}
+        while engine.has_work():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert [got[str(i)] for i in range(3)] == want
+        assert len(got["sampled"]) == 8
+        stats = engine.stats()
+        assert stats.num_preemptions > 0 and stats.num_accepted_tokens > 0, stats
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(tensor_parallel=3), "4 attention heads, 2 KV heads"),
     (dict(tensor_parallel=2, group_size=64), "64 attention output features in quantization groups of 64"),

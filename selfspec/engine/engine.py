@@ -18,9 +18,13 @@ the next round's growth. Blocks are freed on rollback as well. A request is refu
 Threads: add_request/abort only touch a locked inbox; step() (one thread) drains it.
 On CUDA the rounds' passes (AR and draft steps, verify passes) replay CUDA graphs, batches padded to power-of-two
 buckets (engine/graphs.py `PagedGraphedModel`); prefill runs eagerly.
+Under tensor parallelism (docs/parallel.md) every rank holds an Engine over its shard; rank 0 takes the requests and
+each step broadcasts its inbox (and the policy's gamma, which reads rank 0's clock), so every rank plans and runs the
+same step: the rest of the scheduling is a function of that and of the gathered logits, the same on every rank.
 """
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import deque
@@ -40,7 +44,7 @@ from selfspec.speculative.decode import GreedyAcceptance, Row, make_generator, p
 from selfspec.speculative.draft_model import DraftModel
 from selfspec.speculative.drafters import TokenHistory, TreeDrafter
 from selfspec.speculative.policy import GammaPolicy
-from selfspec.speculative.sampling import SamplingParams
+from selfspec.speculative.sampling import SEED_RANGE, SamplingParams
 from selfspec.speculative.verify import accept_greedy
 
 DEFAULT_TOKENS_PER_SEQ = 1024  # default pool: max_batch sequences of this many tokens
@@ -155,19 +159,21 @@ class Engine:
                                 f"(KV cache {llm.recipe.kv}) runs on the solo path only: selfspec generate")
         cfg = llm.model.cfg
         self.llm = llm
+        self.tp = llm.model.tp
+        self.stopped = False  # a tensor-parallel follower rank whose rank 0 closed its engine
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
         self.max_len = cfg.max_seq_len
         if num_blocks is None:
             num_blocks = max_batch * -(-min(cfg.max_seq_len, DEFAULT_TOKENS_PER_SEQ) // block_size)
-        self.cache = PagedKVCache(cfg.n_layers, num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim,
-                                  llm.model.dtype, llm.model.device)
+        self.cache = PagedKVCache(cfg.n_layers, num_blocks, cfg.n_kv_heads // self.tp.size, block_size,
+                                  cfg.head_dim, llm.model.dtype, llm.model.device)  # this rank's KV heads
         if isinstance(llm.drafter, DraftModel):  # its pool mirrors this one's blocks: allocated up front too
             llm.drafter.store_for(self.cache)
         self.policy = policy or GammaPolicy(max_gamma if llm.drafter is not None else 0)
         self.accept = accept
-        on_gpu = llm.model.device.type == "cuda"
+        on_gpu = llm.model.device.type == "cuda" and self.tp.size == 1  # graphs do not capture collectives yet
         self.runner = PagedGraphedModel(llm.model, self.cache, self.max_len) if on_gpu else llm.model
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission (FCFS: arrival) order; the newest is preempted first
@@ -192,13 +198,14 @@ class Engine:
             gamma = min(gamma, self.policy.max_gamma)  # graphs and the policy's timings stop at max_gamma
         ids = self.llm.encode(prompt, chat)
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_len - len(ids)))
+        if self.tp.size > 1 and not params.greedy and params.seed is None:  # every rank draws the same samples
+            params = replace(params, seed=random.randint(*SEED_RANGE))
         drafts = 0 if self.llm.drafter is None else self.policy.max_gamma if gamma is None else gamma
         blocks = self.cache.blocks_for(min(self.max_len, len(ids) + params.max_new_tokens + drafts))
         if blocks > self.cache.num_blocks:  # it could not finish even alone
             raise SelfspecError(f"the request needs up to {blocks} KV blocks (prompt {len(ids)} + max_new_tokens "
                                 f"{params.max_new_tokens} + {drafts} drafts); the pool has {self.cache.num_blocks}")
-        seq = Sequence(request_id, ids, params, gamma, make_generator(params, self.llm.model.device),
-                       time.perf_counter(), Generation("", [], "length", GenerationStats(prompt_tokens=len(ids))))
+        seq = self._sequence(request_id, ids, params, gamma)
         with self._lock:
             if request_id in self._live:
                 raise SelfspecError(f"request id '{request_id}' is already in use")
@@ -207,6 +214,10 @@ class Engine:
             self._live.add(request_id)
             self._queued += 1
             self._inbox.append(("add", seq))
+
+    def _sequence(self, request_id: str, ids: list[int], params: SamplingParams, gamma: int | None) -> Sequence:
+        return Sequence(request_id, ids, params, gamma, make_generator(params, self.llm.model.device),
+                        time.perf_counter(), Generation("", [], "length", GenerationStats(prompt_tokens=len(ids))))
 
     def abort(self, request_id: str) -> None:
         """Finish the request with reason "abort" and free its blocks at the next step; unknown ids are fine."""
@@ -246,13 +257,45 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: plan (blocks, preemptions, admissions), one prefill chunk, one batched round per k."""
         outputs: list[RequestOutput] = []
-        self._drain(outputs)
+        inbox = self._take_inbox()
+        if inbox is None:
+            self.stopped = True
+            return outputs
+        self._drain(inbox, outputs)
         self._execute(self._schedule(), outputs)
         return outputs
 
-    def _drain(self, outputs: list[RequestOutput]) -> None:
+    def close(self) -> None:
+        """Under tensor parallelism, on rank 0: end the other ranks' engines (their step loops); else nothing."""
+        if self.tp.size > 1 and self.tp.rank == 0:
+            self.tp.broadcast(None)
+
+    def _take_inbox(self) -> list[tuple[str, object]] | None:
+        """The requests and aborts this step applies: rank 0's, broadcast to every rank under tensor parallelism
+        (None: rank 0 closed its engine)."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
+        if self.tp.size == 1:
+            return inbox
+        if self.tp.rank == 0:
+            self.tp.broadcast([(k, (s.id, s.prompt, s.params, s.gamma) if k == "add" else s) for k, s in inbox])
+            return inbox
+        shared = self.tp.broadcast()
+        if shared is None:
+            return None
+        inbox = [(k, self._sequence(*item) if k == "add" else item) for k, item in shared]
+        with self._lock:
+            self._queued += sum(k == "add" for k, _ in inbox)
+            self._live.update(item.id for k, item in inbox if k == "add")
+        return inbox
+
+    def _choose(self, rows: int) -> int:
+        """The policy's drafts per row: rank 0's under tensor parallelism (its timings), broadcast."""
+        if self.tp.size == 1:
+            return self.policy.choose(rows)
+        return self.tp.broadcast(self.policy.choose(rows) if self.tp.rank == 0 else None)
+
+    def _drain(self, inbox: list[tuple[str, object]], outputs: list[RequestOutput]) -> None:
         for kind, item in inbox:
             if kind == "add":
                 self.waiting.append(item)
@@ -271,7 +314,7 @@ class Engine:
                 budget -= chunks[s.id]
         auto = sum(s.gamma is None for s in self.running
                    if s.row is not None or s.prefilled + chunks.get(s.id, 0) == s.context_len)
-        k_auto = self.policy.choose(auto) if auto else 0
+        k_auto = self._choose(auto) if auto else 0
         plan, spare, preempted = StepPlan([], {}, {}), len(self.cache.free_blocks), False
         queue = deque(self.running)
         while queue:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 # A collective that waits longer than this has lost a rank (a crashed worker): fail rather than hang.
 TIMEOUT = timedelta(seconds=int(os.environ.get("SELFSPEC_TP_TIMEOUT", "600")))
+IDLE_TIMEOUT = timedelta(days=365)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ def init_rank(rank: int, size: int, port: int, device: str) -> TensorParallel:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size, timeout=TIMEOUT)
-    control = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else dist.group.WORLD
+    # The control group waits for rank 0's next request, which may come after any idle time.
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return TensorParallel(rank, size, dist.group.WORLD, control)
 
 

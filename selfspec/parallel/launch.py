@@ -12,6 +12,8 @@ every rank (comm.py), so the ranks take the same path with no sync beyond each p
 rounds of any chain drafter (self-draft, lookup) and trees included. The one choice made from something else, the
 measured-cost gamma policy (it reads each rank's own clock), is off: a tensor-parallel LLM drafts gamma tokens every
 round. Refused: a separate draft model (not split) and SmoothQuant calibration (its folding reads whole heads).
+The serving engine (`serve_engine`): every rank runs an Engine over its shard, rank 0 broadcasting each step's
+inbox of requests (engine/engine.py).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from selfspec.config import ModelConfig
+from selfspec.engine.engine import Engine
 from selfspec.engine.llm import LLM, check_gamma, load_rank
 from selfspec.errors import SelfspecError
 from selfspec.parallel.comm import TIMEOUT, TensorParallel, free_port, init_rank, leave, rank_device
@@ -51,6 +54,7 @@ class TensorParallelLLM:
         self.llm = llm
         self.workers = workers
         self.rank_weight_bytes = rank_weight_bytes
+        self.engine = None
         atexit.register(self.close)
 
     def __getattr__(self, name: str) -> Any:
@@ -66,6 +70,8 @@ class TensorParallelLLM:
         early still runs to its end here, since the other ranks run it to the end and each pass needs all ranks."""
         if not self.workers:
             raise SelfspecError("this tensor-parallel LLM is closed; load the model again")
+        if self.engine is not None:
+            raise SelfspecError("this tensor-parallel LLM serves an engine: send requests through the engine")
         llm = self.llm
         params = params or SamplingParams()
         if not params.greedy and params.seed is None:  # every rank must draw the same samples
@@ -73,7 +79,7 @@ class TensorParallelLLM:
         check_gamma(llm.gamma if gamma is None else gamma)
         ids = llm.encode(prompt, chat)
         llm.check_context(len(ids), params.max_new_tokens)
-        llm.model.tp.broadcast((ids, params, gamma))
+        llm.model.tp.broadcast(("generate", ids, params, gamma))
         steps = llm.stream(ids, params, False, gamma)
         try:
             for step in steps:
@@ -84,10 +90,21 @@ class TensorParallelLLM:
 
     generate = LLM.generate
 
+    def serve_engine(self, **kwargs: Any) -> Engine:
+        """A serving engine over every rank (Engine's keyword arguments, plain values): this rank's schedules and
+        takes the requests; the other ranks' follow its steps until close(). generate() is refused from then on."""
+        if self.engine is not None:
+            raise SelfspecError("this tensor-parallel LLM already serves an engine")
+        self.llm.model.tp.broadcast(("engine", kwargs))
+        self.engine = Engine(self, **kwargs)
+        return self.engine
+
     def close(self) -> None:
-        """End the other ranks and leave the group (also at exit)."""
+        """End the other ranks (their engine first) and leave the group (also at exit)."""
         if not self.workers:
             return
+        if self.engine is not None:
+            self.engine.close()
         self.llm.model.tp.broadcast(None)
         for w in self.workers:
             w.join(timeout=30)
@@ -152,8 +169,13 @@ def serve_rank(rank: int, size: int, port: int, args: dict) -> None:
         return
     tp.all_gather_object(report)
     while (request := tp.broadcast()) is not None:
-        ids, params, gamma = request
-        llm.generate(ids, params, gamma=gamma)
+        if request[0] == "generate":
+            _, ids, params, gamma = request
+            llm.generate(ids, params, gamma=gamma)
+        else:  # ("engine", kwargs): follow rank 0's engine steps until it closes the engine
+            engine = Engine(llm, **request[1])
+            while not engine.stopped:
+                engine.step()
     leave()
 
 
