@@ -4,4 +4,4 @@ one weight copy (shard.py), and the processes of a sharded LLM (launch.py, impor
 from selfspec.parallel.comm import SOLO, TensorParallel
 from selfspec.parallel.shard import check_tensor_parallel, shard_state_dict
 
-__all__ = ["TensorParallel", "SOLO", "check_tensor_parallel", "shard_state_dict"]
+__all__ = ["SOLO", "TensorParallel", "check_tensor_parallel", "shard_state_dict"]

@@ -21,8 +21,9 @@ import atexit
 import io
 import random
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -82,8 +83,8 @@ class TensorParallelLLM:
         llm.model.tp.broadcast(("generate", ids, params, gamma))
         steps = llm.stream(ids, params, False, gamma)
         try:
-            for step in steps:
-                yield step
+            for step in steps:  # not `yield from`: closing this generator would close `steps` before the drain
+                yield step  # noqa: UP028
         finally:
             for _ in steps:
                 pass
@@ -211,7 +212,7 @@ def run_one_rank(fn: Callable[..., Any], rank: int, size: int, port: int, device
         buf = io.BytesIO()
         torch.save(fn(tp, *args), buf)  # bytes through the queue: no shared memory outliving this process
         results.put((rank, True, buf.getvalue()))
-    except Exception:
+    except Exception:  # noqa: BLE001 (any failure goes back to the caller, with its traceback)
         results.put((rank, False, traceback.format_exc()))
     finally:
         leave()

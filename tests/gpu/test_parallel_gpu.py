@@ -36,3 +36,24 @@ def test_tp2_greedy_speculative_equals_ar_on_gpus(model_dir, recipe, draft):
                 assert out.token_ids == ar, f"prompt {seed}, gamma {gamma}: {out.stats.summary()}"
     finally:
         llm.close()
+
+
+def test_tp2_engine_batched_equals_solo_ar_on_gpus(model_dir):
+    """The serving engine over NCCL: rank 0 schedules, rank 1 follows; 6 greedy requests, 4 at a time, drafting by the
+    policy, each == TP2 solo AR of `full`."""
+    llm = selfspec.load(model_dir, "planes", group_size=64, device="cuda", tensor_parallel=2)
+    try:
+        params = selfspec.SamplingParams(max_new_tokens=24, ignore_eos=True)
+        prompts = [torch.randint(3, 512, (5 + 3 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+                   for i in range(6)]
+        want = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
+        engine = llm.serve_engine(max_batch=4, max_gamma=4)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        got = {}
+        while engine.has_work():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert [got[str(i)] for i in range(len(prompts))] == want
+    finally:
+        llm.close()
