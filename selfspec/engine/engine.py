@@ -173,7 +173,8 @@ class Engine:
             llm.drafter.store_for(self.cache)
         self.policy = policy or GammaPolicy(max_gamma if llm.drafter is not None else 0)
         self.accept = accept
-        on_gpu = llm.model.device.type == "cuda" and self.tp.size == 1  # graphs do not capture collectives yet
+        # Under tensor parallelism no graphs (engine/graphs.py), so no warm-up pass that only rank 0 would run.
+        on_gpu = llm.model.device.type == "cuda" and self.tp.size == 1
         self.runner = PagedGraphedModel(llm.model, self.cache, self.max_len) if on_gpu else llm.model
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission (FCFS: arrival) order; the newest is preempted first

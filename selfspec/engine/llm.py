@@ -45,9 +45,8 @@ class LLM:
         self.model = model
         model.set_kv_format(recipe.kv, recipe.kv_group)
         # On the GPU, decode steps replay CUDA graphs (the host would otherwise set the speed); a quantized KV
-        # cache moves its buffer on the host between passes, so it runs eagerly, as tensor parallelism does for now
-        # (graphs capturing the collectives are not built yet).
-        graphed = model.device.type == "cuda" and recipe.kv == "bf16" and model.tp.size == 1
+        # cache moves its buffer on the host between passes, so it runs eagerly.
+        graphed = model.device.type == "cuda" and recipe.kv == "bf16"
         self.runner = GraphedModel(model) if graphed else model
         self.tokenizer = tokenizer
         self.recipe = recipe
