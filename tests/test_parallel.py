@@ -126,3 +126,12 @@ def test_generate_cli_tensor_parallel(capsys, tmp_path):
     assert main(args + ["--gamma", "0"]) == 0
     # TP1 AR: equal on this model (fixed weights), not across TP sizes in general
     assert json.loads(capsys.readouterr().out)["text"] == res["text"]
+
+
+def test_serve_refuses_tensor_parallel_with_replicas():
+    from selfspec.cli import build_parser
+    from selfspec.serve.server import check_serve_args
+
+    args = build_parser().parse_args(["serve", "--tensor-parallel", "2", "--replicas", "2"])
+    with pytest.raises(SelfspecError, match="--tensor-parallel and --replicas"):
+        check_serve_args(args)
