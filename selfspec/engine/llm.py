@@ -8,10 +8,10 @@ from typing import Callable, Iterator
 
 import torch
 
+from selfspec.config import ModelConfig
 from selfspec.engine.graphs import GraphedModel
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
-from selfspec.config import ModelConfig
 from selfspec.model import Transformer
 from selfspec.parallel import SOLO, TensorParallel, shard_state_dict
 from selfspec.quant.kv import check_kv_format
