@@ -135,3 +135,15 @@ def test_serve_refuses_tensor_parallel_with_replicas():
     args = build_parser().parse_args(["serve", "--tensor-parallel", "2", "--replicas", "2"])
     with pytest.raises(SelfspecError, match="--tensor-parallel and --replicas"):
         check_serve_args(args)
+
+
+def test_a_dead_worker_is_a_clear_error(tiny_dir):
+    llm = selfspec.load(tiny_dir, recipe="planes", group_size=GROUP, tensor_parallel=2)
+    try:
+        llm.workers[0].kill()
+        llm.workers[0].join(10)
+        with pytest.raises(SelfspecError, match="worker process ended"):
+            llm.generate([5, 6, 7], selfspec.SamplingParams(max_new_tokens=4))
+    finally:
+        llm.close()
+    assert not multiprocessing.active_children()

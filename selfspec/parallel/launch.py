@@ -73,6 +73,7 @@ class TensorParallelLLM:
             raise SelfspecError("this tensor-parallel LLM is closed; load the model again")
         if self.engine is not None:
             raise SelfspecError("this tensor-parallel LLM serves an engine: send requests through the engine")
+        self.check_workers()
         llm = self.llm
         params = params or SamplingParams()
         if not params.greedy and params.seed is None:  # every rank must draw the same samples
@@ -96,17 +97,27 @@ class TensorParallelLLM:
         takes the requests; the other ranks' follow its steps until close(). generate() is refused from then on."""
         if self.engine is not None:
             raise SelfspecError("this tensor-parallel LLM already serves an engine")
+        self.check_workers()
         self.llm.model.tp.broadcast(("engine", kwargs))
         self.engine = Engine(self, **kwargs)
         return self.engine
+
+    def check_workers(self) -> None:
+        dead = [w.exitcode for w in self.workers if not w.is_alive()]
+        if dead:
+            raise SelfspecError(f"a tensor-parallel worker process ended (exit code {dead[0]}); see its output above, "
+                                "then close() this LLM and load the model again")
 
     def close(self) -> None:
         """End the other ranks (their engine first) and leave the group (also at exit)."""
         if not self.workers:
             return
-        if self.engine is not None:
-            self.engine.close()
-        self.llm.model.tp.broadcast(None)
+        try:
+            if self.engine is not None:
+                self.engine.close()
+            self.llm.model.tp.broadcast(None)
+        except RuntimeError:  # a rank is gone (the collective says so at once): end the others below
+            pass
         for w in self.workers:
             w.join(timeout=30)
             if w.is_alive():
