@@ -100,9 +100,9 @@ def test_tp2_engine_batched_equals_solo_ar(tiny_dir):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(tensor_parallel=3), "4 attention heads, 2 KV heads"),
-    (dict(tensor_parallel=2, group_size=64), "64 attention output features in quantization groups of 64"),
-    (dict(tensor_parallel=2, recipe="quasar"), "SmoothQuant"),
+    ({"tensor_parallel": 3}, "4 attention heads, 2 KV heads"),
+    ({"tensor_parallel": 2, "group_size": 64}, "64 attention output features in quantization groups of 64"),
+    ({"tensor_parallel": 2, "recipe": "quasar"}, "SmoothQuant"),
 ])
 def test_bad_tensor_parallel_refused_before_any_process(tiny_dir, kwargs, message):
     with pytest.raises(SelfspecError, match=message):

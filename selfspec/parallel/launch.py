@@ -84,8 +84,9 @@ class TensorParallelLLM:
         llm.model.tp.broadcast(("generate", ids, params, gamma))
         steps = llm.stream(ids, params, False, gamma)
         try:
-            for step in steps:  # not `yield from`: closing this generator would close `steps` before the drain
-                yield step  # noqa: UP028
+            # Not `yield from`: closing this generator would then close `steps` before the drain below.
+            for step in steps:  # noqa: UP028
+                yield step
         finally:
             for _ in steps:
                 pass
