@@ -43,6 +43,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", default=None, choices=KV_FORMATS,
                    help="KV cache format, in place of the recipe's: bf16, int8, or hier (a draft reads its upper plane)")
     p.add_argument("--kv-group", type=int, default=None, help="tokens per KV quantization group (default 128)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model across N processes (one GPU each with --device cuda; gloo on the CPU)")
 
 
 def add_draft_model_arg(p: argparse.ArgumentParser) -> None:
@@ -139,17 +141,22 @@ def cmd_generate(args: argparse.Namespace) -> None:
     check_prompt(prompt)
     llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device,
                         fixed_gamma=args.fixed_gamma, draft_model=args.draft_model, kv=args.kv,
-                        kv_group=args.kv_group)
-    out = None
-    for text, _, out in llm.stream(prompt, params, chat=args.chat):
-        if not args.json:
-            print(text, end="", flush=True)
+                        kv_group=args.kv_group, tensor_parallel=args.tensor_parallel)
+    try:
+        out = None
+        for text, _, out in llm.stream(prompt, params, chat=args.chat):
+            if not args.json:
+                print(text, end="", flush=True)
+    finally:
+        llm.close()
     r = llm.recipe
     drafts = r.draft is not None and llm.gamma > 0  # else the run is autoregressive: no draft, no gamma
     info = {"model": llm.description, "recipe": r.name, "storage": r.storage, "draft": r.draft if drafts else None,
             "verify": r.verify, "gamma": llm.gamma if drafts else 0, "kv": r.kv}
     if r.draft_model is not None:
         info["draft_model"] = llm.drafter.memory()  # what drafting adds: weights and KV bytes
+    if args.tensor_parallel > 1:
+        info["tensor_parallel"] = {"size": args.tensor_parallel, "weight_bytes_per_rank": llm.rank_weight_bytes}
     if args.json:
         print(json.dumps({"text": out.text, "finish_reason": out.finish_reason, **info, "stats": out.stats.to_dict()}))
     else:

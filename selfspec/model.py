@@ -17,6 +17,7 @@ from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
 from selfspec.kernels import (attention, linear, packed_attention, quantized_attention, rms_norm, rope_and_store,
                               swiglu)
+from selfspec.parallel import SOLO, TensorParallel
 from selfspec.quant.formats import DenseWeight, QuantWeight, quantize_weight
 from selfspec.quant.kv import check_kv_format
 from selfspec.quant.modes import MODES, Mode
@@ -78,6 +79,19 @@ class Linear(nn.Module):
         return linear(x, self.weight, mode, self.bias, residual)
 
 
+class RowParallelLinear(Linear):
+    """A linear whose input features are split across the tensor-parallel ranks: each rank's partial product, then
+    one all-reduce. The bias and the residual are added on rank 0 only (every rank adding them, the all-reduce would
+    add them N times: vLLM's RowParallelLinear). Alone (SOLO) it is a plain Linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel):
+        super().__init__(weight, bias if tp.rank == 0 else None)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor, mode: Mode, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x, mode, residual if self.tp.rank == 0 else None))
+
+
 def concat_bias(sd: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
     """The biases of linears fused into one (rows stacked): all or none of them have one."""
     biases = [sd.get(n + ".bias") for n in names]
@@ -99,14 +113,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], p: str):
+    def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], p: str, tp: TensorParallel = SOLO):
         super().__init__()
         self.cfg = cfg
         # q, k and v as one weight (rows stacked): one GEMM, one activation rotation/quantization per layer.
+        # Under tensor parallelism sd holds this rank's heads only (parallel/shard.py).
         names = [p + f"{x}_proj" for x in "qkv"]
         self.wqkv = Linear(torch.cat([sd[n + ".weight"] for n in names]), concat_bias(sd, names))
-        self.sizes = [cfg.n_heads * cfg.head_dim] + 2 * [cfg.n_kv_heads * cfg.head_dim]
-        self.wo = Linear(sd[p + "o_proj.weight"], sd.get(p + "o_proj.bias"))
+        self.sizes = [cfg.n_heads // tp.size * cfg.head_dim] + 2 * [cfg.n_kv_heads // tp.size * cfg.head_dim]
+        self.wo = RowParallelLinear(sd[p + "o_proj.weight"], sd.get(p + "o_proj.bias"), tp)
         self.q_norm = RMSNorm(sd[p + "q_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(sd[p + "k_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
 
@@ -130,11 +145,11 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, sd: dict[str, torch.Tensor], p: str):
+    def __init__(self, sd: dict[str, torch.Tensor], p: str, tp: TensorParallel = SOLO):
         super().__init__()
-        names = [p + "gate_proj", p + "up_proj"]
+        names = [p + "gate_proj", p + "up_proj"]  # this rank's slice of each, side by side
         self.gate_up = Linear(torch.cat([sd[n + ".weight"] for n in names]), concat_bias(sd, names))
-        self.down = Linear(sd[p + "down_proj.weight"], sd.get(p + "down_proj.bias"))
+        self.down = RowParallelLinear(sd[p + "down_proj.weight"], sd.get(p + "down_proj.bias"), tp)
 
     def forward(self, x: torch.Tensor, mode: Mode, residual: torch.Tensor) -> torch.Tensor:
         """residual + feed_forward(x), the residual added by the down projection."""
@@ -143,13 +158,13 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], i: int):
+    def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], i: int, tp: TensorParallel = SOLO):
         super().__init__()
         p = f"model.layers.{i}."
         self.attention_norm = RMSNorm(sd[p + "input_layernorm.weight"], cfg.norm_eps)
-        self.attention = Attention(cfg, sd, p + "self_attn.")
+        self.attention = Attention(cfg, sd, p + "self_attn.", tp)
         self.ffn_norm = RMSNorm(sd[p + "post_attention_layernorm.weight"], cfg.norm_eps)
-        self.feed_forward = FeedForward(sd, p + "mlp.")
+        self.feed_forward = FeedForward(sd, p + "mlp.", tp)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, layer: int) -> torch.Tensor:
         x = self.attention(self.attention_norm(x), fb, layer, residual=x)
@@ -214,11 +229,15 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], tp: TensorParallel = SOLO):
+        """`sd`: HF-named weights; under tensor parallelism (`tp`), this rank's shard of them (parallel/shard.py):
+        its heads, FFN slice and vocabulary rows. `cfg` stays the whole model's."""
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self.embed = nn.Parameter(sd["model.embed_tokens.weight"], requires_grad=False)
-        self.layers = nn.ModuleList(Block(cfg, sd, i) for i in range(cfg.n_layers))
+        self.vocab_start = tp.rank * self.embed.shape[0]  # the first token id of this rank's embedding rows
+        self.layers = nn.ModuleList(Block(cfg, sd, i, tp) for i in range(cfg.n_layers))
         self.norm = RMSNorm(sd["model.norm.weight"], cfg.norm_eps)
         head = sd.get("lm_head.weight")
         # Tied embeddings: the head is the embedding tensor itself, not a copy.
@@ -264,9 +283,10 @@ class Transformer(nn.Module):
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache | QuantKVCache:
         c = self.cfg
+        heads = c.n_kv_heads // self.tp.size  # this rank's KV heads
         if self.kv_format == "bf16":
-            return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device)
-        return QuantKVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, self.dtype, self.device,
+            return KVCache(c.n_layers, batch, heads, max_len, c.head_dim, self.dtype, self.device)
+        return QuantKVCache(c.n_layers, batch, heads, max_len, c.head_dim, self.dtype, self.device,
                             self.kv_format, self.kv_group)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode,
@@ -280,14 +300,14 @@ class Transformer(nn.Module):
         if logits_at is None:
             return self.logits(hidden, mode)
         if not len(logits_at):  # nothing asked (a prefill chunk that completes no prompt): no head pass
-            return hidden.new_empty(0, self.lm_head.weight.shape[0], dtype=torch.float32)
+            return hidden.new_empty(0, self.lm_head.weight.shape[0] * self.tp.size, dtype=torch.float32)
         return self.logits(hidden.reshape(-1, hidden.shape[-1])[logits_at], mode)
 
     def hidden(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode,
                packed: Packed | None = None) -> torch.Tensor:
         """The final-norm hidden states [B, T, dim]; writes the KV of every position into `cache` (at the layers
         the mode does not skip)."""
-        x = self.embed[tokens]
+        x = self.embed_tokens(tokens)
         pos = pos.expand(tokens.shape)
         # A packed token's slot depends on its row's block table: found in the rows' layout.
         slots = cache.slots(pos) if packed is None else packed.unpad(cache.slots(packed.pad(pos)))
@@ -298,8 +318,20 @@ class Transformer(nn.Module):
                 x = layer(x, fb, i)
         return self.norm(x)
 
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings [B, T, dim]. Split by vocabulary: each rank looks up the tokens in its rows (zeros
+        for the others') and the all-reduce adds one embedding to zeros, which is exact."""
+        if self.tp.size == 1:
+            return self.embed[tokens]
+        local = tokens - self.vocab_start
+        mine = (local >= 0) & (local < self.embed.shape[0])
+        x = self.embed[local.clamp(0, self.embed.shape[0] - 1)]
+        return self.tp.all_reduce(torch.where(mine[..., None], x, torch.zeros_like(x)))
+
     def logits(self, hidden: torch.Tensor, mode: Mode) -> torch.Tensor:
-        return linear(hidden, self.lm_head, self.head_mode(mode), None).float()
+        """Float32 logits over the whole vocabulary: under tensor parallelism each rank's vocabulary slice, gathered
+        in rank order, so every rank picks the same token."""
+        return self.tp.gather_last(linear(hidden, self.lm_head, self.head_mode(mode), None).float())
 
     def head_mode(self, mode: Mode) -> Mode:
         """The head stays dense: it runs in the model's own precision unless the mode is a dense one."""

@@ -1,6 +1,9 @@
 """Decode step costs under CUDA graphs: AR tokens/s per mode and batch, and draft / verify step times.
 
-python -m selfspec.bench.steps [--shape llama-3-8b] [--context 1024] [--batch 1 8 16 32]
+python -m selfspec.bench.steps [--shape llama-3-8b] [--context 1024] [--batch 1 8 16 32] [--tensor-parallel N]
+
+With --tensor-parallel N, the same measurements on N GPUs (one process each, NCCL), rank 0's timings reported;
+tensor-parallel passes run eagerly for now (engine/graphs.py).
 """
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ import json
 import torch
 
 from selfspec.bench.device import time_ms
+from selfspec.bench.shapes import SHAPES
 from selfspec.bench.synthetic import synthetic_model
 from selfspec.engine.graphs import GraphedModel
+from selfspec.parallel import SOLO, TensorParallel, check_tensor_parallel
 from selfspec.quant.modes import MODES
 
 # Each stored format and the modes measured from it.
@@ -62,17 +67,21 @@ def weight_bytes_read(model, mode_name: str) -> int:
     return model.lm_head.nbytes() + sum(lin.weight.nbytes_read(mode) for lin in model.linears())
 
 
-def measure(shape: str, batches: list[int], context: int, verify_tokens: list[int]) -> list[dict]:
+def measure(shape: str, batches: list[int], context: int, verify_tokens: list[int],
+            tp: TensorParallel = SOLO) -> list[dict]:
+    """Every row on this process's GPU; under tensor parallelism (`tp`), of this rank's shard (every rank runs the
+    same passes: they meet in each pass's collectives)."""
     rows = []
+    log = print if tp.rank == 0 else lambda *a, **k: None
     for storage, modes in STORAGE_MODES.items():
-        model = synthetic_model(shape, storage)
+        model = synthetic_model(shape, storage, tp=tp)
         gm = GraphedModel(model, max_len=context + 64)
         for mode in modes:
             for b in batches:
                 ms = ar_ms_per_step(gm, mode, b, context)
                 rows.append({"kind": "ar", "storage": storage, "mode": mode, "batch": b, "tokens": 1, "ms": ms,
                              "tokens_per_s": b * 1000 / ms, "weight_bytes": weight_bytes_read(model, mode)})
-                print(f"{storage:7s} {mode:6s} B={b:3d} AR {ms:7.3f} ms/step  {b * 1000 / ms:8.1f} tok/s", flush=True)
+                log(f"{storage:7s} {mode:6s} B={b:3d} AR {ms:7.3f} ms/step  {b * 1000 / ms:8.1f} tok/s", flush=True)
             for b in batches[:1] + batches[-1:]:
                 for t in verify_tokens:
                     rows.append({"kind": "pass", "storage": storage, "mode": mode, "batch": b, "tokens": t,
@@ -89,14 +98,28 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16, 32])
     ap.add_argument("--verify-tokens", type=int, nargs="+", default=[1, 2, 3, 5, 9])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="split the model across N GPUs")
     args = ap.parse_args(argv)
-    rows = measure(args.shape, args.batch, args.context, args.verify_tokens)
+    n = args.tensor_parallel
+    measured = (args.shape, args.batch, args.context, args.verify_tokens)
+    if n == 1:
+        rows = measure(*measured)
+    else:
+        from selfspec.parallel.launch import run_ranks
+
+        check_tensor_parallel(SHAPES[args.shape], n, 128)
+        rows = run_ranks(measure_rank, n, *measured, device="cuda")[0]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shape": args.shape, "synthetic": True,
-                       "context": args.context, "rows": rows}, f, indent=1)
-    print(f"\n{torch.cuda.get_device_name()}, {args.shape} (synthetic weights), context {args.context}, CUDA graphs")
+                       "context": args.context, "tensor_parallel": n, "rows": rows}, f, indent=1)
+    how = "CUDA graphs" if n == 1 else f"tensor parallel {n}, eager"
+    print(f"\n{torch.cuda.get_device_name()}, {args.shape} (synthetic weights), context {args.context}, {how}")
     print(verify_table(rows))
+
+
+def measure_rank(tp: TensorParallel, *measured) -> list[dict]:
+    return measure(*measured, tp=tp)
 
 
 def verify_table(rows: list[dict]) -> str:

@@ -5,6 +5,7 @@ import torch
 
 from selfspec.bench.shapes import SHAPES
 from selfspec.model import Transformer
+from selfspec.parallel import SOLO, TensorParallel, shard_state_dict
 
 
 def synthetic_state_dict(shape: str, device: str = "cuda", seed: int = 0) -> dict[str, torch.Tensor]:
@@ -33,9 +34,10 @@ def synthetic_state_dict(shape: str, device: str = "cuda", seed: int = 0) -> dic
 
 
 def synthetic_model(shape: str, storage: str, group_size: int = 128, device: str = "cuda", seed: int = 0,
-                    rotate: bool = False) -> Transformer:
+                    rotate: bool = False, tp: TensorParallel = SOLO) -> Transformer:
     """A Transformer of a named shape with synthetic weights, stored in `storage` (dense: bf16), Hadamard-rotated
-    with `rotate` (as a recipe asks)."""
-    model = Transformer(SHAPES[shape], synthetic_state_dict(shape, device, seed))
+    with `rotate` (as a recipe asks); under tensor parallelism (`tp`), this rank's shard of it."""
+    sd = shard_state_dict(synthetic_state_dict(shape, device, seed), tp.rank, tp.size)
+    model = Transformer(SHAPES[shape], sd, tp)
     model.quantize(storage, group_size, rotate)
     return model.to(device)

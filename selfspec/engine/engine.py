@@ -23,9 +23,13 @@ buckets (engine/graphs.py `PagedGraphedModel`); prefill runs eagerly.
 A recipe with a quantized KV cache (int8, hier) keeps the quantized groups in the pool's blocks and each running
 sequence's recent tokens in a full-precision buffer of its own (cache/paged_quant.py); it runs eagerly, and a pass
 writes at most a KV group of tokens per sequence (prefill chunks are cut to it, and gamma stays below it).
+Under tensor parallelism (docs/parallel.md) every rank holds an Engine over its shard; rank 0 takes the requests and
+each step broadcasts its inbox (and the policy's gamma, which reads rank 0's clock), so every rank plans and runs the
+same step: the rest of the scheduling is a function of that and of the gathered logits, the same on every rank.
 """
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import deque
@@ -47,7 +51,7 @@ from selfspec.speculative.decode import (GreedyAcceptance, Row, RoundTiming, mak
 from selfspec.speculative.draft_model import DraftModel
 from selfspec.speculative.drafters import TokenHistory, TreeDrafter
 from selfspec.speculative.policy import GammaPolicy
-from selfspec.speculative.sampling import SamplingParams
+from selfspec.speculative.sampling import SEED_RANGE, SamplingParams
 from selfspec.speculative.verify import accept_greedy
 
 DEFAULT_TOKENS_PER_SEQ = 1024  # default pool: max_batch sequences of this many tokens
@@ -204,6 +208,8 @@ class Engine:
             block_size = -(-block_size // llm.recipe.kv_group) * llm.recipe.kv_group  # whole groups a block
         self.llm = llm
         self.tree = tree
+        self.tp = llm.model.tp
+        self.stopped = False  # a tensor-parallel follower rank whose rank 0 closed its engine
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
@@ -211,15 +217,18 @@ class Engine:
         self.max_len = cfg.max_seq_len
         if num_blocks is None:
             num_blocks = max_batch * -(-min(cfg.max_seq_len, DEFAULT_TOKENS_PER_SEQ) // block_size)
-        shape = (cfg.n_layers, num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim, llm.model.dtype, llm.model.device)
+        # Under tensor parallelism this rank's KV heads only.
+        shape = (cfg.n_layers, num_blocks, cfg.n_kv_heads // self.tp.size, block_size, cfg.head_dim, llm.model.dtype,
+                 llm.model.device)
         self.cache = (PagedQuantKVCache(*shape, llm.recipe.kv, llm.recipe.kv_group, max_batch) if quant_kv
                       else PagedKVCache(*shape))
         if isinstance(llm.drafter, DraftModel):  # its pool mirrors this one's blocks: allocated up front too
             llm.drafter.store_for(self.cache)
         self.policy = policy or GammaPolicy(max_gamma if llm.drafter is not None else 0)
         self.accept = accept
-        # A quantized KV cache moves each sequence's buffer on the host between passes: it runs eagerly (as llm.py).
-        on_gpu = llm.model.device.type == "cuda" and not quant_kv
+        # A quantized KV cache moves each sequence's buffer on the host between passes: it runs eagerly (as
+        # llm.py); under tensor parallelism no graphs (engine/graphs.py), so no warm-up pass only rank 0 would run.
+        on_gpu = llm.model.device.type == "cuda" and not quant_kv and self.tp.size == 1
         self.runner = PagedGraphedModel(llm.model, self.cache, self.max_len) if on_gpu else llm.model
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission (FCFS: arrival) order; the newest is preempted first
@@ -245,6 +254,8 @@ class Engine:
             gamma = min(gamma, self.policy.max_gamma)  # graphs and the policy's timings stop at max_gamma
         ids = self.llm.encode(prompt, chat)
         params = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_len - len(ids)))
+        if self.tp.size > 1 and not params.greedy and params.seed is None:  # every rank draws the same samples
+            params = replace(params, seed=random.randint(*SEED_RANGE))
         drafts = 0 if self.llm.drafter is None else self.policy.max_gamma if gamma is None else gamma
         branches = branch_blocks(self.tree, self.cache.block_size, drafts)  # a tree's worst case, during a round
         blocks = self.cache.blocks_for(min(self.max_len, len(ids) + params.max_new_tokens + drafts)) + branches
@@ -253,8 +264,7 @@ class Engine:
             raise SelfspecError(f"the request needs up to {blocks} KV blocks (prompt {len(ids)} + max_new_tokens "
                                 f"{params.max_new_tokens} + {drafts} drafts{tree}); the pool has "
                                 f"{self.cache.num_blocks}")
-        seq = Sequence(request_id, ids, params, gamma, make_generator(params, self.llm.model.device),
-                       time.perf_counter(), Generation("", [], "length", GenerationStats(prompt_tokens=len(ids))))
+        seq = self._sequence(request_id, ids, params, gamma)
         with self._lock:
             if request_id in self._live:
                 raise SelfspecError(f"request id '{request_id}' is already in use")
@@ -263,6 +273,10 @@ class Engine:
             self._live.add(request_id)
             self._queued += 1
             self._inbox.append(("add", seq))
+
+    def _sequence(self, request_id: str, ids: list[int], params: SamplingParams, gamma: int | None) -> Sequence:
+        return Sequence(request_id, ids, params, gamma, make_generator(params, self.llm.model.device),
+                        time.perf_counter(), Generation("", [], "length", GenerationStats(prompt_tokens=len(ids))))
 
     def abort(self, request_id: str) -> None:
         """Finish the request with reason "abort" and free its blocks at the next step; unknown ids are fine."""
@@ -312,14 +326,46 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: plan (blocks, preemptions, admissions), one prefill chunk, one batched round per k."""
         outputs: list[RequestOutput] = []
-        self._drain(outputs)
+        inbox = self._take_inbox()
+        if inbox is None:
+            self.stopped = True
+            return outputs
+        self._drain(inbox, outputs)
         self._execute(self._schedule(), outputs)
         self.steps += 1
         return outputs
 
-    def _drain(self, outputs: list[RequestOutput]) -> None:
+    def close(self) -> None:
+        """Under tensor parallelism, on rank 0: end the other ranks' engines (their step loops); else nothing."""
+        if self.tp.size > 1 and self.tp.rank == 0:
+            self.tp.broadcast(None)
+
+    def _take_inbox(self) -> list[tuple[str, object]] | None:
+        """The requests and aborts this step applies: rank 0's, broadcast to every rank under tensor parallelism
+        (None: rank 0 closed its engine)."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
+        if self.tp.size == 1:
+            return inbox
+        if self.tp.rank == 0:
+            self.tp.broadcast([(k, (s.id, s.prompt, s.params, s.gamma) if k == "add" else s) for k, s in inbox])
+            return inbox
+        shared = self.tp.broadcast()
+        if shared is None:
+            return None
+        inbox = [(k, self._sequence(*item) if k == "add" else item) for k, item in shared]
+        with self._lock:
+            self._queued += sum(k == "add" for k, _ in inbox)
+            self._live.update(item.id for k, item in inbox if k == "add")
+        return inbox
+
+    def _choose(self, rows: int) -> int:
+        """The policy's drafts per row: rank 0's under tensor parallelism (its timings), broadcast."""
+        if self.tp.size == 1:
+            return self.policy.choose(rows)
+        return self.tp.broadcast(self.policy.choose(rows) if self.tp.rank == 0 else None)
+
+    def _drain(self, inbox: list[tuple[str, object]], outputs: list[RequestOutput]) -> None:
         for kind, item in inbox:
             if kind == "add":
                 item.queued_step = self.steps
@@ -339,7 +385,7 @@ class Engine:
                 budget -= chunks[s.id]
         auto = sum(s.gamma is None for s in self.running
                    if s.row is not None or s.prefilled + chunks.get(s.id, 0) == s.context_len)
-        k_auto = self.policy.choose(auto) if auto else 0
+        k_auto = self._choose(auto) if auto else 0
         plan, spare, preempted = StepPlan([], {}, {}), len(self.cache.free_blocks), False
         queue = deque(self.running)
         while queue:

@@ -79,8 +79,11 @@ class _Graphed:
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode,
                  logits_at: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
-        if logits_at is not None or packed is not None or mode.prompt or tokens.shape[1] > MAX_GRAPHED_TOKENS:
-            return self.model(tokens, pos, cache, mode, logits_at, packed)  # a prefill: eager
+        # A prefill runs eagerly; so does a tensor-parallel pass until capturing its collectives is proven on GPUs.
+        eager = (logits_at is not None or packed is not None or mode.prompt or tokens.shape[1] > MAX_GRAPHED_TOKENS
+                 or self.model.tp.size > 1)
+        if eager:
+            return self.model(tokens, pos, cache, mode, logits_at, packed)
         static, rows = self._static(cache, tokens.shape[0])
         key = (id(static), mode, rows, tokens.shape[1])  # the mode itself: its skipped layers too
         graph = self._graphs.get(key)

@@ -4,14 +4,16 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
+from selfspec.config import ModelConfig
 from selfspec.engine.graphs import GraphedModel
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
+from selfspec.parallel import SOLO, TensorParallel, shard_state_dict
 from selfspec.quant.kv import check_kv_format
 from selfspec.quant.modes import get_mode
 from selfspec.quant.smooth import activation_maxima, calibration_tokens, smooth_
@@ -97,6 +99,10 @@ class LLM:
         for _, _, out in self.stream(prompt, params, chat, gamma):
             pass
         return out
+
+    def close(self) -> None:
+        """Release what the LLM holds beyond memory: nothing here (a tensor-parallel LLM ends its worker
+        processes)."""
 
     def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Refuse, with the numbers, a request that would run past the context window (the server does too)."""
@@ -213,12 +219,15 @@ def cpu_threads() -> int | None:
 
 
 def build_model(cfg, state_dict, storage: str, group_size: int = 128, rotate: bool = False,
-                device: str = "cpu", smooth: float | None = None, tokenizer=None) -> Transformer:
+                device: str = "cpu", smooth: float | None = None, tokenizer=None,
+                tp: TensorParallel = SOLO) -> Transformer:
     """The model in its stored format; with `smooth`, SmoothQuant-ed first (migration strength alpha, activation
-    maxima calibrated through `tokenizer`'s text: quant/smooth.py)."""
+    maxima calibrated through `tokenizer`'s text: quant/smooth.py). Under tensor parallelism (`tp`), this rank's
+    shard of it, sharded before quantizing (parallel/shard.py)."""
+    state_dict = shard_state_dict(state_dict, tp.rank, tp.size)
     if torch.device(device).type == "cuda":  # the GPU kernels run bf16 activations (quant scales stay fp32)
         state_dict = {name: t.bfloat16() if t.is_floating_point() else t for name, t in state_dict.items()}
-    model = Transformer(cfg, state_dict)
+    model = Transformer(cfg, state_dict, tp)
     state_dict.clear()  # the float weights are now owned by the model (or freed once quantized)
     if smooth is not None:  # calibrated where it will run: that device's kernels and precision
         model.to(device)
@@ -229,9 +238,9 @@ def build_model(cfg, state_dict, storage: str, group_size: int = 128, rotate: bo
 
 def build(cfg, state_dict, tokenizer, recipe: Recipe, group_size: int = 128, gamma: int = 4,
           device: str = "cpu", description: str = "", fixed_gamma: bool = False,
-          drafter: DraftModel | None = None) -> LLM:
+          drafter: DraftModel | None = None, tp: TensorParallel = SOLO) -> LLM:
     model = build_model(cfg, state_dict, recipe.storage, group_size, recipe.rotate, device, recipe.smooth_alpha,
-                        tokenizer)
+                        tokenizer, tp)
     return LLM(model, tokenizer, recipe, gamma, description, fixed_gamma, drafter)
 
 
@@ -248,11 +257,29 @@ def build_draft_model(cfg, tokenizer, name: str, draft: tuple, recipe: Recipe, g
 
 def load(model: str | None = None, recipe: str | None = None, draft: str | None = None, verify: str | None = None,
          gamma: int = 4, group_size: int = 128, device: str = "cpu", fixed_gamma: bool = False,
-         draft_model: str | None = None, kv: str | None = None, kv_group: int | None = None) -> LLM:
+         draft_model: str | None = None, kv: str | None = None, kv_group: int | None = None,
+         tensor_parallel: int = 1) -> LLM:
     """Load a named model, HF directory or .gguf file under a recipe (default: `planes`). `gamma` caps the drafted
     tokens per round, each round's picked by a measured-cost policy; with `fixed_gamma`, every round drafts gamma.
     Recipe draft-model drafts with `draft_model` (a name or path, same tokenizer), in mode `draft`. `kv`, `kv_group`:
-    the KV cache format and its group, in place of the recipe's (quant/kv.py)."""
+    the KV cache format and its group, in place of the recipe's (quant/kv.py). `tensor_parallel` N > 1: the model
+    split across N processes (one GPU each on CUDA), this one rank 0 (parallel/launch.py); close() ends them."""
+    args = dict(model=model, recipe=recipe, draft=draft, verify=verify, gamma=gamma, group_size=group_size,
+                device=device, fixed_gamma=fixed_gamma, draft_model=draft_model, kv=kv, kv_group=kv_group)
+    if tensor_parallel == 1:
+        return load_rank(**args)
+    from selfspec.parallel.launch import start
+
+    return start(tensor_parallel, args)
+
+
+def load_rank(model: str | None = None, recipe: str | None = None, draft: str | None = None,
+              verify: str | None = None, gamma: int = 4, group_size: int = 128, device: str = "cpu",
+              fixed_gamma: bool = False, draft_model: str | None = None, kv: str | None = None,
+              kv_group: int | None = None, join: Callable[[ModelConfig, Recipe], TensorParallel] | None = None) -> LLM:
+    """`load` in one process: the whole model, or with `join` one tensor-parallel rank's shard. `join(cfg, recipe)`
+    runs once both are known, before anything is built: it refuses what tensor parallelism cannot split, then joins
+    the group (parallel/launch.py)."""
     from selfspec.loading import DEFAULT_MODEL, resolve
     from selfspec.speculative.layer_skip import calibrated_recipe
 
@@ -274,4 +301,5 @@ def load(model: str | None = None, recipe: str | None = None, draft: str | None 
                                     device)
         # The draft model drafts only inside its own context window.
         cfg = replace(cfg, max_seq_len=min(cfg.max_seq_len, drafter.model.cfg.max_seq_len))
-    return build(cfg, sd, tok, rec, group_size, gamma, device, desc, fixed_gamma, drafter)
+    tp = SOLO if join is None else join(cfg, rec)
+    return build(cfg, sd, tok, rec, group_size, gamma, device, desc, fixed_gamma, drafter, tp)

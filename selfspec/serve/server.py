@@ -70,6 +70,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise SelfspecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.replicas < 1:
         raise SelfspecError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.tensor_parallel > 1 and (args.replicas > 1 or args.ray_address is not None):
+        raise SelfspecError("--tensor-parallel and --replicas (Ray Serve) do not combine yet; pick one")
     if args.shutdown_timeout < 0:
         raise SelfspecError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
 
@@ -80,10 +82,13 @@ def build_engine(args: argparse.Namespace) -> Engine:
     from selfspec.engine.engine import Engine
 
     llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device,
-                        draft_model=args.draft_model, kv=args.kv, kv_group=args.kv_group)
-    engine = Engine(llm, max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
-                    max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, prefill_wait=args.prefill_wait,
-                    max_gamma=args.gamma)
+                        draft_model=args.draft_model, kv=args.kv, kv_group=args.kv_group,
+                        tensor_parallel=args.tensor_parallel)
+    kwargs = dict(max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
+                  max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, prefill_wait=args.prefill_wait,
+                  max_gamma=args.gamma)
+    # Tensor parallel: rank 0's engine, the other ranks following its steps (parallel/launch.py).
+    engine = llm.serve_engine(**kwargs) if args.tensor_parallel > 1 else Engine(llm, **kwargs)
     engine.warm_up()  # on the GPU: capture every decode pass's CUDA graph before the first request waits on one
     return engine
 
@@ -109,6 +114,7 @@ def serve(args: argparse.Namespace) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=FLUSH_TIMEOUT_S,
                             log_level="info")
     DrainingServer(config, app.state.runner, args.shutdown_timeout).run()
+    llm.close()
     s = engine.stats()
     print(f"selfspec: stopped with {s.kv_blocks_used} KV blocks in use, {s.running} requests running and "
           f"{s.waiting} waiting", flush=True)

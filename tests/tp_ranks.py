@@ -1,0 +1,36 @@
+"""What tests/test_parallel.py runs on each rank: importable by the spawned ranks without the test modules' imports
+(transformers alone takes seconds per process)."""
+import torch
+
+from selfspec.model import Transformer
+from selfspec.parallel import shard_state_dict
+from selfspec.quant.modes import MODES
+
+GROUP = 16  # the tiny models' K (64, 128) split in two stays whole groups of 16
+# (storage, rotate, modes): every stored format, each in the modes that read it (qspec's rotated INT4 included).
+RUNS = [("dense", False, ["fp32"]), ("int8", False, ["w8a16", "w8a8"]), ("int4", True, ["w4a16", "w4a4"]),
+        ("planes", False, ["full", "upper"])]
+
+
+def stored_bytes(model: Transformer) -> int:
+    """Bytes of the sharded tensors: the linears, the head and (untied) the embedding."""
+    head = 0 if model.tied else model.lm_head.nbytes()
+    return sum(lin.weight.nbytes() for lin in model.linears()) + head + model.embed.numel() * model.embed.element_size()
+
+
+def logits_and_bytes(tp, models, tokens):
+    """On one rank, for each (cfg, sd) of `models` and each stored format: its shard's stored bytes, and in each mode
+    the logits of a prompt pass then of a 3-token pass that reads the cached KV."""
+    out = []
+    for cfg, sd in models:
+        res = {}
+        for storage, rotate, modes in RUNS:
+            model = Transformer(cfg, shard_state_dict({k: v.clone() for k, v in sd.items()}, tp.rank, tp.size), tp)
+            model.quantize(storage, GROUP, rotate)
+            for name in modes:
+                cache = model.new_cache(32)
+                first = model(tokens[:, :8], torch.arange(8), cache, MODES[name])
+                res[name] = torch.cat((first, model(tokens[:, 8:], torch.arange(8, 11), cache, MODES[name])), 1)
+            res[storage] = stored_bytes(model)
+        out.append(res)
+    return out
