@@ -55,9 +55,9 @@ def test_format_round_trip(tmp_path):
 
 
 def test_old_traces_load():
-    raw = json.loads((TRACE_DIR / "smollm2-135m.planes.json").read_text())
+    raw = json.loads((TRACE_DIR / "smollm2-135m.qspec.json").read_text())
     assert "version" not in raw
-    t = load(TRACE_DIR / "smollm2-135m.planes.json")
+    t = load(TRACE_DIR / "smollm2-135m.qspec.json")
     g = raw["gamma"]
     for task, acc in raw["tasks"].items():
         assert t.accepted(task) == acc
@@ -117,6 +117,7 @@ def test_tables_smoke_fills_every_table(tiny, tmp_path):
         + [(x, x if x == "hybrid" else "upper", g) for x in recipes[1:] for g in (2, 3)])
     for r in t["1"] + t["2"] + t["3"]:
         assert r["tokens_per_s"] > 0 and r["speedup"] > 0 and 1 <= r["mean_acceptance_length"] <= r["gamma"] + 1
-    assert len(list((tmp_path / "traces").glob("*.json"))) == 3 * (1 + 1 + 1) + 2  # T=0 g3, T=1, g2; ngram ranges
+    # Per recipe: T=0 at gamma 3, T=1, gamma 2; ngram:2-4 (ngram:1-3 is the default ngram's trace).
+    assert len(list((tmp_path / "traces").glob("*.json"))) == 3 * 3 + 1
     md = tables.markdown(result, "tiny")
     assert all(f"## Table {i}" in md for i in (1, 2, 3)) and md.count("| ngram |") == 2 + 2 + 4

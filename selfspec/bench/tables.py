@@ -27,7 +27,7 @@ from selfspec.bench.traces import DEFAULT_GAMMA, TASKS, TRACE_DIR, Trace, load, 
     trace_path
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES, Mode
-from selfspec.speculative.drafters import HYBRID_DRAFT
+from selfspec.speculative.drafters import HYBRID_DRAFT, make_drafter
 from selfspec.speculative.recipes import PRESETS, Recipe, resolve_recipe
 
 TEMPERATURES = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -50,9 +50,9 @@ class Cells:
         self.traces: dict[tuple, Trace] = {}
 
     def trace(self, recipe: str, draft: str | None, temperature: float, gamma: int) -> Trace:
-        key = (recipe, draft, temperature, gamma)
+        default = PRESETS[recipe].draft
+        key = (recipe, make_drafter(draft or default), temperature, gamma)  # ngram:1-3 is the default ngram
         if key not in self.traces:
-            default = PRESETS[recipe].draft
             found = self.trace_dir and trace_path(self.trace_dir, self.name, recipe, draft or default, temperature,
                                                   gamma, default)
             old = load(found) if found and found.is_file() else None
@@ -97,7 +97,8 @@ def run(cells: Cells, target: Target, recipes: list[str], gamma: int, temperatur
         if (PRESETS[recipe].draft or "").startswith("ngram"):
             for r in ngram_ranges:
                 t = cells.trace(recipe, f"ngram:{r}", 0.0, gamma)
-                rows["3"].append(replay_row(target, recipe, t, t.rounds(), gamma, context, new_tokens, ar))
+                row = replay_row(target, recipe, t, t.rounds(), gamma, context, new_tokens, ar)
+                rows["3"].append({**row, "draft": f"ngram:{r}"})  # the default range's trace says "ngram"
         log(f"{recipe}: done")
     return {"ar_bf16_tokens_per_s": ar, "context": context, "replay_tokens": new_tokens, "tables": rows}
 
