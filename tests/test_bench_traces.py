@@ -81,6 +81,13 @@ def test_recording_logs_what_each_round_paid(tiny):
     assert {r.kind for r in sampled} == {"draft"} and sum(r.accepted for r in sampled) >= 0
 
 
+def test_recording_a_draft_model_counts_its_steps_not_its_catch_up():
+    from test_draft_model import make_llm
+
+    rounds = record(make_llm(), random_prompts(2, 4), 3, 6)
+    assert rounds and {(r.kind, r.draft_steps, r.verified) for r in rounds} == {("draft", 3, 4)}
+
+
 def test_replay_pays_recorded_steps_and_verifies_recorded_tokens(tiny):
     """Each replayed round: its draft steps as [1, 1] draft passes, then one verify pass of its recorded shape; a
     lookup round pays no draft step. Accepted counts are the recorded ones."""

@@ -144,7 +144,8 @@ def plot(result: dict, path: Path, title: str) -> Path | None:
     for recipe in recipes:
         pts = [(r["temperature"], r["speedup"]) for r in t["2"] if r["recipe"] == recipe]
         axes[1].plot(*zip(*pts), marker="o", label=recipe)
-        pts = [(r["gamma"], r["speedup"]) for r in t["3"] if r["recipe"] == recipe and r["draft"] == PRESETS[recipe].draft]
+        pts = [(r["gamma"], r["speedup"]) for r in t["3"]
+               if r["recipe"] == recipe and r["draft"] == PRESETS[recipe].draft]
         axes[2].plot(*zip(*pts), marker="o", label=recipe)
     axes[1].set(xlabel="temperature", ylabel="x BF16 AR", title="Table 2: speedup vs temperature")
     axes[2].set(xlabel="gamma", ylabel="x BF16 AR", title="Table 3: speedup vs gamma")

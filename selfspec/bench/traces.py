@@ -254,8 +254,9 @@ class Replay:
         self.current = r
         self.verified += r.verified
         if r.draft_steps and self.mode is None:
-            raise SelfspecError("the trace's rounds pay draft steps, but the recipe replaying it has no draft mode of this model "
-                                "(a draft model's steps cannot be replayed on one model): replay a self-draft or lookup trace")
+            raise SelfspecError("the trace's rounds pay draft steps, but the recipe replaying it has no draft mode "
+                                "(a draft model's steps cannot be replayed on one model): replay a self-draft or "
+                                "lookup trace")
         return r
 
     def history(self, tokens: list[int]) -> TokenHistory | None:
