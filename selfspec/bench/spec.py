@@ -118,7 +118,7 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> 
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| recipe | trace (replayed) | gamma | acceptance | mean acc. length | draft ms | verify ms | AR tok/s "
+    out = ["| recipe | acceptance replayed from | gamma | acceptance | mean acc. length | draft ms | verify ms | AR tok/s "
            "| spec tok/s | predicted | measured/predicted | spec/AR |", "|" + "---|" * 12]
     for r in rows:
         out.append(f"| {r['recipe']} ({r['draft']} -> {r['verify']}) | {r['trace']} | {r['gamma']} "
