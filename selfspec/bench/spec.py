@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -130,22 +131,21 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--tables" in argv:  # its own arguments (and --help)
+        from selfspec.bench import tables
+
+        tables.main([a for a in argv if a != "--tables"], prog=f"{prog or 'python -m selfspec.bench.spec'} --tables")
+        return
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tables", action="store_true", help="Quasar's tables 1-3 (bench/tables.py; --help lists its "
-                                                          "options after --tables)")
+    ap.add_argument("--tables", action="store_true", help="Quasar's tables 1-3 (bench/tables.py): "
+                                                          "`--tables --help` lists their options")
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--trace", type=Path, nargs="+", default=sorted(TRACE_DIR.glob("*.json")))
     ap.add_argument("--gamma", type=int, nargs="+", default=[2, 4, 6])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--json", default=None)
-    args, rest = ap.parse_known_args(argv)
-    if args.tables:
-        from selfspec.bench import tables
-
-        tables.main(rest, prog=f"{prog or 'python -m selfspec.bench.spec'} --tables")
-        return
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SelfspecError("`selfspec bench spec` needs a CUDA GPU to replay on a synthetic shape; "
                             "`selfspec bench spec --tables --device cpu` replays on a real model on the CPU")
