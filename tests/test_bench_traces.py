@@ -41,7 +41,7 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
 def test_format_round_trip(tmp_path):
     rounds = [Round("draft", 4, 4, 1, 5, 2), Round("lookup", 3, 0, 1, 4, 3), Round("tree", 8, 4, 2, 10, 1),
               Round("none", 0, 0, 1, 1, 0)]
-    t = Trace("m", "hybrid", "hybrid", "full", 4, 0.5, 16, "test", {"a": rounds, "b": rounds[::-1]})
+    t = Trace("m", "hybrid", "hybrid", "full", 4, 0.5, 16, 2, "test", {"a": rounds, "b": rounds[::-1]})
     t.save(tmp_path / "t.json")
     back = load(tmp_path / "t.json")
     assert back == t and back.accepted("a") == [2, 3, 1, 0]
@@ -128,3 +128,12 @@ def test_tables_smoke_fills_every_table(tiny, tmp_path):
     assert len(list((tmp_path / "traces").glob("*.json"))) == 3 * 3 + 1
     md = tables.markdown(result, "tiny")
     assert all(f"## Table {i}" in md for i in (1, 2, 3)) and md.count("| ngram |") == 2 + 2 + 4
+    # A second run reads the traces back from the first one's directory and records nothing; other sizes record.
+    def refuse(*_):
+        raise AssertionError("recorded although a matching trace was there")
+
+    again = tables.Cells(refuse, "tiny", prompts, 6, tmp_path / "traces", tmp_path / "again")
+    assert again.trace("ngram", "ngram:1-3", 0.0, 3) == cells.trace("ngram", None, 0.0, 3)
+    assert again.trace("planes", None, 1.0, 3) == cells.trace("planes", None, 1.0, 3)
+    with pytest.raises(AssertionError, match="recorded although"):
+        tables.Cells(refuse, "tiny", prompts, 7, tmp_path / "traces", tmp_path / "again").trace("planes", None, 0, 3)

@@ -51,15 +51,18 @@ class Cells:
 
     def trace(self, recipe: str, draft: str | None, temperature: float, gamma: int) -> Trace:
         default = PRESETS[recipe].draft
-        key = (recipe, make_drafter(draft or default), temperature, gamma)  # ngram:1-3 is the default ngram
+        if draft is None or make_drafter(draft) == make_drafter(default):  # ngram:1-3 is the default ngram
+            draft = default
+        key = (recipe, draft, temperature, gamma)
         if key not in self.traces:
-            found = self.trace_dir and trace_path(self.trace_dir, self.name, recipe, draft or default, temperature,
-                                                  gamma, default)
+            found = self.trace_dir and trace_path(self.trace_dir, self.name, recipe, draft, temperature, gamma,
+                                                  default)
             old = load(found) if found and found.is_file() else None
-            if old and set(self.prompts) <= set(old.tasks) and old.max_new_tokens == self.new_tokens:
+            sizes = (max(map(len, self.prompts.values())), self.new_tokens)
+            if old and set(self.prompts) <= set(old.tasks) and (old.prompts, old.max_new_tokens) == sizes:
                 self.traces[key] = old
             else:
-                llm = self.make_llm(recipe, draft, gamma)
+                llm = self.make_llm(recipe, None if draft == default else draft, gamma)
                 t = record_trace(llm, self.name, self.prompts, gamma, self.new_tokens, temperature, self.log)
                 t.save(trace_path(self.out, self.name, recipe, t.draft, temperature, gamma, default))
                 self.traces[key] = t

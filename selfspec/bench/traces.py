@@ -76,7 +76,8 @@ class Trace:
     verify: str
     gamma: int
     temperature: float = 0.0
-    max_new_tokens: int = 0
+    max_new_tokens: int = 0  # tokens recorded per prompt
+    prompts: int = 0  # prompts per task
     source: str = ""
     tasks: dict[str, list[Round]] = field(default_factory=dict)
 
@@ -109,7 +110,7 @@ def from_json(d: dict) -> Trace:
         raise SelfspecError(f"trace version {version} is not one this selfspec reads (1 or {VERSION}); "
                             "record it again with python -m selfspec.bench.traces")
     head = {k: d[k] for k in ("model", "recipe", "draft", "verify", "gamma")}
-    extra = {k: d[k] for k in ("temperature", "max_new_tokens", "source") if k in d}
+    extra = {k: d[k] for k in ("temperature", "max_new_tokens", "prompts", "source") if k in d}
     if version == 1:
         g = d["gamma"]
         tasks = {task: [Round("draft", g, g, 1, g + 1, n) for n in acc] for task, acc in d["tasks"].items()}
@@ -210,7 +211,7 @@ def task_prompts(tasks: list[str], n: int) -> dict[str, list]:
 def record_trace(llm, name: str, prompts: dict[str, list], gamma: int, max_new_tokens: int,
                  temperature: float = 0.0, log=print) -> Trace:
     trace = Trace(name, llm.recipe.name, llm.recipe.draft, llm.recipe.verify, gamma, temperature, max_new_tokens,
-                  f"recorded by selfspec.bench.traces, {max(map(len, prompts.values()))} prompts per task")
+                  max(map(len, prompts.values())), "recorded by selfspec.bench.traces")
     for task, texts in prompts.items():
         rs = trace.tasks[task] = record(llm, texts, gamma, max_new_tokens, temperature)
         log(f"{trace.label(task)}: {len(rs)} rounds, mean acceptance length "
