@@ -99,8 +99,9 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> 
                 for k in gammas:
                     cut = [x.cut(k) for x in rounds]
                     steps = sum(x.draft_steps for x in cut) / len(cut)
-                    width = sum(x.verified for x in cut) / len(cut)  # mean tokens per verify pass
-                    verify_ms = pass_ms(gm, r.verify, 1, max(1, round(width)), context)
+                    branches = round(sum(x.branches for x in cut) / len(cut))  # the mean verify pass's shape
+                    tokens = round(sum(x.width + 1 for x in cut) / len(cut))
+                    verify_ms = pass_ms(gm, r.verify, branches, tokens, context)
                     predicted = 1000 * expected_tokens(rounds, k) / (steps * draft_ms + verify_ms)
                     measured = replayed_speed(gm, MODES[r.verify], draft_mode(t.draft), rounds, k, context,
                                               256)["tokens_per_s"]
