@@ -96,7 +96,7 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> 
         draft_ms = pass_ms(gm, mode.name, 1, 1, context) if mode else 0.0
         for t in recipe_traces:
             for task, rounds in t.tasks.items():
-                for k in gammas:
+                for k in [g for g in gammas if g <= t.gamma]:  # a round cannot draft past its recording
                     cut = [x.cut(k) for x in rounds]
                     steps = sum(x.draft_steps for x in cut) / len(cut)
                     branches = round(sum(x.branches for x in cut) / len(cut))  # the mean verify pass's shape
