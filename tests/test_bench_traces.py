@@ -115,7 +115,7 @@ def test_tables_smoke_fills_every_table(tiny, tmp_path):
     cells = tables.Cells(tiny, "tiny", prompts, 6, None, tmp_path / "traces", log=lambda *_: None)
     recipes = ["ngram", "hybrid", "planes"]
     result = tables.run(cells, tables.llm_target(tiny, 4), recipes, 3, [0.0, 1.0], [2, 3], ["1-3", "2-4"],
-                        context=8, new_tokens=6, log=lambda *_: None)
+                        context=8, ar_tokens=6, log=lambda *_: None)
     t = result["tables"]
     assert [(r["recipe"], r["task"]) for r in t["1"]] == [(x, task) for x in recipes for task in prompts]
     assert [(r["recipe"], r["temperature"]) for r in t["2"]] == [(x, T) for x in recipes for T in (0.0, 1.0)]
@@ -124,6 +124,8 @@ def test_tables_smoke_fills_every_table(tiny, tmp_path):
         + [(x, x if x == "hybrid" else "upper", g) for x in recipes[1:] for g in (2, 3)])
     for r in t["1"] + t["2"] + t["3"]:
         assert r["tokens_per_s"] > 0 and r["speedup"] > 0 and 1 <= r["mean_acceptance_length"] <= r["gamma"] + 1
+        # A cell replays each of its rounds once: the replay's acceptance is the trace's.
+        assert r["replayed_acceptance_length"] == pytest.approx(r["mean_acceptance_length"])
     # Per recipe: T=0 at gamma 3, T=1, gamma 2; ngram:2-4 (ngram:1-3 is the default ngram's trace).
     assert len(list((tmp_path / "traces").glob("*.json"))) == 3 * 3 + 1
     md = tables.markdown(result, "tiny")

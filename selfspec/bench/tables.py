@@ -11,7 +11,7 @@ selfspec bench spec --tables [--trace-model smollm2-135m] [--recipes ngram hybri
 Traces are read from --trace-dir where one matches (model, recipe, drafter, temperature, gamma), else recorded on
 --trace-model and written to OUT/traces. The target is a synthetic-weight --shape under CUDA graphs (GPU), or with
 --device cpu the trace model itself. The replay decodes greedily whatever the trace's temperature (its acceptance
-is the sampled one; the sampling's own cost is left out). Output: OUT/tables.json, tables.md, tables.png.
+is the sampled one; the sampling's own cost is left out); a cell replays each of its rounds once. Output: OUT/tables.json, tables.md, tables.png.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from selfspec.bench.traces import DEFAULT_GAMMA, TASKS, TRACE_DIR, Trace, load, 
     trace_path
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES, Mode
-from selfspec.speculative.drafters import HYBRID_DRAFT, make_drafter
+from selfspec.speculative.drafters import make_drafter
 from selfspec.speculative.recipes import PRESETS, Recipe, resolve_recipe
 
 TEMPERATURES = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -69,10 +69,12 @@ class Cells:
         return self.traces[key]
 
 
-def replay_row(target: Target, recipe: str, trace: Trace, rounds, gamma: int, context: int, new_tokens: int,
+def replay_row(target: Target, recipe: str, trace: Trace, rounds, gamma: int, context: int,
                ar_tokens_per_s: float) -> dict:
+    """A cell: every round of `rounds` replayed once (the tokens they commit), at gamma."""
     model, mode = target(PRESETS[recipe])
-    speed = replayed_speed(model, MODES[PRESETS[recipe].verify], mode, rounds, gamma, context, new_tokens)
+    tokens = sum(r.cut(gamma).accepted + 1 for r in rounds)
+    speed = replayed_speed(model, MODES[PRESETS[recipe].verify], mode, rounds, gamma, context, tokens)
     return {"recipe": recipe, "draft": trace.draft, "verify": trace.verify, "temperature": trace.temperature,
             "gamma": gamma, "trace": trace.label(), "mean_acceptance_length": expected_tokens(rounds, gamma),
             "replayed_acceptance_length": speed["mean_acceptance_length"], "tokens_per_s": speed["tokens_per_s"],
@@ -81,29 +83,29 @@ def replay_row(target: Target, recipe: str, trace: Trace, rounds, gamma: int, co
 
 
 def run(cells: Cells, target: Target, recipes: list[str], gamma: int, temperatures: list[float], gammas: list[int],
-        ngram_ranges: list[str], context: int, new_tokens: int, log=print) -> dict:
+        ngram_ranges: list[str], context: int, ar_tokens: int, log=print) -> dict:
     """Every table's rows; `target` gives the model each recipe's traces replay on."""
     ar_model, _ = target(AR)
-    ar = decode_speed(ar_model, MODES[AR.verify], None, 0, context, new_tokens)["tokens_per_s"]
+    ar = decode_speed(ar_model, MODES[AR.verify], None, 0, context, ar_tokens)["tokens_per_s"]
     log(f"BF16 AR: {ar:.1f} tok/s")
     rows = {"1": [], "2": [], "3": []}
     for recipe in recipes:
         t = cells.trace(recipe, None, 0.0, gamma)
         for task, rounds in t.tasks.items():
-            rows["1"].append({"task": task, **replay_row(target, recipe, t, rounds, gamma, context, new_tokens, ar)})
+            rows["1"].append({"task": task, **replay_row(target, recipe, t, rounds, gamma, context, ar)})
         for temp in temperatures:
             t = cells.trace(recipe, None, temp, gamma)
-            rows["2"].append(replay_row(target, recipe, t, t.rounds(), gamma, context, new_tokens, ar))
+            rows["2"].append(replay_row(target, recipe, t, t.rounds(), gamma, context, ar))
         for g in gammas:
             t = cells.trace(recipe, None, 0.0, g)
-            rows["3"].append(replay_row(target, recipe, t, t.rounds(), g, context, new_tokens, ar))
+            rows["3"].append(replay_row(target, recipe, t, t.rounds(), g, context, ar))
         if (PRESETS[recipe].draft or "").startswith("ngram"):
             for r in ngram_ranges:
                 t = cells.trace(recipe, f"ngram:{r}", 0.0, gamma)
-                row = replay_row(target, recipe, t, t.rounds(), gamma, context, new_tokens, ar)
+                row = replay_row(target, recipe, t, t.rounds(), gamma, context, ar)
                 rows["3"].append({**row, "draft": f"ngram:{r}"})  # the default range's trace says "ngram"
         log(f"{recipe}: done")
-    return {"ar_bf16_tokens_per_s": ar, "context": context, "replay_tokens": new_tokens, "tables": rows}
+    return {"ar_bf16_tokens_per_s": ar, "context": context, "tables": rows}
 
 
 def markdown(result: dict, title: str) -> str:
@@ -165,8 +167,7 @@ def llm_target(make_llm: MakeLLM, gamma: int) -> Target:
     """Replay on the trace model itself (CPU): the recipe's LLM, its draft steps in its drafter's mode."""
     def target(recipe: Recipe):
         llm = make_llm(recipe.name, None, gamma)
-        mode = llm.draft_mode or (MODES[HYBRID_DRAFT] if recipe.name == "hybrid" else None)
-        return llm.runner, mode
+        return llm.runner, llm.draft_mode or draft_mode(recipe.draft)  # the LLM's: with its skipped layers
     return target
 
 
@@ -215,14 +216,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--device", default="cuda", help="cuda: replay on --shape; cpu: on the trace model itself")
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens before the replayed decode")
-    ap.add_argument("--replay-tokens", type=int, default=256, help="tokens decoded per replayed cell")
+    ap.add_argument("--ar-tokens", type=int, default=256, help="tokens the BF16 AR baseline decodes")
     ap.add_argument("--trace-dir", type=Path, default=TRACE_DIR, help="recorded traces to use where one matches")
     ap.add_argument("--out", type=Path, default=Path("bench-results/tables"))
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (1 prompt x 8 tokens per task, 2 temperatures, "
-                                                         "2 gammas, 2 n-gram ranges, context 32, 8 replayed tokens)")
+                                                         "2 gammas, 2 n-gram ranges, context 32, 8 AR tokens)")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.prompts, args.new_tokens, args.context, args.replay_tokens = 1, 8, 32, 8
+        args.prompts, args.new_tokens, args.context, args.ar_tokens = 1, 8, 32, 8
         args.temperatures, args.gammas, args.ngram_ranges = [0.0, 1.0], [3, 5], ["1-3", "2-4"]
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SelfspecError("replaying on a synthetic shape needs a CUDA GPU; add --device cpu to replay on the "
@@ -235,10 +236,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     cells = Cells(make, args.trace_model, task_prompts(args.tasks, args.prompts), args.new_tokens, args.trace_dir,
                   args.out / "traces")
     cpu = args.device == "cpu"
-    target = llm_target(make, args.gamma) if cpu else synthetic_target(args.shape, args.context + args.replay_tokens
-                                                                         + 2 * max(args.gammas) + 2)
+    g = max([args.gamma, *args.gammas])  # the longest replay: every round of every task once
+    longest = max(args.ar_tokens, len(args.tasks) * args.prompts * (args.new_tokens + g + 1))
+    target = llm_target(make, args.gamma) if cpu else synthetic_target(args.shape, args.context + longest + 2 * g + 2)
     result = run(cells, target, args.recipes, args.gamma, args.temperatures, args.gammas, args.ngram_ranges,
-                 args.context, args.replay_tokens)
+                 args.context, args.ar_tokens)
     where = (f"{args.trace_model} on the CPU" if cpu else
              f"{torch.cuda.get_device_name()}, {args.shape} (synthetic weights), CUDA graphs")
     title = f"{where}; acceptance replayed from {args.trace_model} traces ({', '.join(args.tasks)})"
