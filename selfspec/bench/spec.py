@@ -34,9 +34,10 @@ def expected_tokens(rounds: list[Round], k: int) -> float:
     return 1 + sum(r.cut(k).accepted for r in rounds) / len(rounds)
 
 
-def draft_mode(draft: str | None) -> Mode | None:
-    """The mode a drafter's replayed draft steps run in on a synthetic shape (None for lookup: it pays none)."""
-    modes = draft_modes(draft) if draft else []
+def draft_mode(recipe: str, draft: str | None) -> Mode | None:
+    """The mode a recipe's replayed draft steps run in on one model: None for a lookup (it pays none) and for a
+    draft model (its steps are another model's: not replayable here)."""
+    modes = draft_modes(draft) if draft and recipe != "draft-model" else []
     return MODES[modes[0]] if modes else None
 
 
@@ -92,7 +93,7 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> 
         r = PRESETS[recipe]
         gm = GraphedModel(synthetic_model(shape, r.storage, rotate=r.rotate), max_len=context + 512)
         ar_ms = ar_ms_per_step(gm, r.verify, 1, context)
-        mode = draft_mode(r.draft)
+        mode = draft_mode(recipe, r.draft)
         draft_ms = pass_ms(gm, mode.name, 1, 1, context) if mode else 0.0
         for t in recipe_traces:
             for task, rounds in t.tasks.items():
@@ -103,8 +104,8 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> 
                     tokens = round(sum(x.width + 1 for x in cut) / len(cut))
                     verify_ms = pass_ms(gm, r.verify, branches, tokens, context)
                     predicted = 1000 * expected_tokens(rounds, k) / (steps * draft_ms + verify_ms)
-                    measured = replayed_speed(gm, MODES[r.verify], draft_mode(t.draft), rounds, k, context,
-                                              256)["tokens_per_s"]
+                    measured = replayed_speed(gm, MODES[r.verify], draft_mode(recipe, t.draft), rounds, k,
+                                              context, 256)["tokens_per_s"]
                     row = {"shape": shape, "synthetic": True, "recipe": recipe, "draft": t.draft, "verify": r.verify,
                            "trace": t.label(task), "gamma": k,
                            "acceptance_rate": sum(x.accepted for x in cut) / max(1, sum(x.proposed for x in cut)),

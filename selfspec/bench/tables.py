@@ -167,7 +167,8 @@ def llm_target(make_llm: MakeLLM, gamma: int) -> Target:
     """Replay on the trace model itself (CPU): the recipe's LLM, its draft steps in its drafter's mode."""
     def target(recipe: Recipe):
         llm = make_llm(recipe.name, None, gamma)
-        return llm.runner, llm.draft_mode or draft_mode(recipe.draft)  # the LLM's: with its skipped layers
+        # The LLM's own draft mode (with a layer-skip recipe's skipped layers), else the recipe's (hybrid's upper).
+        return llm.runner, llm.draft_mode or draft_mode(recipe.name, recipe.draft)
     return target
 
 
@@ -184,7 +185,7 @@ def synthetic_target(shape: str, max_len: int) -> Target:
             built.clear()
             torch.cuda.empty_cache()
             built[key] = GraphedModel(synthetic_model(shape, recipe.storage, rotate=recipe.rotate), max_len=max_len)
-        return built[key], draft_mode(recipe.draft)
+        return built[key], draft_mode(recipe.name, recipe.draft)
     return target
 
 

@@ -236,9 +236,9 @@ def trace_path(out: Path, name: str, recipe: str, draft: str | None, temperature
 
 class Replay:
     """Drafter and greedy acceptance in one: round i (cycling through `rounds`, each cut to the k asked) pays its
-    recorded draft steps in `mode` (None: no draft mode, every step is skipped: a lookup recipe), proposes its
-    recorded count, and accepts its recorded count; the verify pass and the next token are the model's own.
-    `steps` counts the draft passes paid, `verified` the tokens verify passes ran."""
+    recorded draft steps in `mode` (None: a round that pays any is refused), proposes its recorded count, and
+    accepts its recorded count; the verify pass and the next token are the model's own. `steps` counts the draft
+    passes paid, `verified` the tokens verify passes ran."""
 
     def __init__(self, rounds: list[Round], mode: Mode | None) -> None:
         if not rounds:
@@ -281,7 +281,7 @@ class Replay:
 
 
 class ChainReplay(Replay):
-    """Replay of chain rounds (self-draft, lookup, draft model) through run_round."""
+    """Replay of chain rounds (self-draft, lookup) through run_round."""
 
     def propose(self, model, cache, rows, pending: torch.Tensor, lengths: torch.Tensor, k: int) -> Proposal:
         r = self.next_round(k)
