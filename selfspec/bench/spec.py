@@ -121,8 +121,8 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> 
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| recipe | acceptance replayed from | gamma | acceptance | mean acc. length | draft ms | verify ms | AR tok/s "
-           "| spec tok/s | predicted | measured/predicted | spec/AR |", "|" + "---|" * 12]
+    out = ["| recipe | acceptance replayed from | gamma | acceptance | mean acc. length | draft ms | verify ms "
+           "| AR tok/s | spec tok/s | predicted | measured/predicted | spec/AR |", "|" + "---|" * 12]
     for r in rows:
         out.append(f"| {r['recipe']} ({r['draft']} -> {r['verify']}) | {r['trace']} | {r['gamma']} "
                    f"| {100 * r['acceptance_rate']:.1f}% | {r['mean_acceptance_length']:.2f} | {r['draft_ms']:.2f} "

@@ -11,7 +11,8 @@ selfspec bench spec --tables [--trace-model smollm2-135m] [--recipes ngram hybri
 Traces are read from --trace-dir where one matches (model, recipe, drafter, temperature, gamma), else recorded on
 --trace-model and written to OUT/traces. The target is a synthetic-weight --shape under CUDA graphs (GPU), or with
 --device cpu the trace model itself. The replay decodes greedily whatever the trace's temperature (its acceptance
-is the sampled one; the sampling's own cost is left out); a cell replays each of its rounds once. Output: OUT/tables.json, tables.md, tables.png.
+is the sampled one; the sampling's own cost is left out); a cell replays each of its rounds once.
+Output: OUT/tables.json, tables.md, tables.png.
 """
 from __future__ import annotations
 
