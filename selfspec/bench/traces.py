@@ -1,8 +1,8 @@
 """Speculation traces: what each round of a recipe did on a real model and task, recorded once and replayed through
 the real decoding loop on any model (e.g. a synthetic 8B shape on the GPU, selfspec/bench/spec.py).
 
-python -m selfspec.bench.traces --model smollm2-135m --recipe ngram --tasks mtbench humaneval gsm8k essay \
-    --prompts 4 --max-new-tokens 64 [--gamma 5] [--temperature 0] [--draft ngram:2-4]
+python -m selfspec.bench.traces --model smollm2-135m --recipe ngram [--tasks mtbench humaneval gsm8k essay]
+    [--prompts 4] [--max-new-tokens 64] [--gamma 5] [--temperature 0] [--draft ngram:2-4]
     -> selfspec/bench/traces/smollm2-135m.ngram.json
 
 A trace (JSON, "version": 2) holds per task one row per round, `FIELDS`:
