@@ -183,7 +183,7 @@ GPU_BENCHES = {
     "trees": ("trees", "accepted drafts per round of chain vs tree drafters on a real model (CPU or GPU)"),
     "resources": ("kernel_resources", "registers, spills and MMA instruction of linear tile configs (sm_90, no GPU)"),
 }
-CPU_BENCHES = ("trace", "lookup", "trees", "resources")
+CPU_BENCHES = ("trace", "lookup", "trees", "resources", "spec")  # spec: --tables --device cpu
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -200,7 +200,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.bench not in CPU_BENCHES and not wants_help and not torch.cuda.is_available():
         why = "this torch build has no CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
         raise SelfspecError(f"`selfspec bench {args.bench}` needs a CUDA GPU ({why}); "
-                            "`selfspec bench serve`, `trace`, `lookup` and `trees` run on the CPU")
+                            "`selfspec bench serve`, `trace`, `lookup`, `trees` and `spec --tables --device cpu` run on the CPU")
     module = importlib.import_module(f"selfspec.bench.{GPU_BENCHES[args.bench][0]}")
     module.main(args.args, prog=f"selfspec bench {args.bench}")
 

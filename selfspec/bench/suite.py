@@ -59,10 +59,10 @@ def plot(step_rows: list[dict], gemm_rows: list[dict], traces: list[dict], out: 
 
     fig3, ax3 = plt.subplots(figsize=(7, 4.5))
     for t in traces:
-        for task, accepted in t["tasks"].items():
-            ks = range(1, t["gamma"] + 1)
-            ax3.plot(ks, [sum(min(n, k) for n in accepted) / (k * len(accepted)) for k in ks], marker="o",
-                     label=f"{t['model']} {t['recipe']} ({t['draft']}->{t['verify']}) {task}")
+        for task, rounds in t.tasks.items():
+            ks = range(1, t.gamma + 1)
+            ax3.plot(ks, [sum(r.cut(k).accepted for r in rounds) / max(1, sum(r.cut(k).proposed for r in rounds))
+                          for k in ks], marker="o", label=f"{t.recipe} ({t.draft}->{t.verify}) {t.label(task)}")
     ax3.set(xlabel="gamma (drafted tokens per round)", ylabel="acceptance rate", ylim=(0, 1), title="acceptance vs gamma (recorded traces)")
     ax3.legend(fontsize=7)
     paths.append(out / "acceptance_vs_gamma.png")

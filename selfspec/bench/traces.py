@@ -1,46 +1,318 @@
-"""Acceptance traces: how many drafts each speculative round accepted, recorded on a real model and task, and
-replayed through the real decoding loop on any model (e.g. synthetic 8B shapes on the GPU).
+"""Speculation traces: what each round of a recipe did on a real model and task, recorded once and replayed through
+the real decoding loop on any model (e.g. a synthetic 8B shape on the GPU, selfspec/bench/spec.py).
 
-python -m selfspec.bench.traces --model smollm2-135m --recipe planes --tasks gsm8k humaneval --prompts 8
-    -> selfspec/bench/traces/smollm2-135m.planes.json
+python -m selfspec.bench.traces --model smollm2-135m --recipe ngram [--tasks mtbench humaneval gsm8k essay]
+    [--prompts 4] [--max-new-tokens 64] [--gamma 5] [--temperature 0] [--draft ngram:2-4]
+    -> selfspec/bench/traces/smollm2-135m.ngram.json
 
-A trace is recorded at gamma G (default 8). Replayed at gamma k <= G, a round accepts min(n, k) where n is
-the recorded count: greedy drafts are deterministic, so the first k drafts of a round are the first k of the
-G drafts the recording made (the rounds themselves then fall at other positions: an approximation, labelled).
+A trace (JSON, "version": 2) holds per task one row per round, `FIELDS`:
+  kind         draft (k draft steps in a draft mode or of a draft model), lookup (n-gram lookup: no draft step),
+               tree (several candidate branches verified in one pass), none (nothing proposed: a plain step)
+  proposed     draft tokens the verify pass checked (a lookup proposes 0..k; a tree: every branch's)
+  draft_steps  forward passes the drafter paid (0 for a lookup)
+  branches     rows of the verify pass (1 for a chain, B for a tree)
+  verified     tokens the verify pass ran: branches x (longest proposal + the pending token)
+  accepted     drafts accepted (the round commits accepted + 1 tokens)
+Recorded at gamma G: replayed at k <= G (Table 3 records each gamma instead), a round is cut to k drafts (greedy
+drafts and lookups are deterministic: the first k of G are what drafting k would propose) and accepts
+min(accepted, k). Version 1 traces (a list of accepted counts per task, self-draft chains) still load.
 """
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
-import selfspec
-from selfspec.eval.runner import encode
-from selfspec.eval.tasks import get_task
+from selfspec.bench.prompts import essay_prompts
+from selfspec.engine.stats import GenerationStats
+from selfspec.errors import SelfspecError
+from selfspec.quant.modes import Mode
+from selfspec.speculative.decode import decode
+from selfspec.speculative.draft_model import DraftModel
+from selfspec.speculative.drafters import Proposal, TokenHistory, TreeDrafter, draft_tokens
+from selfspec.speculative.recipes import PRESETS
 from selfspec.speculative.sampling import SamplingParams
 
 TRACE_DIR = Path(__file__).parent / "traces"
+VERSION = 2
+FIELDS = ("kind", "proposed", "draft_steps", "branches", "verified", "accepted")
+KINDS = ("draft", "lookup", "tree", "none")
+TASKS = ("mtbench", "humaneval", "gsm8k", "essay")  # essay: summarise / answer from a Paul Graham essay
+DEFAULT_GAMMA = 5
 
 
-def record(llm: selfspec.LLM, prompts: list, gamma: int, max_new_tokens: int) -> list[int]:
-    """Accepted drafts per round over all prompts (greedy decoding, the recipe's draft and verify modes)."""
-    accepted = []
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    for prompt in tqdm(prompts, desc=f"trace {llm.recipe.name}", leave=False):
-        ids = encode(llm, prompt)
-        before = 0
-        for _, _, out in llm.stream(ids, params, gamma=gamma):  # one yield per round (after the prefill's)
-            if out.stats.rounds:  # each round's yield: the drafts it accepted
-                accepted.append(out.stats.draft_accepted - before)
-                before = out.stats.draft_accepted
-    return accepted
+@dataclass(frozen=True)
+class Round:
+    kind: str
+    proposed: int
+    draft_steps: int
+    branches: int
+    verified: int
+    accepted: int
+
+    @property
+    def width(self) -> int:
+        """The longest proposal (drafts per verify row)."""
+        return self.verified // self.branches - 1
+
+    def cut(self, k: int) -> Round:
+        """This round drafting at most k tokens (per branch): the first k of its proposal, k of its draft steps."""
+        if self.width <= k and self.draft_steps <= k:
+            return self
+        width = min(self.width, k)
+        return replace(self, proposed=self.proposed * width // self.width, draft_steps=min(self.draft_steps, k),
+                       verified=self.branches * (width + 1), accepted=min(self.accepted, k))
+
+
+@dataclass
+class Trace:
+    model: str
+    recipe: str
+    draft: str | None
+    verify: str
+    gamma: int
+    temperature: float = 0.0
+    max_new_tokens: int = 0  # tokens recorded per prompt
+    prompts: int = 0  # prompts per task
+    source: str = ""
+    tasks: dict[str, list[Round]] = field(default_factory=dict)
+
+    def rounds(self, task: str | None = None) -> list[Round]:
+        """One task's rounds, or every task's in turn."""
+        return self.tasks[task] if task is not None else [r for rs in self.tasks.values() for r in rs]
+
+    def accepted(self, task: str | None = None) -> list[int]:
+        return [r.accepted for r in self.rounds(task)]
+
+    def label(self, task: str | None = None) -> str:
+        t = f"T={self.temperature:g}" if self.temperature else "greedy"
+        return f"{self.model}/{task or '+'.join(self.tasks)} ({self.draft}, {t}, gamma {self.gamma})"
+
+    def to_json(self) -> dict:
+        head = {k: v for k, v in asdict(self).items() if k != "tasks"}
+        return {"version": VERSION, **head, "fields": list(FIELDS),
+                "tasks": {task: [[getattr(r, f) for f in FIELDS] for r in rs] for task, rs in self.tasks.items()}}
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n")
+
+
+def from_json(d: dict) -> Trace:
+    """A trace from its JSON: version 2 (rounds as FIELDS rows), or version 1 (no version: accepted counts of
+    self-draft chains at `gamma`, each round drafting gamma tokens)."""
+    version = d.get("version", 1)
+    if version not in (1, VERSION):
+        raise SelfspecError(f"trace version {version} is not one this selfspec reads (1 or {VERSION}); "
+                            "record it again with python -m selfspec.bench.traces")
+    head = {k: d[k] for k in ("model", "recipe", "draft", "verify", "gamma")}
+    extra = {k: d[k] for k in ("temperature", "max_new_tokens", "prompts", "source") if k in d}
+    if version == 1:
+        g = d["gamma"]
+        tasks = {task: [Round("draft", g, g, 1, g + 1, n) for n in acc] for task, acc in d["tasks"].items()}
+    else:
+        idx = [d["fields"].index(f) for f in FIELDS]
+        tasks = {task: [Round(*(row[i] for i in idx)) for row in rows] for task, rows in d["tasks"].items()}
+    for rs in tasks.values():
+        for r in rs:
+            if r.kind not in KINDS or r.branches < 1 or not 0 <= r.accepted <= r.width:
+                raise SelfspecError(f"malformed trace round {r}: kind one of {KINDS}, branches >= 1, "
+                                    "0 <= accepted <= verified / branches - 1")
+    return Trace(**head, **extra, tasks=tasks)
+
+
+def load(path: Path) -> Trace:
+    with open(path) as f:
+        return from_json(json.load(f))
+
+
+# ---------------------------------------------------------------- recording
+
+
+class PassLog:
+    """A model (eager or graphed) that logs the shape [rows, tokens] of each decode pass (a draft model's packed
+    catch-up of the committed context is not a draft step, and is not logged)."""
+
+    def __init__(self, model, calls: list | None = None) -> None:
+        self.model = model
+        self.calls = [] if calls is None else calls
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode, *args, **kw) -> torch.Tensor:
+        if kw.get("packed") is None:
+            self.calls.append(tuple(tokens.shape))
+        return self.model(tokens, pos, cache, mode, *args, **kw)
+
+
+def round_of(calls: list[tuple[int, int]], accepted: int) -> Round:
+    """A round from the passes it ran (the last one verifies) and the drafts it accepted."""
+    branches, tokens = calls[-1]
+    proposed, steps = branches * (tokens - 1), len(calls) - 1
+    kind = "none" if proposed == 0 else "tree" if branches > 1 else "draft" if steps else "lookup"
+    return Round(kind, proposed, steps, branches, branches * tokens, accepted)
+
+
+def record(llm, prompts: list, gamma: int, max_new_tokens: int, temperature: float = 0.0,
+           seed: int = 0) -> list[Round]:
+    """Every round of the recipe's drafter over the prompts (text, chat messages or token ids), drafting gamma
+    tokens a round (no gamma policy), greedy at temperature 0, else sampled (seeded per prompt)."""
+    log = PassLog(llm.runner)
+    draft = llm.drafter
+    if isinstance(draft, DraftModel):  # its steps run on its own model: log them too
+        draft = DraftModel(PassLog(draft.model, log.calls), draft.mode, draft.name)
+    rounds = []
+    for i, prompt in enumerate(tqdm(prompts, desc=f"trace {llm.recipe.name}", leave=False)):
+        params = SamplingParams(temperature=temperature, seed=seed + i if temperature else None,
+                                max_new_tokens=max_new_tokens, ignore_eos=True)
+        stats, emitted = GenerationStats(), -1  # the prefill's token is not a round's
+        for tokens in decode(log, prompt_ids(llm, prompt), llm.verify_mode, draft, gamma, params, stats):
+            if emitted >= 0:
+                rounds.append(round_of(log.calls, len(tokens) - 1))
+            log.calls.clear()
+            emitted += len(tokens)
+            if emitted >= max_new_tokens:
+                break
+    return rounds
+
+
+def prompt_ids(llm, prompt: str | list) -> list[int]:
+    """Token ids as they are; text and chat messages through the eval's encoding."""
+    if prompt and isinstance(prompt[0], int):
+        return llm.encode(prompt)
+    from selfspec.eval.runner import encode
+
+    return encode(llm, prompt)
+
+
+def task_prompts(tasks: list[str], n: int) -> dict[str, list]:
+    """The first n prompts of each task: GSM8K as the eval builds it (8-shot chat), HumanEval's code prompts,
+    MT-Bench's first turns and the essay prompts (chat)."""
+    from selfspec.bench.serve import read_prompts
+    from selfspec.eval.tasks import get_task
+
+    out = {}
+    for task in tasks:
+        if task not in TASKS:
+            raise SelfspecError(f"unknown trace task '{task}'; choose from: {', '.join(TASKS)}")
+        if task in ("gsm8k", "humaneval"):
+            out[task] = [it.prompt for it in get_task(task).load_items(None, chat=True)[:n]]
+        else:
+            texts = read_prompts(task)[:n] if task == "mtbench" else essay_prompts(n)
+            out[task] = [[{"role": "user", "content": t}] for t in texts]
+    return out
+
+
+def record_trace(llm, name: str, prompts: dict[str, list], gamma: int, max_new_tokens: int,
+                 temperature: float = 0.0, log=print) -> Trace:
+    trace = Trace(name, llm.recipe.name, llm.recipe.draft, llm.recipe.verify, gamma, temperature, max_new_tokens,
+                  max(map(len, prompts.values())), "recorded by selfspec.bench.traces")
+    for task, texts in prompts.items():
+        rs = trace.tasks[task] = record(llm, texts, gamma, max_new_tokens, temperature)
+        log(f"{trace.label(task)}: {len(rs)} rounds, mean acceptance length "
+            f"{1 + sum(r.accepted for r in rs) / len(rs):.2f}, draft steps {sum(r.draft_steps for r in rs)}")
+    return trace
+
+
+def trace_path(out: Path, name: str, recipe: str, draft: str | None, temperature: float, gamma: int,
+               default_draft: str | None) -> Path:
+    """<model>.<recipe>[.<draft>][.t<T>][.g<gamma>].json: the plain name where draft, temperature and gamma are
+    the defaults."""
+    parts = [name, recipe]
+    if draft != default_draft:
+        parts.append(draft.replace(":", "-"))
+    if temperature:
+        parts.append(f"t{temperature:g}")
+    return out / (".".join(parts) + ("" if gamma == DEFAULT_GAMMA else f".g{gamma}") + ".json")
+
+
+# ---------------------------------------------------------------- replay
+
+
+class Replay:
+    """Drafter and greedy acceptance in one: round i (cycling through `rounds`, each cut to the k asked) pays its
+    recorded draft steps in `mode` (None: a round that pays any is refused), proposes its recorded count, and
+    accepts its recorded count; the verify pass and the next token are the model's own. `steps` counts the draft
+    passes paid, `verified` the tokens verify passes ran."""
+
+    def __init__(self, rounds: list[Round], mode: Mode | None) -> None:
+        if not rounds:
+            raise SelfspecError("a trace with no rounds cannot be replayed; record it with more tokens or prompts")
+        self.rounds, self.mode = rounds, mode
+        self.i = 0
+        self.current: Round | None = None
+        self.steps = 0
+        self.verified = 0
+
+    def next_round(self, k: int) -> Round:
+        r = self.rounds[self.i % len(self.rounds)].cut(k)
+        self.i += 1
+        self.current = r
+        self.verified += r.verified
+        if r.draft_steps and self.mode is None:
+            raise SelfspecError("the trace's rounds pay draft steps, but the recipe replaying it has no draft mode "
+                                "(a draft model's steps cannot be replayed on one model): replay a self-draft or "
+                                "lookup trace")
+        return r
+
+    def history(self, tokens: list[int]) -> TokenHistory | None:
+        return None
+
+    def drafts(self, model, cache, row, r: Round) -> list[int]:
+        """r.width tokens per branch: r.draft_steps of them from real draft-mode steps, the rest arbitrary
+        (acceptance is replayed: the tokens' values do not matter)."""
+        dev = model.device
+        steps = []
+        if r.draft_steps:
+            toks, _ = draft_tokens(model, cache, [row], torch.tensor([row.pending], device=dev),
+                                   torch.tensor([[row.length]], device=dev), r.draft_steps, self.mode)
+            steps = toks[0].tolist()
+            self.steps += r.draft_steps
+        return (steps + [row.pending] * r.width)[:r.width]
+
+    def accept(self, drafts: list[int], target: list[int]) -> tuple[int, int]:
+        n = min(self.current.accepted, len(drafts))
+        return n, target[n]
+
+
+class ChainReplay(Replay):
+    """Replay of chain rounds (self-draft, lookup) through run_round."""
+
+    def propose(self, model, cache, rows, pending: torch.Tensor, lengths: torch.Tensor, k: int) -> Proposal:
+        r = self.next_round(k)
+        tokens = self.drafts(model, cache, rows[0], r)
+        return Proposal(torch.tensor([tokens], dtype=torch.long, device=pending.device), [len(tokens)], [None])
+
+
+class TreeReplay(Replay, TreeDrafter):
+    """Replay of a trace with tree rounds through tree_round: a round's branches are verified as rows of one pass
+    (its draft steps run on the first row: at batch 1 a step's extra rows cost little on a GPU)."""
+
+    def __init__(self, rounds: list[Round], mode: Mode | None) -> None:
+        super().__init__(rounds, mode)
+        self.branches = max(r.branches for r in rounds)
+
+    def propose_tree(self, model, cache, row, k: int) -> list[list[int]]:
+        r = self.next_round(k)
+        if r.proposed == 0:
+            return []
+        tokens = self.drafts(model, cache.rows(0, 1), row, r)
+        return [tokens] + [[row.pending] * (r.width - 1) + [b] for b in range(1, r.branches)]
+
+
+def replay(rounds: list[Round], mode: Mode | None) -> ChainReplay | TreeReplay:
+    """The replaying drafter of a trace's rounds: tree rounds need a cache row per branch (tree_round)."""
+    return TreeReplay(rounds, mode) if any(r.branches > 1 for r in rounds) else ChainReplay(rounds, mode)
 
 
 class ReplayAcceptance:
-    """Greedy acceptance whose decisions come from a trace: round i accepts min(trace[i], k) drafts; the
-    next token is the verify pass's own argmax there. Cycles through the trace."""
+    """Greedy acceptance of the serving engine's rounds from accepted counts: round i accepts min(trace[i], k)
+    drafts; the next token is the verify pass's own argmax there. Cycles through the trace."""
 
     def __init__(self, accepted: list[int]) -> None:
         self.accepted = accepted
@@ -52,23 +324,18 @@ class ReplayAcceptance:
         return n, target[n]
 
 
-def task_prompts(tasks: list[str], n: int) -> dict[str, list]:
-    """The first n prompts of each task, as the eval builds them (chat messages for GSM8K)."""
-    return {task: [it.prompt for it in get_task(task).load_items(None, chat=True)[:n]] for task in tasks}
-
-
-def load(path: Path) -> dict:
-    with open(path) as f:
-        return json.load(f)
-
-
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    import selfspec
+
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--recipe", default="planes")
-    ap.add_argument("--tasks", nargs="+", default=["gsm8k", "humaneval"])
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per task (the first ones)")
-    ap.add_argument("--gamma", type=int, default=8)
+    ap.add_argument("--draft", default=None, help="the recipe's drafter overridden (e.g. ngram:2-4)")
+    ap.add_argument("--draft-model", default=None, help="recipe draft-model: the model that drafts")
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per task (the first ones)")
+    ap.add_argument("--gamma", type=int, default=DEFAULT_GAMMA)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled at this temperature")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--name", default=None, help="the model's name in the trace (default: --model)")
@@ -77,20 +344,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--out", type=Path, default=TRACE_DIR)
     args = ap.parse_args(argv)
     name = args.name or args.model
-    llm = selfspec.load(args.model, args.recipe, gamma=args.gamma, device=args.device)
-    trace = {"model": name, "recipe": args.recipe, "draft": llm.recipe.draft, "verify": llm.recipe.verify,
-             "gamma": args.gamma, "max_new_tokens": args.max_new_tokens, "tasks": {}}
-    prompts = task_prompts(args.tasks, args.prompts) if args.prompts_file is None else load(args.prompts_file)
-    for task, texts in prompts.items():
-        trace["tasks"][task] = record(llm, texts[: args.prompts], args.gamma, args.max_new_tokens)
-        acc = trace["tasks"][task]
-        print(f"{task}: {len(acc)} rounds, mean accepted {sum(acc) / len(acc):.2f} of {args.gamma}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{name}.{args.recipe}.json"
-    with open(path, "w") as f:
-        json.dump(trace, f)
+    llm = selfspec.load(args.model, args.recipe, draft=args.draft, gamma=args.gamma, device=args.device,
+                        draft_model=args.draft_model)
+    if args.prompts_file is None:
+        prompts = task_prompts(args.tasks, args.prompts)
+    else:
+        prompts = {t: ps[: args.prompts] for t, ps in json.loads(args.prompts_file.read_text()).items()}
+    trace = record_trace(llm, name, prompts, args.gamma, args.max_new_tokens, args.temperature)
+    path = trace_path(args.out, name, args.recipe, llm.recipe.draft, args.temperature, args.gamma,
+                      PRESETS[args.recipe].draft)
+    trace.save(path)
     print(f"wrote {path}")
 
 
 if __name__ == "__main__":
+    torch.set_grad_enabled(False)
     main()

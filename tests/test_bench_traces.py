@@ -1,0 +1,141 @@
+"""Speculation traces (selfspec/bench/traces.py) and their replay (bench/spec.py, bench/tables.py): the format round
+trips and old traces load; recording logs what each round paid; a replayed round pays exactly its recorded draft
+steps and verifies its recorded token count (checked through the passes the model ran); the tables' smoke run on a
+tiny model fills every table."""
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from selfspec.bench import tables
+from selfspec.bench.spec import decode_speed
+from selfspec.bench.traces import TRACE_DIR, PassLog, Round, Trace, from_json, load, record, replay
+from selfspec.engine.llm import build
+from selfspec.errors import SelfspecError
+from selfspec.quant.modes import MODES
+from selfspec.speculative.recipes import resolve_recipe
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GROUP = 32
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg, sd, _ = tiny_model("llama", seed=3, eos_token_id=None)
+
+    def make(recipe: str, draft: str | None = None, gamma: int = 4):
+        r = resolve_recipe(recipe, draft, "bf16" if recipe == "ar" else None)
+        return build(cfg, {k: v.clone() for k, v in sd.items()}, None, r, group_size=GROUP)
+    return tables.cached(make)
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    """Token-id prompts that repeat a random phrase, so that lookups match, and others that need not."""
+    g = torch.Generator().manual_seed(seed)
+    phrases = [torch.randint(3, 200, (int(m),), generator=g).tolist() for m in torch.randint(3, 7, (n,), generator=g)]
+    return [p * 3 if i % 2 == 0 else p for i, p in enumerate(phrases)]
+
+
+def test_format_round_trip(tmp_path):
+    rounds = [Round("draft", 4, 4, 1, 5, 2), Round("lookup", 3, 0, 1, 4, 3), Round("tree", 8, 4, 2, 10, 1),
+              Round("none", 0, 0, 1, 1, 0)]
+    t = Trace("m", "hybrid", "hybrid", "full", 4, 0.5, 16, 2, "test", {"a": rounds, "b": rounds[::-1]})
+    t.save(tmp_path / "t.json")
+    back = load(tmp_path / "t.json")
+    assert back == t and back.accepted("a") == [2, 3, 1, 0]
+    d = json.loads((tmp_path / "t.json").read_text())
+    assert d["version"] == 2 and d["fields"][0] == "kind"
+    d["tasks"]["a"][0][-1] = 9  # accepted past the proposal
+    with pytest.raises(SelfspecError, match="malformed trace round"):
+        from_json(d)
+    with pytest.raises(SelfspecError, match="trace version 7"):
+        from_json({**d, "version": 7})
+
+
+def test_old_traces_load():
+    raw = json.loads((TRACE_DIR / "smollm2-135m.qspec.json").read_text())
+    assert "version" not in raw
+    t = load(TRACE_DIR / "smollm2-135m.qspec.json")
+    g = raw["gamma"]
+    for task, acc in raw["tasks"].items():
+        assert t.accepted(task) == acc
+        assert {(r.kind, r.draft_steps, r.verified) for r in t.tasks[task]} == {("draft", g, g + 1)}
+    cut = Round("draft", 8, 8, 1, 9, 6).cut(3)
+    assert cut == Round("draft", 3, 3, 1, 4, 3)
+
+
+def test_recording_logs_what_each_round_paid(tiny):
+    prompts = random_prompts(4, 0)
+    planes = record(tiny("planes"), prompts, 3, 8)
+    assert planes and {(r.kind, r.draft_steps, r.branches, r.verified) for r in planes} == {("draft", 3, 1, 4)}
+    ngram = record(tiny("ngram"), prompts, 3, 8)
+    assert {r.kind for r in ngram} <= {"lookup", "none"} and "lookup" in {r.kind for r in ngram}
+    assert all(r.draft_steps == 0 and r.verified == r.proposed + 1 for r in ngram)
+    hybrid = record(tiny("hybrid"), prompts, 3, 8)
+    assert all(r.draft_steps == 3 and r.verified == r.branches * 4 for r in hybrid)
+    assert any(r.kind == "tree" for r in hybrid)
+    # Sampled recordings differ from greedy ones but hold the same kinds of rounds.
+    sampled = record(tiny("planes"), prompts, 3, 8, temperature=1.0)
+    assert {r.kind for r in sampled} == {"draft"} and sum(r.accepted for r in sampled) >= 0
+
+
+def test_recording_a_draft_model_counts_its_steps_not_its_catch_up():
+    from test_draft_model import make_llm
+
+    rounds = record(make_llm(), random_prompts(2, 4), 3, 6)
+    assert rounds and {(r.kind, r.draft_steps, r.verified) for r in rounds} == {("draft", 3, 4)}
+
+
+def test_replay_pays_recorded_steps_and_verifies_recorded_tokens(tiny):
+    """Each replayed round: its draft steps as [1, 1] draft passes, then one verify pass of its recorded shape; a
+    lookup round pays no draft step. Accepted counts are the recorded ones."""
+    llm = tiny("hybrid")
+    chain = [Round("lookup", 3, 0, 1, 4, 2), Round("none", 0, 0, 1, 1, 0), Round("draft", 4, 4, 1, 5, 1),
+             Round("lookup", 1, 0, 1, 2, 1)]
+    tree = [Round("tree", 8, 4, 2, 10, 3), Round("lookup", 4, 0, 1, 5, 4), Round("tree", 6, 0, 3, 9, 0)]
+    for rounds in (chain, tree):
+        log = PassLog(llm.runner)
+        drafter = replay(rounds, MODES["upper"])
+        out = decode_speed(log, llm.verify_mode, drafter, 4, 6, sum(r.accepted + 1 for r in rounds), warm_tokens=1)
+        # The untimed run replays the first round (one is enough for its token), the timed run every round once,
+        # the cursor cycling through the trace: rounds 1.., then 0.
+        calls = log.calls[-sum(r.draft_steps + 1 for r in rounds):]
+        timed = rounds[1:] + rounds[:1]
+        expected = [c for r in timed for c in [(1, 1)] * r.draft_steps + [(r.branches, r.verified // r.branches)]]
+        assert calls == expected
+        assert out["accepted"] == sum(r.accepted for r in rounds) and out["rounds"] == len(rounds)
+    with pytest.raises(SelfspecError, match="no draft mode"):
+        decode_speed(llm.runner, llm.verify_mode, replay(chain[2:], None), 4, 6, 4)
+
+
+def test_tables_smoke_fills_every_table(tiny, tmp_path):
+    prompts = {"a": random_prompts(2, 1), "b": random_prompts(2, 2)}
+    cells = tables.Cells(tiny, "tiny", prompts, 6, None, tmp_path / "traces", log=lambda *_: None)
+    recipes = ["ngram", "hybrid", "planes"]
+    result = tables.run(cells, tables.llm_target(tiny, 4), recipes, 3, [0.0, 1.0], [2, 3], ["1-3", "2-4"],
+                        context=8, ar_tokens=6, log=lambda *_: None)
+    t = result["tables"]
+    assert [(r["recipe"], r["task"]) for r in t["1"]] == [(x, task) for x in recipes for task in prompts]
+    assert [(r["recipe"], r["temperature"]) for r in t["2"]] == [(x, T) for x in recipes for T in (0.0, 1.0)]
+    assert [(r["recipe"], r["draft"], r["gamma"]) for r in t["3"]] == (
+        [("ngram", "ngram", 2), ("ngram", "ngram", 3), ("ngram", "ngram:1-3", 3), ("ngram", "ngram:2-4", 3)]
+        + [(x, x if x == "hybrid" else "upper", g) for x in recipes[1:] for g in (2, 3)])
+    for r in t["1"] + t["2"] + t["3"]:
+        assert r["tokens_per_s"] > 0 and r["speedup"] > 0 and 1 <= r["mean_acceptance_length"] <= r["gamma"] + 1
+        # A cell replays each of its rounds once: the replay's acceptance is the trace's.
+        assert r["replayed_acceptance_length"] == pytest.approx(r["mean_acceptance_length"])
+    # Per recipe: T=0 at gamma 3, T=1, gamma 2; ngram:2-4 (ngram:1-3 is the default ngram's trace).
+    assert len(list((tmp_path / "traces").glob("*.json"))) == 3 * 3 + 1
+    md = tables.markdown(result, "tiny")
+    assert all(f"## Table {i}" in md for i in (1, 2, 3)) and md.count("| ngram |") == 2 + 2 + 4
+    # A second run reads the traces back from the first one's directory and records nothing; other sizes record.
+    def refuse(*_):
+        raise AssertionError("recorded although a matching trace was there")
+
+    again = tables.Cells(refuse, "tiny", prompts, 6, tmp_path / "traces", tmp_path / "again")
+    assert again.trace("ngram", "ngram:1-3", 0.0, 3) == cells.trace("ngram", None, 0.0, 3)
+    assert again.trace("planes", None, 1.0, 3) == cells.trace("planes", None, 1.0, 3)
+    with pytest.raises(AssertionError, match="recorded although"):
+        tables.Cells(refuse, "tiny", prompts, 7, tmp_path / "traces", tmp_path / "again").trace("planes", None, 0, 3)
