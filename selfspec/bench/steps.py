@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from selfspec.bench.device import time_ms
+from selfspec.bench.device import copy_bandwidth, time_ms
 from selfspec.bench.shapes import SHAPES
 from selfspec.bench.synthetic import synthetic_model
 from selfspec.engine.graphs import GraphedModel
@@ -67,13 +67,14 @@ def weight_bytes_read(model, mode_name: str) -> int:
     return model.lm_head.nbytes() + sum(lin.weight.nbytes_read(mode) for lin in model.linears())
 
 
-def measure(shape: str, batches: list[int], context: int, verify_tokens: list[int],
+def measure(shape: str, batches: list[int], context: int, verify_tokens: list[int], storages: list[str],
             tp: TensorParallel = SOLO) -> list[dict]:
     """Every row on this process's GPU; under tensor parallelism (`tp`), of this rank's shard (every rank runs the
     same passes: they meet in each pass's collectives)."""
     rows = []
     log = print if tp.rank == 0 else lambda *a, **k: None
-    for storage, modes in STORAGE_MODES.items():
+    for storage in storages:
+        modes = STORAGE_MODES[storage]
         model = synthetic_model(shape, storage, tp=tp)
         gm = GraphedModel(model, max_len=context + 64)
         for mode in modes:
@@ -97,11 +98,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16, 32])
     ap.add_argument("--verify-tokens", type=int, nargs="+", default=[1, 2, 3, 5, 9])
+    ap.add_argument("--storages", nargs="+", default=list(STORAGE_MODES), choices=list(STORAGE_MODES),
+                    help="stored formats to measure (each its modes)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="split the model across N GPUs")
     args = ap.parse_args(argv)
     n = args.tensor_parallel
-    measured = (args.shape, args.batch, args.context, args.verify_tokens)
+    measured = (args.shape, args.batch, args.context, args.verify_tokens, args.storages)
     if n == 1:
         rows = measure(*measured)
     else:
@@ -109,10 +112,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
 
         check_tensor_parallel(SHAPES[args.shape], n, 128)
         rows = run_ranks(measure_rank, n, *measured, device="cuda")[0]
+    bandwidth = copy_bandwidth() * 1e9  # bytes/s, read + write counted (DESIGN.md's roofline)
+    for r in rows:  # AR steps against reading this GPU's weights once at the measured copy bandwidth
+        if r["kind"] == "ar":
+            r["of_weight_bound"] = r["weight_bytes"] / bandwidth / (r["ms"] / 1e3)
+            print(f"{r['storage']:7s} {r['mode']:6s} B={r['batch']:3d} {r['weight_bytes'] / 1e9:6.1f} GB of weights "
+                  f"per GPU: {r['of_weight_bound']:.2f} of the copy-bandwidth bound ({bandwidth / 1e12:.2f} TB/s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shape": args.shape, "synthetic": True,
-                       "context": args.context, "tensor_parallel": n, "rows": rows}, f, indent=1)
+                       "context": args.context, "tensor_parallel": n, "copy_bandwidth": bandwidth, "rows": rows},
+                      f, indent=1)
     how = "CUDA graphs" if n == 1 else f"tensor parallel {n}, eager"
     print(f"\n{torch.cuda.get_device_name()}, {args.shape} (synthetic weights), context {args.context}, {how}")
     print(verify_table(rows))

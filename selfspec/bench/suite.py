@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     copy = copy_bandwidth()
     print(f"{device}: copy bandwidth {copy:.0f} GB/s (read + write)", flush=True)
     results = {"device": device, "shape": args.shape, "synthetic": True, "context": args.context, "copy_gb_per_s": copy}
-    results["steps"] = steps.measure(args.shape, args.batch, args.context, args.verify_tokens)
+    results["steps"] = steps.measure(args.shape, args.batch, args.context, args.verify_tokens,
+                                      list(steps.STORAGE_MODES))
     results["spec"] = spec.measure(args.shape, args.trace, args.gamma, args.context)
     results["peer"] = peer.measure(args.shape, args.context, 64, args.peer_compile)
     results["gemm"] = gemm.measure(args.shape, args.gemm_m)

@@ -8,8 +8,10 @@ from selfspec.model import Transformer
 from selfspec.parallel import SOLO, TensorParallel, shard_state_dict
 
 
-def synthetic_state_dict(shape: str, device: str = "cuda", seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named bf16 weights: projections randn * 0.02, norms 1 + 0.1 randn, biases 0.02 randn."""
+def synthetic_state_dict(shape: str, device: str = "cuda", seed: int = 0,
+                         tp: TensorParallel = SOLO) -> dict[str, torch.Tensor]:
+    """HF-named bf16 weights: projections randn * 0.02, norms 1 + 0.1 randn, biases 0.02 randn; under tensor
+    parallelism this rank's shard, layer by layer (a 70B model's full weights would not fit one GPU)."""
     cfg = SHAPES[shape]
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -17,19 +19,21 @@ def synthetic_state_dict(shape: str, device: str = "cuda", seed: int = 0) -> dic
         return (torch.randn(shape, generator=gen, device=device) * std + mean).bfloat16()
 
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    sd = {"model.embed_tokens.weight": randn(cfg.vocab_size, cfg.dim), "model.norm.weight": randn(cfg.dim, std=0.1, mean=1),
-          "lm_head.weight": randn(cfg.vocab_size, cfg.dim)}
+    sd = shard_state_dict({"model.embed_tokens.weight": randn(cfg.vocab_size, cfg.dim),
+                           "model.norm.weight": randn(cfg.dim, std=0.1, mean=1),
+                           "lm_head.weight": randn(cfg.vocab_size, cfg.dim)}, tp.rank, tp.size)
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
-        sd |= {p + "input_layernorm.weight": randn(cfg.dim, std=0.1, mean=1),
-               p + "post_attention_layernorm.weight": randn(cfg.dim, std=0.1, mean=1),
-               p + "self_attn.q_proj.weight": randn(q, cfg.dim), p + "self_attn.k_proj.weight": randn(kv, cfg.dim),
-               p + "self_attn.v_proj.weight": randn(kv, cfg.dim), p + "self_attn.o_proj.weight": randn(cfg.dim, q),
-               p + "mlp.gate_proj.weight": randn(cfg.hidden_dim, cfg.dim),
-               p + "mlp.up_proj.weight": randn(cfg.hidden_dim, cfg.dim),
-               p + "mlp.down_proj.weight": randn(cfg.dim, cfg.hidden_dim)}
+        layer = {p + "input_layernorm.weight": randn(cfg.dim, std=0.1, mean=1),
+                 p + "post_attention_layernorm.weight": randn(cfg.dim, std=0.1, mean=1),
+                 p + "self_attn.q_proj.weight": randn(q, cfg.dim), p + "self_attn.k_proj.weight": randn(kv, cfg.dim),
+                 p + "self_attn.v_proj.weight": randn(kv, cfg.dim), p + "self_attn.o_proj.weight": randn(cfg.dim, q),
+                 p + "mlp.gate_proj.weight": randn(cfg.hidden_dim, cfg.dim),
+                 p + "mlp.up_proj.weight": randn(cfg.hidden_dim, cfg.dim),
+                 p + "mlp.down_proj.weight": randn(cfg.dim, cfg.hidden_dim)}
         if cfg.qkv_bias:
-            sd |= {p + f"self_attn.{n}_proj.bias": randn(d) for n, d in (("q", q), ("k", kv), ("v", kv))}
+            layer |= {p + f"self_attn.{n}_proj.bias": randn(d) for n, d in (("q", q), ("k", kv), ("v", kv))}
+        sd |= shard_state_dict(layer, tp.rank, tp.size)
     return sd
 
 
@@ -37,7 +41,6 @@ def synthetic_model(shape: str, storage: str, group_size: int = 128, device: str
                     rotate: bool = False, tp: TensorParallel = SOLO) -> Transformer:
     """A Transformer of a named shape with synthetic weights, stored in `storage` (dense: bf16), Hadamard-rotated
     with `rotate` (as a recipe asks); under tensor parallelism (`tp`), this rank's shard of it."""
-    sd = shard_state_dict(synthetic_state_dict(shape, device, seed), tp.rank, tp.size)
-    model = Transformer(SHAPES[shape], sd, tp)
+    model = Transformer(SHAPES[shape], synthetic_state_dict(shape, device, seed, tp), tp)
     model.quantize(storage, group_size, rotate)
     return model.to(device)
