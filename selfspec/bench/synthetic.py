@@ -1,6 +1,8 @@
 """Synthetic-weight models of real shapes, built on the GPU (randn * 0.02; never zeros), for speed benchmarks."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from selfspec.bench.shapes import SHAPES
@@ -34,10 +36,12 @@ def synthetic_state_dict(shape: str, device: str = "cuda", seed: int = 0) -> dic
 
 
 def synthetic_model(shape: str, storage: str, group_size: int = 128, device: str = "cuda", seed: int = 0,
-                    rotate: bool = False, tp: TensorParallel = SOLO) -> Transformer:
+                    rotate: bool = False, tp: TensorParallel = SOLO, max_seq_len: int | None = None) -> Transformer:
     """A Transformer of a named shape with synthetic weights, stored in `storage` (dense: bf16), Hadamard-rotated
-    with `rotate` (as a recipe asks); under tensor parallelism (`tp`), this rank's shard of it."""
+    with `rotate` (as a recipe asks); under tensor parallelism (`tp`), this rank's shard of it. max_seq_len: rope
+    tables for this many positions instead of the shape's own (long-context benchmarks)."""
     sd = shard_state_dict(synthetic_state_dict(shape, device, seed), tp.rank, tp.size)
-    model = Transformer(SHAPES[shape], sd, tp)
+    cfg = SHAPES[shape] if max_seq_len is None else replace(SHAPES[shape], max_seq_len=max_seq_len)
+    model = Transformer(cfg, sd, tp)
     model.quantize(storage, group_size, rotate)
     return model.to(device)
