@@ -231,8 +231,8 @@ def step_rows(contexts: list[int], gamma: int, log: Callable[[str], None]) -> li
                 continue
             for kind, mode, tokens in passes:
                 mode = get_mode(mode) if isinstance(mode, str) else mode
-                tok = torch.randint(0, model.cfg.vocab_size, (1, tokens), device="cuda")
-                pos = context + torch.arange(tokens, device="cuda")[None]
+                tok = torch.randint(0, model.cfg.vocab_size, (1, tokens), device=model.device)
+                pos = context + torch.arange(tokens, device=model.device)[None]
                 ms = time_ms(partial(model, tok, pos, cache, mode), warmup=3, reps=10)
                 torch.cuda.reset_peak_memory_stats()
                 model(tok, pos, cache, mode)
@@ -311,7 +311,8 @@ def memory_table(rows: list[dict]) -> str:
     peaks = {(r["context"], r["recipe"], r["pass"]): r["peak_bytes"] for r in rows
              if r["part"] == "steps" and "peak_bytes" in r}
     step_of = {"bf16": ("ar", "ar"), "hier": ("selfspec", "verify")}  # a decode step over each cache, where run
-    out = ["| context | KV format | KV cache (MiB, all layers) | x bf16 | peak of a step (GiB) |", "|---|---|---|---|---|"]
+    out = ["| context | KV format | KV cache (MiB, all layers) | x bf16 | peak of a step (GiB) |",
+           "|---|---|---|---|---|"]
     for r in (r for r in rows if r["part"] == "memory"):
         recipe, kind = step_of.get(r["format"], (None, None))
         peak = peaks.get((r["context"], recipe, kind))
@@ -321,7 +322,8 @@ def memory_table(rows: list[dict]) -> str:
 
 
 def steps_table(rows: list[dict]) -> str:
-    out = ["| context | recipe | pass | weights mode | KV read | tokens | ms | peak GiB |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| context | recipe | pass | weights mode | KV read | tokens | ms | peak GiB |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["part"] == "steps"):
         if "skipped" in r:
             out.append(f"| {r['context']} | {r['recipe']} | skipped: {r['skipped']} | | | | | |")
