@@ -157,9 +157,9 @@ def attention_rows(heads: Heads, context: int, queries: int, sinks: int, device:
     if queries == 1:  # the sparse baseline is a draft: its verify pass is the full bf16 attention above
         sink_blocks, window_blocks = sparse_blocks(heads, context, sinks)
         views = [(k, v, *sparse_view(table, context, sink_blocks, window_blocks)) for k, v, table in paged]
+        keys = views[0][3] + 1  # the sink blocks' keys and the window's up to the query
         add("sparse", [partial(attend, q, k, v, table, torch.full_like(pos, at)) for k, v, table, at in views],
-            (sink_blocks + window_blocks) * BLOCK_SIZE * heads.kv * heads.dim * 4,
-            sink_blocks=sink_blocks, window_blocks=window_blocks)
+            read_bytes(heads, "bf16", False, keys - 1), sink_blocks=sink_blocks, window_blocks=window_blocks)
     del paged
     contiguous = [KVCache(1, 1, heads.kv, context + queries, heads.dim, torch.bfloat16, device)
                   for _ in range(n_copies)]
@@ -279,7 +279,8 @@ def predictions(rows: list[dict], gamma: int, rates: dict[str, tuple[float, str]
                 continue
             tokens = expected_tokens(a, gamma)
             out.append({"part": "prediction", "recipe": recipe, "context": context, "acceptance": a,
-                        "acceptance_source": source, "gamma": gamma, "draft_over_verify": draft / verify,
+                        "acceptance_source": source, "gamma": gamma, "verify_over_ar": verify / ar,
+                        "draft_over_verify": draft / verify,
                         "expected_tokens": tokens, "speedup": tokens * ar / (gamma * draft + verify)})
     return out
 
@@ -335,11 +336,11 @@ def steps_table(rows: list[dict]) -> str:
 
 
 def prediction_table(rows: list[dict]) -> str:
-    out = ["| context | recipe | acceptance a | draft / verify | tokens per round | predicted speedup vs AR |",
-           "|---|---|---|---|---|---|"]
+    out = ["| context | recipe | acceptance a | verify / AR | draft / verify | tokens per round | "
+           "predicted speedup vs AR |", "|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["part"] == "prediction"):
         out.append(f"| {r['context']} | {r['recipe']} | {r['acceptance']:.3f} ({r['acceptance_source']}) | "
-                   f"{r['draft_over_verify']:.3f} | {r['expected_tokens']:.2f} | {r['speedup']:.2f}x |")
+                   f"{r['verify_over_ar']:.3f} | {r['draft_over_verify']:.3f} | {r['expected_tokens']:.2f} | {r['speedup']:.2f}x |")
     return "\n".join(out)
 
 
