@@ -340,7 +340,8 @@ def prediction_table(rows: list[dict]) -> str:
            "predicted speedup vs AR |", "|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["part"] == "prediction"):
         out.append(f"| {r['context']} | {r['recipe']} | {r['acceptance']:.3f} ({r['acceptance_source']}) | "
-                   f"{r['verify_over_ar']:.3f} | {r['draft_over_verify']:.3f} | {r['expected_tokens']:.2f} | {r['speedup']:.2f}x |")
+                   f"{r['verify_over_ar']:.3f} | {r['draft_over_verify']:.3f} | {r['expected_tokens']:.2f} | "
+                   f"{r['speedup']:.2f}x |")
     return "\n".join(out)
 
 
