@@ -429,4 +429,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SelfspecError as e:
+        raise SystemExit(f"error: {e}") from None
