@@ -150,6 +150,7 @@ def attention_rows(heads: Heads, context: int, queries: int, sinks: int, device:
         us = median_us(fns, device)
         rows.append({"part": "attention", "context": context, "queries": queries, "kernel": kernel, "us": us,
                      "read_bytes": nbytes, "gb_s": nbytes / us / 1e3, **extra})
+        print(f"attention context {context:6d} T={queries} {kernel:15s} {us:9.1f} us", flush=True)
 
     bf16_bytes = read_bytes(heads, "bf16", False, last)
     paged = [paged_bf16(heads, context + queries, device) for _ in range(n_copies)]
@@ -402,7 +403,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         for context in contexts:
             for queries in (1, args.gamma + 1):
                 rows += attention_rows(heads, context, queries, args.sinks, device)
-                print(f"attention: context {context}, {queries} queries done", flush=True)
     if "memory" in parts:
         rows += memory_rows(heads, contexts)
     if "steps" in parts and not args.tiny:
@@ -412,7 +412,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": where, "torch": torch.__version__, "heads": vars(heads), "gamma": args.gamma,
-                       "sinks": args.sinks, "block_size": BLOCK_SIZE, "acceptance": rates, "rows": rows}, f, indent=1)
+                       "sinks": args.sinks, "block_size": BLOCK_SIZE, "acceptance": rates, "bars": bar_lines(rows),
+                       "rows": rows}, f, indent=1)
     print(f"\n{where}; heads {heads.q} query / {heads.kv} kv of {heads.dim}, KV group {heads.group}, batch 1")
     if "attention" in parts:
         how = "CUDA graph replays" if device.type == "cuda" else "wall clock"
