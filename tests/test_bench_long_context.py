@@ -98,3 +98,8 @@ def test_predictions_use_measured_steps_and_label_the_acceptance(tmp_path):
 def test_bad_arguments_are_clear_errors(argv):
     with pytest.raises(SelfspecError):
         lc.main(["--tiny", *argv])
+
+
+def test_memory_part_runs_at_real_shapes_without_a_gpu(capsys):
+    lc.main(["--parts", "memory", "--contexts", "131072"])
+    assert "| 131072 | hier | 8496.00 | 0.519 | - |" in capsys.readouterr().out
