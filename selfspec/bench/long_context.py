@@ -208,11 +208,11 @@ def step_rows(contexts: list[int], gamma: int, log: Callable[[str], None]) -> li
     from selfspec.bench.synthetic import synthetic_model
 
     max_len = max(contexts) + gamma + 1
-    runs = {"ar": ("dense", "bf16", [("ar", "bf16", 1)])}
+    runs = {"ar": ("dense", "bf16", [("ar", get_mode("bf16"), 1)])}
     for name in RECIPES:
         r = PRESETS[name]
         draft = replace(get_mode(r.draft), kv_upper=r.kv == "hier")
-        runs[name] = (r.storage, r.kv, [("verify", r.verify, gamma + 1), ("draft", draft, 1)])
+        runs[name] = (r.storage, r.kv, [("verify", get_mode(r.verify), gamma + 1), ("draft", draft, 1)])
     rows = []
     for recipe, (storage, kv, passes) in runs.items():
         model = synthetic_model(SHAPE, storage, max_seq_len=max_len)
@@ -231,7 +231,6 @@ def step_rows(contexts: list[int], gamma: int, log: Callable[[str], None]) -> li
                 rows.append({"part": "steps", "recipe": recipe, "context": context, "skipped": "out of memory"})
                 continue
             for kind, mode, tokens in passes:
-                mode = get_mode(mode) if isinstance(mode, str) else mode
                 tok = torch.randint(0, model.cfg.vocab_size, (1, tokens), device=model.device)
                 pos = context + torch.arange(tokens, device=model.device)[None]
                 ms = time_ms(partial(model, tok, pos, cache, mode), warmup=3, reps=10)
