@@ -592,6 +592,8 @@ def test_quantized_attention_matches_reference_and_is_query_invariant(fmt, upper
     ref = reference_op("quantized_attention")(q, kv, q_pos, upper)
     out = triton_quant_attention.quantized_attention(q, kv, q_pos, upper)
     assert rel_err(out, ref) < 1e-5
+    # The largest position given by the caller (no host sync, for CUDA graphs): the same launch, the same bits.
+    assert torch.equal(triton_quant_attention.quantized_attention(q, kv, q_pos, upper, max_pos=95), out)
     alone = triton_quant_attention.quantized_attention(q[:1, :, 3:4], kv, q_pos[:1, 3:4], upper)  # row 0's
     assert torch.equal(alone, out[:1, :, 3:4])  # a query's bits do not depend on the others of the call
 

@@ -1,6 +1,8 @@
 """Synthetic-weight models of real shapes, built on the GPU (randn * 0.02; never zeros), for speed benchmarks."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from selfspec.bench.shapes import SHAPES
@@ -38,9 +40,11 @@ def synthetic_state_dict(shape: str, device: str = "cuda", seed: int = 0,
 
 
 def synthetic_model(shape: str, storage: str, group_size: int = 128, device: str = "cuda", seed: int = 0,
-                    rotate: bool = False, tp: TensorParallel = SOLO) -> Transformer:
+                    rotate: bool = False, tp: TensorParallel = SOLO, max_seq_len: int | None = None) -> Transformer:
     """A Transformer of a named shape with synthetic weights, stored in `storage` (dense: bf16), Hadamard-rotated
-    with `rotate` (as a recipe asks); under tensor parallelism (`tp`), this rank's shard of it."""
-    model = Transformer(SHAPES[shape], synthetic_state_dict(shape, device, seed, tp), tp)
+    with `rotate` (as a recipe asks); under tensor parallelism (`tp`), this rank's shard of it. max_seq_len: rope
+    tables for this many positions instead of the shape's own (long-context benchmarks)."""
+    cfg = SHAPES[shape] if max_seq_len is None else replace(SHAPES[shape], max_seq_len=max_seq_len)
+    model = Transformer(cfg, synthetic_state_dict(shape, device, seed, tp), tp)
     model.quantize(storage, group_size, rotate)
     return model.to(device)

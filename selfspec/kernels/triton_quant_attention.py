@@ -146,7 +146,10 @@ def _merge_chunks(m_ptr, l_ptr, acc_ptr, out_ptr, N_STATES, D, BLOCK_D: tl.const
     tl.store(out_ptr + r * D + d, acc / l, mask=dmask)
 
 
-def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper: bool) -> torch.Tensor:
+def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper: bool,
+                        max_pos: int | None = None) -> torch.Tensor:
+    """kernels/ops.py `quantized_attention`. max_pos: the largest of q_pos where the caller knows it, so the call
+    needs no host sync and a CUDA graph can capture it (bench/long_context.py)."""
     quant = kv.quant
     g = quant.group
     if g & (g - 1):
@@ -154,7 +157,8 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
     b, hq, t, dim = q.shape
     hkv, qbs = quant.keys[0].shape[1], quant.keys[0].shape[2]
     chunk = max(g, CHUNK_KEYS // g * g)
-    n_chunks = -(-int(quantized_below(q_pos, g).max()) // chunk)
+    max_pos = int(q_pos.max()) if max_pos is None else max_pos
+    n_chunks = -(-int(quantized_below(torch.tensor(max_pos), g)) // chunk)
     states = b * t * hq * (n_chunks + 1)
     m = torch.empty(states, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
