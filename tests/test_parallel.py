@@ -86,7 +86,8 @@ def test_tp2_engine_batched_equals_solo_ar(tiny_dir):
             llm.generate(prompts[0], params)
         for i, (p, gamma) in enumerate(zip(prompts, [None, 4, 0])):
             engine.add_request(str(i), p, params, gamma=gamma)
-        engine.add_request("sampled", prompts[0], selfspec.SamplingParams(temperature=0.9, max_new_tokens=8))
+        engine.add_request("sampled", prompts[0], selfspec.SamplingParams(temperature=0.9, max_new_tokens=8,
+                                                                             ignore_eos=True))
         got = {}
         while engine.has_work():
             for out in engine.step():
