@@ -23,8 +23,7 @@ from selfspec.errors import SelfspecError
 from selfspec.kernels import register
 
 CHUNK_KEYS = 256  # quantized keys per program (rounded to whole groups)
-BLOCK_N = 32  # keys per step of a program's online softmax (each step waits on its gathers: fewer, larger steps)
-MERGE_STATES = 32  # chunk states the merge reads at a time
+BLOCK_N = 16  # keys per step of a program's online softmax
 
 
 @triton.jit
@@ -126,28 +125,23 @@ def _quant_attention_chunks(
 
 
 @triton.jit
-def _merge_chunks(m_ptr, l_ptr, acc_ptr, out_ptr, N_STATES, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Each (query, head)'s chunk states merged by log-sum-exp -> out [B, T, HQ, D] float32: BLOCK_S states at a
-    time (a 128k context has 500 chunks; one at a time, each a dependent load, the merge took longer than the
-    chunks), the blocks in chunk order."""
+def _merge_chunks(m_ptr, l_ptr, acc_ptr, out_ptr, N_STATES, D, BLOCK_D: tl.constexpr):
+    """Each (query, head)'s chunk states merged by log-sum-exp in chunk order -> out [B, T, HQ, D] float32."""
     r = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     m = tl.full((), float("-inf"), tl.float32)
     l = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    for c0 in range(0, N_STATES, BLOCK_S):
-        c = c0 + tl.arange(0, BLOCK_S)
-        live = c < N_STATES
-        mc = tl.load(m_ptr + r * N_STATES + c, mask=live, other=float("-inf"))
-        lc = tl.load(l_ptr + r * N_STATES + c, mask=live, other=0.0)
-        ac = tl.load(acc_ptr + (r * N_STATES + c)[:, None] * D + d[None, :], mask=live[:, None] & dmask[None, :],
-                     other=0.0)
-        m_new = tl.maximum(m, tl.max(mc, 0))
+    for c in range(0, N_STATES):
+        mc = tl.load(m_ptr + r * N_STATES + c)
+        lc = tl.load(l_ptr + r * N_STATES + c)
+        ac = tl.load(acc_ptr + (r * N_STATES + c) * D + d, mask=dmask, other=0.0)
+        m_new = tl.maximum(m, mc)
         a = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_new))
         w = tl.where(mc == float("-inf"), 0.0, tl.exp(mc - m_new))
-        l = l * a + tl.sum(lc * w, 0)
-        acc = acc * a + tl.sum(ac * w[:, None], 0)
+        l = l * a + lc * w
+        acc = acc * a + ac * w
         m = m_new
     tl.store(out_ptr + r * D + d, acc / l, mask=dmask)
 
@@ -180,9 +174,9 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
         t, hq, hkv, qbs, quant.table.shape[1], dim, kv.k.shape[2], n_chunks, dim ** -0.5,
         q.stride(0), q.stride(1), q.stride(2),
         G=g, CHUNK=chunk, FMT_HIER=hier, UPPER=upper, BLOCK=BLOCK_N,
-        BLOCK_H=triton.next_power_of_2(hq // hkv), BLOCK_D=block_d, num_warps=8)
+        BLOCK_H=triton.next_power_of_2(hq // hkv), BLOCK_D=block_d)
     out = torch.empty(b, t, hq, dim, dtype=torch.float32, device=q.device)
-    _merge_chunks[(b * t * hq,)](m, l, acc, out, n_chunks + 1, dim, BLOCK_S=MERGE_STATES, BLOCK_D=block_d)
+    _merge_chunks[(b * t * hq,)](m, l, acc, out, n_chunks + 1, dim, BLOCK_D=block_d)
     return out.transpose(1, 2).to(q.dtype)
 
 
