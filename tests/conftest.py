@@ -165,3 +165,15 @@ class RecordedPasses:
     def __call__(self, tokens, *args, **kwargs):
         self.shapes.append(tuple(tokens.shape))
         return self.model(tokens, *args, **kwargs)
+
+
+def fail_from(monkeypatch, model, position: int) -> None:
+    """Make model raise on every pass that reaches `position` (the engine's error isolation tests)."""
+    forward = model.forward
+
+    def failing(tokens, pos, cache, mode, **kwargs):
+        if pos.max() >= position:
+            raise RuntimeError("boom")
+        return forward(tokens, pos, cache, mode, **kwargs)
+
+    monkeypatch.setattr(model, "forward", failing)

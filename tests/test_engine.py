@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import fail_from, tiny_model
 from selfspec.engine.engine import Engine, QueueFull
 from selfspec.engine.graphs import PagedGraphedModel, bucket, pad_into
 from selfspec.engine.llm import build
@@ -187,14 +187,7 @@ def test_error_in_one_request_leaves_the_others_serving(llm, monkeypatch):
     ps = prompts(5, seed=7)
     bad = torch.randint(3, 200, (40,)).tolist()
     refs = [llm.generate(p, greedy(12), gamma=0).token_ids for p in ps]
-    forward = llm.model.forward
-
-    def failing(tokens, pos, cache, mode, **kwargs):
-        if pos.max() >= 45:
-            raise RuntimeError("boom")
-        return forward(tokens, pos, cache, mode, **kwargs)
-
-    monkeypatch.setattr(llm.model, "forward", failing)
+    fail_from(monkeypatch, llm.model, 45)
     engine = Engine(llm, max_batch=6, block_size=4, num_blocks=80)
     engine.add_request("bad", bad, greedy(12), gamma=2)
     for i, p in enumerate(ps):

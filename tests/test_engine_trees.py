@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import fail_from, tiny_model
 from selfspec.cache.paged import PagedKVCache, PagedTree, tree_view
 from selfspec.engine.engine import Engine
 from selfspec.engine.llm import build
@@ -189,14 +189,7 @@ def test_a_failing_request_fails_alone_and_its_tree_blocks_come_back(llm, monkey
     llm.drafter = make_drafter("hybrid")
     requests = [(p, greedy(12), 3) for p in REPETITIVE] + [(prompts(1, seed=12, max_len=2)[0] * 40, greedy(12), 3)]
     refs = [llm.generate(p, params, gamma=0).token_ids for p, params, _ in requests[:4]]
-    forward = llm.model.forward
-
-    def failing(tokens, pos, cache, mode, **kwargs):
-        if pos.max() >= 45:
-            raise RuntimeError("boom")
-        return forward(tokens, pos, cache, mode, **kwargs)
-
-    monkeypatch.setattr(llm.model, "forward", failing)
+    fail_from(monkeypatch, llm.model, 45)
     engine = Engine(llm, max_batch=5, block_size=4, num_blocks=80)
     out = serve(engine, requests, arrivals=[0] * 5)
     assert out["4"][1] == "error" and 0 < len(out["4"][0]) < 12
