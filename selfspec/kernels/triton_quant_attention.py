@@ -23,24 +23,31 @@ from selfspec.errors import SelfspecError
 from selfspec.kernels import register
 
 CHUNK_KEYS = 256  # quantized keys per program (rounded to whole groups)
-BLOCK_N = 16  # keys per step of a program's online softmax
+BLOCK_N = 16  # keys per step of a program's online softmax (at most a group: a step reads one group's scales)
 
 
 @triton.jit
-def _dequantize(planes_lo_ptr, planes_hi_ptr, scale_ptr, zero_ptr, code_off, scale_off, d,
-                FMT_HIER: tl.constexpr, UPPER: tl.constexpr, mask):
-    """Values [BLOCK_N, BLOCK_D] from their codes: INT8 bytes, or nibbles of the upper (and lower) planes."""
-    s = tl.load(scale_ptr + scale_off, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(zero_ptr + scale_off, mask=mask, other=0.0).to(tl.float32)
-    if FMT_HIER:
-        shift = (d % 2) * 4
-        up = (tl.load(planes_lo_ptr + code_off, mask=mask, other=0).to(tl.int32) >> shift) & 15
-        x = z + s * up.to(tl.float32)
-        if not UPPER:
-            lo = (tl.load(planes_hi_ptr + code_off, mask=mask, other=0).to(tl.int32) >> shift) & 15
-            x = x + (s / 16) * (lo - 8).to(tl.float32)
-    else:
-        x = z + s * tl.load(planes_lo_ptr + code_off, mask=mask, other=0).to(tl.float32)
+def _codes(lo_ptr, hi_ptr, off, mask, FMT_HIER: tl.constexpr, UPPER: tl.constexpr, BLOCK: tl.constexpr,
+           BLOCK_D: tl.constexpr):
+    """The codes of BLOCK keys [BLOCK, BLOCK_D] (float32) from their rows of bytes at off [BLOCK, bytes per row]: INT8
+    bytes, or the upper plane's nibbles (channel 2j in byte j's low nibble, 2j + 1 in its high one) and, for both
+    planes, the lower plane's as well."""
+    b = tl.load(lo_ptr + off, mask=mask, other=0).to(tl.int32)
+    if not FMT_HIER:
+        return b.to(tl.float32), b.to(tl.float32)
+    up = tl.reshape(tl.interleave(b & 15, b >> 4), (BLOCK, BLOCK_D)).to(tl.float32)
+    if UPPER:
+        return up, up
+    b = tl.load(hi_ptr + off, mask=mask, other=0).to(tl.int32)
+    return up, (tl.reshape(tl.interleave(b & 15, b >> 4), (BLOCK, BLOCK_D)) - 8).to(tl.float32)
+
+
+@triton.jit
+def _dequantize(up, lo, s, z, FMT_HIER: tl.constexpr, UPPER: tl.constexpr):
+    """z + s * code for INT8 codes and the upper plane; + s / 16 * (lower - 8) with both planes (s, z broadcast)."""
+    x = z + s * up
+    if FMT_HIER and not UPPER:
+        x = x + (s / 16) * lo
     return x
 
 
@@ -64,7 +71,7 @@ def _quant_attention_chunks(
         T, HQ, HKV, QBS, W, D, BS, N_CHUNKS, sm_scale,
         sqb, sqh, sqt,
         G: tl.constexpr, CHUNK: tl.constexpr, FMT_HIER: tl.constexpr, UPPER: tl.constexpr,
-        BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr):
     pid = tl.program_id(0)  # (b, t, kv head): its query heads share each key read
     c = tl.program_id(1)  # chunk; the last one is the buffer's
     hk = pid % HKV
@@ -83,27 +90,27 @@ def _quant_attention_chunks(
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-    if FMT_HIER:  # two channels a byte: channel d in byte d // 2
-        pd = d // 2
-        width = D // 2
-    else:
-        pd = d
-        width = D
+    width = D // 2 if FMT_HIER else D  # bytes a key's codes take: two channels a byte in a plane
     if c < N_CHUNKS:  # quantized keys c * CHUNK .. below - 1 of this chunk
         lo, hi = c * CHUNK, tl.minimum(c * CHUNK + CHUNK, below)
-        for n0 in range(lo, hi, BLOCK):  # no step past the chunk's last key
-            n = n0 + tl.arange(0, BLOCK)
-            live = n < hi
-            mask = live[:, None] & dmask[None, :]
-            # Key n sits at offset n % QBS of block table[b, n // QBS]: pools [N, HKV, QBS, ...].
-            block = tl.load(table_ptr + b * W + n // QBS, mask=live, other=0)
+        # lo and hi are multiples of G, and BLOCK divides G: a step's keys are whole, in one group and one block,
+        # each key a row of bytes; the key scales are one per channel of the group, the value scales one per key.
+        keys = tl.arange(0, BLOCK)
+        live = keys < BLOCK
+        bytes_mask = (tl.arange(0, BLOCK_W) < width)[None, :]
+        for n0 in range(lo, hi, BLOCK):
+            block = tl.load(table_ptr + b * W + n0 // QBS)
             row = block * HKV + hk
-            at = n % QBS
-            code_off = (row * QBS + at)[:, None] * width + pd[None, :]
-            k = _dequantize(kq0, kq1, ks_ptr, kz_ptr, code_off, (row * (QBS // G) + at // G)[:, None] * D + d[None, :],
-                            d[None, :], FMT_HIER, UPPER, mask)
-            v = _dequantize(vq0, vq1, vs_ptr, vz_ptr, code_off, (row * QBS + at)[:, None] + 0 * d[None, :],
-                            d[None, :], FMT_HIER, UPPER, mask)
+            at = n0 % QBS
+            off = (row * QBS + at + keys)[:, None] * width + tl.arange(0, BLOCK_W)[None, :]
+            up, low = _codes(kq0, kq1, off, bytes_mask, FMT_HIER, UPPER, BLOCK, BLOCK_D)
+            group = (row * (QBS // G) + at // G) * D + d
+            k = _dequantize(up, low, tl.load(ks_ptr + group, mask=dmask, other=0).to(tl.float32)[None, :],
+                            tl.load(kz_ptr + group, mask=dmask, other=0).to(tl.float32)[None, :], FMT_HIER, UPPER)
+            up, low = _codes(vq0, vq1, off, bytes_mask, FMT_HIER, UPPER, BLOCK, BLOCK_D)
+            token = row * QBS + at + keys
+            v = _dequantize(up, low, tl.load(vs_ptr + token).to(tl.float32)[:, None],
+                            tl.load(vz_ptr + token).to(tl.float32)[:, None], FMT_HIER, UPPER)
             m, l, acc = _softmax_step(m, l, acc, k, v, q, live)
     else:  # the buffer (block buf[b] of the buffer pools): keys below .. pos at slots below - START .., causal
         row = tl.load(buf_ptr + b) * HKV + hk
@@ -173,8 +180,8 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
         quant.start.contiguous(), m, l, acc,
         t, hq, hkv, qbs, quant.table.shape[1], dim, kv.k.shape[2], n_chunks, dim ** -0.5,
         q.stride(0), q.stride(1), q.stride(2),
-        G=g, CHUNK=chunk, FMT_HIER=hier, UPPER=upper, BLOCK=BLOCK_N,
-        BLOCK_H=triton.next_power_of_2(hq // hkv), BLOCK_D=block_d)
+        G=g, CHUNK=chunk, FMT_HIER=hier, UPPER=upper, BLOCK=min(BLOCK_N, g),
+        BLOCK_H=triton.next_power_of_2(hq // hkv), BLOCK_D=block_d, BLOCK_W=block_d // 2 if hier else block_d)
     out = torch.empty(b, t, hq, dim, dtype=torch.float32, device=q.device)
     _merge_chunks[(b * t * hq,)](m, l, acc, out, n_chunks + 1, dim, BLOCK_D=block_d)
     return out.transpose(1, 2).to(q.dtype)
