@@ -33,13 +33,16 @@ def _codes(lo_ptr, hi_ptr, off, mask, FMT_HIER: tl.constexpr, UPPER: tl.constexp
     bytes, or the upper plane's nibbles (channel 2j in byte j's low nibble, 2j + 1 in its high one) and, for both
     planes, the lower plane's as well."""
     b = tl.load(lo_ptr + off, mask=mask, other=0).to(tl.int32)
-    if not FMT_HIER:
-        return b.to(tl.float32), b.to(tl.float32)
-    up = tl.reshape(tl.interleave(b & 15, b >> 4), (BLOCK, BLOCK_D)).to(tl.float32)
-    if UPPER:
-        return up, up
-    b = tl.load(hi_ptr + off, mask=mask, other=0).to(tl.int32)
-    return up, (tl.reshape(tl.interleave(b & 15, b >> 4), (BLOCK, BLOCK_D)) - 8).to(tl.float32)
+    if FMT_HIER:  # if/else, no early return: the compiler types the code after a return under a constexpr if
+        up = tl.reshape(tl.interleave(b & 15, b >> 4), (BLOCK, BLOCK_D)).to(tl.float32)
+        low = up
+        if not UPPER:
+            b = tl.load(hi_ptr + off, mask=mask, other=0).to(tl.int32)
+            low = (tl.reshape(tl.interleave(b & 15, b >> 4), (BLOCK, BLOCK_D)) - 8).to(tl.float32)
+    else:
+        up = b.to(tl.float32)
+        low = up
+    return up, low
 
 
 @triton.jit
