@@ -21,9 +21,11 @@ from selfspec.cache.kv import LayerKV
 from selfspec.cache.quant_kv import quantized_below
 from selfspec.errors import SelfspecError
 from selfspec.kernels import register
+from selfspec.kernels.reference import quantized_attention as reference_quantized_attention
 
 CHUNK_KEYS = 256  # quantized keys per program (rounded to whole groups)
-BLOCK_N = 16  # keys per step of a program's online softmax (at most a group: a step reads one group's scales)
+MIN_GROUP = 16  # smaller KV groups take the reference
+BLOCK_N = 32  # keys per step of a program's online softmax (at most a group: a step reads one group's scales)
 
 
 @triton.jit
@@ -56,14 +58,14 @@ def _dequantize(up, lo, s, z, FMT_HIER: tl.constexpr, UPPER: tl.constexpr):
 
 @triton.jit
 def _softmax_step(m, l, acc, k, v, q, live):
-    """One online-softmax step of the rows q [BLOCK_H, BLOCK_D] over keys, values [BLOCK_N, BLOCK_D] (live [BLOCK_N])."""
-    scores = tl.sum(k[:, None, :] * q[None, :, :], 2)  # [BLOCK_N, BLOCK_H], fp32
-    scores = tl.where(live[:, None], scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, 0))
+    """One online-softmax step of the rows q [BLOCK_H, BLOCK_D] over keys, values [BLOCK_N, BLOCK_D] (live [BLOCK_N]):
+    scores and the weighted sum on the tensor cores (tf32 products, fp32 sums)."""
+    scores = tl.where(live[None, :], tl.dot(q, tl.trans(k)), float("-inf"))  # [BLOCK_H, BLOCK_N]
+    m_new = tl.maximum(m, tl.max(scores, 1))
     alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
-    p = tl.where(live[:, None], tl.exp(scores - m_new[None, :]), 0.0)
-    l = l * alpha + tl.sum(p, 0)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[:, None, :], 0)
+    p = tl.where(live[None, :], tl.exp(scores - m_new[:, None]), 0.0)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p, v)
     return m_new, l, acc
 
 
@@ -164,6 +166,8 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
     g = quant.group
     if g & (g - 1):
         raise SelfspecError(f"the Triton quantized attention needs a power-of-two KV group, got {g}")
+    if g < MIN_GROUP:  # a step's keys lie in one group, and a tensor-core dot needs 16 of them
+        return reference_quantized_attention(q.float(), kv, q_pos, upper).to(q.dtype)
     b, hq, t, dim = q.shape
     hkv, qbs = quant.keys[0].shape[1], quant.keys[0].shape[2]
     chunk = max(g, CHUNK_KEYS // g * g)
@@ -184,7 +188,7 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
         t, hq, hkv, qbs, quant.table.shape[1], dim, kv.k.shape[2], n_chunks, dim ** -0.5,
         q.stride(0), q.stride(1), q.stride(2),
         G=g, CHUNK=chunk, FMT_HIER=hier, UPPER=upper, BLOCK=min(BLOCK_N, g),
-        BLOCK_H=triton.next_power_of_2(hq // hkv), BLOCK_D=block_d, BLOCK_W=block_d // 2 if hier else block_d)
+        BLOCK_H=max(16, triton.next_power_of_2(hq // hkv)), BLOCK_D=block_d, BLOCK_W=block_d // 2 if hier else block_d)
     out = torch.empty(b, t, hq, dim, dtype=torch.float32, device=q.device)
     _merge_chunks[(b * t * hq,)](m, l, acc, out, n_chunks + 1, dim, BLOCK_D=block_d)
     return out.transpose(1, 2).to(q.dtype)
