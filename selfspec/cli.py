@@ -41,7 +41,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=128, help="quantization group size along K")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--kv", default=None, choices=KV_FORMATS,
-                   help="KV cache format, in place of the recipe's: bf16, int8, or hier (a draft reads its upper plane)")
+                   help="KV cache format, in place of the recipe's: bf16, int8, or hier (a draft reads its upper "
+                        "plane)")
     p.add_argument("--kv-group", type=int, default=None, help="tokens per KV quantization group (default 128)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model across N processes (one GPU each with --device cuda; gloo on the CPU)")
@@ -201,7 +202,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.bench not in CPU_BENCHES and not wants_help and not torch.cuda.is_available():
         why = "this torch build has no CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
         raise SelfspecError(f"`selfspec bench {args.bench}` needs a CUDA GPU ({why}); "
-                            "`selfspec bench serve`, `trace`, `lookup`, `trees` and `spec --tables --device cpu` run on the CPU")
+                            "`selfspec bench serve`, `trace`, `lookup`, `trees` and `spec --tables --device cpu` "
+                            "run on the CPU")
     module = importlib.import_module(f"selfspec.bench.{GPU_BENCHES[args.bench][0]}")
     module.main(args.args, prog=f"selfspec bench {args.bench}")
 

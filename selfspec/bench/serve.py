@@ -155,24 +155,26 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
         tokens[rid] = []
         next_i += 1
 
-    while next_i < min(batch, len(prompts)):
-        submit()
-    while engine.has_work():
-        outs = engine.step()
-        now = time.perf_counter()
-        for o in outs:
-            n = len(o.new_token_ids)
-            if n and o.request_id not in first:
-                first[o.request_id] = now
-            elif n:
-                itl.extend([(now - last[o.request_id]) / n] * n)  # a round's tokens share its interval
-            if n:
-                last[o.request_id] = now
-            tokens[o.request_id].extend(o.new_token_ids)
-            if o.finished and next_i < len(prompts):
-                submit()
+    try:
+        while next_i < min(batch, len(prompts)):
+            submit()
+        while engine.has_work():
+            outs = engine.step()
+            now = time.perf_counter()
+            for o in outs:
+                n = len(o.new_token_ids)
+                if n and o.request_id not in first:
+                    first[o.request_id] = now
+                elif n:
+                    itl.extend([(now - last[o.request_id]) / n] * n)  # a round's tokens share its interval
+                if n:
+                    last[o.request_id] = now
+                tokens[o.request_id].extend(o.new_token_ids)
+                if o.finished and next_i < len(prompts):
+                    submit()
+    finally:
+        engine.runner = log.runner  # the engine's own runner back, even if the run failed
     wall = time.perf_counter() - t0
-    engine.runner = log.runner
     s = engine.stats()
     drafted, accepted = s.num_draft_tokens - start.num_draft_tokens, s.num_accepted_tokens - start.num_accepted_tokens
     row_rounds = s.num_row_rounds - start.num_row_rounds
@@ -331,7 +333,8 @@ def run(args: argparse.Namespace) -> None:
         description = llm.description
         del llm  # before the next recipe's model is built
     result = {"model": description, "synthetic": bool(args.shape), "device": args.device, "requests": args.requests,
-              "max_new_tokens": args.max_new_tokens, "prefill_chunk": args.prefill_chunk, "prefill_wait": args.prefill_wait, "rows": rows}
+              "max_new_tokens": args.max_new_tokens, "prefill_chunk": args.prefill_chunk,
+              "prefill_wait": args.prefill_wait, "rows": rows}
     if args.shape:
         result |= {"prompt_tokens": args.prompt_tokens, "acceptance_replayed_from": replayed}
     else:

@@ -47,7 +47,7 @@ def pass_seconds(engine: Engine, mode: Mode, shape: tuple, context: int, repeats
         table = torch.zeros(len(lengths), engine.cache.blocks_for(max(keys)), dtype=torch.long, device=dev)
         pos = torch.cat([torch.arange(k - n, k) for n, k in zip(lengths, keys)]).to(dev)[None]
         args = (torch.zeros_like(pos), pos, PagedBatchView(engine.cache, table), mode,
-                torch.tensor(list(range(len(lengths))), device=dev), Packed.of(list(lengths), list(keys), dev))
+                torch.arange(len(lengths), device=dev), Packed.of(list(lengths), list(keys), dev))
     else:
         rows, t = shape
         context = min(context, engine.max_len - t)

@@ -6,10 +6,11 @@ buffer in a block of its own per row (cache/quant_kv.py QuantLayer). The quantiz
 whole groups (CHUNK_KEYS, a multiple of G): one program per (query, kv head, chunk), for the query heads that share
 the kv head (GQA), loads the chunk's codes (INT8, or one or both INT4 planes, two codes a byte), dequantizes them in
 registers with the group's per-channel key scales and the per-token value scales, and runs an online softmax over
-the chunk (scores and the weighted sum as tensor-core dots: tf32 products, fp32 sums); one more program per (query, kv head) does the same over its buffer keys, the only place a causal
-mask applies. A second kernel merges each query head's chunk states (max, sum, accumulator) by log-sum-exp in chunk
-order. A query's chunks and their order depend on its position alone, so its result does not depend on the other
-queries of the call (batch invariance).
+the chunk (scores and the weighted sum as tensor-core dots: tf32 products, fp32 sums); one more program per
+(query, kv head) does the same over its buffer keys, the only place a causal mask applies. A second kernel merges
+each query head's chunk states (max, sum, accumulator) by log-sum-exp in chunk order. A query's chunks and their
+order depend on its position alone, so its result does not depend on the other queries of the call (batch
+invariance).
 """
 from __future__ import annotations
 
