@@ -37,13 +37,25 @@ class Packed:
     where: torch.Tensor
 
     @classmethod
-    def of(cls, lengths: list[int], keys: list[int], device: torch.device | str = "cpu") -> Packed:
+    def of(cls, lengths: list[int], keys: list[int], device: torch.device | str = "cpu",
+           shape: tuple[int, int, int] | None = None) -> Packed:
+        """The rows `lengths` packed; with shape (tokens, rows, width), laid out in a pass padded past them (a CUDA
+        graph's, engine/graphs.py): tokens past the rows' are padding, and so are rows past theirs, which read the
+        first padding token; a padding token's entry is the last row's first, whose block table is all trash, so its
+        KV lands in the trash block. The padding is in index and where only: such a pass runs the packed attention of
+        the GPU (kernels/reference.py: pad, attention, unpad), not the CPU's, which reads lengths."""
         n = torch.tensor(lengths)
-        t = int(n.max())
+        real = int(n.sum())
+        tokens, rows, width = shape or (real, len(lengths), int(n.max()))
+        if tokens < real or rows < len(lengths) or width < int(n.max()) or (rows > len(lengths)) != (tokens > real):
+            raise SelfspecError(f"a pass of {tokens} tokens in {rows} rows of {width} cannot hold rows {lengths} "
+                                "(padding rows need padding tokens, and padding tokens a padding row)")
         starts = n.cumsum(0) - n
-        index = starts[:, None] + torch.minimum(torch.arange(t), n[:, None] - 1)
-        rows = torch.arange(len(lengths)).repeat_interleave(n)
-        where = rows * t + torch.arange(int(n.sum())) - starts[rows]
+        index = torch.full((rows, width), real)
+        index[:len(lengths)] = starts[:, None] + torch.minimum(torch.arange(width), n[:, None] - 1)
+        row = torch.arange(len(lengths)).repeat_interleave(n)
+        where = torch.full((tokens,), (rows - 1) * width)
+        where[:real] = row * width + torch.arange(real) - starts[row]
         return cls(lengths, keys, index.to(device), where.to(device))
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:

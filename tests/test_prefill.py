@@ -19,10 +19,13 @@ from selfspec.engine import engine as engine_module
 from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
 from selfspec.cache.paged import PagedKVCache
 from selfspec.eval import command as eval_command
+from selfspec import kernels
+from selfspec.errors import SelfspecError
 from selfspec.kernels import cpu as cpu_kernels
 from selfspec.kernels import reference_op
 from selfspec.model import Packed
 from selfspec.engine.llm import build
+from selfspec.quant.modes import prompt_mode
 from selfspec.speculative.recipes import resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
 
@@ -158,6 +161,45 @@ def test_packed_attention_padded_equals_row_by_row():
     packed = Packed.of(lengths, keys)
     padded = reference_op("packed_attention")(q, *pools, table, pos, packed)
     torch.testing.assert_close(padded, cpu_kernels.packed_attention(q, *pools, table, pos, packed))
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("lengths", [[5, 17, 30], [16, 48]])  # padded to 64 tokens in 4 rows; fills 64 in 2 rows
+def test_prompt_graph_inputs_give_the_packed_pass_bits(llm, lengths, monkeypatch):
+    """A prompt graph's static inputs (engine/graphs.py: tokens and rows padded to their buckets, padding rows and
+    tokens on the trash block), run eagerly with the GPU's packed attention (pad, attention, unpad): the same KV
+    outside the trash block and the same logits as the packed pass itself."""
+    from selfspec.engine.graphs import _PromptGraph, bucket, prompt_bucket
+
+    monkeypatch.setitem(kernels._TABLE, ("packed_attention", "", "cpu"), reference_op("packed_attention"))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in lengths]
+    model, cfg = llm.model, llm.model.cfg
+    caches = [PagedKVCache(cfg.n_layers, 32, cfg.n_kv_heads, 4, cfg.head_dim, model.dtype) for _ in "ab"]
+    for c in caches:
+        for i, p in enumerate(prompts):
+            c.allocate(str(i), len(p))
+    ids = [str(i) for i in range(len(prompts))]
+    tokens = torch.tensor([sum(prompts, [])])
+    pos = torch.tensor([[t for n in lengths for t in range(n)]])
+    last = torch.tensor(lengths).cumsum(0) - 1
+    packed = Packed.of(lengths, lengths)
+    mode = prompt_mode(llm.verify_mode)
+    eager = model(tokens, pos, caches[0].view(ids), mode, logits_at=last, packed=packed)
+    n = sum(lengths)
+    shape = (64, len(lengths) if n == 64 else bucket(len(lengths) + 1), prompt_bucket(max(lengths)))
+    graph = _PromptGraph(model, caches[1], mode, shape, caches[1].blocks_for(64))
+    graph.fill(tokens, pos, caches[1].view(ids).table, last, packed)
+    assert torch.equal(graph.run()[:len(lengths)], eager)
+    assert torch.equal(caches[1].k[:, 1:], caches[0].k[:, 1:]) and torch.equal(caches[1].v[:, 1:], caches[0].v[:, 1:])
+
+
+def test_packed_layout_padded_to_a_graph_shape():
+    packed = Packed.of([3, 1], [3, 8], shape=(6, 4, 4))
+    assert packed.index.tolist() == [[0, 1, 2, 2], [3, 3, 3, 3], [4, 4, 4, 4], [4, 4, 4, 4]]
+    assert packed.where.tolist() == [0, 1, 2, 4, 12, 12]  # padding tokens: the last row's first entry
+    with pytest.raises(SelfspecError, match="padding rows need padding tokens"):
+        Packed.of([3, 1], [3, 8], shape=(4, 4, 4))
 
 
 def prefill_alone_and_packed(llm, prompts, block_size):

@@ -19,7 +19,8 @@ the next round's growth. Blocks are freed on rollback as well. A request is refu
 (prompt + max_new_tokens + drafts) exceeds the whole pool, so the oldest sequence always makes progress.
 Threads: add_request/abort only touch a locked inbox; step() (one thread) drains it.
 On CUDA the rounds' passes (AR and draft steps, verify passes) replay CUDA graphs, batches padded to power-of-two
-buckets (engine/graphs.py `PagedGraphedModel`); prefill runs eagerly.
+buckets, and so do prompt passes, tokens and rows padded to theirs (engine/graphs.py `PagedGraphedModel`); a resumed
+sequence's generated tokens are prefilled eagerly.
 A recipe with a quantized KV cache (int8, hier) keeps the quantized groups in the pool's blocks and each running
 sequence's recent tokens in a full-precision buffer of its own (cache/paged_quant.py); it runs eagerly, and a pass
 writes at most a KV group of tokens per sequence (prefill chunks are cut to it, and gamma stays below it).
@@ -296,8 +297,9 @@ class Engine:
     def warm_up(self) -> None:
         """Capture the CUDA graph of every decode pass the engine can replay (each batch bucket up to max_batch, times
         the branches of a tree: AR and verify passes of up to max_gamma drafts, draft steps), and compile the
-        prefill kernels of every size bucket a prefill chunk can fall in (`prefill_warm_sizes`), so that no request
-        waits on a capture or a compile. The passes run on padding rows (trash blocks only). Nothing to do on CPU."""
+        prefill kernels of every size bucket a prefill chunk can fall in (`prefill_warm_sizes`; their one-prompt
+        graphs are captured too), so that no request waits on a compile, nor on a decode capture. The passes run on
+        padding rows (trash blocks only). Nothing to do on CPU."""
         if not isinstance(self.runner, PagedGraphedModel):
             return
         dev = self.llm.model.device

@@ -11,6 +11,13 @@ need its own graph; so do passes that ask for selected logits only (`logits_at`:
 `PagedGraphedModel` does the same for the serving engine's batched passes over the paged cache: one graph per
 (mode, batch bucket, tokens per row); a batch is padded to its bucket (a power of two) with rows of token 0 at
 position 0 whose block table is all trash block, so their writes land there and their logits are dropped.
+It also replays the engine's prompt passes (packed rows, Mode.prompt), whose host time (a Triton launch per op and
+layer, ~420 for an 8B model) was 2-5x their GPU time on an H100: one graph per (mode, tokens, rows, width), each
+bucketed (`prompt_bucket`; rows to a power of two past the real ones, unless the tokens fill their bucket exactly).
+Padding tokens are token 0 at position 0 of padding rows whose table is all trash (model.Packed.of, `shape`), and the
+kernels are batch invariant, so a prompt's KV and logits are the bits of its eager pass. A prompt graph dequantizes
+integer weights into the kernels' scratch buffer, which the eager run before its capture has sized for the largest
+weight, and keeps that buffer alive.
 """
 from __future__ import annotations
 
@@ -22,11 +29,19 @@ from selfspec.model import Packed, Transformer
 from selfspec.quant.modes import Mode
 
 MAX_GRAPHED_TOKENS = 16  # decode steps: AR (1), draft (1), verify (gamma + 1)
+# Prompt passes pad their tokens to a multiple of this (powers of two below it): the many-token GEMM tiles are 128
+# rows high, so a pass pays no more tiles for its padding.
+PROMPT_STEP = 128
 
 
 def bucket(rows: int) -> int:
     """The batch size of the graph a pass of `rows` rows replays: the next power of two."""
     return 1 << (rows - 1).bit_length()
+
+
+def prompt_bucket(tokens: int) -> int:
+    """The tokens of the prompt graph a pass (or a row) of `tokens` tokens replays."""
+    return max(16, bucket(tokens)) if tokens <= PROMPT_STEP else -(-tokens // PROMPT_STEP) * PROMPT_STEP
 
 
 def pad_into(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -53,6 +68,46 @@ class _Graph:
         pad_into(self.pos, pos.expand(tokens.shape))
         self.graph.replay()
         return self.logits[:tokens.shape[0]]
+
+
+class _PromptGraph:
+    """One captured prompt pass: static packed tokens, positions, block table, layout and logits rows; the graph's
+    logits [rows, vocab] are those of the tokens `logits_at` names (padding: token 0's, cut off)."""
+
+    def __init__(self, model: Transformer, cache: PagedKVCache, mode: Mode, shape: tuple[int, int, int],
+                 table_width: int) -> None:
+        tokens, rows, width = shape
+        dev = model.device
+        self.model, self.mode, self.shape = model, mode, shape
+        self.tokens = torch.zeros(1, tokens, dtype=torch.long, device=dev)
+        self.pos = torch.zeros_like(self.tokens)
+        self.at = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.view = PagedBatchView(cache, torch.zeros(rows, table_width, dtype=torch.long, device=dev))
+        self.packed = Packed([], [], torch.zeros(rows, width, dtype=torch.long, device=dev),
+                             torch.zeros(tokens, dtype=torch.long, device=dev))
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def fill(self, tokens: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, logits_at: torch.Tensor,
+             packed: Packed) -> None:
+        pad_into(self.tokens, tokens)
+        pad_into(self.pos, pos)
+        pad_into(self.view.table, table)
+        pad_into(self.at, logits_at)
+        layout = Packed.of(packed.lengths, packed.keys, "cpu", self.shape)
+        self.packed.index.copy_(layout.index, non_blocking=True)
+        self.packed.where.copy_(layout.where, non_blocking=True)
+        self.packed.lengths, self.packed.keys = packed.lengths, packed.keys  # host side: not read on the GPU
+
+    def run(self) -> torch.Tensor:
+        return self.model(self.tokens, self.pos, self.view, self.mode, self.at, self.packed)
+
+    def capture(self, pool) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = self.run()
+        from selfspec.kernels.triton_linear import dequantize_scratch  # CUDA only: Triton is there
+
+        self.scratch = dequantize_scratch(self.model.device)  # the buffer the graph writes stays alive
 
 
 class _Graphed:
@@ -124,6 +179,32 @@ class PagedGraphedModel(_Graphed):
         self.cache = cache
         self.width = cache.blocks_for(max_len)
         self._views: dict[int, PagedBatchView] = {}
+        self._prompts: dict[tuple, _PromptGraph] = {}
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode,
+                 logits_at: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
+        if packed is None or not mode.prompt or logits_at is None or self.model.tp.size > 1:
+            return super().__call__(tokens, pos, cache, mode, logits_at, packed)
+        n, rows, width = tokens.shape[1], len(packed.lengths), max(packed.lengths)
+        padded = prompt_bucket(n)
+        shape = (padded, rows if padded == n else bucket(rows + 1), min(prompt_bucket(width), padded))
+        if len(logits_at) > shape[1]:  # more than a logits row per prompt (all positions): eager
+            return super().__call__(tokens, pos, cache, mode, logits_at, packed)
+        key = (mode, shape)
+        graph = self._prompts.get(key)
+        if graph is None:  # first time: eager on the static inputs (compiles kernels), then capture
+            graph = _PromptGraph(self.model, self.cache, mode, shape, self.width)
+            graph.fill(tokens, pos, cache.table, logits_at, packed)
+            logits = graph.run()
+            torch.cuda.synchronize()
+            self._pool = self._pool or torch.cuda.graph_pool_handle()
+            graph.capture(self._pool)
+            self._prompts[key] = graph
+            return logits[:len(logits_at)]
+        graph.fill(tokens, pos, cache.table, logits_at, packed)
+        graph.graph.replay()
+        return graph.logits[:len(logits_at)]
 
     def _static(self, view: PagedBatchView, rows: int) -> tuple[PagedBatchView, int]:
         size = bucket(rows)

@@ -763,6 +763,12 @@ def _dequantize_kernel(w_desc, w2_desc, scale_ptr, lo_ptr, out_ptr, N, K, stride
     tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w.to(tl.bfloat16), mask=mask)
 
 
+def dequantize_scratch(device: torch.device) -> torch.Tensor | None:
+    """The scratch buffer `dequantize` writes on this device. A larger weight replaces it, so a CUDA graph that
+    dequantizes holds on to the one it was captured with."""
+    return _SCRATCH.get(device)
+
+
 def dequantize(weight: QuantWeight, fmt: int) -> torch.Tensor:
     """W [N, K] in bf16, bit for bit `weight.dequantize(mode).bfloat16()` for the mode `fmt` reads, in a scratch
     buffer the next call overwrites (one per device, as large as the largest weight: 235 MB for an 8B model's

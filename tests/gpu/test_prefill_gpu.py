@@ -1,7 +1,7 @@
 """Chunked and packed prefill on the GPU, through the engine, on SmolLM2 (or SELFSPEC_GPU_MODEL: its .gguf path or
 HF directory): a prompt prefilled in chunks of 16, 128 or 512 tokens leaves the same KV cache bits and draws its
 first token from the same logits bits as in one piece; prompts packed into one prefill pass give the bits each
-gives alone. The Triton linear and attention are meant to be batch invariant (a row's reductions do not depend on
+gives alone; prompt passes replayed from CUDA graphs give the bits of the same passes run eagerly. The Triton linear and attention are meant to be batch invariant (a row's reductions do not depend on
 the other rows, nor on the keys past its position), so these should hold bitwise at any size."""
 import os
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from conftest import recorded_logits, served_tokens  # noqa: E402
+from conftest import served_tokens  # noqa: E402
 import selfspec  # noqa: E402
 from selfspec.bench.prompts import PROMPTS  # noqa: E402
 from selfspec.engine.engine import Engine  # noqa: E402
@@ -26,17 +26,41 @@ def llm(request):
     return selfspec.load(os.environ.get("SELFSPEC_GPU_MODEL"), request.param, device="cuda")
 
 
-def serve_first_tokens(llm, prompts: list[list[int]], chunk: int) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """Serve each prompt one new token, all submitted at once: (the KV pools after, the logits rows the first
-    tokens were drawn from, in request order, each request's tokens)."""
-    with recorded_logits(llm.model) as heads:
+class PrefillLogits:
+    """The engine's runner, keeping a copy of the logits rows every prefill pass returns (a CUDA graph's replay
+    runs no Python, so the head's own output cannot be hooked)."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.rows = runner, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        out = self.runner(*args, **kwargs)
+        if kwargs.get("packed") is not None:
+            self.rows.append(out.clone())
+        return out
+
+
+def serve_first_tokens(llm, prompts: list[list[int]], chunk: int, engine: Engine | None = None,
+                       eager: bool = False) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Serve each prompt one new token, all submitted at once (on `engine`, else a fresh one; `eager`: without
+    graphs): (the KV pools after, the logits rows the first tokens were drawn from, in request order, each
+    request's tokens)."""
+    if engine is None:
         total = sum(-(-len(p) // BLOCK) for p in prompts)
         engine = Engine(llm, max_batch=len(prompts), block_size=BLOCK, num_blocks=total + len(prompts),
                         prefill_chunk=chunk)
+    runner = engine.runner
+    engine.runner = PrefillLogits(llm.model if eager else runner)
+    try:
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, SamplingParams(max_new_tokens=1, ignore_eos=True), gamma=0)
         tokens = served_tokens(engine)
-    return engine.cache, torch.cat(heads), [tokens[str(i)] for i in range(len(prompts))]
+        return engine.cache, torch.cat(engine.runner.rows), [tokens[str(i)] for i in range(len(prompts))]
+    finally:
+        engine.runner = runner
 
 
 def long_prompt(llm, n: int) -> list[int]:
@@ -63,6 +87,23 @@ def test_packed_prefill_equals_each_prompt_alone(llm):
     _, head, tokens = serve_first_tokens(llm, prompts, 512)
     assert torch.equal(head, torch.cat([a[1] for a in alone]))  # first tokens, drawn in request order
     assert tokens == [a[2][0] for a in alone]
+
+
+def test_prompt_graphs_give_the_eager_bits(llm):
+    """Prompt passes replayed from CUDA graphs (tokens and rows padded to their buckets, the padding on the trash
+    block) leave the KV cache and give the logits of the same passes run eagerly; a second serve replays them."""
+    prompts = [long_prompt(llm, n) for n in (700, 1, 37, 300, 129)]
+    eager_kv, eager_head, eager_tokens = serve_first_tokens(llm, prompts, 512, eager=True)
+    eager_kv = eager_kv.k.clone(), eager_kv.v.clone()
+    total = sum(-(-len(p) // BLOCK) for p in prompts)
+    engine = Engine(llm, max_batch=len(prompts), block_size=BLOCK, num_blocks=total + len(prompts),
+                    prefill_chunk=512)
+    for serve in range(2):  # captures, then replays
+        cache, head, tokens = serve_first_tokens(llm, prompts, 512, engine)
+        assert engine.runner._prompts, "no prompt pass was captured"
+        if serve == 0:  # the blocks of a fresh engine, in the eager one's order
+            assert torch.equal(cache.k[:, 1:], eager_kv[0][:, 1:]) and torch.equal(cache.v[:, 1:], eager_kv[1][:, 1:])
+        assert torch.equal(head, eager_head) and tokens == eager_tokens
 
 
 def test_warm_up_compiles_every_prefill_kernel(llm):
