@@ -416,7 +416,8 @@ def test_tile_configs_compute_the_same_linear(storage, mode_name):
 
 
 @pytest.mark.parametrize("storage,mode_name", [("dense", "bf16"), ("int8", "w8a16"), ("int8", "w8a8"),
-                                               ("int4", "w4a16"), ("int4", "w4a8"), ("planes", "w8a8")])
+                                               ("int4", "w4a16"), ("int4", "w4a8"), ("planes", "w8a8"),
+                                               ("planes", "full")])
 def test_many_token_tiles_keep_every_rows_bits(storage, mode_name):
     """The K chunks of a split walked in one program add up as the split's partials do, bit for bit, and larger M
     and N tiles leave each row's bits as they are; linear takes those tiles past BLOCK_M rows."""
@@ -430,13 +431,16 @@ def test_many_token_tiles_keep_every_rows_bits(storage, mode_name):
     y = launch(x, weight, mode, split)
     for cfg in (replace(split, in_program=True), replace(split, block_m=32, block_n=32, in_program=True)):
         assert torch.equal(launch(x, weight, mode, cfg), y), cfg
-    x = torch.randn(80, 256).bfloat16()  # past decode's BLOCK_M and the first bucket
     fmt, act = triton_linear.kernel_format(weight, mode), mode.act_bits is not None
     retiled = triton_linear.kernel_kind(fmt, act, 64) in triton_linear.MANY_TOKENS and not swap
-    assert (triton_linear.tile_config(fmt, act, 40, 256, 64, 80).block_m > triton_linear.BLOCK_M) == retiled
-    y = triton_linear.linear(x, weight, mode, None)
-    for i in (0, 79):
-        assert torch.equal(y[i], triton_linear.linear(x[i:i + 1], weight, mode, None)[0])
+    for m in (40, 80):  # past decode's BLOCK_M: in the first bucket and past it
+        x = torch.randn(m, 256).bfloat16()
+        first = triton_linear.MANY_TOKENS.get(triton_linear.kernel_kind(fmt, act, 64), [(64, None, None)])[0]
+        grows = retiled and (m > 64 or first[1] is not None)
+        assert (triton_linear.tile_config(fmt, act, 40, 256, 64, m).block_m > triton_linear.BLOCK_M) == grows
+        y = triton_linear.linear(x, weight, mode, None)
+        for i in (0, m - 1):
+            assert torch.equal(y[i], triton_linear.linear(x[i:i + 1], weight, mode, None)[0])
     if storage == "dense":  # past 256 rows: the last bucket's wider tiles and K tiles of 64
         x = torch.randn(300, 256).bfloat16()
         assert triton_linear.tile_config(fmt, act, 40, 256, 64, 300).block_k == 64

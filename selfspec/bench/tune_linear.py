@@ -84,7 +84,8 @@ _MMA_SYNC = [(32, 128, 4, 3, False), (32, 128, 4, 3, True), (32, 256, 8, 3, True
              (32, 128, 8, 3, True), (64, 128, 4, 3, True)]  # the last one on wgmma: shows the bits it changes
 _ANY = [(64, 128, 4, 3, False), (64, 128, 4, 3, True), (128, 128, 8, 3, True), (128, 256, 8, 2, True),
         (128, 128, 4, 3, True)]
-MANY_CANDIDATES = {"bf16": _MMA_SYNC, "int8": _MMA_SYNC, "nibble": _MMA_SYNC, "int8-act": _ANY, "nibble-act": _ANY}
+MANY_CANDIDATES = {"bf16": _MMA_SYNC, "int8": _MMA_SYNC, "nibble": _MMA_SYNC, "planes": _MMA_SYNC, "int8-act": _ANY,
+                   "nibble-act": _ANY}
 MANY_KERNELS = {**KERNELS, "w4a4": ("int4", "w4a4")}
 
 

@@ -587,13 +587,18 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 #   docs/bench-h100/gemm-bf16-tiles-probe.json;
 # - speed: each bucket's tiles beat the decode tiles at M = 64 to 4096 (gemm bench), but for the nibble kernel with
 #   bf16 activations at M <= 64, and where its decode tiles are 256 wide (one nibble plane over few K pieces: gate/up
-#   and down of 8B models), whose long programs stayed faster at every M: those keep their decode tiles.
+#   and down of 8B models), whose long programs stayed faster at every M: those keep their decode tiles. Both
+#   planes (`planes`, the `full` mode) differ: their 32-row tiles took 0.80-0.86x the decode tiles' time at M = 32
+#   and 64 on every 8B layer (0.97-1.03x at 40 and 48), the same bits (docs/bench-h100/gemm-rows-32.md): a
+#   batch-32 verify-mode step reads each weight tile's two planes once, not twice.
 MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
     "int8-act": [(64, (64, 128, 4, 3, False), (64, 128, 4, 3, False)),
                  (256, (64, 128, 4, 3, True), (128, 128, 8, 3, False)),
                  (1 << 62, (128, 128, 8, 3, True), (128, 128, 8, 3, False))],
     "nibble-act": [(64, None, None), (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
     "nibble": [(64, None, None), (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
+    "planes": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
+               (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
     "bf16": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
              (256, (64, 128, 4, 4, True, 64), (128, 128, 8, 3, False, 64)),
              (1 << 62, [(128, 256, 8, 3, True, 64), (128, 128, 8, 3, True, 128)],
@@ -605,7 +610,7 @@ MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
 def kernel_kind(fmt: int, act: bool, group: int) -> str:
     """Which row of MANY_TOKENS a GEMM takes."""
     if uses_nibble_kernel(fmt, act, group):
-        return "nibble-act" if act else "nibble"
+        return "nibble-act" if act else "planes" if fmt == FULL.value else "nibble"
     if act:
         return "int8-act"
     return "bf16" if fmt == DENSE.value else "int8"
