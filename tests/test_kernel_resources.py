@@ -32,3 +32,12 @@ def test_bad_tiles_say_what_to_write():
     run = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--tiles", "64x128"], env=env,
                          capture_output=True, text=True)
     assert run.returncode != 0 and "BLOCK_MxBLOCK_NxWARPS" in run.stderr
+
+
+def test_quantized_attention_tiles_fit_registers_on_their_warps():
+    """Every tile height of the quantized attention, on the one NUM_WARPS they share, issues mma.sync without
+    spilling (4 warps spill at 32 query rows)."""
+    rows = report("--attention", "--warps", "4", "8")
+    fits = [r for r in rows if r[0].endswith(" x 8")]
+    assert len(fits) == 6 and all(r[3] == "0" and 0 < int(r[2]) <= 255 and r[5] == "mma.sync" for r in fits)
+    assert any(r[0] == "32 x 4" and int(r[3]) > 0 for r in rows)
