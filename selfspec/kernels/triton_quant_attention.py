@@ -88,8 +88,10 @@ def _softmax_step(m, l, acc, k, v, q, live):
     live key keeps m, l and acc as they were, bit for bit."""
     scores = tl.where(live, tl.dot(q, tl.trans(k)), float("-inf"))  # [BLOCK_R, BLOCK_N]
     m_new = tl.maximum(m, tl.max(scores, 1))
-    alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
-    p = tl.where(live, tl.exp(scores - m_new[:, None]), 0.0)
+    none = m_new == float("-inf")  # no live key yet: what the exponents subtract is then any finite number
+    m_sub = tl.where(none, 0.0, m_new)
+    alpha = tl.where(none, 1.0, tl.exp(m - m_sub))
+    p = tl.where(live, tl.exp(scores - m_sub[:, None]), 0.0)
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p, v)
     return m_new, l, acc
