@@ -142,7 +142,7 @@ def attention_table(warps: list[int]) -> None:
     print("| query rows x warps | KV read | registers | stack bytes | shared bytes | MMA |\n|---|---|---|---|---|---|")
     for name, (fmt, upper) in (("int8", ("int8", False)), ("hier both planes", ("hier", False)),
                                ("hier upper plane", ("hier", True))):
-        for block_r in (16, tqa.MAX_ROWS):
+        for block_r in (tqa.TILE_ROWS, 2 * tqa.TILE_ROWS):  # the tile, and the taller one it does not use
             for w in warps:
                 r = resources(compile_quant_attention(fmt, upper, block_r, w))
                 print(f"| {block_r} x {w} | {name} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} |")

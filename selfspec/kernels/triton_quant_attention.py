@@ -5,8 +5,8 @@ full-precision buffer. Both are paged: the quantized groups in blocks read throu
 buffer in a block of its own per row (cache/quant_kv.py QuantLayer).
 
 A program serves every query of a sequence row that reads one kv head: the T query tokens x the query heads of the
-kv head (GQA) are the rows of its tensor-core dots (a tile of 16 rows, 32 past 16; past 32 the rows are split over
-programs of 32), so a verify pass reads each key once. The quantized keys are split into chunks of whole groups
+kv head (GQA) are the rows of its tensor-core dots (tiles of 16 rows; past 16 the rows are split over programs of 16),
+so a verify pass of up to 4 tokens at 4 query heads a kv head reads each key once. The quantized keys are split into chunks of whole groups
 (CHUNK_KEYS, a multiple of G): one program per (row, kv head, slice of query rows, chunk) loads the chunk's codes
 (INT8, or one or both INT4 planes, two codes a byte), dequantizes them in registers with the group's per-channel
 key scales and the per-token value scales, and runs an online softmax over the chunk (scores and the weighted sum
@@ -16,8 +16,9 @@ second kernel merges each query head's chunk states (max, sum, accumulator) by l
 
 Batch invariance: a query's chunks and the steps of keys within them sit at offsets set by its position alone and
 are walked in a fixed order; a step whose keys a query masks entirely (read for the other queries) leaves its state
-bit for bit as it was; and the tile's height does not change how a query's row is reduced (one NUM_WARPS for every
-height). So a query's result does not depend on the other queries of the call.
+bit for bit as it was; and every program has the one tile shape (16 rows, NUM_WARPS): on an H100, 32-row tiles on 8
+warps (which do not spill) reduced a row differently from 16-row ones (greedy speculative != AR) and 8 warps made
+decode 1.8x slower than 4. So a query's result does not depend on the other queries of the call.
 """
 from __future__ import annotations
 
@@ -34,15 +35,13 @@ from selfspec.kernels.reference import quantized_attention as reference_quantize
 CHUNK_KEYS = 256  # quantized keys per program (rounded to whole groups)
 MIN_GROUP = 16  # smaller KV groups take the reference
 BLOCK_N = 32  # keys per step of a program's online softmax (at most a group: a step reads one group's scales)
-MAX_ROWS = 32  # query rows (tokens x query heads) per program: more take more programs
-NUM_WARPS = 8  # every tile height alike (a query's reduction order must not depend on it); 4 spill at 32 rows
+TILE_ROWS = 16  # query rows (tokens x query heads) per program, whatever the pass: more take more programs
+NUM_WARPS = 4  # 8 warps: 1.8x slower decode at 128k keys on an H100 (docs/long-context.md)
 
 
 def tile_rows(rows: int) -> tuple[int, int]:
-    """Query rows of one (sequence row, kv head) -> (rows per tile, programs): 16-row tiles up to 16 rows, else
-    MAX_ROWS, as many programs as it takes."""
-    block = 16 if rows <= 16 else MAX_ROWS
-    return block, -(-rows // block)
+    """Query rows of one (sequence row, kv head) -> (rows per tile, programs)."""
+    return TILE_ROWS, -(-rows // TILE_ROWS)
 
 
 @triton.jit

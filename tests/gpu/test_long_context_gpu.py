@@ -1,6 +1,6 @@
 """The long-context benchmarks on the GPU: the quantized attention they time (captured in a CUDA graph, positions
-given on the host) computes what the eager call does, a verify pass's queries keep their bits in 16- and 32-row
-tiles at Llama-3-8B heads, and the tiny runs go through (Triton kernels, graphs)."""
+given on the host) computes what the eager call does, a verify pass's queries keep their bits whichever program
+of the pass takes them at Llama-3-8B heads, and the tiny runs go through (Triton kernels, graphs)."""
 import json
 
 import pytest
@@ -38,9 +38,9 @@ def test_tiny_run_times_every_kernel(tmp_path):
 
 @pytest.mark.parametrize("fmt,upper", [("int8", False), ("hier", False), ("hier", True)])
 def test_verify_pass_queries_keep_their_bits_in_every_tile(fmt, upper):
-    """4 query heads a kv head: a pass of 9 queries across a group boundary (36 rows: two programs of 32-row tiles),
-    its first 4 (16 rows, a 16-row tile), its last 5 (20 rows, a 32-row tile) and each query alone (4 rows) give
-    each query the same bits, close to the reference."""
+    """4 query heads a kv head: a pass of 9 queries across a group boundary (36 rows: three programs), its first 4
+    (16 rows, one program), its last 5 (20 rows, two) and each query alone (4 rows) give each query the same bits,
+    close to the reference."""
     heads, context, t = lc.LLAMA_3_8B, 1020, 9
     cache = lc.quant_cache(heads, fmt, context, t, 1, torch.device("cuda"))
     kv = cache.layer(0)
