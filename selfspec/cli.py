@@ -182,8 +182,9 @@ GPU_BENCHES = {
     "tune": ("tune_linear", "search the linear kernel's tile configs"),
     "lookup": ("lookup", "host cost of the n-gram lookup drafter per round (batch x history length)"),
     "trees": ("trees", "accepted drafts per round of chain vs tree drafters on a real model (CPU or GPU)"),
-    "resources": ("kernel_resources", "registers, spills and MMA instruction of linear tile configs (sm_90, no GPU)"),
+    "resources": ("kernel_resources", "registers, spills, MMA of linear and quantized-attention tiles (sm_90, no GPU)"),
     "long_context": ("long_context", "quantized KV cache at 4k-128k context: attention time, KV memory, step times"),
+    "quant_attention": ("quant_attention", "quantized KV attention vs bf16 at 16k-128k, decode and verify queries"),
 }
 CPU_BENCHES = ("trace", "lookup", "trees", "resources", "spec")  # spec: --tables --device cpu
 

@@ -602,6 +602,28 @@ def test_quantized_attention_matches_reference_and_is_query_invariant(fmt, upper
     assert torch.equal(alone, out[:1, :, 3:4])  # a query's bits do not depend on the others of the call
 
 
+@pytest.mark.parametrize("fmt,upper", [("int8", False), ("hier", False), ("hier", True)])
+def test_quantized_attention_verify_rows_share_a_program_bitwise(fmt, upper, monkeypatch):
+    """A pass's tokens x the query heads of a kv head are the rows of one program: 1 token of 4 heads, 3 tokens (12
+    rows), 9 tokens (36 rows: three programs of 16-row tiles). Each query gives the reference's values and the same
+    bits in all three, its quantized range and buffer steps unlike its neighbours' (the passes cross a group
+    boundary)."""
+    monkeypatch.setattr(triton_quant_attention, "CHUNK_KEYS", 32)
+    assert [triton_quant_attention.tile_rows(n) for n in (4, 12, 36)] == [(16, 1), (16, 1), (16, 3)]
+    cache = filled_quant_cache(fmt, 87)
+    kv = cache.layer(0)
+    q = torch.randn(2, 8, 9, 16, generator=torch.Generator().manual_seed(2))
+    q_pos = torch.stack([torch.arange(94, 103), torch.arange(87, 105, 2)])  # quantized below 64, then 80
+    ref = reference_op("quantized_attention")(q, kv, q_pos, upper)
+    out = triton_quant_attention.quantized_attention(q, kv, q_pos, upper)
+    assert rel_err(out, ref) < 1e-5
+    three = triton_quant_attention.quantized_attention(q[:, :, 5:8], kv, q_pos[:, 5:8], upper)  # rows 20..31 of 9
+    assert torch.equal(three, out[:, :, 5:8]) and rel_err(three, ref[:, :, 5:8]) < 1e-5
+    for t in (1, 8):  # a query alone (4 rows) against its place in the first and in the last program
+        alone = triton_quant_attention.quantized_attention(q[:1, :, t:t + 1], kv, q_pos[:1, t:t + 1], upper)
+        assert torch.equal(alone, out[:1, :, t:t + 1]) and rel_err(alone, ref[:1, :, t:t + 1]) < 1e-5
+
+
 @pytest.mark.parametrize("fmt,upper", [("int8", False), ("hier", True)])
 def test_quantized_attention_reads_paged_blocks(fmt, upper, monkeypatch):
     """The serving engine's paged cache: two sequences at different lengths, their blocks interleaved in the pool,

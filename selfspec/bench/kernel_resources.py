@@ -1,10 +1,12 @@
-"""Registers, spills, shared memory and tensor-core instruction of the linear kernel's tile configs, compiled for
-an H100 (sm_90) on any machine, GPU or not: Triton compiles ahead of time and ships ptxas and cuobjdump.
+"""Registers, spills, shared memory and tensor-core instruction of the linear kernel's tile configs and of the
+quantized attention's tiles, compiled for an H100 (sm_90) on any machine, GPU or not: Triton compiles ahead of time
+and ships ptxas and cuobjdump.
 
 A config that spills registers to the stack is slow however it is tuned (docs/bench-h100/gemm-many-tokens.md), and
 whether Triton issues mma.sync or wgmma decides a row's bits: both show here before any GPU time is spent.
 
 python -m selfspec.bench.kernel_resources --mode full --tiles 16x128x4 32x128x4 64x64x4 [--split 4]
+python -m selfspec.bench.kernel_resources --attention [--warps 4 8]  (Llama-3-8B heads, KV group 128)
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from selfspec.kernels import triton_linear as tlin
+from selfspec.kernels import triton_quant_attention as tqa
 from selfspec.quant.modes import MODES
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -65,6 +68,26 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
+def compile_quant_attention(fmt: str, upper: bool, block_r: int, warps: int, dim: int = 128,
+                            group: int = 128) -> triton.compiler.CompiledKernel:
+    """The quantized attention's chunk kernel over `fmt` ("int8" or "hier"; the upper plane alone where `upper`)
+    with tiles of block_r query rows on `warps` warps, compiled for sm_90 (no launch, no GPU)."""
+    hier = fmt == "hier"
+    sig = dict.fromkeys(("kq0", "kq1", "vq0", "vq1"), "*u8")
+    sig.update(dict.fromkeys(("pos_ptr", "table_ptr", "buf_ptr", "start_ptr"), "*i64"))
+    sig.update(dict.fromkeys(("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"), "*fp16"))
+    sig.update(dict.fromkeys(("q_ptr", "kb_ptr", "vb_ptr"), "*bf16"))
+    sig.update(dict.fromkeys(("m_ptr", "l_ptr", "acc_ptr"), "*fp32"))
+    sig["sm_scale"] = "fp32"
+    sig.update(dict.fromkeys(("T", "HQ", "HKV", "QBS", "W", "D", "BS", "N_CHUNKS", "N_SLICES", "sqb", "sqh", "sqt"),
+                             "i32"))
+    consts = dict(G=group, CHUNK=max(group, tqa.CHUNK_KEYS // group * group), FMT_HIER=hier, UPPER=upper,
+                  BLOCK=min(tqa.BLOCK_N, group), BLOCK_R=block_r, BLOCK_D=dim, BLOCK_W=dim // 2 if hier else dim)
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    return triton.compile(ASTSource(tqa._quant_attention_chunks, sig, consts), target=H100,
+                          options=dict(num_warps=warps))
+
+
 def resources(kernel: triton.compiler.CompiledKernel) -> Resources:
     """What ptxas gave the compiled kernel (cuobjdump's resource usage of its cubin)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -96,9 +119,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--split", type=int, default=1, help="K chunks (walked in one program past 16 rows)")
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--swap", action="store_true", help="the weight tile as the dot's left operand")
+    ap.add_argument("--attention", action="store_true",
+                    help="the quantized attention's tiles (16 and 32 query rows) per KV format instead")
+    ap.add_argument("--warps", type=int, nargs="+", default=[tqa.NUM_WARPS], help="with --attention")
     args = ap.parse_args(argv)
     if tlin.INTERPRETING:
         ap.error("TRITON_INTERPRET=1 is set: interpreted kernels do not compile; unset it")
+    if args.attention:
+        attention_table(args.warps)
+        return
     print(f"{args.mode}, K {args.k} in tiles of {args.block_k}, split {args.split}, {args.stages} stages, sm_90")
     print("| tiles (M x N x warps) | registers | stack bytes | shared bytes | MMA |\n|---|---|---|---|---|")
     for block_m, block_n, warps in args.tiles:
@@ -106,6 +135,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                               in_program=block_m > tlin.BLOCK_M and args.split > 1)
         r = resources(compile_linear(args.mode, cfg, args.k))
         print(f"| {block_m} x {block_n} x {warps} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} |")
+
+
+def attention_table(warps: list[int]) -> None:
+    print("quantized attention, Llama-3-8B heads (head dim 128), KV group 128, sm_90")
+    print("| query rows x warps | KV read | registers | stack bytes | shared bytes | MMA |\n|---|---|---|---|---|---|")
+    for name, (fmt, upper) in (("int8", ("int8", False)), ("hier both planes", ("hier", False)),
+                               ("hier upper plane", ("hier", True))):
+        for block_r in (tqa.TILE_ROWS, 2 * tqa.TILE_ROWS):  # the tile, and the taller one it does not use
+            for w in warps:
+                r = resources(compile_quant_attention(fmt, upper, block_r, w))
+                print(f"| {block_r} x {w} | {name} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} |")
 
 
 if __name__ == "__main__":

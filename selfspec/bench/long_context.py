@@ -136,9 +136,11 @@ def median_us(fns: list[Callable[[], object]], device: torch.device) -> float:
     return 1e6 * statistics.median(times)
 
 
-def attention_rows(heads: Heads, context: int, queries: int, sinks: int, device: torch.device) -> list[dict]:
-    """One row per kernel: microseconds of one layer's attention of `queries` queries at positions context..,
-    the bytes it reads, and its effective bandwidth. Each kernel cycles through enough caches to stream from HBM."""
+def attention_rows(heads: Heads, context: int, queries: int, sinks: int, device: torch.device,
+                   names: tuple[str, ...] = KERNELS) -> list[dict]:
+    """One row per kernel of `names` (bf16 first): microseconds of one layer's attention of `queries` queries at
+    positions context.., the bytes it reads, and its effective bandwidth. Each kernel cycles through enough caches
+    to stream from HBM."""
     pos = context + torch.arange(queries, device=device)[None]
     last = context + queries - 1
     q = torch.randn(1, heads.q, queries, heads.dim, device=device, dtype=torch.bfloat16)
@@ -147,6 +149,8 @@ def attention_rows(heads: Heads, context: int, queries: int, sinks: int, device:
     rows = []
 
     def add(kernel: str, fns: list[Callable[[], object]], nbytes: int, **extra) -> None:
+        if kernel not in names:
+            return
         us = median_us(fns, device)
         rows.append({"part": "attention", "context": context, "queries": queries, "kernel": kernel, "us": us,
                      "read_bytes": nbytes, "gb_s": nbytes / us / 1e3, **extra})
@@ -155,24 +159,25 @@ def attention_rows(heads: Heads, context: int, queries: int, sinks: int, device:
     bf16_bytes = read_bytes(heads, "bf16", False, last)
     paged = [paged_bf16(heads, context + queries, device) for _ in range(n_copies)]
     add("bf16", [partial(attend, q, k, v, table, pos) for k, v, table in paged], bf16_bytes)
-    if queries == 1:  # the sparse baseline is a draft: its verify pass is the full bf16 attention above
+    if queries == 1 and "sparse" in names:  # a draft: its verify pass is the full bf16 attention above
         sink_blocks, window_blocks = sparse_blocks(heads, context, sinks)
         views = [(k, v, *sparse_view(table, context, sink_blocks, window_blocks)) for k, v, table in paged]
         keys = views[0][3] + 1  # the sink blocks' keys and the window's up to the query
         add("sparse", [partial(attend, q, k, v, table, torch.full_like(pos, at)) for k, v, table, at in views],
             read_bytes(heads, "bf16", False, keys - 1), sink_blocks=sink_blocks, window_blocks=window_blocks)
     del paged
-    contiguous = [KVCache(1, 1, heads.kv, context + queries, heads.dim, torch.bfloat16, device)
-                  for _ in range(n_copies)]
-    for c in contiguous:
-        c.k.normal_()
-        c.v.normal_()
-    add("bf16-contiguous", [partial(attend, q, c.k[0], c.v[0], c.table, pos) for c in contiguous], bf16_bytes)
-    del contiguous
+    if "bf16-contiguous" in names:
+        contiguous = [KVCache(1, 1, heads.kv, context + queries, heads.dim, torch.bfloat16, device)
+                      for _ in range(n_copies)]
+        for c in contiguous:
+            c.k.normal_()
+            c.v.normal_()
+        add("bf16-contiguous", [partial(attend, q, c.k[0], c.v[0], c.table, pos) for c in contiguous], bf16_bytes)
+        del contiguous
     quant_attend = kernels.lookup("quantized_attention", "", device.type)
     if device.type == "cuda":  # the positions known on the host: no sync inside the call, so graphs capture it
         quant_attend = partial(quant_attend, max_pos=last)
-    for fmt in ("int8", "hier"):
+    for fmt in {QUANT_KERNELS[k][0]: None for k in names if k in QUANT_KERNELS}:
         one = read_bytes(heads, fmt, False, last)
         n = copies_past_l2(one) if device.type == "cuda" else 1
         caches = [quant_cache(heads, fmt, context, queries, 1, device) for _ in range(n)]
