@@ -16,9 +16,9 @@ second kernel merges each query head's chunk states (max, sum, accumulator) by l
 
 Batch invariance: a query's chunks and the steps of keys within them sit at offsets set by its position alone and
 are walked in a fixed order; a step whose keys a query masks entirely (read for the other queries) leaves its state
-bit for bit as it was; and every program has the one tile shape (16 rows, NUM_WARPS): on an H100, 32-row tiles on 8
-warps (which do not spill) reduced a row differently from 16-row ones (greedy speculative != AR) and 8 warps made
-decode 1.8x slower than 4. So a query's result does not depend on the other queries of the call.
+bit for bit as it was; and every program has the one tile shape (16 rows on NUM_WARPS), so how a row is reduced cannot
+depend on the pass (on an H100, 8 warps, which 32-row tiles need not to spill, made decode 1.8x slower than 4). So
+a query's result does not depend on the other queries of the call.
 """
 from __future__ import annotations
 
