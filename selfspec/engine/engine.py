@@ -62,7 +62,7 @@ DEFAULT_TOKENS_PER_SEQ = 1024  # default pool: max_batch sequences of this many 
 DEFAULT_PREFILL_CHUNK = 2048
 # Decode steps a newcomer's prompt may wait, while other sequences decode, for more prompts to share its prefill
 # pass. A prompt pass costs far more than its tokens' share when it carries few: on the H100 (8B shape, `full`, CUDA
-# graphs) one 512-token prompt takes 28 ms alone, two 38 ms and four 65 ms in one pass (every integer weight is
+# graphs) one 512-token prompt takes 26 ms alone, two 38 ms and four 65 ms in one pass (every integer weight is
 # dequantized once per pass); eager, before the graphs, 70 and 74 ms (docs/gpu.md, "Serving").
 DEFAULT_PREFILL_WAIT = 8
 
