@@ -6,14 +6,26 @@ import json
 
 import pytest
 
-from selfspec.bench import quant_attention as qa
 from selfspec.errors import SelfspecError
-from selfspec.kernels import triton_quant_attention as tqa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_tiny_run_times_decode_and_verify_of_every_format(tmp_path, capsys, monkeypatch):
+# Imported when a test runs, not at collection: tests/test_triton_kernels.py sets TRITON_INTERPRET=1 as it is
+# collected, and kernels defined before that would be compiled ones, which a CPU cannot launch.
+@pytest.fixture
+def qa():
+    from selfspec.bench import quant_attention
+    return quant_attention
+
+
+@pytest.fixture
+def tqa():
+    from selfspec.kernels import triton_quant_attention
+    return triton_quant_attention
+
+
+def test_tiny_run_times_decode_and_verify_of_every_format(qa, tqa, tmp_path, capsys, monkeypatch):
     for name in ("CHUNK_KEYS", "BLOCK_N", "NUM_WARPS"):  # the run sets them: restored after the test
         monkeypatch.setattr(tqa, name, getattr(tqa, name))
     path = tmp_path / "qa.json"
@@ -33,12 +45,12 @@ def test_tiny_run_times_decode_and_verify_of_every_format(tmp_path, capsys, monk
 
 
 @pytest.mark.parametrize("argv", [["--queries", "16"], ["--block-n", "24"], ["--warps", "3"], ["--contexts", "0"]])
-def test_bad_arguments_are_clear_errors(argv):
+def test_bad_arguments_are_clear_errors(qa, argv):
     with pytest.raises(SelfspecError):
         qa.main(["--tiny", *argv])
 
 
-def test_needs_a_gpu_but_tiny():
+def test_needs_a_gpu_but_tiny(qa):
     import torch
 
     if torch.cuda.is_available():

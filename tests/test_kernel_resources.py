@@ -8,8 +8,6 @@ import sys
 
 import pytest
 
-from selfspec.kernels import triton_quant_attention as tqa
-
 pytest.importorskip("triton")
 
 
@@ -39,6 +37,8 @@ def test_bad_tiles_say_what_to_write():
 def test_quantized_attention_tile_issues_mma_sync():
     """The quantized attention's one tile (16 query rows on NUM_WARPS) runs its dots on mma.sync for every KV
     read; the table also shows the 32-row tiles on 4 warps spilling registers."""
+    from selfspec.kernels import triton_quant_attention as tqa  # here: collection must not define its kernels
+
     rows = report("--attention", "--warps", "4", "8")
     tile = [r for r in rows if r[0] == f"{tqa.TILE_ROWS} x {tqa.NUM_WARPS}"]
     assert len(tile) == 3 and all(0 < int(r[2]) <= 255 and r[5] == "mma.sync" for r in tile)
