@@ -12,9 +12,9 @@ python -m selfspec.bench.long_context [--contexts 4096 8192 ... 131072] [--gamma
    through QuantKVCache (the layout decode reads).
 2. memory: bytes of the whole model's KV cache per format (QuantKVCache / KVCache nbytes: codes, scales, zeros and
    the full-precision buffer) against bf16, and the peak GPU memory of a decode step (part 3).
-3. steps: eager forward passes of the synthetic 8B model (random weights) at each context: AR (bf16 weights, bf16
-   KV) and each recipe's verify (gamma + 1 tokens) and draft step, and the speedup over AR predicted from these
-   step costs and an acceptance rate.
+3. steps: forward passes of the synthetic 8B model (random weights) at each context, replayed as CUDA graphs (as
+   decode runs them): AR (bf16 weights, bf16 KV) and each recipe's verify (gamma + 1 tokens) and draft step, and
+   the speedup over AR predicted from these step costs and an acceptance rate.
 
 --tiny runs parts 1 and 2 on the CPU with tiny heads and contexts (torch references, not the Triton kernels).
 """
@@ -208,8 +208,9 @@ def memory_rows(heads: Heads, contexts: list[int]) -> list[dict]:
 
 
 def step_rows(contexts: list[int], gamma: int, log: Callable[[str], None]) -> list[dict]:
-    """Eager forward passes of the synthetic 8B model at each context that fits: AR (bf16 weights and KV) and each
-    recipe's verify (gamma + 1 tokens) and draft pass, with the peak GPU memory of each."""
+    """Forward passes of the synthetic 8B model at each context that fits (CUDA graph replays on the GPU, each
+    pass rewriting the same positions' KV): AR (bf16 weights and KV) and each recipe's verify (gamma + 1 tokens)
+    and draft pass, with the peak GPU memory of each."""
     from selfspec.bench.synthetic import synthetic_model
 
     max_len = max(contexts) + gamma + 1
@@ -238,7 +239,8 @@ def step_rows(contexts: list[int], gamma: int, log: Callable[[str], None]) -> li
             for kind, mode, tokens in passes:
                 tok = torch.randint(0, model.cfg.vocab_size, (1, tokens), device=model.device)
                 pos = context + torch.arange(tokens, device=model.device)[None]
-                ms = time_ms(partial(model, tok, pos, cache, mode), warmup=3, reps=10)
+                step = partial(model, tok, pos, cache, mode)
+                ms = graph_time_ms([step], rounds=1) if model.device.type == "cuda" else time_ms(step, reps=10)
                 torch.cuda.reset_peak_memory_stats()
                 model(tok, pos, cache, mode)
                 peak = torch.cuda.max_memory_allocated()
@@ -429,8 +431,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if "memory" in parts:
         print(f"\n## KV memory ({heads.layers} layers, nbytes of the cache objects)\n\n" + memory_table(rows))
     if any(r["part"] == "steps" for r in rows):
-        print(f"\n## Forward passes of the synthetic {SHAPE} (random weights), eager for every format alike (a "
-              "quantized KV cache runs eagerly in llm.py)\n\n" + steps_table(rows))
+        print(f"\n## Forward passes of the synthetic {SHAPE} (random weights), CUDA graph replays for every format "
+              "alike\n\n" + steps_table(rows))
         print("\n## Predicted from step costs and acceptance a (not measured end to end)\n\n" + prediction_table(rows))
 
 

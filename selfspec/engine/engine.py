@@ -226,8 +226,9 @@ class Engine:
             llm.drafter.store_for(self.cache)
         self.policy = policy or GammaPolicy(max_gamma if llm.drafter is not None else 0)
         self.accept = accept
-        # A quantized KV cache moves each sequence's buffer on the host between passes: it runs eagerly (as
-        # llm.py); under tensor parallelism no graphs (engine/graphs.py), so no warm-up pass only rank 0 would run.
+        # A quantized KV cache runs eagerly here (its batch views have no static, padded form yet; solo decoding in
+        # llm.py graphs it); under tensor parallelism no graphs (engine/graphs.py), so no warm-up pass only rank 0
+        # would run.
         on_gpu = llm.model.device.type == "cuda" and not quant_kv and self.tp.size == 1
         self.runner = PagedGraphedModel(llm.model, self.cache, self.max_len) if on_gpu else llm.model
         self.waiting: deque[Sequence] = deque()

@@ -45,8 +45,8 @@ class LLM:
         self.model = model
         model.set_kv_format(recipe.kv, recipe.kv_group)
         # On the GPU, decode steps replay CUDA graphs (the host would otherwise set the speed); a quantized KV
-        # cache moves its buffer on the host between passes, so it runs eagerly.
-        graphed = model.device.type == "cuda" and recipe.kv == "bf16"
+        # cache settles its buffer between passes, eagerly, outside the graphs.
+        graphed = model.device.type == "cuda"
         self.runner = GraphedModel(model) if graphed else model
         self.tokenizer = tokenizer
         self.recipe = recipe

@@ -192,8 +192,10 @@ def _merge_chunks(m_ptr, l_ptr, acc_ptr, out_ptr, N_STATES, D, BLOCK_D: tl.const
 
 def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper: bool,
                         max_pos: int | None = None) -> torch.Tensor:
-    """kernels/ops.py `quantized_attention`. max_pos: the largest of q_pos where the caller knows it, so the call
-    needs no host sync and a CUDA graph can capture it (bench/long_context.py)."""
+    """kernels/ops.py `quantized_attention`. The grid covers the quantized groups up to max_pos, by default every
+    position the rows' block tables hold (chunks past a row's quantized range are empty and merge as nothing, so a
+    query's bits do not depend on it): no host sync, and a CUDA graph captures the call. A caller that knows the
+    largest of q_pos may pass it to launch no empty chunks (bench/long_context.py)."""
     quant = kv.quant
     g = quant.group
     if g & (g - 1):
@@ -203,8 +205,9 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
     b, hq, t, dim = q.shape
     hkv, qbs = quant.keys[0].shape[1], quant.keys[0].shape[2]
     chunk = max(g, CHUNK_KEYS // g * g)
-    max_pos = int(q_pos.max()) if max_pos is None else max_pos
-    n_chunks = -(-int(quantized_below(torch.tensor(max_pos), g)) // chunk)
+    capacity = quant.table.shape[1] * qbs  # positions the block tables hold: every quantized range lies below
+    quantized = capacity if max_pos is None else min(capacity, int(quantized_below(torch.tensor(max_pos), g)))
+    n_chunks = -(-quantized // chunk)
     block_r, n_slices = tile_rows(t * (hq // hkv))
     states = b * t * hq * (n_chunks + 1)
     m = torch.empty(states, dtype=torch.float32, device=q.device)
