@@ -9,8 +9,8 @@ import torch
 
 from conftest import tiny_model
 from selfspec.bench import tables
-from selfspec.bench.spec import decode_speed
-from selfspec.bench.traces import TRACE_DIR, PassLog, Round, Trace, from_json, load, record, replay
+from selfspec.bench.spec import decode_speed, replayable_traces, unreplayable
+from selfspec.bench.traces import TASKS, TRACE_DIR, PassLog, Round, Trace, from_json, load, record, replay
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES
@@ -64,6 +64,40 @@ def test_old_traces_load():
         assert {(r.kind, r.draft_steps, r.verified) for r in t.tasks[task]} == {("draft", g, g + 1)}
     cut = Round("draft", 8, 8, 1, 9, 6).cut(3)
     assert cut == Round("draft", 3, 3, 1, 4, 3)
+
+
+@pytest.mark.parametrize("path", sorted(TRACE_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_committed_trace_is_well_formed(path):
+    """Every committed trace loads, each round's fields agree with its kind and its verify pass, no round drafts
+    past the trace's gamma, and a recorded (v2) trace commits the tokens it was recorded for on every task."""
+    raw, t = json.loads(path.read_text()), load(path)
+    assert t.tasks and set(t.tasks) <= set(TASKS) and all(t.tasks.values())
+    for task, rounds in t.tasks.items():
+        for r in rounds:
+            assert r.verified % r.branches == 0 and r.proposed == r.verified - r.branches
+            assert 0 <= r.accepted <= r.width <= t.gamma and 0 <= r.draft_steps <= r.width
+            assert r.kind == ("none" if r.proposed == 0 else "tree" if r.branches > 1
+                              else "draft" if r.draft_steps else "lookup"), r
+        if raw.get("version") == 2:
+            committed = sum(r.accepted + 1 for r in rounds)  # per prompt: max_new_tokens, up to gamma past it
+            assert t.prompts * t.max_new_tokens <= committed <= t.prompts * (t.max_new_tokens + t.gamma), task
+    assert raw.get("version", 1) == 1 or raw["fields"] == ["kind", "proposed", "draft_steps", "branches", "verified",
+                                                         "accepted"]
+    assert (unreplayable(t) is None) == (path in replayable_traces()) == (t.recipe != "draft-model")
+
+
+def test_draft_model_traces_are_named_and_skipped(tmp_path, capsys):
+    from selfspec.bench.spec import measure
+
+    rounds = [Round("draft", 3, 3, 1, 4, 2)]
+    t = Trace("big", "draft-model", "full", "full", 3, prompts=1, tasks={"gsm8k": rounds}, draft_model="small")
+    t.save(tmp_path / "t.json")
+    assert load(tmp_path / "t.json") == t and "small full" in t.label()
+    assert unreplayable(t) and replayable_traces(tmp_path) == []
+    assert measure("llama-3-8b", [tmp_path / "t.json"], [2], 16) == []  # skipped before any model is built
+    assert "skipping t.json: its draft steps are another model's (small)" in capsys.readouterr().out
+    plain = Trace("big", "planes", "upper", "full", 3, tasks={"gsm8k": rounds})
+    assert "draft_model" not in plain.to_json() and unreplayable(plain) is None
 
 
 def test_recording_logs_what_each_round_paid(tiny):
