@@ -3,6 +3,7 @@ trips and old traces load; recording logs what each round paid; a replayed round
 steps and verifies its recorded token count (checked through the passes the model ran); the tables' smoke run on a
 tiny model fills every table."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ import torch
 from conftest import tiny_model
 from selfspec.bench import tables
 from selfspec.bench.spec import decode_speed, replayable_traces, unreplayable
-from selfspec.bench.traces import TASKS, TRACE_DIR, PassLog, Round, Trace, from_json, load, record, replay
+from selfspec.bench.traces import TASKS, TRACE_DIR, PassLog, Round, Trace, from_json, load, record, record_trace, \
+    replay, trace_path
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES
@@ -118,8 +120,11 @@ def test_recording_logs_what_each_round_paid(tiny):
 def test_recording_a_draft_model_counts_its_steps_not_its_catch_up():
     from test_draft_model import make_llm
 
-    rounds = record(make_llm(), random_prompts(2, 4), 3, 6)
-    assert rounds and {(r.kind, r.draft_steps, r.verified) for r in rounds} == {("draft", 3, 4)}
+    t = record_trace(make_llm(), "tiny", {"a": random_prompts(2, 4)}, 3, 6, log=lambda *_: None)
+    assert t.rounds() and {(r.kind, r.draft_steps, r.verified) for r in t.rounds()} == {("draft", 3, 4)}
+    assert t.recipe == "draft-model" and t.draft_model == "first layer" and unreplayable(t)
+    path = trace_path(Path("out"), "tiny", t.recipe, t.draft, 0.0, 3, "full", t.draft_model)
+    assert path == Path("out/tiny.draft-model.first layer.w4a16.g3.json")
 
 
 def test_replay_pays_recorded_steps_and_verifies_recorded_tokens(tiny):
