@@ -3,14 +3,16 @@ trips and old traces load; recording logs what each round paid; a replayed round
 steps and verifies its recorded token count (checked through the passes the model ran); the tables' smoke run on a
 tiny model fills every table."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import tiny_model
 from selfspec.bench import tables
-from selfspec.bench.spec import decode_speed
-from selfspec.bench.traces import TRACE_DIR, PassLog, Round, Trace, from_json, load, record, replay
+from selfspec.bench.spec import decode_speed, replayable_traces, unreplayable
+from selfspec.bench.traces import TASKS, TRACE_DIR, PassLog, Round, Trace, from_json, load, record, record_trace, \
+    replay, trace_path
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES
@@ -66,6 +68,40 @@ def test_old_traces_load():
     assert cut == Round("draft", 3, 3, 1, 4, 3)
 
 
+@pytest.mark.parametrize("path", sorted(TRACE_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_committed_trace_is_well_formed(path):
+    """Every committed trace loads, each round's fields agree with its kind and its verify pass, no round drafts
+    past the trace's gamma, and a recorded (v2) trace commits the tokens it was recorded for on every task."""
+    raw, t = json.loads(path.read_text()), load(path)
+    assert t.tasks and set(t.tasks) <= set(TASKS) and all(t.tasks.values())
+    for task, rounds in t.tasks.items():
+        for r in rounds:
+            assert r.verified % r.branches == 0 and r.proposed == r.verified - r.branches
+            assert 0 <= r.accepted <= r.width <= t.gamma and 0 <= r.draft_steps <= r.width
+            assert r.kind == ("none" if r.proposed == 0 else "tree" if r.branches > 1
+                              else "draft" if r.draft_steps else "lookup"), r
+        if raw.get("version") == 2:
+            committed = sum(r.accepted + 1 for r in rounds)  # per prompt: max_new_tokens, up to gamma past it
+            assert t.prompts * t.max_new_tokens <= committed <= t.prompts * (t.max_new_tokens + t.gamma), task
+    assert raw.get("version", 1) == 1 or raw["fields"] == ["kind", "proposed", "draft_steps", "branches", "verified",
+                                                         "accepted"]
+    assert (unreplayable(t) is None) == (path in replayable_traces()) == (t.recipe != "draft-model")
+
+
+def test_draft_model_traces_are_named_and_skipped(tmp_path, capsys):
+    from selfspec.bench.spec import measure
+
+    rounds = [Round("draft", 3, 3, 1, 4, 2)]
+    t = Trace("big", "draft-model", "full", "full", 3, prompts=1, tasks={"gsm8k": rounds}, draft_model="small")
+    t.save(tmp_path / "t.json")
+    assert load(tmp_path / "t.json") == t and "small full" in t.label()
+    assert unreplayable(t) and replayable_traces(tmp_path) == []
+    assert measure("llama-3-8b", [tmp_path / "t.json"], [2], 16) == []  # skipped before any model is built
+    assert "skipping t.json: its draft steps are another model's (small)" in capsys.readouterr().out
+    plain = Trace("big", "planes", "upper", "full", 3, tasks={"gsm8k": rounds})
+    assert "draft_model" not in plain.to_json() and unreplayable(plain) is None
+
+
 def test_recording_logs_what_each_round_paid(tiny):
     prompts = random_prompts(4, 0)
     planes = record(tiny("planes"), prompts, 3, 8)
@@ -84,8 +120,11 @@ def test_recording_logs_what_each_round_paid(tiny):
 def test_recording_a_draft_model_counts_its_steps_not_its_catch_up():
     from test_draft_model import make_llm
 
-    rounds = record(make_llm(), random_prompts(2, 4), 3, 6)
-    assert rounds and {(r.kind, r.draft_steps, r.verified) for r in rounds} == {("draft", 3, 4)}
+    t = record_trace(make_llm(), "tiny", {"a": random_prompts(2, 4)}, 3, 6, log=lambda *_: None)
+    assert t.rounds() and {(r.kind, r.draft_steps, r.verified) for r in t.rounds()} == {("draft", 3, 4)}
+    assert t.recipe == "draft-model" and t.draft_model == "first layer" and unreplayable(t)
+    path = trace_path(Path("out"), "tiny", t.recipe, t.draft, 0.0, 3, "full", t.draft_model)
+    assert path == Path("out/tiny.draft-model.first layer.w4a16.g3.json")
 
 
 def test_replay_pays_recorded_steps_and_verifies_recorded_tokens(tiny):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.bench.traces import TRACE_DIR, Round, load, replay
+from selfspec.bench.traces import TRACE_DIR, Round, Trace, load, replay
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES, Mode
@@ -39,6 +39,22 @@ def draft_mode(recipe: str, draft: str | None) -> Mode | None:
     draft model (its steps are another model's: not replayable here)."""
     modes = draft_modes(draft) if draft and recipe != "draft-model" else []
     return MODES[modes[0]] if modes else None
+
+
+def unreplayable(t: Trace) -> str | None:
+    """Why a trace cannot be replayed on a synthetic shape, or None if it can."""
+    if t.draft_model or t.recipe == "draft-model":
+        return f"its draft steps are another model's ({t.draft_model}): a draft model's cost is not one model's"
+    if t.recipe not in PRESETS:
+        return f"recipe '{t.recipe}' is not a preset"
+    if draft_mode(t.recipe, t.draft) is None and any(r.draft_steps for r in t.rounds()):
+        return f"its rounds pay draft steps, but its drafter '{t.draft}' has no draft mode"
+    return None
+
+
+def replayable_traces(trace_dir: Path = TRACE_DIR) -> list[Path]:
+    """Every trace file in trace_dir that bench spec can replay (the default of `bench spec` and `bench all`)."""
+    return [p for p in sorted(trace_dir.glob("*.json")) if unreplayable(load(p)) is None]
 
 
 def sync(device: torch.device) -> None:
@@ -88,6 +104,9 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> 
     by_recipe: dict[str, list] = {}
     for path in traces:
         t = load(path)
+        if (why := unreplayable(t)) is not None:
+            print(f"skipping {path.name}: {why}", flush=True)
+            continue
         by_recipe.setdefault(t.recipe, []).append(t)
     for recipe, recipe_traces in by_recipe.items():
         r = PRESETS[recipe]
@@ -143,7 +162,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--tables", action="store_true", help="Quasar's tables 1-3 (bench/tables.py): "
                                                           "`--tables --help` lists their options")
     ap.add_argument("--shape", default="llama-3-8b")
-    ap.add_argument("--trace", type=Path, nargs="+", default=sorted(TRACE_DIR.glob("*.json")))
+    ap.add_argument("--trace", type=Path, nargs="+", default=replayable_traces(),
+                    help="default: every replayable trace in selfspec/bench/traces")
     ap.add_argument("--gamma", type=int, nargs="+", default=[2, 4, 6])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--json", default=None)

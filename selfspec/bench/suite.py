@@ -17,7 +17,7 @@ import torch
 
 from selfspec.bench import gemm, peer, prefill, spec, steps
 from selfspec.bench.device import copy_bandwidth
-from selfspec.bench.traces import TRACE_DIR, load
+from selfspec.bench.traces import load
 
 
 def ar_table(rows: list[dict], copy_gb_s: float) -> str:
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--gemm-m", type=int, nargs="+", default=[1, 2, 4, 9, 16, 32, 64])
     ap.add_argument("--gamma", type=int, nargs="+", default=[2, 4, 6])
     ap.add_argument("--prefill-sizes", type=prefill.size, nargs="+", default=[(1, 512), (1, 2048), (1, 8192), (8, 512)])
-    ap.add_argument("--trace", type=Path, nargs="+", default=sorted(TRACE_DIR.glob("*.json")))
+    ap.add_argument("--trace", type=Path, nargs="+", default=spec.replayable_traces(),
+                    help="default: every replayable trace in selfspec/bench/traces")
     ap.add_argument("--peer-compile", action="store_true", help="also HF with static cache + torch.compile")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

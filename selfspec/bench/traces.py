@@ -15,7 +15,9 @@ A trace (JSON, "version": 2) holds per task one row per round, `FIELDS`:
   accepted     drafts accepted (the round commits accepted + 1 tokens)
 Recorded at gamma G: replayed at k <= G (Table 3 records each gamma instead), a round is cut to k drafts (greedy
 drafts and lookups are deterministic: the first k of G are what drafting k would propose) and accepts
-min(accepted, k). Version 1 traces (a list of accepted counts per task, self-draft chains) still load.
+min(accepted, k). Version 1 traces (a list of accepted counts per task, self-draft chains) still load. A trace of
+recipe draft-model names its drafter (`draft_model`): its draft steps are another model's, so it is not replayed on
+one model (bench/spec.py skips it).
 """
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ class Trace:
     prompts: int = 0  # prompts per task
     source: str = ""
     tasks: dict[str, list[Round]] = field(default_factory=dict)
+    draft_model: str | None = None  # recipe draft-model: the model that drafts (its steps are that model's)
 
     def rounds(self, task: str | None = None) -> list[Round]:
         """One task's rounds, or every task's in turn."""
@@ -90,10 +93,11 @@ class Trace:
 
     def label(self, task: str | None = None) -> str:
         t = f"T={self.temperature:g}" if self.temperature else "greedy"
-        return f"{self.model}/{task or '+'.join(self.tasks)} ({self.draft}, {t}, gamma {self.gamma})"
+        draft = f"{self.draft_model} {self.draft}" if self.draft_model else self.draft
+        return f"{self.model}/{task or '+'.join(self.tasks)} ({draft}, {t}, gamma {self.gamma})"
 
     def to_json(self) -> dict:
-        head = {k: v for k, v in asdict(self).items() if k != "tasks"}
+        head = {k: v for k, v in asdict(self).items() if k != "tasks" and (k != "draft_model" or v)}
         return {"version": VERSION, **head, "fields": list(FIELDS),
                 "tasks": {task: [[getattr(r, f) for f in FIELDS] for r in rs] for task, rs in self.tasks.items()}}
 
@@ -110,7 +114,7 @@ def from_json(d: dict) -> Trace:
         raise SelfspecError(f"trace version {version} is not one this selfspec reads (1 or {VERSION}); "
                             "record it again with python -m selfspec.bench.traces")
     head = {k: d[k] for k in ("model", "recipe", "draft", "verify", "gamma")}
-    extra = {k: d[k] for k in ("temperature", "max_new_tokens", "prompts", "source") if k in d}
+    extra = {k: d[k] for k in ("temperature", "max_new_tokens", "prompts", "source", "draft_model") if k in d}
     if version == 1:
         g = d["gamma"]
         tasks = {task: [Round("draft", g, g, 1, g + 1, n) for n in acc] for task, acc in d["tasks"].items()}
@@ -211,7 +215,8 @@ def task_prompts(tasks: list[str], n: int) -> dict[str, list]:
 def record_trace(llm, name: str, prompts: dict[str, list], gamma: int, max_new_tokens: int,
                  temperature: float = 0.0, log=print) -> Trace:
     trace = Trace(name, llm.recipe.name, llm.recipe.draft, llm.recipe.verify, gamma, temperature, max_new_tokens,
-                  max(map(len, prompts.values())), "recorded by selfspec.bench.traces")
+                  max(map(len, prompts.values())), "recorded by selfspec.bench.traces",
+                  draft_model=llm.recipe.draft_model)
     for task, texts in prompts.items():
         rs = trace.tasks[task] = record(llm, texts, gamma, max_new_tokens, temperature)
         log(f"{trace.label(task)}: {len(rs)} rounds, mean acceptance length "
@@ -220,10 +225,10 @@ def record_trace(llm, name: str, prompts: dict[str, list], gamma: int, max_new_t
 
 
 def trace_path(out: Path, name: str, recipe: str, draft: str | None, temperature: float, gamma: int,
-               default_draft: str | None) -> Path:
-    """<model>.<recipe>[.<draft>][.t<T>][.g<gamma>].json: the plain name where draft, temperature and gamma are
-    the defaults."""
-    parts = [name, recipe]
+               default_draft: str | None, draft_model: str | None = None) -> Path:
+    """<model>.<recipe>[.<draft model>][.<draft>][.t<T>][.g<gamma>].json: the plain name where draft, temperature
+    and gamma are the defaults."""
+    parts = [name, recipe] + ([Path(draft_model).name] if draft_model else [])
     if draft != default_draft:
         parts.append(draft.replace(":", "-"))
     if temperature:
@@ -351,8 +356,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     else:
         prompts = {t: ps[: args.prompts] for t, ps in json.loads(args.prompts_file.read_text()).items()}
     trace = record_trace(llm, name, prompts, args.gamma, args.max_new_tokens, args.temperature)
-    path = trace_path(args.out, name, args.recipe, llm.recipe.draft, args.temperature, args.gamma,
-                      PRESETS[args.recipe].draft)
+    default_draft = llm.recipe.verify if llm.recipe.draft_model else PRESETS[llm.recipe.name].draft
+    path = trace_path(args.out, name, llm.recipe.name, llm.recipe.draft, args.temperature, args.gamma, default_draft,
+                      llm.recipe.draft_model)
     trace.save(path)
     print(f"wrote {path}")
 
