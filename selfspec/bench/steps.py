@@ -24,6 +24,7 @@ STORAGE_MODES = {"dense": ["bf16"], "int8": ["w8a16", "w8a8"], "int4": ["w4a16",
                  "planes": ["upper", "full"]}
 
 
+@torch.inference_mode()  # a graphed model's persistent cache may have been made under inference mode already
 def filled_cache(model, batch: int, context: int, max_len: int):
     """A cache (of `model`, eager or graphed) whose first `context` positions hold random keys and values."""
     cache = model.new_cache(max_len, batch)
