@@ -29,9 +29,10 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / time_ms(lambda: dst.copy_(src), reps=10) / 1e6
 
 
-def copies_past_l2(nbytes: int, total: int = 150_000_000) -> int:
-    """How many distinct tensors of `nbytes` a timing cycles through so that each streams from HBM, not L2."""
-    return max(1, -(-total // nbytes))
+def copies_past_l2(nbytes: int, total: int = 150_000_000, most: int = 64) -> int:
+    """How many distinct tensors of `nbytes` a timing cycles through so that each streams from HBM, not L2; at most
+    `most`: tiny tensors (smoke runs of the benchmarks) would otherwise put thousands of calls in one CUDA graph."""
+    return max(1, min(most, -(-total // nbytes)))
 
 
 def graph_time_ms(fns: list[Callable[[], object]], rounds: int = 4) -> float:
