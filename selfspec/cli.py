@@ -30,7 +30,8 @@ def add_prefill_wait_arg(p: argparse.ArgumentParser) -> None:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="named model, HF directory or .gguf file (default: smollm2-135m)")
-    p.add_argument("--recipe", default=None, choices=list(PRESETS), help="stored format + draft + verify (default: planes)")
+    p.add_argument("--recipe", default=None, choices=list(PRESETS),
+                   help="stored format + draft + verify (default: planes)")
     p.add_argument("--draft", default=None, metavar="MODE",
                    help=f"draft mode, one of: {', '.join(MODES)}; or ngram[:MIN-MAX] (prompt lookup of the last "
                         "MAX..MIN tokens, default 3..1); or a tree of B candidates verified in one pass: "
@@ -109,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 429")
     s.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks in the pool (default: max-batch x 1024 tokens)")
-    s.add_argument("--block-size", type=int, default=16, help="tokens per KV block (divides 128 or is a multiple of 128)")
+    s.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block (divides 128 or is a multiple of 128)")
     add_prefill_chunk_arg(s)
     add_prefill_wait_arg(s)
     s.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -257,7 +257,8 @@ def test_attention_prefill_equals_the_prompt_cut_into_pieces_bitwise():
     for lo, hi in [(0, 100), (100, 257), (257, 300)]:
         used = -(-(int(pos[0, hi - 1]) + 1) // 16)
         for tiles in (SPLIT, IN_PROGRAM):
-            piece = triton_attention.attention(q[:, :, lo:hi], k_pool, v_pool, table[:, :used], pos[:, lo:hi], tiles=tiles)
+            piece = triton_attention.attention(q[:, :, lo:hi], k_pool, v_pool, table[:, :used], pos[:, lo:hi],
+                                               tiles=tiles)
             assert torch.equal(piece, whole[:, :, lo:hi]), f"queries {lo}..{hi - 1}, {tiles}"
 
 
@@ -278,7 +279,8 @@ def test_attention_tile_heights_run_and_agree(in_program):
     """Taller tiles compute the same attention. The interpreter cannot show tensor-core rounding: tests/gpu compares
     their bits."""
     q, k, v, k_pool, v_pool, table, pos = paged_prompt(20, 260, 16, seed=7)
-    base = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=triton_attention.Tiles(in_program=in_program))
+    base = triton_attention.attention(q, k_pool, v_pool, table, pos,
+                                      tiles=triton_attention.Tiles(in_program=in_program))
     for block_t in (16, 32, 64):
         tiles = triton_attention.Tiles(block_t, in_program)
         out = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=tiles)

@@ -44,16 +44,19 @@ def plot(step_rows: list[dict], gemm_rows: list[dict], traces: list[dict], out: 
     for mode in dict.fromkeys(r["mode"] for r in step_rows if r["kind"] == "ar"):
         ar = sorted((r["batch"], r["tokens_per_s"]) for r in step_rows if r["kind"] == "ar" and r["mode"] == mode)
         ax.plot(*zip(*ar), marker="o", label=mode)
-    ax.set(xlabel="batch", ylabel="tokens/s (AR, CUDA graphs)", title=f"{title}: tokens/s vs batch", xscale="log", yscale="log")
+    ax.set(xlabel="batch", ylabel="tokens/s (AR, CUDA graphs)", title=f"{title}: tokens/s vs batch", xscale="log",
+           yscale="log")
     ax.legend(fontsize=8)
     paths.append(out / "tokens_per_s_vs_batch.png")
 
     fig2, ax2 = plt.subplots(figsize=(7, 4.5))
     b1 = min(r["batch"] for r in step_rows if r["kind"] == "pass")
     for mode in dict.fromkeys(r["mode"] for r in step_rows if r["kind"] == "pass"):
-        ms = sorted((r["tokens"], r["ms"]) for r in step_rows if r["kind"] == "pass" and r["mode"] == mode and r["batch"] == b1)
+        ms = sorted((r["tokens"], r["ms"]) for r in step_rows
+                    if r["kind"] == "pass" and r["mode"] == mode and r["batch"] == b1)
         ax2.plot(*zip(*ms), marker="o", label=mode)
-    ax2.set(xlabel="tokens per pass (1 = AR / draft step, k+1 = verify)", ylabel="ms", title=f"{title}: step time vs tokens (batch {b1})")
+    ax2.set(xlabel="tokens per pass (1 = AR / draft step, k+1 = verify)", ylabel="ms",
+            title=f"{title}: step time vs tokens (batch {b1})")
     ax2.legend(fontsize=8)
     paths.append(out / "step_time_vs_tokens.png")
 
@@ -63,7 +66,8 @@ def plot(step_rows: list[dict], gemm_rows: list[dict], traces: list[dict], out: 
             ks = range(1, t.gamma + 1)
             ax3.plot(ks, [sum(r.cut(k).accepted for r in rounds) / max(1, sum(r.cut(k).proposed for r in rounds))
                           for k in ks], marker="o", label=f"{t.recipe} ({t.draft}->{t.verify}) {t.label(task)}")
-    ax3.set(xlabel="gamma (drafted tokens per round)", ylabel="acceptance rate", ylim=(0, 1), title="acceptance vs gamma (recorded traces)")
+    ax3.set(xlabel="gamma (drafted tokens per round)", ylabel="acceptance rate", ylim=(0, 1),
+            title="acceptance vs gamma (recorded traces)")
     ax3.legend(fontsize=7)
     paths.append(out / "acceptance_vs_gamma.png")
 

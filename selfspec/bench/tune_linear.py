@@ -42,14 +42,16 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
         for gemm, n, k in layer_gemms(SHAPES[shape]):
             copies = copies_past_l2(n * k * (2 if storage == "dense" else 1))
             weights = [quantize_weight(torch.randn(n, k, device="cuda").bfloat16() * 0.02 if storage == "dense"
-                                       else torch.randn(n, k, device="cuda") * 0.02, storage, 128) for _ in range(copies)]
+                                       else torch.randn(n, k, device="cuda") * 0.02, storage, 128)
+                       for _ in range(copies)]
             weight = weights[0]
             fmt, act = tlin.kernel_format(weight, mode), mode.act_bits is not None
             xs = {m: (tlin.act_quant(x, mode.act_bits) if act else (x, None))
                   for m, x in ((m, torch.randn(m, k, device="cuda").bfloat16()) for m in ms)}
 
             def cost(cfg: tlin.TileConfig) -> float:
-                return sum(graph_time_ms([lambda w=w, m=m: tlin._launch(*xs[m], w, fmt, act, None, cfg) for w in weights])
+                return sum(graph_time_ms([lambda w=w, m=m: tlin._launch(*xs[m], w, fmt, act, None, cfg)
+                                          for w in weights])
                            for m in ms)
 
             current = tlin.tile_config(fmt, act, n, k, getattr(weight, "group_size", 0))
@@ -68,7 +70,8 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
                 results.append((cost(cfg), cfg))
             results.sort(key=lambda r: r[0])
             best_t, best = results[0]
-            row = {"kernel": kname, "gemm": gemm, "n": n, "k": k, "best": best.__dict__, "best_us": 1000 * best_t / len(ms),
+            row = {"kernel": kname, "gemm": gemm, "n": n, "k": k, "best": best.__dict__,
+                   "best_us": 1000 * best_t / len(ms),
                    "current": current.__dict__, "current_us": 1000 * cost(current) / len(ms),
                    "weight_mb": weight.nbytes() / 1e6,
                    "candidates": [{**cfg.__dict__, "us": 1000 * t / len(ms)} for t, cfg in results]}
@@ -87,6 +90,7 @@ _ANY = [(64, 128, 4, 3, False), (64, 128, 4, 3, True), (128, 128, 8, 3, True), (
 MANY_CANDIDATES = {"bf16": _MMA_SYNC, "int8": _MMA_SYNC, "nibble": _MMA_SYNC, "planes": _MMA_SYNC, "int8-act": _ANY,
                    "nibble-act": _ANY}
 MANY_KERNELS = {**KERNELS, "w4a4": ("int4", "w4a4")}
+TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "in_program")
 
 
 def tune_many(shape: str, ms: tuple[int, ...], kernels: list[str], save: str | None = None) -> list[dict]:
@@ -125,12 +129,12 @@ def tune_many(shape: str, ms: tuple[int, ...], kernels: list[str], save: str | N
                         continue
                     row["candidates"].append({**cfg.__dict__, "us": us, "bitwise": same})
                 ok = [c for c in row["candidates"] if c.get("bitwise")]
+                changed = [tuple(c[f] for f in TILE_FIELDS[:3]) for c in row["candidates"] if c.get("bitwise") is False]
                 best = min(ok, key=lambda c: c["us"]) if ok else None
                 rows.append(row)
                 print(f"{kname:6s} {gemm:8s} M={m:5d} decode {row['base_us']:8.1f} best "
                       f"{best['us'] if best else float('nan'):8.1f} cuBLAS {row['cublas_us']:8.1f}  "
-                      f"{best and (best['block_m'], best['block_n'], best['num_warps'], best['num_stages'], best['in_program'])} "
-                      f"not bitwise: {[(c['block_m'], c['block_n'], c['num_warps']) for c in row['candidates'] if c.get('bitwise') is False]}",
+                      f"{best and tuple(best[f] for f in TILE_FIELDS)} not bitwise: {changed}",
                       flush=True)
             del weight, w, dense
             if save:

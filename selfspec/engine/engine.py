@@ -483,8 +483,8 @@ class Engine:
         kinds = [[s for s in plan.prefill if s.in_prompt], [s for s in plan.prefill if not s.in_prompt]]
         for seqs in kinds:  # prompt tokens, then generated ones recomputed (a resume): each kind its own pass
             if seqs:
-                run = lambda group, outs: self._prefill_chunk(group, [plan.chunks[s.id] for s in group], outs)  # noqa: E731
-                self._isolated(seqs, run, outputs)
+                self._isolated(seqs, lambda group, outs: self._prefill_chunk(
+                    group, [plan.chunks[s.id] for s in group], outs), outputs)
         for k, seqs in sorted(plan.rounds.items()):
             seqs = [s for s in seqs if s in self.running]  # its prefill may have ended it (error, EOS, length)
             if seqs:

@@ -453,7 +453,8 @@ def _nibble_kernel(
     activations the lo sum(x) terms are kept per K tile (each row's sum of x, each column's offset) and added once
     after the loop as one small fp32 product (TILES, a power of two, covers this program's tiles); with int8
     activations sum(x) comes exact from an int8 dot with ones, per tile.
-    Same grid, split-K and chunks in a program as _linear_kernel; every row goes through the same instructions whatever M is."""
+    Same grid, split-K and chunks in a program as _linear_kernel; every row goes through the same instructions
+    whatever M is."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -603,7 +604,8 @@ MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
              (256, (64, 128, 4, 4, True, 64), (128, 128, 8, 3, False, 64)),
              (1 << 62, [(128, 256, 8, 3, True, 64), (128, 128, 8, 3, True, 128)],
               [(128, 256, 8, 3, False, 64), (128, 128, 8, 3, False, 64)])],
-    "int8": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)), (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
+    "int8": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
+             (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
 }
 
 
