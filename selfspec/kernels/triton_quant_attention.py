@@ -5,14 +5,15 @@ full-precision buffer. Both are paged: the quantized groups in blocks read throu
 buffer in a block of its own per row (cache/quant_kv.py QuantLayer).
 
 A program serves every query of a sequence row that reads one kv head: the T query tokens x the query heads of the
-kv head (GQA) are the rows of its tensor-core dots (tiles of 16 rows; past 16 the rows are split over programs of 16),
-so a verify pass of up to 4 tokens at 4 query heads a kv head reads each key once. The quantized keys are split
+kv head (GQA) are the rows of its tensor-core dots (tiles of 16 rows; past 16 the rows are split over programs of
+16), so a verify pass of up to 4 tokens at 4 query heads a kv head reads each key once. The quantized keys are split
 into chunks of whole groups (CHUNK_KEYS, a multiple of G): one program per (row, kv head, slice of query rows,
 chunk) loads the chunk's codes (INT8, or one or both INT4 planes, two codes a byte), dequantizes them in registers
 with the group's per-channel key scales and the per-token value scales, and runs an online softmax over the chunk
-(scores and the weighted sum as tensor-core dots: tf32 products, fp32 sums), each query masking the keys past its own quantized range; one more
-program per (row, kv head, slice) does the same over the buffer keys, the only place a causal mask applies. A
-second kernel merges each query head's chunk states (max, sum, accumulator) by log-sum-exp in chunk order.
+(scores and the weighted sum as tensor-core dots: tf32 products, fp32 sums), each query masking the keys past its
+own quantized range; one more program per (row, kv head, slice) does the same over the buffer keys, the only place a
+causal mask applies. A second kernel merges each query head's chunk states (max, sum, accumulator) by log-sum-exp in
+chunk order.
 
 Batch invariance: a query's chunks and the steps of keys within them sit at offsets set by its position alone and
 are walked in a fixed order; a step whose keys a query masks entirely (read for the other queries) leaves its state
