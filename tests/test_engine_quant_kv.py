@@ -182,3 +182,34 @@ def test_int8_kv_and_quantspec_serve_their_solo_output():
 def test_a_verify_pass_longer_than_a_group_is_refused(llm):
     with pytest.raises(SelfspecError, match="--kv-group"):
         Engine(llm, max_gamma=G)
+
+
+def test_graph_batch_view_pads_with_the_trash_row(llm):
+    """The static batch view a decode graph replays (engine/graphs.py, a bucket of 4 rows for 3): padding rows read
+    and write only the trash buffer row and trash blocks, so the real rows get the logits of their own view and their
+    buffers stay as that pass left them."""
+    from selfspec.engine.graphs import PagedGraphedModel
+
+    engine = Engine(llm, max_batch=4, block_size=G, max_gamma=0)
+    for i, p in enumerate(prompts([20, 37, 9])):
+        engine.add_request(str(i), p, greedy(40))
+    for _ in range(6):
+        engine.step()
+    seqs = list(engine.running)
+    assert len(seqs) == 3 and all(s.row is not None for s in seqs)
+    for s in seqs:
+        engine.cache.extend(s.id, 1)
+    view = engine.cache.view([s.id for s in seqs])
+    static, size = PagedGraphedModel(llm.model, engine.cache, engine.max_len)._static(view, 3)
+    assert size == 4 and int(static.rows[3]) == 0 and int(static.starts[3]) == 0 and not static.table[3].any()
+    assert torch.equal(static.rows[:3], view.rows) and torch.equal(static.starts[:3], view.starts)
+    tokens = torch.tensor([[s.row.pending] for s in seqs])
+    pos = torch.tensor([[s.row.length] for s in seqs])
+    mode = llm.verify_mode
+    with torch.inference_mode():
+        alone = llm.model(tokens, pos, view, mode)
+        k, v = engine.cache.k[:, 1:].clone(), engine.cache.v[:, 1:].clone()
+        padded = llm.model(torch.cat([tokens, torch.tensor([[0]])]), torch.cat([pos, torch.tensor([[0]])]), static,
+                           mode)
+    assert torch.equal(padded[:3], alone)
+    assert torch.equal(engine.cache.k[:, 1:], k) and torch.equal(engine.cache.v[:, 1:], v)

@@ -22,8 +22,9 @@ On CUDA the rounds' passes (AR and draft steps, verify passes) replay CUDA graph
 buckets, and so do prompt passes, tokens and rows padded to theirs (engine/graphs.py `PagedGraphedModel`); a resumed
 sequence's generated tokens are prefilled eagerly.
 A recipe with a quantized KV cache (int8, hier) keeps the quantized groups in the pool's blocks and each running
-sequence's recent tokens in a full-precision buffer of its own (cache/paged_quant.py); it runs eagerly, and a pass
-writes at most a KV group of tokens per sequence (prefill chunks are cut to it, and gamma stays below it).
+sequence's recent tokens in a full-precision buffer of its own (cache/paged_quant.py); its decode passes replay
+graphs too (its prompt passes run eagerly), and a pass writes at most a KV group of tokens per sequence (prefill
+chunks are cut to it, and gamma stays below it).
 Under tensor parallelism (docs/parallel.md) every rank holds an Engine over its shard; rank 0 takes the requests and
 each step broadcasts its inbox (and the policy's gamma, which reads rank 0's clock), so every rank plans and runs the
 same step: the rest of the scheduling is a function of that and of the gathered logits, the same on every rank.
@@ -39,9 +40,9 @@ from itertools import accumulate
 
 import torch
 
-from selfspec.cache.paged import PagedBatchView, PagedKVCache, PagedTree, tree_view
+from selfspec.cache.paged import PagedKVCache, PagedTree, tree_view
 from selfspec.cache.paged_quant import PagedQuantKVCache
-from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, PagedGraphedModel, bucket
+from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, PagedGraphedModel, bucket, trash_view
 from selfspec.engine.llm import LLM, Generation, check_gamma
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
@@ -226,10 +227,8 @@ class Engine:
             llm.drafter.store_for(self.cache)
         self.policy = policy or GammaPolicy(max_gamma if llm.drafter is not None else 0)
         self.accept = accept
-        # A quantized KV cache runs eagerly here (its batch views have no static, padded form yet; solo decoding in
-        # llm.py graphs it); under tensor parallelism no graphs (engine/graphs.py), so no warm-up pass only rank 0
-        # would run.
-        on_gpu = llm.model.device.type == "cuda" and not quant_kv and self.tp.size == 1
+        # Under tensor parallelism no graphs (engine/graphs.py), so no warm-up pass only rank 0 would run.
+        on_gpu = llm.model.device.type == "cuda" and self.tp.size == 1
         self.runner = PagedGraphedModel(llm.model, self.cache, self.max_len) if on_gpu else llm.model
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission (FCFS: arrival) order; the newest is preempted first
@@ -310,15 +309,14 @@ class Engine:
         most = self.max_batch * (1 if self.tree is None else self.tree.branches)  # a tree verifies a row per branch
         rows = 1
         while rows <= bucket(most):
-            trash = PagedBatchView(self.cache, torch.zeros(rows, 1, dtype=torch.long, device=dev))
+            trash = trash_view(self.cache, rows, 1)
             for mode, t in passes:
                 zeros = torch.zeros(rows, t, dtype=torch.long, device=dev)
                 self.runner(zeros, zeros, trash, mode)
             rows *= 2
         with torch.inference_mode():
-            for t in prefill_warm_sizes(min(self.prefill_chunk, self.max_len)):
-                trash = PagedBatchView(self.cache, torch.zeros(1, self.cache.blocks_for(t), dtype=torch.long,
-                                                               device=dev))
+            for t in prefill_warm_sizes(min(self.prefill_chunk, self.max_len, self.cache.max_pass)):
+                trash = trash_view(self.cache, 1, max(1, self.cache.blocks_for(t)))
                 pos = torch.arange(t, device=dev)[None]
                 self.runner(torch.zeros_like(pos), pos, trash, prompt_mode(self.llm.verify_mode),
                             logits_at=torch.tensor([t - 1], device=dev), packed=Packed.of([t], [t], dev))

@@ -10,7 +10,8 @@ need its own graph; so do passes that ask for selected logits only (`logits_at`:
 
 `PagedGraphedModel` does the same for the serving engine's batched passes over the paged cache: one graph per
 (mode, batch bucket, tokens per row); a batch is padded to its bucket (a power of two) with rows of token 0 at
-position 0 whose block table is all trash block, so their writes land there and their logits are dropped.
+position 0 whose block table is all trash block (and, over a quantized cache, whose buffer is the trash row), so
+their writes land there and their logits are dropped.
 It also replays the engine's prompt passes (packed rows, Mode.prompt), whose host time (a Triton launch per op and
 layer, ~420 for an 8B model) was 2-5x their GPU time on an H100: one graph per (mode, tokens, rows, width), each
 bucketed (`prompt_bucket`; rows to a power of two past the real ones, unless the tokens fill their bucket exactly).
@@ -25,6 +26,7 @@ import torch
 
 from selfspec.cache import KVCache
 from selfspec.cache.paged import PagedBatchView, PagedKVCache
+from selfspec.cache.paged_quant import PagedQuantBatchView, PagedQuantKVCache
 from selfspec.model import Packed, Transformer
 from selfspec.quant.modes import Mode
 
@@ -42,6 +44,17 @@ def bucket(rows: int) -> int:
 def prompt_bucket(tokens: int) -> int:
     """The tokens of the prompt graph a pass (or a row) of `tokens` tokens replays."""
     return max(16, bucket(tokens)) if tokens <= PROMPT_STEP else -(-tokens // PROMPT_STEP) * PROMPT_STEP
+
+
+def trash_view(cache: PagedKVCache | PagedQuantKVCache, rows: int, width: int) -> PagedBatchView | PagedQuantBatchView:
+    """A batch view of `rows` padding rows of `cache`: every block the trash block and, in a quantized cache, every
+    buffer the trash row (row 0) from position 0. Zeros, as `pad_into` pads."""
+    dev = cache.k.device
+    table = torch.zeros(rows, width, dtype=torch.long, device=dev)
+    if isinstance(cache, PagedQuantKVCache):
+        return PagedQuantBatchView(cache, table, torch.zeros(rows, 1, dtype=torch.long, device=dev),
+                                   torch.zeros(rows, dtype=torch.long, device=dev))
+    return PagedBatchView(cache, table)
 
 
 def pad_into(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -174,7 +187,7 @@ class PagedGraphedModel(_Graphed):
     """The serving engine's decode passes (views of its paged cache, no padding tokens) as CUDA graphs, batches
     padded to their bucket; each bucket's graphs read one static view, whose table holds max_len positions."""
 
-    def __init__(self, model: Transformer, cache: PagedKVCache, max_len: int) -> None:
+    def __init__(self, model: Transformer, cache: PagedKVCache | PagedQuantKVCache, max_len: int) -> None:
         super().__init__(model)
         self.cache = cache
         self.width = cache.blocks_for(max_len)
@@ -184,7 +197,8 @@ class PagedGraphedModel(_Graphed):
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode,
                  logits_at: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
-        if packed is None or not mode.prompt or logits_at is None or self.model.tp.size > 1:
+        if (packed is None or not mode.prompt or logits_at is None or self.model.tp.size > 1
+                or isinstance(self.cache, PagedQuantKVCache)):  # a quantized cache's prompt passes: eager
             return super().__call__(tokens, pos, cache, mode, logits_at, packed)
         n, rows, width = tokens.shape[1], len(packed.lengths), max(packed.lengths)
         padded = prompt_bucket(n)
@@ -206,11 +220,14 @@ class PagedGraphedModel(_Graphed):
         graph.graph.replay()
         return graph.logits[:len(logits_at)]
 
-    def _static(self, view: PagedBatchView, rows: int) -> tuple[PagedBatchView, int]:
+    def _static(self, view: PagedBatchView | PagedQuantBatchView,
+                rows: int) -> tuple[PagedBatchView | PagedQuantBatchView, int]:
         size = bucket(rows)
         static = self._views.get(size)
         if static is None:
-            table = torch.zeros(size, self.width, dtype=torch.long, device=self.device)
-            static = self._views[size] = PagedBatchView(self.cache, table)
+            static = self._views[size] = trash_view(self.cache, size, self.width)
         pad_into(static.table, view.table)
+        if isinstance(static, PagedQuantBatchView):  # padding rows write to the trash buffer row
+            pad_into(static.rows, view.rows)
+            pad_into(static.starts, view.starts)
         return static, size
