@@ -611,7 +611,8 @@ def test_quantized_attention_verify_rows_share_a_program_bitwise(fmt, upper, mon
     bits in all three, its quantized range and buffer steps unlike its neighbours' (the passes cross a group
     boundary)."""
     monkeypatch.setattr(triton_quant_attention, "CHUNK_KEYS", 32)
-    assert [triton_quant_attention.tile_rows(n) for n in (4, 12, 36)] == [(16, 1), (16, 1), (16, 3)]
+    assert triton_quant_attention.TILE_ROWS == 16
+    assert [triton_quant_attention.row_slices(n) for n in (4, 12, 36)] == [1, 1, 3]
     cache = filled_quant_cache(fmt, 87)
     kv = cache.layer(0)
     q = torch.randn(2, 8, 9, 16, generator=torch.Generator().manual_seed(2))

@@ -81,8 +81,7 @@ def compile_quant_attention(fmt: str, upper: bool, block_r: int, warps: int, dim
     sig["sm_scale"] = "fp32"
     sig.update(dict.fromkeys(("T", "HQ", "HKV", "QBS", "W", "D", "BS", "N_CHUNKS", "N_SLICES", "sqb", "sqh", "sqt"),
                              "i32"))
-    consts = dict(G=group, CHUNK=max(group, tqa.CHUNK_KEYS // group * group), FMT_HIER=hier, UPPER=upper,
-                  BLOCK=min(tqa.BLOCK_N, group), BLOCK_R=block_r, BLOCK_D=dim, BLOCK_W=dim // 2 if hier else dim)
+    consts = {**tqa.chunk_constants(group, dim, hier, upper), "BLOCK_R": block_r}
     sig.update(dict.fromkeys(consts, "constexpr"))
     return triton.compile(ASTSource(tqa._quant_attention_chunks, sig, consts), target=H100,
                           options=dict(num_warps=warps))

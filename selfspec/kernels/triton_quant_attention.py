@@ -40,9 +40,17 @@ TILE_ROWS = 16  # query rows (tokens x query heads) per program, whatever the pa
 NUM_WARPS = 4  # 8 warps: 1.8x slower decode at 128k keys on an H100 (docs/long-context.md)
 
 
-def tile_rows(rows: int) -> tuple[int, int]:
-    """Query rows of one (sequence row, kv head) -> (rows per tile, programs)."""
-    return TILE_ROWS, -(-rows // TILE_ROWS)
+def row_slices(rows: int) -> int:
+    """Programs the query rows of one (sequence row, kv head) take: one per TILE_ROWS of them."""
+    return -(-rows // TILE_ROWS)
+
+
+def chunk_constants(group: int, dim: int, hier: bool, upper: bool) -> dict:
+    """The chunk kernel's compile-time constants for KV groups of `group` and heads of `dim` channels."""
+    block_d = triton.next_power_of_2(dim)
+    return dict(G=group, CHUNK=max(group, CHUNK_KEYS // group * group), FMT_HIER=hier, UPPER=upper,
+                BLOCK=min(BLOCK_N, group), BLOCK_R=TILE_ROWS, BLOCK_D=block_d,
+                BLOCK_W=block_d // 2 if hier else block_d)
 
 
 @triton.jit
@@ -205,29 +213,27 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
         return reference_quantized_attention(q.float(), kv, q_pos, upper).to(q.dtype)
     b, hq, t, dim = q.shape
     hkv, qbs = quant.keys[0].shape[1], quant.keys[0].shape[2]
-    chunk = max(g, CHUNK_KEYS // g * g)
+    hier = quant.fmt == "hier"
+    consts = chunk_constants(g, dim, hier, upper)
     capacity = quant.table.shape[1] * qbs  # positions the block tables hold: every quantized range lies below
     quantized = capacity if max_pos is None else min(capacity, int(quantized_below(torch.tensor(max_pos), g)))
-    n_chunks = -(-quantized // chunk)
-    block_r, n_slices = tile_rows(t * (hq // hkv))
+    n_chunks = -(-quantized // consts["CHUNK"])
+    n_slices = row_slices(t * (hq // hkv))
     states = b * t * hq * (n_chunks + 1)
     m = torch.empty(states, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(states, dim, dtype=torch.float32, device=q.device)
-    hier = quant.fmt == "hier"
     kq1 = quant.keys[1] if hier else quant.keys[0]
     vq1 = quant.values[1] if hier else quant.values[0]
-    block_d = triton.next_power_of_2(dim)
     _quant_attention_chunks[(b * hkv * n_slices, n_chunks + 1)](
         q, q_pos.contiguous(), quant.keys[0], kq1, quant.k_scale, quant.k_zero, quant.values[0], vq1,
         quant.v_scale, quant.v_zero, quant.table.contiguous(), kv.k, kv.v, kv.table[:, 0].contiguous(),
         quant.start.contiguous(), m, l, acc,
         t, hq, hkv, qbs, quant.table.shape[1], dim, kv.k.shape[2], n_chunks, n_slices, dim ** -0.5,
         q.stride(0), q.stride(1), q.stride(2),
-        G=g, CHUNK=chunk, FMT_HIER=hier, UPPER=upper, BLOCK=min(BLOCK_N, g), BLOCK_R=block_r, BLOCK_D=block_d,
-        BLOCK_W=block_d // 2 if hier else block_d, num_warps=NUM_WARPS)
+        **consts, num_warps=NUM_WARPS)
     out = torch.empty(b, t, hq, dim, dtype=torch.float32, device=q.device)
-    _merge_chunks[(b * t * hq,)](m, l, acc, out, n_chunks + 1, dim, BLOCK_D=block_d)
+    _merge_chunks[(b * t * hq,)](m, l, acc, out, n_chunks + 1, dim, BLOCK_D=consts["BLOCK_D"])
     return out.transpose(1, 2).to(q.dtype)
 
 
