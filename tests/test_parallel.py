@@ -81,7 +81,7 @@ def test_tp2_engine_batched_equals_solo_ar(tiny_dir):
         params = selfspec.SamplingParams(max_new_tokens=16, ignore_eos=True)
         prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [100, 3, 4], [9, 9, 9, 9, 1, 2, 3, 4, 5, 6]]
         want = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
-        engine = llm.serve_engine(max_batch=2, block_size=4, num_blocks=9, max_gamma=4)
+        engine = llm.serve_engine(max_batch=2, block_size=4, num_blocks=7, max_gamma=4)
         with pytest.raises(SelfspecError, match="serves an engine"):
             llm.generate(prompts[0], params)
         for i, (p, gamma) in enumerate(zip(prompts, [None, 4, 0])):
