@@ -84,8 +84,8 @@ def test_drafter_names():
     ("ngram:3-1", "1 <= min_n <= max_n"), ("ngram:0-2", "1 <= min_n <= max_n"), ("ngram3", "unknown drafter 'ngram3'"),
     ("ngram:2", "ngram:MIN-MAX"), ("w9a9", "unknown mode 'w9a9'"),
     # tree drafters
-    ("hybrid:1", "at least 2 branches"), ("ngram-tree:0", "at least 1 branch"), ("tree:w9a9", "unknown mode 'w9a9'"),
-    ("ngram-tree:x", "ngram-tree"), ("tree", "tree:MODE"), ("hybrid:x", "unknown tree drafter")])
+    ("hybrid-tree:1", "at least 2 branches"), ("ngram-tree:0", "at least 1 branch"), ("tree:w9a9", "unknown mode 'w9a9'"),
+    ("ngram-tree:x", "ngram-tree"), ("tree", "tree:MODE"), ("hybrid:x", "unknown drafter .hybrid:x.; write hybrid")])
 def test_bad_drafter_names_say_what_to_write(bad, needle):
     with pytest.raises(SelfspecError, match=needle):
         make_drafter(bad)
@@ -204,3 +204,84 @@ def test_bench_lookup_runs_on_the_cpu(capsys):
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
     assert [(r[0].strip(), r[1].strip()) for r in rows] == [("2", "64"), ("2", "300")]
     assert all(float(r[3]) > 0 for r in rows)  # us per round, lookup and commit
+
+
+# ---------------------------------------------------------------- recipe hybrid: lookup, else the upper chain
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    cfg, sd, _ = tiny_model("llama", seed=1)
+    return build(cfg, sd, None, resolve_recipe("hybrid"), group_size=32)
+
+
+def prefilled_rows(llm, prompts: list[list[int]], params: list[SamplingParams]):
+    """A cache holding each prompt but its last token (pending), and the rows over it."""
+    from selfspec.engine.stats import GenerationStats
+    from selfspec.model import prefill
+    from selfspec.speculative.decode import Row, make_generator
+
+    cache = llm.model.new_cache(64, len(prompts))
+    rows = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        prefill(llm.model, p[:-1], cache.rows(i, i + 1), llm.verify_mode)
+        rows.append(Row(p[-1], len(p) - 1, sp, make_generator(sp, llm.model.device), GenerationStats(),
+                        llm.drafter.history(p)))
+    pending = torch.tensor([r.pending for r in rows])
+    lengths = torch.tensor([[r.length] for r in rows])
+    return cache, rows, pending, lengths
+
+
+def test_hybrid_proposes_lookups_without_a_step_and_chains_where_none_matches(hybrid):
+    """Rows whose lookup matches propose it; a batch of them runs no draft step. With a row that matches nothing,
+    k draft steps run for the batch: that row proposes the `upper` chain, the matching row keeps its lookup, and a
+    sampling row with a lookup draws nothing from its generator (it draws what its solo run draws)."""
+    k, match, miss = 4, REPETITIVE[0], [11, 250, 3, 99, 64]
+    drafter = hybrid.drafter
+    assert drafter == make_drafter("hybrid") and drafter.mode.name == "upper"
+    assert drafter.history(miss).lookup(k) == [] and len(drafter.history(match).lookup(k)) == k
+    sampled = SamplingParams(temperature=1.0, seed=5, max_new_tokens=8)
+    cache, rows, pending, lengths = prefilled_rows(hybrid, [match, match], [greedy(8), sampled])
+    model = RecordedPasses(hybrid.model)
+    p = drafter.propose(model, cache, rows, pending, lengths, k)
+    assert model.shapes == [] and p.counts == [k, k] and p.q == [None, None]
+    assert p.tokens.tolist() == [drafter.history(match).lookup(k)] * 2
+
+    cache, rows, pending, lengths = prefilled_rows(hybrid, [match, miss, match], [greedy(8), greedy(8), sampled])
+    state = rows[2].gen.get_state()
+    p = drafter.propose(model, cache, rows, pending, lengths, k)
+    assert model.shapes == [(3, 1)] * k and p.counts == [k] * 3 and p.q == [None] * 3
+    assert torch.equal(rows[2].gen.get_state(), state)
+    cache, rows, pending, lengths = prefilled_rows(hybrid, [match, miss, match], [greedy(8)] * 3)
+    chains = SelfDraft(drafter.mode).propose(hybrid.model, cache, rows, pending, lengths, k).tokens
+    lookup = drafter.history(match).lookup(k)
+    assert p.tokens.tolist() == [lookup, chains[1].tolist(), lookup]
+    assert chains[0].tolist() != lookup  # the lookup rows' own drafts were there to take, and were not taken
+
+
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_greedy_hybrid_equals_ar_with_both_kinds_of_round(hybrid, gamma):
+    from selfspec.engine.stats import GenerationStats
+    from selfspec.speculative.decode import decode
+
+    lookups = chains = 0
+    for p in REPETITIVE:
+        model, stats, out = RecordedPasses(hybrid.model), GenerationStats(), []
+        for chunk in decode(model, p, hybrid.verify_mode, hybrid.drafter, gamma, greedy(30), stats):
+            out += chunk
+            if len(out) >= 30:
+                break
+        assert out[:30] == hybrid.generate(p, greedy(30), gamma=0).token_ids
+        steps, paid = 0, []  # per round: the draft steps before its verify pass (a one-token pass is a step)
+        for _, width in model.shapes[1:]:
+            steps, paid = (steps + 1, paid) if width == 1 else (0, paid + [steps])
+        assert len(paid) == stats.rounds and set(paid) <= {0, gamma}
+        lookups, chains = lookups + paid.count(0), chains + paid.count(gamma)
+    assert lookups > 0 and chains > 0
+
+
+def test_engine_batched_equals_solo_with_hybrid_rows_mixed(hybrid):
+    """As with ngram: rows that match and rows that do not, greedy next to seeded sampling rows, per-request gammas
+    next to the policy's, a small pool: every request equals its solo run."""
+    s = check_mixed_batch_equals_solo(hybrid, REPETITIVE)
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens

@@ -1,5 +1,5 @@
 """Token trees in the serving engine: each sequence forked into branch rows over its paged blocks (PagedTree), every
-branch of every row verified in one pass. Greedy engine output == AR of the verify mode for ngram-tree:4, hybrid and
+branch of every row verified in one pass. Greedy engine output == AR of the verify mode for ngram-tree:4, hybrid-tree and
 tree:upper:3 as requests join at different times (tiny model, block size 4: branches start inside a shared partial
 block); sampling: engine == solo for the same seed; the fork's rows read the committed KV and copy exactly; the pool
 is empty at the end and no block has two owners after any step; an abort mid-stream leaves the others exact; the
@@ -63,7 +63,7 @@ def serve(engine: Engine, requests: list[tuple[list[int], SamplingParams, int | 
     return {k: (tokens.get(k, []), reasons[k]) for k in reasons}
 
 
-@pytest.mark.parametrize("name", ["ngram-tree:4", "hybrid", "tree:upper:3"])
+@pytest.mark.parametrize("name", ["ngram-tree:4", "hybrid-tree", "tree:upper:3"])
 def test_engine_trees_greedy_equal_ar_as_requests_join(llm, name, monkeypatch):
     """Eight requests (repetitive texts, random ones of 9 tokens), joining over five steps, fixed
     gammas and the policy's: each request's tokens are its AR output; branches were accepted; the pool ends empty."""
@@ -91,7 +91,7 @@ def test_engine_trees_greedy_equal_ar_as_requests_join(llm, name, monkeypatch):
 def test_engine_tree_sampling_equals_solo_with_the_seed(llm):
     """T > 0: multi-candidate rejection sampling draws the same random numbers per request as solo decoding, so
     a seeded request's tokens are the solo ones (the solo path's distribution test: test_trees.py)."""
-    llm.drafter = make_drafter("hybrid:3")
+    llm.drafter = make_drafter("hybrid-tree:3")
     params = [SamplingParams(temperature=0.8, top_k=40, seed=i, max_new_tokens=14, ignore_eos=True)
               for i in range(4)]
     requests = [(p, sp, 3) for p, sp in zip(REPETITIVE, params)]
@@ -116,7 +116,7 @@ def test_an_abort_mid_stream_leaves_the_others_exact(llm):
 def test_a_tight_pool_preempts_for_the_branch_blocks(llm):
     """A pool too small for every tree at once: the branch rows' blocks are budgeted, so the engine preempts
     rather than running out, and the outputs are unchanged."""
-    llm.drafter = make_drafter("hybrid")
+    llm.drafter = make_drafter("hybrid-tree")
     requests = [(p, greedy(30), 4) for p in REPETITIVE]
     refs = [llm.generate(p, params, gamma=0).token_ids for p, params, _ in requests]
     engine = Engine(llm, max_batch=4, block_size=4, num_blocks=30, prefill_chunk=8)
@@ -162,7 +162,7 @@ def test_paged_tree_rows_share_the_prefix_and_copy_exactly():
 
 def test_engine_refuses_a_tree_over_a_quantized_kv_cache():
     cfg, sd, _ = tiny_model("llama", seed=1)
-    quant = build(cfg, sd, None, resolve_recipe("selfspec", draft="hybrid"), group_size=32)
+    quant = build(cfg, sd, None, resolve_recipe("selfspec", draft="hybrid-tree"), group_size=32)
     with pytest.raises(SelfspecError, match="token trees fork"):
         Engine(quant)
 
@@ -186,7 +186,7 @@ def test_serve_recipe_hybrid_on_smollm2(smollm2):
 def test_a_failing_request_fails_alone_and_its_tree_blocks_come_back(llm, monkeypatch):
     """The model raises whenever a row reaches position 45 (only the long request's rows do): the batched tree round
     fails, its branch blocks go back, the rows are retried one by one, and only that request ends with an error."""
-    llm.drafter = make_drafter("hybrid")
+    llm.drafter = make_drafter("hybrid-tree")
     requests = [(p, greedy(12), 3) for p in REPETITIVE] + [(prompts(1, seed=12, max_len=2)[0] * 40, greedy(12), 3)]
     refs = [llm.generate(p, params, gamma=0).token_ids for p, params, _ in requests[:4]]
     fail_from(monkeypatch, llm.model, 45)
@@ -203,7 +203,7 @@ def test_tree_block_accounting_under_a_random_schedule(llm, seed):
     every step each block has one owner at most and none is lost (serve checks), the pool ends empty, and every
     greedy request that ran to its length gave its AR output."""
     rng = random.Random(seed)
-    llm.drafter = make_drafter(rng.choice(["ngram-tree:3", "hybrid:3"]))
+    llm.drafter = make_drafter(rng.choice(["ngram-tree:3", "hybrid-tree:3"]))
     requests, arrivals, aborts = [], [], {}
     for i in range(14):
         prompt = [rng.randrange(3, 12) for _ in range(rng.randrange(1, 24))]
@@ -229,7 +229,7 @@ def test_eval_sizes_its_pool_for_the_branch_rows(llm):
     """`selfspec eval` sizes the pool per request (batch 1 here): with a tree drafter, the branch rows' blocks too."""
     from selfspec.eval.runner import generate_batched
 
-    llm.drafter = make_drafter("hybrid")
+    llm.drafter = make_drafter("hybrid-tree")
     prompts_ = {str(i): p for i, p in enumerate(REPETITIVE[:2])}
     outs = {o.request_id: o for o in generate_batched(llm, prompts_, greedy(10), gamma=3, batch_size=1)}
     assert {i: o.generation.token_ids for i, o in outs.items()} == {

@@ -16,7 +16,7 @@ from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import get_mode
 from selfspec.speculative.decode import decode
-from selfspec.speculative.drafters import (HybridDrafter, NgramDrafter, NgramTree, SelfDraft, SelfDraftTree,
+from selfspec.speculative.drafters import (HybridDrafter, HybridTree, NgramDrafter, NgramTree, SelfDraft, SelfDraftTree,
                                            TokenHistory, TreeDrafter, make_drafter)
 from selfspec.speculative.recipes import resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
@@ -51,8 +51,8 @@ def run(model, prompt, verify, drafter, gamma, n, cache=None) -> tuple[list[int]
 # ---------------------------------------------------------------- greedy trees == AR
 
 
-@pytest.mark.parametrize("name", ["ngram-tree:2", "ngram-tree:4", "tree:upper:2", "tree:upper:4", "hybrid:2",
-                                  "hybrid:3"])
+@pytest.mark.parametrize("name", ["ngram-tree:2", "ngram-tree:4", "tree:upper:2", "tree:upper:4", "hybrid-tree:2",
+                                  "hybrid-tree:3"])
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 def test_greedy_tree_equals_ar(llm, name, gamma):
     drafter, verify = make_drafter(name), llm.verify_mode
@@ -94,7 +94,7 @@ def test_branch_rows_hold_the_ar_cache_bitwise(llm):
     """After several tree rounds, every branch row's KV of the committed positions equals the KV that AR decoding
     of the same tokens wrote: the winner's is the verify pass's, the others were copied from it."""
     prompt, verify = REPETITIVE[0], llm.verify_mode
-    for name in ("ngram-tree:3", "tree:upper:3", "hybrid:3"):
+    for name in ("ngram-tree:3", "tree:upper:3", "hybrid-tree:3"):
         drafter = make_drafter(name)
         tree_cache = llm.model.new_cache(64, drafter.branches)
         out, stats = run(llm.model, prompt, verify, drafter, 4, 20, tree_cache)
@@ -178,7 +178,7 @@ def test_tree_names():
     assert make_drafter("ngram-tree:2") == NgramTree(2)
     assert make_drafter("tree:upper:3") == SelfDraftTree(upper, 3)
     assert make_drafter("tree:w4a16") == SelfDraftTree(get_mode("w4a16"), 4)
-    assert make_drafter("hybrid:3") == HybridDrafter(3)
+    assert make_drafter("hybrid-tree:3") == HybridTree(3)
     assert make_drafter("ngram-tree:1") == NgramDrafter()  # one branch: the chain drafter (sampling works)
     assert make_drafter("tree:upper:1") == SelfDraft(upper)  # malformed names: test_drafters.py
 
@@ -232,7 +232,7 @@ def first_candidates(llm, name: str, prefix: list[int]) -> set[int]:
     return set(logits.topk(llm.drafter.branches).indices.tolist())  # the draft mode's top B
 
 
-@pytest.mark.parametrize("name", ["ngram-tree:3", "tree:upper:3", "hybrid:3"])
+@pytest.mark.parametrize("name", ["ngram-tree:3", "tree:upper:3", "hybrid-tree:3"])
 def test_tree_sampling_matches_verify_distribution(sampling_model, name):
     """Temperature 1, 1000 seeds: tokens 0, 1 and 2 follow the verify distribution (chi-square), and token 1 is an
     accepted candidate with probability sum p(c) over the candidates (not 1 - prod(1 - p(c)), as it would be had
@@ -260,7 +260,7 @@ SMOLLM2_PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    re
                    "The quick brown fox jumps over the lazy dog. The quick brown fox"]
 
 
-@pytest.mark.parametrize("name", ["ngram-tree:3", "hybrid:3"])
+@pytest.mark.parametrize("name", ["ngram-tree:3", "hybrid-tree:3"])
 def test_greedy_tree_equals_ar_on_smollm2(smollm2, name):
     llm = smollm2("hybrid")
     llm.drafter = make_drafter(name)

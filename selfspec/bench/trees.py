@@ -3,7 +3,8 @@ round and the tokens each verify pass emits, greedy, every round drafting --gamm
 Every run is checked against AR decoding of the verify mode (token for token). The model is stored as INT8 planes
 (recipe planes: verify `full`; `upper` and hybrid draft from the same weights).
 
-selfspec bench trees [--prompts 5] [--new-tokens 64] [--gamma 4] [--drafts ngram ngram-tree:2 ngram-tree:4 hybrid upper]
+selfspec bench trees [--prompts 5] [--new-tokens 64] [--gamma 4]
+    [--drafts ngram ngram-tree:2 ngram-tree:4 hybrid hybrid-tree upper]
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from selfspec.speculative.decode import decode
 from selfspec.speculative.drafters import make_drafter
 from selfspec.speculative.sampling import SamplingParams
 
-DRAFTS = ["ngram", "ngram-tree:2", "ngram-tree:4", "hybrid", "upper"]
+DRAFTS = ["ngram", "ngram-tree:2", "ngram-tree:4", "hybrid", "hybrid-tree", "upper"]
 
 
 def run(llm, ids: list[int], drafter, gamma: int, new_tokens: int) -> tuple[list[int], GenerationStats]:

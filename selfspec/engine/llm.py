@@ -19,7 +19,7 @@ from selfspec.quant.modes import get_mode
 from selfspec.quant.smooth import activation_maxima, calibration_tokens, smooth_
 from selfspec.speculative.decode import decode
 from selfspec.speculative.draft_model import DraftModel, check_same_vocabulary
-from selfspec.speculative.drafters import SelfDraft, make_drafter
+from selfspec.speculative.drafters import HybridDrafter, SelfDraft, make_drafter
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.recipes import Recipe, resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
@@ -56,11 +56,14 @@ class LLM:
         self.drafter = drafter or (make_drafter(recipe.draft) if recipe.draft else None)
         if drafter is not None:
             self.description += f"; {drafter.describe()}"
-        if isinstance(self.drafter, SelfDraft) and recipe.skip_layers:  # layer-skip: the draft mode skips them
-            self.drafter = SelfDraft(replace(self.drafter.mode, skip_layers=frozenset(recipe.skip_layers)))
-        if isinstance(self.drafter, SelfDraft) and recipe.kv == "hier":  # the draft reads the KV's upper plane
-            self.drafter = SelfDraft(replace(self.drafter.mode, kv_upper=True))
-        self.draft_mode = self.drafter.mode if isinstance(self.drafter, SelfDraft) else None  # None: no draft steps
+        # The draft steps of a chain in a draft mode (None: no draft steps, or another model's)
+        self.draft_mode = self.drafter.mode if isinstance(self.drafter, (SelfDraft, HybridDrafter)) else None
+        if self.draft_mode is not None:
+            if recipe.skip_layers:  # layer-skip: the draft mode skips them
+                self.draft_mode = replace(self.draft_mode, skip_layers=frozenset(recipe.skip_layers))
+            if recipe.kv == "hier":  # the draft reads the KV's upper plane
+                self.draft_mode = replace(self.draft_mode, kv_upper=True)
+            self.drafter = replace(self.drafter, mode=self.draft_mode)
         # gamma caps the drafts per round; the policy (shared by this LLM's generations, which teach it the
         # step costs and the acceptance) picks each round's, drafting none where drafting loses.
         # fixed_gamma: draft gamma tokens every round.

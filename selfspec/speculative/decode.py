@@ -107,8 +107,9 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Drafter
               accept: GreedyAcceptance = accept_greedy) -> tuple[list[list[int]], RoundTiming]:
     """One speculative round over a batch: up to k drafts per row (e.g. k batched draft-mode steps, or a lookup),
     one batched verify pass over the pending token and the longest proposal (T=k+1 for a self-draft), acceptance
-    per row of its real drafts (a row's padding is never judged; a row without drafts is a plain decoding step). Returns each row's committed tokens; rows are updated only once
-    every pass succeeded (a failure leaves them as they were). The caller commits/truncates the cache to each row's new length.
+    per row of its real drafts (a row's padding is never judged; a row without drafts is a plain decoding step).
+    Returns each row's committed tokens; rows are updated only once every pass succeeded (a failure leaves them as
+    they were). The caller commits/truncates the cache to each row's new length.
     The drafts stay on the device between steps: on a GPU the host waits twice per round (drafts, verify)."""
     dev = model.device
     t0 = time.perf_counter()

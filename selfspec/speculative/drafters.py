@@ -11,8 +11,11 @@ run together):
 - `NgramTree(branches)`: distinct continuations of several earlier occurrences (longest n first, most recent
   first);
 - `SelfDraftTree(mode, branches)`: the draft mode's top-B first tokens, each continued greedily (B rows at once);
-- `HybridDrafter(branches)`: n-gram branches when the lookup matches, plus the `upper` self-draft chain as the last
+- `HybridTree(branches)`: n-gram branches when the lookup matches, plus the `upper` self-draft chain as the last
   branch; the self-draft tree when nothing matches.
+
+`HybridDrafter` (recipe `hybrid`) is a chain drafter: each row's lookup where it matches (a round where all match
+pays no draft step), the `upper` self-draft chain where it does not.
 
 A proposal of n < k tokens (none where nothing matches) is padded for the batched verify pass, which runs as far
 as the longest proposal of the batch (a round where nothing matches costs a plain step), and only its n real
@@ -23,7 +26,7 @@ draws from p with d removed: the output still follows the verify distribution ex
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
@@ -36,11 +39,11 @@ if TYPE_CHECKING:
     from selfspec.speculative.decode import Row
 
 NGRAM_NAME = re.compile(r"ngram(?::(\d+)-(\d+))?")
-TREE_NAME = re.compile(r"(ngram-tree|hybrid|tree:([\w-]+?))(?::(\d+))?")
+TREE_NAME = re.compile(r"(ngram-tree|hybrid-tree|tree:([\w-]+?))(?::(\d+))?")
 DEFAULT_NGRAM = (1, 3)  # (min_n, max_n)
 DEFAULT_BRANCHES = 4
-HYBRID_DRAFT = "upper"  # the hybrid's self-draft mode: the cheap half of the planes storage
-TREE_NAMES = "ngram-tree[:B], tree:MODE[:B] (e.g. tree:upper:4) or hybrid[:B]"
+HYBRID_DRAFT = "upper"  # the hybrids' self-draft mode: the cheap half of the planes storage
+TREE_NAMES = "ngram-tree[:B], tree:MODE[:B] (e.g. tree:upper:4) or hybrid-tree[:B]"
 RowsView = Callable[[list[tuple[int, int]]], object]  # spans[i]: rows start..stop-1 of tree i -> one batch view
 
 
@@ -182,10 +185,38 @@ class NgramDrafter:
 
     def propose(self, model, cache, rows: list[Row], pending: torch.Tensor, lengths: torch.Tensor,
                 k: int) -> Proposal:
+        return lookup_proposal([r.history.lookup(k) for r in rows], k, pending.device)
+
+
+def lookup_proposal(found: list[list[int]], k: int, device: torch.device) -> Proposal:
+    """Each row's looked-up tokens (0..k of them), padded to k; one-hot: no q."""
+    tokens = torch.tensor([f + [0] * (k - len(f)) for f in found], device=device)
+    return Proposal(tokens, [len(f) for f in found], [None] * len(found))
+
+
+@dataclass(frozen=True)
+class HybridDrafter:
+    """Lookup where it matches, the `upper` chain where it does not. A round whose rows all match proposes their
+    lookups, for the cost of the verify pass alone. Otherwise k draft steps run for the whole batch (a step over
+    several rows costs about one row's) and the rows without a match take their chains; the others keep their
+    lookups, drafting greedily alongside, so that a sampling row draws what it draws alone (its solo run)."""
+    mode: Mode = field(default_factory=lambda: get_mode(HYBRID_DRAFT))
+    lookup: NgramDrafter = field(default_factory=NgramDrafter)
+
+    def history(self, tokens: list[int]) -> TokenHistory:
+        return self.lookup.history(tokens)
+
+    def propose(self, model, cache, rows: list[Row], pending: torch.Tensor, lengths: torch.Tensor,
+                k: int) -> Proposal:
         found = [r.history.lookup(k) for r in rows]
-        padded = [f + [0] * (k - len(f)) for f in found]
-        tokens = torch.tensor(padded, device=pending.device)
-        return Proposal(tokens, [len(f) for f in found], [None] * len(rows))
+        looked = lookup_proposal(found, k, pending.device)
+        if all(found):
+            return looked
+        drafting = [replace(r, params=replace(r.params, temperature=0.0), gen=None) if f else r
+                    for r, f in zip(rows, found)]
+        chains, q = draft_tokens(model, cache, drafting, pending, lengths, k, self.mode)
+        matched = torch.tensor([bool(f) for f in found], device=pending.device)[:, None]
+        return Proposal(torch.where(matched, looked.tokens, chains), [k] * len(rows), q)
 
 
 # ---------------------------------------------------------------- trees: several branches for one sequence
@@ -247,15 +278,15 @@ class SelfDraftTree(TreeDrafter):
 
 
 @dataclass(frozen=True)
-class HybridDrafter(TreeDrafter):
+class HybridTree(TreeDrafter):
     branches: int = DEFAULT_BRANCHES
     mode: Mode = field(default_factory=lambda: get_mode(HYBRID_DRAFT))
     ngram: NgramTree = field(default_factory=NgramTree)
 
     def __post_init__(self) -> None:
         if self.branches < 2:
-            raise SelfspecError(f"hybrid drafts n-gram branches plus a self-draft chain: it needs at least 2 "
-                                f"branches, got {self.branches}; write hybrid:B with B >= 2")
+            raise SelfspecError(f"hybrid-tree drafts n-gram branches plus a self-draft chain: it needs at least 2 "
+                                f"branches, got {self.branches}; write hybrid-tree:B with B >= 2")
 
     def history(self, tokens: list[int]) -> TokenHistory:
         return TokenHistory(tokens, self.ngram.min_n, self.ngram.max_n, keep=self.branches - 1)
@@ -300,21 +331,27 @@ def draft_modes(name: str) -> list[str]:
     """The draft modes a --draft name runs (none for a lookup)."""
     if name.startswith("ngram"):
         return []
+    if name == "hybrid":
+        return [HYBRID_DRAFT]
     m = TREE_NAME.fullmatch(name)
     if m is None:
         return [name]
-    return [HYBRID_DRAFT] if m.group(1) == "hybrid" else [m.group(2)] if m.group(2) else []
+    return [HYBRID_DRAFT] if m.group(1) == "hybrid-tree" else [m.group(2)] if m.group(2) else []
 
 
 def make_drafter(name: str) -> Drafter | TreeDrafter:
     """A draft mode name -> its self-draft; 'ngram' or 'ngram:MIN-MAX' (n-gram sizes tried, longest first) ->
-    prompt lookup; tree names (TREE_NAMES, B branches, default DEFAULT_BRANCHES) -> a tree drafter. One branch is
-    the chain drafter itself (ngram-tree:1 is ngram, tree:MODE:1 is MODE)."""
+    prompt lookup; 'hybrid' -> lookup, else the `upper` chain; tree names (TREE_NAMES, B branches, default
+    DEFAULT_BRANCHES) -> a tree drafter. One branch is the chain drafter itself (ngram-tree:1 is ngram,
+    tree:MODE:1 is MODE)."""
+    if name == "hybrid":
+        return HybridDrafter()
     tree = TREE_NAME.fullmatch(name)
     if tree is not None:
         return make_tree(tree)
     if name.startswith(("tree", "hybrid")):
-        raise SelfspecError(f"unknown tree drafter '{name}'; write {TREE_NAMES}")
+        raise SelfspecError(f"unknown drafter '{name}'; write hybrid (lookup, else an upper chain) or a tree: "
+                            f"{TREE_NAMES}")
     if not name.startswith("ngram"):
         return SelfDraft(get_mode(name))
     m = NGRAM_NAME.fullmatch(name)
@@ -330,8 +367,8 @@ def make_tree(m: re.Match) -> Drafter | TreeDrafter:
     kind, mode, branches = m.group(1), m.group(2), int(m.group(3) or DEFAULT_BRANCHES)
     if branches < 1:
         raise SelfspecError(f"a tree drafter needs at least 1 branch, got {branches}; write {TREE_NAMES}")
-    if kind == "hybrid":
-        return HybridDrafter(branches)
+    if kind == "hybrid-tree":
+        return HybridTree(branches)
     if mode is not None:
         return SelfDraft(get_mode(mode)) if branches == 1 else SelfDraftTree(get_mode(mode), branches)
     return NgramDrafter() if branches == 1 else NgramTree(branches)

@@ -95,7 +95,7 @@ def draft_model_recipe(base: Recipe, draft: str | None, verify: str, draft_model
     draft = draft or verify
     if not isinstance(make_drafter(draft), SelfDraft):
         raise SelfspecError(f"under recipe 'draft-model', --draft is the draft model's mode, not '{draft}'; "
-                            "for lookup drafts use --recipe ngram, for trees --recipe hybrid")
+                            "for lookup drafts use --recipe ngram or hybrid, for trees --draft hybrid-tree")
     get_mode(draft)
     storage = resolve_recipe("ar", None, verify).storage
     return replace(base, storage=storage, verify=verify, draft=draft, draft_model=draft_model)

@@ -18,7 +18,8 @@ def accept_greedy(drafts: list[int], target: list[int]) -> tuple[int, int]:
     return n, target[n]
 
 
-def accept_rejection(drafts: list[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator | None) -> tuple[int, int]:
+def accept_rejection(drafts: list[int], q: torch.Tensor, p: torch.Tensor,
+                     gen: torch.Generator | None) -> tuple[int, int]:
     """Speculative sampling: accept d_i with prob min(1, p_i/q_i), else resample from norm(max(0, p_i - q_i)).
 
     q [k, V]: draft probabilities each draft was sampled from; p [k+1, V]: verify probabilities.

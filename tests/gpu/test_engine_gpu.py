@@ -1,7 +1,7 @@
 """The serving engine on CUDA: paged Triton attention and CUDA graphs over batch buckets. 32 concurrent greedy
 requests (speculative rounds and plain steps, requests joining and leaving so the buckets change) each give
 exactly the tokens of a solo greedy AR run, for the planes and qspec recipes, on a tiny random model and on the
-real SmolLM2 (SELFSPEC_GPU_MODEL: its .gguf path or HF directory); tree drafters (hybrid, ngram-tree:4) too, their
+real SmolLM2 (SELFSPEC_GPU_MODEL: its .gguf path or HF directory); tree drafters (hybrid-tree, ngram-tree:4) and the hybrid chain too, their
 branch rows replaying graphs of up to max_batch x branches rows."""
 import os
 
@@ -71,7 +71,7 @@ def test_smollm2_batched_greedy_equals_solo(recipe):
     check_batched_equals_solo(llm, prompts, [16 + 3 * i % 33 for i in range(40)])
 
 
-@pytest.mark.parametrize("draft", ["hybrid", "ngram-tree:4"])
+@pytest.mark.parametrize("draft", ["hybrid-tree", "ngram-tree:4", "hybrid"])
 def test_tiny_model_tree_drafters_batched_greedy_equals_solo(draft):
     """Every branch of every row in one verify pass over the paged cache (PagedTree), under CUDA graphs warmed up
     to max_batch x branches rows: each request's tokens are its solo AR ones, and no pass captures a new graph."""

@@ -19,9 +19,9 @@ from selfspec.speculative.sampling import SamplingParams  # noqa: E402
 NEW_TOKENS = 24
 
 
-# (recipe, --draft): trees (hybrid, ngram-tree) verify their branches as rows of one pass over forked cache rows.
+# (recipe, --draft): trees (hybrid-tree, ngram-tree) verify their branches as rows of one pass over forked cache rows.
 @pytest.fixture(scope="module", params=[("planes", None), ("qspec", None), ("ngram", None), ("hybrid", None),
-                                        ("ngram", "ngram-tree:4")], ids=str)
+                                        ("hybrid", "hybrid-tree"), ("ngram", "ngram-tree:4")], ids=str)
 def llm(request):
     recipe, draft = request.param
     return selfspec.load(os.environ.get("SELFSPEC_GPU_MODEL"), recipe, draft, device="cuda")
