@@ -12,7 +12,9 @@ import torch
 from conftest import RecordedPasses, check_mixed_batch_equals_solo, tiny_model
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
-from selfspec.speculative.drafters import NgramDrafter, SelfDraft, TokenHistory, make_drafter
+from selfspec.quant.modes import get_mode
+from selfspec.speculative.drafters import (HybridDrafter, NgramDrafter, SelfDraft, TokenHistory, draft_modes,
+                                           make_drafter)
 from selfspec.speculative.recipes import resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
 from test_speculative import SAMPLING, VOCAB, check_against_verify, draw, next_probs, tv
@@ -78,14 +80,18 @@ def test_drafter_names():
     assert make_drafter("ngram") == NgramDrafter(max_n=3, min_n=1)
     assert make_drafter("ngram:2-4") == NgramDrafter(max_n=4, min_n=2)
     assert isinstance(make_drafter("upper"), SelfDraft)
+    assert make_drafter("hybrid:2-4") == HybridDrafter(get_mode("upper"), NgramDrafter(max_n=4, min_n=2))
+    assert draft_modes("hybrid:2-4") == draft_modes("hybrid") == ["upper"] and draft_modes("ngram:2-4") == []
 
 
 @pytest.mark.parametrize("bad,needle", [
     ("ngram:3-1", "1 <= min_n <= max_n"), ("ngram:0-2", "1 <= min_n <= max_n"), ("ngram3", "unknown drafter 'ngram3'"),
     ("ngram:2", "ngram:MIN-MAX"), ("w9a9", "unknown mode 'w9a9'"),
     # tree drafters
-    ("hybrid-tree:1", "at least 2 branches"), ("ngram-tree:0", "at least 1 branch"), ("tree:w9a9", "unknown mode 'w9a9'"),
-    ("ngram-tree:x", "ngram-tree"), ("tree", "tree:MODE"), ("hybrid:x", "unknown drafter .hybrid:x.; write hybrid")])
+    ("hybrid-tree:1", "at least 2 branches"), ("ngram-tree:0", "at least 1 branch"),
+    ("tree:w9a9", "unknown mode 'w9a9'"), ("ngram-tree:x", "ngram-tree"), ("tree", "tree:MODE"),
+    # hybrid: a lookup, else the upper chain
+    ("hybrid:x", "unknown drafter 'hybrid:x'; write ngram or"), ("hybrid:3-1", "1 <= min_n <= max_n")])
 def test_bad_drafter_names_say_what_to_write(bad, needle):
     with pytest.raises(SelfspecError, match=needle):
         make_drafter(bad)

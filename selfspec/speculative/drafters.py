@@ -38,7 +38,7 @@ from selfspec.speculative.sampling import sample, to_probs
 if TYPE_CHECKING:
     from selfspec.speculative.decode import Row
 
-NGRAM_NAME = re.compile(r"ngram(?::(\d+)-(\d+))?")
+LOOKUP_NAME = re.compile(r"(ngram|hybrid)(?::(\d+)-(\d+))?")  # hybrid: a lookup, else the upper chain
 TREE_NAME = re.compile(r"(ngram-tree|hybrid-tree|tree:([\w-]+?))(?::(\d+))?")
 DEFAULT_NGRAM = (1, 3)  # (min_n, max_n)
 DEFAULT_BRANCHES = 4
@@ -329,10 +329,11 @@ def subset(view: RowsView, picked: list[int], n: int) -> RowsView:
 
 def draft_modes(name: str) -> list[str]:
     """The draft modes a --draft name runs (none for a lookup)."""
+    lookup = LOOKUP_NAME.fullmatch(name)
+    if lookup is not None:
+        return [HYBRID_DRAFT] if lookup.group(1) == "hybrid" else []
     if name.startswith("ngram"):
         return []
-    if name == "hybrid":
-        return [HYBRID_DRAFT]
     m = TREE_NAME.fullmatch(name)
     if m is None:
         return [name]
@@ -341,26 +342,21 @@ def draft_modes(name: str) -> list[str]:
 
 def make_drafter(name: str) -> Drafter | TreeDrafter:
     """A draft mode name -> its self-draft; 'ngram' or 'ngram:MIN-MAX' (n-gram sizes tried, longest first) ->
-    prompt lookup; 'hybrid' -> lookup, else the `upper` chain; tree names (TREE_NAMES, B branches, default
-    DEFAULT_BRANCHES) -> a tree drafter. One branch is the chain drafter itself (ngram-tree:1 is ngram,
-    tree:MODE:1 is MODE)."""
-    if name == "hybrid":
-        return HybridDrafter()
+    prompt lookup; 'hybrid' or 'hybrid:MIN-MAX' -> that lookup, else the `upper` chain; tree names (TREE_NAMES,
+    B branches, default DEFAULT_BRANCHES) -> a tree drafter. One branch is the chain drafter itself (ngram-tree:1
+    is ngram, tree:MODE:1 is MODE)."""
     tree = TREE_NAME.fullmatch(name)
     if tree is not None:
         return make_tree(tree)
-    if name.startswith(("tree", "hybrid")):
-        raise SelfspecError(f"unknown drafter '{name}'; write hybrid (lookup, else an upper chain) or a tree: "
-                            f"{TREE_NAMES}")
-    if not name.startswith("ngram"):
-        return SelfDraft(get_mode(name))
-    m = NGRAM_NAME.fullmatch(name)
-    if m is None:
-        raise SelfspecError(f"unknown drafter '{name}'; write ngram (n-grams of {DEFAULT_NGRAM[0]} to "
-                            f"{DEFAULT_NGRAM[1]} tokens), ngram:MIN-MAX, e.g. ngram:2-4, or a tree: {TREE_NAMES}")
-    if m.group(1) is None:
-        return NgramDrafter()
-    return NgramDrafter(max_n=int(m.group(2)), min_n=int(m.group(1)))
+    m = LOOKUP_NAME.fullmatch(name)
+    if m is not None:
+        lookup = NgramDrafter() if m.group(2) is None else NgramDrafter(max_n=int(m.group(3)), min_n=int(m.group(2)))
+        return lookup if m.group(1) == "ngram" else HybridDrafter(lookup=lookup)
+    if name.startswith(("ngram", "hybrid", "tree")):
+        raise SelfspecError(f"unknown drafter '{name}'; write ngram or hybrid (n-grams of {DEFAULT_NGRAM[0]} to "
+                            f"{DEFAULT_NGRAM[1]} tokens looked up; hybrid drafts an upper chain where none matches), "
+                            f"ngram:MIN-MAX or hybrid:MIN-MAX, e.g. ngram:2-4, or a tree: {TREE_NAMES}")
+    return SelfDraft(get_mode(name))
 
 
 def make_tree(m: re.Match) -> Drafter | TreeDrafter:
