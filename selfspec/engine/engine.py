@@ -127,7 +127,7 @@ class EngineStats:
     acceptance: float | None  # the policy's per-token acceptance estimate
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: membership tests (`in running`) compare identities, not fields
 class Sequence:
     id: str
     prompt: list[int]
