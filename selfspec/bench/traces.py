@@ -214,8 +214,10 @@ def task_prompts(tasks: list[str], n: int) -> dict[str, list]:
 
 def record_trace(llm, name: str, prompts: dict[str, list], gamma: int, max_new_tokens: int,
                  temperature: float = 0.0, log=print) -> Trace:
+    dev = llm.model.device
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "the CPU"
     trace = Trace(name, llm.recipe.name, llm.recipe.draft, llm.recipe.verify, gamma, temperature, max_new_tokens,
-                  max(map(len, prompts.values())), "recorded by selfspec.bench.traces",
+                  max(map(len, prompts.values())), f"recorded by selfspec.bench.traces on {where}",
                   draft_model=llm.recipe.draft_model)
     for task, texts in prompts.items():
         rs = trace.tasks[task] = record(llm, texts, gamma, max_new_tokens, temperature)
