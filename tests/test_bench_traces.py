@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_model
 from selfspec.bench import tables
-from selfspec.bench.spec import decode_speed, replayable_traces, unreplayable
+from selfspec.bench.spec import decode_speed, predict, predicted_speedup, replayable_traces, unreplayable
 from selfspec.bench.traces import TASKS, TRACE_DIR, PassLog, Round, Trace, from_json, load, record, record_trace, \
     replay, trace_path
 from selfspec.engine.llm import build
@@ -128,6 +128,22 @@ def test_recording_a_draft_model_counts_its_steps_not_its_catch_up():
     assert t.recipe == "draft-model" and t.draft_model == "first layer" and unreplayable(t)
     path = trace_path(Path("out"), "tiny", t.recipe, t.draft, 0.0, 3, "full", t.draft_model)
     assert path == Path("out/tiny.draft-model.first layer.w4a16.g3.json")
+
+
+def test_predicted_speedup_from_step_costs(tmp_path):
+    """Tokens over time: a lookup round pays its verify pass, a draft round its steps too; cut to k first."""
+    rounds = [Round("lookup", 5, 0, 1, 6, 2), Round("draft", 5, 5, 1, 6, 5), Round("none", 0, 0, 1, 1, 0)]
+    ms = (5 + 0.5 * 5) + (4 * 5 + 5 + 0.5 * 5) + 5  # AR 5 ms, a draft step 4, a verified token past the first 0.5
+    assert predicted_speedup(rounds, 5, 5.0, 4.0, 0.5) == pytest.approx((3 + 6 + 1) * 5 / ms)
+    ms3 = (5 + 0.5 * 3) + (4 * 3 + 5 + 0.5 * 3) + 5
+    assert predicted_speedup(rounds, 3, 5.0, 4.0, 0.5) == pytest.approx((3 + 4 + 1) * 5 / ms3)
+    plain = [Round("none", 0, 0, 1, 1, 0)] * 3
+    assert predicted_speedup(plain, 5, 5.0, 4.0, 0.5) == pytest.approx(1.0)
+    Trace("m", "hybrid", "hybrid", "full", 5, tasks={"gsm8k": rounds}).save(tmp_path / "a.json")
+    Trace("m", "draft-model", "full", "full", 5, draft_model="small", tasks={"gsm8k": rounds}).save(tmp_path / "b.json")
+    table = predict([tmp_path / "a.json", tmp_path / "b.json"], [3, 5], (5.0, 4.0, 0.5))
+    assert f"| a.json | 5 | - | - | {(3 + 6 + 1) * 5 / ms:.2f}x (3.33) |" in table
+    assert "| b.json | skipped: its draft steps are another model's (small)" in table
 
 
 def test_replay_pays_recorded_steps_and_verifies_recorded_tokens(tiny):

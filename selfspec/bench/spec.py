@@ -5,6 +5,7 @@ synthetic-weight shape under CUDA graphs (GPU) or on a real model (CPU); against
 the speed the measured step costs and the trace's acceptance predict.
 
 python -m selfspec.bench.spec [--shape llama-3-8b] [--trace selfspec/bench/traces/smollm2-135m.planes.json]
+python -m selfspec.bench.spec --predict AR_MS DRAFT_MS TOKEN_MS [--trace ...]   (any machine: step costs alone)
 python -m selfspec.bench.spec --tables [--trace-model smollm2-135m] [--shape llama-3-8b | --device cpu] ...
     Quasar's tables (bench/tables.py): tokens/s and acceptance length per recipe and task vs BF16 AR, vs the
     sampling temperature, vs gamma and the n-gram range.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.bench.traces import TRACE_DIR, Round, Trace, load, replay
+from selfspec.bench.traces import TASKS, TRACE_DIR, Round, Trace, load, replay
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES, Mode
@@ -32,6 +33,30 @@ from selfspec.speculative.sampling import SamplingParams
 def expected_tokens(rounds: list[Round], k: int) -> float:
     """Mean tokens a round commits when it drafts at most k: its accepted drafts plus the verify pass's token."""
     return 1 + sum(r.cut(k).accepted for r in rounds) / len(rounds)
+
+
+def predicted_speedup(rounds: list[Round], k: int, ar_ms: float, draft_ms: float, token_ms: float) -> float:
+    """Speed over AR of the rounds drafting at most k, from step costs alone: an AR step of ar_ms, a draft step of
+    draft_ms, and a verify pass of t tokens costing ar_ms + token_ms (t - 1) (flat at batch 1 on a GPU)."""
+    cut = [r.cut(k) for r in rounds]
+    ms = sum(r.draft_steps * draft_ms + ar_ms + token_ms * (r.verified - 1) for r in cut)
+    return sum(r.accepted + 1 for r in cut) * ar_ms / ms
+
+
+def predict(traces: list[Path], gammas: list[int], costs: tuple[float, float, float]) -> str:
+    """A markdown table of every trace's predicted speedup over AR per task and gamma (no GPU)."""
+    out = ["| trace | gamma | " + " | ".join(TASKS) + " | mean |", "|" + "---|" * (len(TASKS) + 3)]
+    for path in traces:
+        t = load(path)
+        if (why := unreplayable(t)) is not None:
+            out.append(f"| {path.name} | skipped: {why} |")
+            continue
+        for k in [g for g in gammas if g <= t.gamma]:
+            cells = {task: predicted_speedup(rs, k, *costs) for task, rs in t.tasks.items()}
+            row = [f"{cells[task]:.2f}x ({expected_tokens(t.tasks[task], k):.2f})" if task in cells else "-"
+                   for task in TASKS]
+            out.append(f"| {path.name} | {k} | " + " | ".join(row) + f" | {sum(cells.values()) / len(cells):.2f}x |")
+    return "\n".join(out)
 
 
 def draft_mode(recipe: str, draft: str | None) -> Mode | None:
@@ -167,7 +192,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--gamma", type=int, nargs="+", default=[2, 4, 6])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--predict", type=float, nargs=3, metavar=("AR_MS", "DRAFT_MS", "TOKEN_MS"), default=None,
+                    help="no replay: the speedup the traces predict from step costs (an AR step, a draft step, each "
+                         "verified token past the first), e.g. the H100's on the 8B shape: 5.07 3.72 0.08")
     args = ap.parse_args(argv)
+    if args.predict:
+        print("predicted speedup over AR (mean tokens a round), from step costs "
+              f"AR {args.predict[0]} ms, draft {args.predict[1]} ms, {args.predict[2]} ms a verified token")
+        print(predict(args.trace, args.gamma, tuple(args.predict)))
+        return
     if not torch.cuda.is_available():
         raise SelfspecError("`selfspec bench spec` needs a CUDA GPU to replay on a synthetic shape; "
                             "`selfspec bench spec --tables --device cpu` replays on a real model on the CPU")
