@@ -6,7 +6,7 @@ A config that spills registers to the stack is slow however it is tuned (docs/be
 whether Triton issues mma.sync or wgmma decides a row's bits: both show here before any GPU time is spent.
 
 python -m selfspec.bench.kernel_resources --mode full --tiles 16x128x4 32x128x4 64x64x4 [--split 4]
-python -m selfspec.bench.kernel_resources --attention [--warps 4 8]  (Llama-3-8B heads, KV group 128)
+python -m selfspec.bench.kernel_resources --attention [--warps 4 8] [--max-registers 168 128]  (Llama-3-8B heads)
 """
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
-def compile_quant_attention(fmt: str, upper: bool, block_r: int, warps: int, dim: int = 128,
-                            group: int = 128) -> triton.compiler.CompiledKernel:
+def compile_quant_attention(fmt: str, upper: bool, block_r: int, warps: int, dim: int = 128, group: int = 128,
+                            max_registers: int | None = None) -> triton.compiler.CompiledKernel:
     """The quantized attention's chunk kernel over `fmt` ("int8" or "hier"; the upper plane alone where `upper`)
     with tiles of block_r query rows on `warps` warps, compiled for sm_90 (no launch, no GPU)."""
     hier = fmt == "hier"
@@ -84,7 +84,7 @@ def compile_quant_attention(fmt: str, upper: bool, block_r: int, warps: int, dim
     consts = {**tqa.chunk_constants(group, dim, hier, upper), "BLOCK_R": block_r}
     sig.update(dict.fromkeys(consts, "constexpr"))
     return triton.compile(ASTSource(tqa._quant_attention_chunks, sig, consts), target=H100,
-                          options=dict(num_warps=warps))
+                          options=dict(num_warps=warps, maxnreg=max_registers))
 
 
 def resources(kernel: triton.compiler.CompiledKernel) -> Resources:
@@ -121,11 +121,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--attention", action="store_true",
                     help="the quantized attention's tiles (16 and 32 query rows) per KV format instead")
     ap.add_argument("--warps", type=int, nargs="+", default=[tqa.NUM_WARPS], help="with --attention")
+    ap.add_argument("--max-registers", type=int, nargs="+", default=[None], metavar="N",
+                    help="with --attention: registers per thread ptxas may use (default: its choice)")
     args = ap.parse_args(argv)
     if tlin.INTERPRETING:
         ap.error("TRITON_INTERPRET=1 is set: interpreted kernels do not compile; unset it")
     if args.attention:
-        attention_table(args.warps)
+        attention_table(args.warps, args.max_registers)
         return
     print(f"{args.mode}, K {args.k} in tiles of {args.block_k}, split {args.split}, {args.stages} stages, sm_90")
     print("| tiles (M x N x warps) | registers | stack bytes | shared bytes | MMA |\n|---|---|---|---|---|")
@@ -136,15 +138,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         print(f"| {block_m} x {block_n} x {warps} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} |")
 
 
-def attention_table(warps: list[int]) -> None:
+def attention_table(warps: list[int], max_registers: list[int | None]) -> None:
     print("quantized attention, Llama-3-8B heads (head dim 128), KV group 128, sm_90")
-    print("| query rows x warps | KV read | registers | stack bytes | shared bytes | MMA |\n|---|---|---|---|---|---|")
+    print("| query rows x warps | KV read | register cap | registers | stack bytes | shared bytes | MMA |\n"
+          "|---|---|---|---|---|---|---|")
     for name, (fmt, upper) in (("int8", ("int8", False)), ("hier both planes", ("hier", False)),
                                ("hier upper plane", ("hier", True))):
         for block_r in (tqa.TILE_ROWS, 2 * tqa.TILE_ROWS):  # the tile, and the taller one it does not use
             for w in warps:
-                r = resources(compile_quant_attention(fmt, upper, block_r, w))
-                print(f"| {block_r} x {w} | {name} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} |")
+                for cap in max_registers:
+                    r = resources(compile_quant_attention(fmt, upper, block_r, w, max_registers=cap))
+                    print(f"| {block_r} x {w} | {name} | {cap or '-'} | {r.registers} | {r.stack_bytes} "
+                          f"| {r.shared_bytes} | {r.mma} |")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ MIN_GROUP = 16  # smaller KV groups take the reference
 BLOCK_N = 32  # keys per step of a program's online softmax (at most a group: a step reads one group's scales)
 TILE_ROWS = 16  # query rows (tokens x query heads) per program, whatever the pass: more take more programs
 NUM_WARPS = 4  # 8 warps: 1.8x slower decode at 128k keys on an H100 (docs/long-context.md)
+# Registers per thread (ptxas maxnreg), None: the compiler's choice, 230-255 here, so 2 programs an SM; 168 fits 3
+# and spills 200-456 bytes (`selfspec bench resources --attention --max-registers 168`). A tuning knob, not yet timed.
+MAX_REGISTERS: int | None = None
 
 
 def row_slices(rows: int) -> int:
@@ -231,7 +234,7 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
         quant.start.contiguous(), m, l, acc,
         t, hq, hkv, qbs, quant.table.shape[1], dim, kv.k.shape[2], n_chunks, n_slices, dim ** -0.5,
         q.stride(0), q.stride(1), q.stride(2),
-        **consts, num_warps=NUM_WARPS)
+        **consts, num_warps=NUM_WARPS, **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}))
     out = torch.empty(b, t, hq, dim, dtype=torch.float32, device=q.device)
     _merge_chunks[(b * t * hq,)](m, l, acc, out, n_chunks + 1, dim, BLOCK_D=consts["BLOCK_D"])
     return out.transpose(1, 2).to(q.dtype)
