@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help="sequences the engine generates together (results do not depend on it)")
     add_prefill_chunk_arg(e)
+    e.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split each model across N processes (one GPU each; gloo on the CPU)")
     e.add_argument("--unsafe-sandbox", action="store_true",
                    help="where Linux namespaces are unavailable, run HumanEval's generated code unconfined")
     c = sub.add_parser("calibrate-skip", help="choose the layers `--recipe layerskip` drafts without (measured)")

@@ -169,3 +169,24 @@ def test_default_output_is_ignored_and_published_results_are_elsewhere():
     git = ["git", "-C", str(root)]
     assert subprocess.run([*git, "check-ignore", "-q", str(out)]).returncode == 0
     assert subprocess.run([*git, "ls-files", "eval-results"], capture_output=True, text=True).stdout == ""
+
+
+def test_tensor_parallel_eval_keeps_its_results_apart(setup, tmp_path, capsys, monkeypatch):
+    """`--tensor-parallel 2` (gloo on the CPU): the planes recipe equals its verify mode item by item, perplexity is
+    TP1's up to the split sums, and the TP2 results are cached apart: a TP1 run finds none of them."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    args = ["eval", "--model", str(setup / "model"), "--tasks", "gsm8k,ppl", "--modes", "", "--recipes", "planes",
+            "--limit", "2", "--max-new-tokens", "6", "--group-size", "16", "--data", f"gsm8k={setup / 'gsm8k.jsonl'}",
+            "--data", f"ppl={setup / 'essays.json'}"]
+    assert main([*args, "--out", str(tmp_path / "tp2"), "--tensor-parallel", "2"]) == 0
+    tp2 = json.loads((tmp_path / "tp2" / "summary.json").read_text())
+    assert tp2["equality"]["planes"]["gsm8k"] == {"compared": 2, "identical": 2, "differences": []}
+    records = [json.loads(line) for line in (tmp_path / "tp2" / "planes" / "gsm8k.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["error"] is None and r["stats"]["new_tokens"] >= 1 for r in records)
+    assert main([*args, "--out", str(tmp_path / "tp1")]) == 0
+    tp1 = json.loads((tmp_path / "tp1" / "summary.json").read_text())
+    assert tp2["metrics"]["full"]["ppl"]["score"] == pytest.approx(tp1["metrics"]["full"]["ppl"]["score"], rel=1e-3)
+    shutil.copytree(tmp_path / "tp2", tmp_path / "mixed")
+    assert main([*args, "--out", str(tmp_path / "mixed"), "--cached-only"]) == 0
+    mixed = json.loads((tmp_path / "mixed" / "summary.json").read_text())
+    assert mixed["equality"]["planes"]["gsm8k"]["compared"] == 0

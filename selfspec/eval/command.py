@@ -35,7 +35,7 @@ def run_command(args: argparse.Namespace) -> None:
     results = run_eval(args.model, tasks, modes, recipes, out, args.limit, args.seed, args.gamma,
                        args.max_new_tokens, args.chat, parse_data(args.data), args.group_size, args.device,
                        args.cached_only, args.batch_size, args.unsafe_sandbox, prefill_chunk=args.prefill_chunk,
-                       draft_model=args.draft_model)
+                       draft_model=args.draft_model, tensor_parallel=args.tensor_parallel)
     title = f"{args.model or 'smollm2-135m'}, limit {args.limit or 'none'}, max {args.max_new_tokens} new tokens"
     write_report(out, plan_configs(modes, recipes, args.draft_model), results, tasks, title)
     print((out / "summary.md").read_text())

@@ -22,6 +22,7 @@ from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.eval.tasks import TASK_NAMES, Item, get_task
 from selfspec.eval.tasks import ppl as ppl_task
+from selfspec.parallel.launch import TensorParallelLLM
 from selfspec.quant.modes import get_mode
 from selfspec.speculative.recipes import Recipe, resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
@@ -100,19 +101,25 @@ def generate_batched(llm: LLM, prompts: dict[str, list[int]], params: SamplingPa
     # branch rows).
     longest = min(llm.model.cfg.max_seq_len, max(map(len, prompts.values())) + params.max_new_tokens + gamma)
     per_row = -(-longest // BLOCK_SIZE) + branch_blocks(llm.drafter, BLOCK_SIZE, gamma)
-    engine = Engine(llm, max_batch=batch, block_size=BLOCK_SIZE, num_blocks=batch * per_row,
-                    max_queue=batch, prefill_chunk=prefill_chunk, max_gamma=gamma)  # the engine caps a request's gamma
+    kwargs = dict(max_batch=batch, block_size=BLOCK_SIZE, num_blocks=batch * per_row, max_queue=batch,
+                  prefill_chunk=prefill_chunk, max_gamma=gamma)  # the engine caps a request's gamma
+    tp = isinstance(llm, TensorParallelLLM)  # every rank runs an engine over its shard, rank 0's steps
+    engine = llm.serve_engine(**kwargs) if tp else Engine(llm, **kwargs)
     pending = deque(prompts.items())
     in_flight = 0
-    while pending or engine.has_work():
-        while pending and in_flight < batch:
-            request_id, ids = pending.popleft()
-            engine.add_request(request_id, ids, params, gamma=gamma)
-            in_flight += 1
-        for out in engine.step():
-            if out.finished:
-                in_flight -= 1
-                yield out
+    try:
+        while pending or engine.has_work():
+            while pending and in_flight < batch:
+                request_id, ids = pending.popleft()
+                engine.add_request(request_id, ids, params, gamma=gamma)
+                in_flight += 1
+            for out in engine.step():
+                if out.finished:
+                    in_flight -= 1
+                    yield out
+    finally:
+        if tp:
+            llm.end_engine()
 
 
 class ResultCache:
@@ -164,11 +171,12 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
              chat: bool = False, data: dict[str, Path] | None = None, group_size: int = 128,
              device: str = "cpu", cached_only: bool = False,
              batch_size: int = DEFAULT_BATCH_SIZE, unsafe_sandbox: bool = False,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-             draft_model: str | None = None) -> dict[str, dict[str, list[dict]]]:
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft_model: str | None = None,
+             tensor_parallel: int = 1) -> dict[str, dict[str, list[dict]]]:
     """Evaluate and return {config label: {task: [record per item, in item order]}} (cached items reused,
     failed ones generated again; cached_only: generate nothing, report what the cache holds;
-    unsafe_sandbox: run HumanEval's code unconfined where the sandbox cannot be built)."""
+    unsafe_sandbox: run HumanEval's code unconfined where the sandbox cannot be built; tensor_parallel N > 1: each
+    config's model split across N processes, results cached apart from other sizes' (equal within one size))."""
     check_args(tasks, limit, gamma, max_new_tokens, batch_size, prefill_chunk)
     if "humaneval" in tasks and not cached_only:
         get_task("humaneval").check_scorable(unsafe_sandbox)
@@ -188,7 +196,7 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
         speculative = cfg.draft is not None
         caches = {t: ResultCache(out_dir / cfg.label / f"{t}.jsonl",
                                  settings(model, cfg, t, max_new_tokens, chat, gamma if speculative else 0,
-                                          group_size, device))
+                                          group_size, device, tensor_parallel))
                   for t in tasks}
         # A recipe's scores are its verify mode's logits: perplexity has nothing new to measure there.
         todo = {t: [i for i in (ppl_ids if t == "ppl" else [it.id for it in items[t]]) if not caches[t].done(i)]
@@ -196,16 +204,21 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
         if any(todo.values()) and not cached_only:
             verify = cfg.verify if cfg.recipe == "ar" else None
             llm = selfspec.load(model, cfg.recipe, verify=verify, gamma=gamma, group_size=group_size, device=device,
-                                draft_model=draft_model if cfg.recipe == "draft-model" else None)
-            for t in todo:
-                if t == "ppl":
-                    windows = windows or ppl_task.load_windows(llm.tokenizer, data.get("ppl"), n_windows)
-                    run_ppl(llm, [w for w in windows if w.id in todo[t]], caches[t], cfg.label)
-                else:
-                    missing = set(todo[t])
-                    run_generation(llm, get_task(t), [it for it in items[t] if it.id in missing], caches[t],
-                                   max_new_tokens, gamma if speculative else 0, batch_size, cfg.label,
-                                   unsafe_sandbox, prefill_chunk)
+                                draft_model=draft_model if cfg.recipe == "draft-model" else None,
+                                tensor_parallel=tensor_parallel)
+            try:
+                for t in todo:
+                    if t == "ppl":
+                        windows = windows or ppl_task.load_windows(llm.tokenizer, data.get("ppl"), n_windows)
+                        run_ppl(llm, [w for w in windows if w.id in todo[t]], caches[t], cfg.label)
+                    else:
+                        missing = set(todo[t])
+                        run_generation(llm, get_task(t), [it for it in items[t] if it.id in missing], caches[t],
+                                       max_new_tokens, gamma if speculative else 0, batch_size, cfg.label,
+                                       unsafe_sandbox, prefill_chunk)
+            finally:
+                if isinstance(llm, TensorParallelLLM):  # its worker processes end with the config
+                    llm.close()
         results[cfg.label] = {}
         for t in tasks:
             ids = ppl_ids if t == "ppl" else [it.id for it in items[t]]
@@ -214,9 +227,11 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
 
 
 def settings(model: str | None, cfg: EvalConfig, task: str, max_new_tokens: int, chat: bool, gamma: int,
-             group_size: int, device: str) -> dict:
-    """What a cached result depends on besides the item."""
+             group_size: int, device: str, tensor_parallel: int = 1) -> dict:
+    """What a cached result depends on besides the item (the tensor-parallel size where above 1)."""
     s = {"model": model or "default", **asdict(cfg), "group_size": group_size, "device": device}
+    if tensor_parallel > 1:
+        s["tensor_parallel"] = tensor_parallel
     s.pop("reference")
     if task == "ppl":
         return {**s, "window": ppl_task.WINDOW}
@@ -256,5 +271,8 @@ def record(task, item: Item, gen: Generation, error: str | None, unsafe_sandbox:
 def run_ppl(llm: LLM, windows: list[Item], cache: ResultCache, label: str) -> None:
     for w in tqdm(windows, desc=f"{label} ppl"):
         t0 = time.perf_counter()
-        nll, n = ppl_task.window_nll(llm.model, w.prompt, llm.verify_mode)
+        if isinstance(llm, TensorParallelLLM):
+            nll, n = llm.window_nll(w.prompt)
+        else:
+            nll, n = ppl_task.window_nll(llm.model, w.prompt, llm.verify_mode)
         cache.add({"id": w.id, "nll": nll, "tokens": n, "seconds": time.perf_counter() - t0})

@@ -12,8 +12,9 @@ every rank (comm.py), so the ranks take the same path with no sync beyond each p
 rounds of any chain drafter (self-draft, lookup) and trees included. The one choice made from something else, the
 measured-cost gamma policy (it reads each rank's own clock), is off: a tensor-parallel LLM drafts gamma tokens every
 round. Refused: a separate draft model (not split) and SmoothQuant calibration (its folding reads whole heads).
-The serving engine (`serve_engine`): every rank runs an Engine over its shard, rank 0 broadcasting each step's
-inbox of requests (engine/engine.py).
+The serving engine (`serve_engine`, until `end_engine`): every rank runs an Engine over its shard, rank 0
+broadcasting each step's inbox of requests (engine/engine.py). `selfspec eval`'s perplexity (`window_nll`) runs on
+every rank the same way.
 """
 from __future__ import annotations
 
@@ -103,6 +104,22 @@ class TensorParallelLLM:
         self.engine = Engine(self, **kwargs)
         return self.engine
 
+    def end_engine(self) -> None:
+        """Close the engine serve_engine started (the other ranks' follow): another may start, or generate()."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def window_nll(self, tokens: list[int]) -> tuple[float, int]:
+        """eval's perplexity of one window (eval/tasks/ppl.py `window_nll`) in the verify mode, on every rank."""
+        from selfspec.eval.tasks.ppl import window_nll
+
+        if self.engine is not None:
+            raise SelfspecError("this tensor-parallel LLM serves an engine: end it before scoring text")
+        self.check_workers()
+        self.llm.model.tp.broadcast(("nll", tokens))
+        return window_nll(self.llm.model, tokens, self.llm.verify_mode)
+
     def check_workers(self) -> None:
         dead = [w.exitcode for w in self.workers if not w.is_alive()]
         if dead:
@@ -185,6 +202,10 @@ def serve_rank(rank: int, size: int, port: int, args: dict) -> None:
         if request[0] == "generate":
             _, ids, params, gamma = request
             llm.generate(ids, params, gamma=gamma)
+        elif request[0] == "nll":
+            from selfspec.eval.tasks.ppl import window_nll
+
+            window_nll(llm.model, request[1], llm.verify_mode)
         else:  # ("engine", kwargs): follow rank 0's engine steps until it closes the engine
             engine = Engine(llm, **request[1])
             while not engine.stopped:
