@@ -238,52 +238,43 @@ def prefilled_rows(llm, prompts: list[list[int]], params: list[SamplingParams]):
     return cache, rows, pending, lengths
 
 
-def test_hybrid_proposes_lookups_without_a_step_and_chains_where_none_matches(hybrid):
-    """Rows whose lookup matches propose it; a batch of them runs no draft step. With a row that matches nothing,
-    k draft steps run for the batch: that row proposes the `upper` chain, the matching row keeps its lookup, and a
-    sampling row with a lookup draws nothing from its generator (it draws what its solo run draws)."""
+def test_hybrid_proposes_lookups_and_chains_where_lookups_keep_missing(hybrid):
+    """A row whose lookup matches proposes it; one that misses takes a plain step, and chains from its second miss
+    in a row on. A round with no chain runs no draft step; with one, k steps run for the batch: the chaining row
+    proposes the `upper` chain, the others keep their lookups (or nothing), and a sampling row that does not chain
+    draws nothing from its generator (it draws what its solo run draws)."""
     k, match, miss = 4, REPETITIVE[0], [11, 250, 3, 99, 64]
     drafter = hybrid.drafter
-    assert drafter == make_drafter("hybrid") and drafter.mode.name == "upper"
+    assert drafter == make_drafter("hybrid") and drafter.mode.name == "upper" and drafter.chain_after == 2
     assert drafter.history(miss).lookup(k) == [] and len(drafter.history(match).lookup(k)) == k
+    lookup = drafter.history(match).lookup(k)
     sampled = SamplingParams(temperature=1.0, seed=5, max_new_tokens=8)
-    cache, rows, pending, lengths = prefilled_rows(hybrid, [match, match], [greedy(8), sampled])
-    model = RecordedPasses(hybrid.model)
-    p = drafter.propose(model, cache, rows, pending, lengths, k)
-    assert model.shapes == [] and p.counts == [k, k] and p.q == [None, None]
-    assert p.tokens.tolist() == [drafter.history(match).lookup(k)] * 2
-
     cache, rows, pending, lengths = prefilled_rows(hybrid, [match, miss, match], [greedy(8), greedy(8), sampled])
     state = rows[2].gen.get_state()
-    p = drafter.propose(model, cache, rows, pending, lengths, k)
-    assert model.shapes == [(3, 1)] * k and p.counts == [k] * 3 and p.q == [None] * 3
+    model = RecordedPasses(hybrid.model)
+    first = drafter.propose(model, cache, rows, pending, lengths, k)  # the row's first miss: a plain step
+    assert model.shapes == [] and first.counts == [k, 0, k] and first.q == [None] * 3
+    assert first.tokens[0].tolist() == first.tokens[2].tolist() == lookup
+    second = drafter.propose(model, cache, rows, pending, lengths, k)  # its second miss in a row: the chain
+    assert model.shapes == [(3, 1)] * k and second.counts == [k] * 3 and second.q == [None] * 3
     assert torch.equal(rows[2].gen.get_state(), state)
-    cache, rows, pending, lengths = prefilled_rows(hybrid, [match, miss, match], [greedy(8)] * 3)
     chains = SelfDraft(drafter.mode).propose(hybrid.model, cache, rows, pending, lengths, k).tokens
-    lookup = drafter.history(match).lookup(k)
-    assert p.tokens.tolist() == [lookup, chains[1].tolist(), lookup]
+    assert second.tokens.tolist() == [lookup, chains[1].tolist(), lookup]
     assert chains[0].tolist() != lookup  # the lookup rows' own drafts were there to take, and were not taken
+    rows[1].history.extend([11, 250])  # now it matches again: its streak ends
+    third = drafter.propose(model, cache, rows, pending, lengths, k)
+    assert rows[1].history.misses == 0 and third.counts == [k] * 3 and len(model.shapes) == k
 
 
 @pytest.mark.parametrize("gamma", [2, 5])
-def test_greedy_hybrid_equals_ar_with_both_kinds_of_round(hybrid, gamma):
-    from selfspec.engine.stats import GenerationStats
-    from selfspec.speculative.decode import decode
+def test_greedy_hybrid_equals_ar_with_every_kind_of_round(hybrid, gamma):
+    from selfspec.bench.traces import record
 
-    lookups = chains = 0
     for p in REPETITIVE:
-        model, stats, out = RecordedPasses(hybrid.model), GenerationStats(), []
-        for chunk in decode(model, p, hybrid.verify_mode, hybrid.drafter, gamma, greedy(30), stats):
-            out += chunk
-            if len(out) >= 30:
-                break
-        assert out[:30] == hybrid.generate(p, greedy(30), gamma=0).token_ids
-        steps, paid = 0, []  # per round: the draft steps before its verify pass (a one-token pass is a step)
-        for _, width in model.shapes[1:]:
-            steps, paid = (steps + 1, paid) if width == 1 else (0, paid + [steps])
-        assert len(paid) == stats.rounds and set(paid) <= {0, gamma}
-        lookups, chains = lookups + paid.count(0), chains + paid.count(gamma)
-    assert lookups > 0 and chains > 0
+        assert hybrid.generate(p, greedy(30), gamma=gamma).token_ids == hybrid.generate(p, greedy(30), gamma=0).token_ids
+    rounds = record(hybrid, REPETITIVE, gamma, 30)  # what each round paid, from the passes it ran
+    assert {r.kind for r in rounds} == {"lookup", "none", "draft"}
+    assert all(r.draft_steps == (gamma if r.kind == "draft" else 0) for r in rounds)
 
 
 def test_engine_batched_equals_solo_with_hybrid_rows_mixed(hybrid):

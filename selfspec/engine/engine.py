@@ -139,6 +139,7 @@ class Sequence:
     queued_step: int = 0  # the engine step at which it last joined the waiting queue
     prefilled: int = 0  # positions of the context in the cache
     row: Row | None = None  # set once the context is prefilled (and, the first time, the first token drawn)
+    history: TokenHistory | None = None  # while preempted, its row's lookup index (and the hybrid's streak)
 
     @property
     def context(self) -> list[int]:
@@ -447,6 +448,10 @@ class Engine:
         used = self.cache.blocks_used
         self.running.remove(seq)
         self.cache.free(seq.id)
+        # A lookup index (with the hybrid's streak) stays the text's; a draft model's state names cache positions
+        # freed with the blocks, so it is built again.
+        history = seq.row.history if seq.row is not None else None
+        seq.history = history if isinstance(history, TokenHistory) else None
         seq.prefilled, seq.row = 0, None
         seq.queued_step = self.steps
         self.waiting.appendleft(seq)
@@ -561,7 +566,7 @@ class Engine:
             self.cache.truncate(s.id, s.prefilled)
             if d and r:
                 s.row = Row(s.out.token_ids[-1], s.prefilled, s.params, s.gen, s.out.stats,
-                            self._history(s.prompt + s.out.token_ids))
+                            self._resumed_history(s))
             elif d:
                 s.out.stats.prefill_s = now - s.arrival  # time to first token, queueing included
                 s.row = Row(tok, s.prefilled, s.params, s.gen, s.out.stats, self._history(s.prompt + [tok]))
@@ -571,6 +576,13 @@ class Engine:
 
     def _history(self, tokens: list[int]) -> TokenHistory | None:
         return self.llm.drafter.history(tokens) if self.llm.drafter is not None else None
+
+    def _resumed_history(self, seq: Sequence) -> TokenHistory | None:
+        """A resumed sequence's history: the one its row had (so a drafter's state carries on as in a solo run),
+        where it holds the sequence's text; else built again."""
+        tokens = seq.prompt + seq.out.token_ids
+        kept, seq.history = seq.history, None
+        return kept if kept is not None and kept.tokens == tokens else self._history(tokens)
 
     def _round(self, seqs: list[Sequence], k: int, outputs: list[RequestOutput]) -> None:
         for s in seqs:

@@ -14,8 +14,8 @@ run together):
 - `HybridTree(branches)`: n-gram branches when the lookup matches, plus the `upper` self-draft chain as the last
   branch; the self-draft tree when nothing matches.
 
-`HybridDrafter` (recipe `hybrid`) is a chain drafter: each row's lookup where it matches (a round where all match
-pays no draft step), the `upper` self-draft chain where it does not.
+`HybridDrafter` (recipe `hybrid`) is a chain drafter: each row's lookup where it matches, the `upper` self-draft chain
+where lookups keep missing (a round with no chain pays no draft step).
 
 A proposal of n < k tokens (none where nothing matches) is padded for the batched verify pass, which runs as far
 as the longest proposal of the batch (a round where nothing matches costs a plain step), and only its n real
@@ -194,29 +194,42 @@ def lookup_proposal(found: list[list[int]], k: int, device: torch.device) -> Pro
     return Proposal(tokens, [len(f) for f in found], [None] * len(found))
 
 
+class LookupStreak(TokenHistory):
+    """A hybrid row's history, and how many of its lookups in a row found nothing."""
+    misses = 0
+
+
 @dataclass(frozen=True)
 class HybridDrafter:
-    """Lookup where it matches, the `upper` chain where it does not. A round whose rows all match proposes their
-    lookups, for the cost of the verify pass alone. Otherwise k draft steps run for the whole batch (a step over
-    several rows costs about one row's) and the rows without a match take their chains; the others keep their
-    lookups, drafting greedily alongside, so that a sampling row draws what it draws alone (its solo run)."""
+    """Lookup where it matches, the `upper` chain where lookups keep missing. A row's lookup is its proposal; a row
+    whose lookup found nothing for `chain_after` rounds in a row (the text has stopped copying) drafts the chain,
+    one that just missed takes a plain step (in copying text a lone miss is followed by matches, and a chain
+    round, at about a plain step's cost per token, would spend the next matches' tokens). A round with no chain
+    runs the verify pass alone. Otherwise k draft steps run for the whole batch (a step over several rows costs
+    about one row's); the rows that do not chain draft greedily alongside, their drafts dropped, so that a sampling
+    row draws what it draws alone (its solo run)."""
     mode: Mode = field(default_factory=lambda: get_mode(HYBRID_DRAFT))
     lookup: NgramDrafter = field(default_factory=NgramDrafter)
+    chain_after: int = 2
 
-    def history(self, tokens: list[int]) -> TokenHistory:
-        return self.lookup.history(tokens)
+    def history(self, tokens: list[int]) -> LookupStreak:
+        return LookupStreak(tokens, self.lookup.min_n, self.lookup.max_n)
 
     def propose(self, model, cache, rows: list[Row], pending: torch.Tensor, lengths: torch.Tensor,
                 k: int) -> Proposal:
         found = [r.history.lookup(k) for r in rows]
+        for r, f in zip(rows, found):
+            r.history.misses = 0 if f else r.history.misses + 1
+        chain = [r.history.misses >= self.chain_after for r in rows]
         looked = lookup_proposal(found, k, pending.device)
-        if all(found):
+        if not any(chain):
             return looked
-        drafting = [replace(r, params=replace(r.params, temperature=0.0), gen=None) if f else r
-                    for r, f in zip(rows, found)]
+        drafting = [r if c else replace(r, params=replace(r.params, temperature=0.0), gen=None)
+                    for r, c in zip(rows, chain)]
         chains, q = draft_tokens(model, cache, drafting, pending, lengths, k, self.mode)
-        matched = torch.tensor([bool(f) for f in found], device=pending.device)[:, None]
-        return Proposal(torch.where(matched, looked.tokens, chains), [k] * len(rows), q)
+        chosen = torch.tensor(chain, device=pending.device)[:, None]
+        return Proposal(torch.where(chosen, chains, looked.tokens), [k if c else len(f) for c, f in zip(chain, found)],
+                        q)
 
 
 # ---------------------------------------------------------------- trees: several branches for one sequence
