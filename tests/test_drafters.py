@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import RecordedPasses, check_mixed_batch_equals_solo, tiny_model
+from conftest import RecordedPasses, ShuffledGammaPolicy, check_mixed_batch_equals_solo, tiny_model
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import get_mode
@@ -283,3 +283,14 @@ def test_engine_batched_equals_solo_with_hybrid_rows_mixed(hybrid):
     next to the policy's, a small pool: every request equals its solo run."""
     s = check_mixed_batch_equals_solo(hybrid, REPETITIVE)
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+
+
+@pytest.mark.parametrize("recipe", ["ngram", "hybrid"])
+def test_engine_batched_equals_solo_over_shuffled_schedules(llm, hybrid, recipe):
+    """The same mix under policies whose drafts per round are drawn at random (seeded), so that the batches, the
+    groups by k and the preemptions differ from schedule to schedule and not with this machine's timings. A sampling
+    row's draws follow its drafter's state (the hybrid's miss streak): a sequence preempted again while its resume
+    still prefills must keep the state it was first preempted with (seeds 1 and 3 lost it)."""
+    for seed in range(6):
+        s = check_mixed_batch_equals_solo(llm if recipe == "ngram" else hybrid, REPETITIVE, ShuffledGammaPolicy(seed))
+        assert s.num_preemptions > 0

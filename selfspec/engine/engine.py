@@ -449,9 +449,11 @@ class Engine:
         self.running.remove(seq)
         self.cache.free(seq.id)
         # A lookup index (with the hybrid's streak) stays the text's; a draft model's state names cache positions
-        # freed with the blocks, so it is built again.
-        history = seq.row.history if seq.row is not None else None
-        seq.history = history if isinstance(history, TokenHistory) else None
+        # freed with the blocks, so it is built again. Preempted again while its resume still prefills (no row
+        # yet), it keeps the history kept the first time.
+        if seq.row is not None:
+            history = seq.row.history
+            seq.history = history if isinstance(history, TokenHistory) else None
         seq.prefilled, seq.row = 0, None
         seq.queued_step = self.steps
         self.waiting.appendleft(seq)
