@@ -13,6 +13,7 @@ from selfspec.engine.graphs import PagedGraphedModel, bucket, pad_into
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.serve.metrics import ServerMetrics
+from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.recipes import resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
 
@@ -129,6 +130,53 @@ def test_sampling_rows_share_the_batch_with_greedy_rows(llm):
     assert [out[str(i)][0] for i in range(3)] == refs
     assert all(len(out[str(i)][0]) == 8 and max(out[str(i)][0]) < 256 for i in range(3, 6))
     assert_idle(engine)
+
+
+class Drafts3(GammaPolicy):
+    """Drafts 3 tokens every round: to measure only (as a drafting probe does while decoding plainly), or not."""
+
+    def __init__(self, measuring: bool):
+        super().__init__(3)
+        self.only_measures = measuring
+
+    def choose(self, batch: int) -> int:
+        self.last_gamma, self.measuring = 3, self.only_measures
+        return 3
+
+
+def test_measuring_rounds_keep_greedy_rows_in_lockstep(llm):
+    """Rounds drafting only to measure: each greedy row of the policy emits one token a round (its solo greedy
+    output), so requests of one length started together finish at one step (drafting rounds of chosen speculation
+    spread them); the drafts verify accepted still reach the policy and the engine's counters, and no greedy row
+    counts a draft it did not emit. A seeded sampling row commits what it accepts either way (the same draws)."""
+    ps = torch.randint(3, 200, (5, 6), generator=torch.Generator().manual_seed(7)).tolist()  # one prompt length
+    sampling = SamplingParams(temperature=1.0, seed=5, max_new_tokens=16, ignore_eos=True)
+    refs = [llm.generate(p, greedy(16), gamma=0).token_ids for p in ps[:4]]
+    runs = {}
+    for measuring in (True, False):
+        policy = Drafts3(measuring)
+        engine = Engine(llm, max_batch=5, block_size=4, num_blocks=64, max_gamma=3, policy=policy)
+        for i, p in enumerate(ps):
+            engine.add_request(str(i), p, greedy(16) if i < 4 else sampling)
+        finished, step = {}, 0
+        while engine.has_work():
+            for o in engine.step():
+                if o.finished:
+                    finished[o.request_id] = (step, o.generation)
+            step += 1
+        assert [finished[str(i)][1].token_ids for i in range(4)] == refs
+        runs[measuring] = finished, engine.stats(), policy
+        assert_idle(engine)
+    finished, s, policy = runs[True]
+    assert len({finished[str(i)][0] for i in range(4)}) == 1  # the greedy rows in lockstep ...
+    assert len({runs[False][0][str(i)][0] for i in range(4)}) > 1  # ... which speculation's rounds break
+    assert s.num_lockstep_rows > 0 and 0 < s.num_accepted_tokens < s.num_draft_tokens
+    assert policy.acceptance > 0  # the drafts the greedy rows did not emit were measured
+    for i in range(4):
+        stats = finished[str(i)][1].stats
+        assert stats.draft_proposed > 0 and stats.draft_accepted == 0  # drafted, and emitted none of them
+    assert finished["4"][1].token_ids == runs[False][0]["4"][1].token_ids
+    assert finished["4"][1].stats.draft_accepted > 0
 
 
 def test_long_prompt_is_chunk_prefilled_while_others_decode(llm):

@@ -116,6 +116,22 @@ def test_a_probe_drafts_the_k_losing_least_time_not_the_best_k():
     assert [p.choose(1) for _ in range(9)] == [0] * 8 + [1]
 
 
+def test_measuring_flags_exploration_and_drafting_probes_not_chosen_speculation():
+    """`measuring`: the round drafts only to measure (exploration, a drafting probe while decoding plainly); plain
+    rounds, plain probes and the rounds of a chosen speculation do not."""
+    def flags(p: GammaPolicy, rounds: int, batch: int = 1) -> list[tuple[int, bool]]:
+        return [(p.choose(batch), p.measuring) for _ in range(rounds)]
+
+    p = GammaPolicy(4)
+    assert flags(p, 1, 8) == [(0, False)]  # plain decoding measured first
+    p.observe_round(8, 0, 0.0, 1.0)
+    assert flags(p, 1, 8) == [(1, True)]  # exploration
+    q = measured({n: 1.0 for n in (1, 2, 4, 8, 16)}, draft_ratio=1.0, acceptance=0.8, batch=1, probe_every=2)
+    assert flags(q, 9) == [(0, False)] * 8 + [(1, True)]  # decoding plainly: the drafting probe
+    s = measured({n: 1.0 for n in (1, 2, 4, 8, 16)}, draft_ratio=0.3, acceptance=0.8, batch=1, probe_every=4)
+    assert flags(s, 5) == [(3, False)] * 4 + [(0, False)]  # speculating: chosen rounds, then a plain probe
+
+
 def serve(p: GammaPolicy, rounds: int, batch: int, draft_ratio: float, acceptance: float, rng: random.Random,
           verify=lambda tokens: 1.0) -> list[int]:
     """Let the policy drive `rounds` simulated rounds over `batch` rows: a draft step costs draft_ratio x

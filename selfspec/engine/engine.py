@@ -6,9 +6,11 @@ one forward without padding, so every GEMM runs on real tokens only), then one b
 past prefill: k draft steps and one verify pass, each row accepting its own number of tokens and rolling its own
 cache back. k comes from the gamma policy (speculative/policy.py) unless a request asks
 for its own, which is capped at the engine's max_gamma (the server's --gamma); rows are grouped by k and each
-group runs its own batched passes. With a tree drafter, a round with drafts forks each sequence into a row per
-branch over its blocks (cache/paged.py `PagedTree`) and verifies every branch of the group in one pass
-(speculative/decode.py `tree_rounds`); the branch rows' blocks are budgeted with the round's and freed after it.
+group runs its own batched passes. In a round the policy drafts only to measure (GammaPolicy.measuring), its greedy
+rows emit one token each, so that they stay in lockstep (`_round`). With a tree drafter, a round with drafts forks
+each sequence into a row per branch over its blocks (cache/paged.py `PagedTree`) and verifies every branch of the
+group in one pass (speculative/decode.py `tree_rounds`); the branch rows' blocks are budgeted with the round's and
+freed after it.
 
 KV blocks follow current need, as in vLLM's scheduler: each step gives every running sequence, oldest first, the
 blocks its passes will write (its prefill chunk; k + 1 positions of its round). When the pool runs short, the
@@ -26,8 +28,9 @@ sequence's recent tokens in a full-precision buffer of its own (cache/paged_quan
 graphs too (its prompt passes run eagerly), and a pass writes at most a KV group of tokens per sequence (prefill
 chunks are cut to it, and gamma stays below it).
 Under tensor parallelism (docs/parallel.md) every rank holds an Engine over its shard; rank 0 takes the requests and
-each step broadcasts its inbox (and the policy's gamma, which reads rank 0's clock), so every rank plans and runs the
-same step: the rest of the scheduling is a function of that and of the gathered logits, the same on every rank.
+each step broadcasts its inbox (and the policy's gamma and whether it only measures: rank 0's clock), so every rank
+plans and runs the same step: the rest of the scheduling is a function of that and of the gathered logits, the same
+on every rank.
 """
 from __future__ import annotations
 
@@ -121,7 +124,8 @@ class EngineStats:
     num_row_rounds: int  # rows x rounds (plain decoding steps included): mean gamma = num_draft_tokens / this
     num_drafts: int  # rows that drafted, summed over rounds
     num_draft_tokens: int  # proposed (a lookup may propose fewer than the round's k, or none)
-    num_accepted_tokens: int
+    num_accepted_tokens: int  # by verify: a measuring round's included, though its lockstep rows emit none of them
+    num_lockstep_rows: int  # greedy rows of measuring rounds, summed over rounds: one token emitted, drafts measured
     num_preemptions: int  # sequences sent back to the queue to free KV blocks (recomputed on resume)
     gamma: int  # last chosen by the policy
     acceptance: float | None  # the policy's per-token acceptance estimate
@@ -166,10 +170,12 @@ class Sequence:
 @dataclass
 class StepPlan:
     """One step's passes: a batched prefill chunk (`chunks`: each sequence's context tokens in it, within the
-    prefill budget), then one batched round per draft count k."""
+    prefill budget), then one batched round per draft count k. `measuring`: the policy's drafts only measure
+    (GammaPolicy.measuring), so the rounds keep its greedy rows in lockstep."""
     prefill: list[Sequence]
     chunks: dict[str, int]
     rounds: dict[int, list[Sequence]]
+    measuring: bool = False
 
     @property
     def prefill_tokens(self) -> int:
@@ -182,6 +188,7 @@ class _Counters:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_lockstep_rows: int = 0
     num_preemptions: int = 0
 
 
@@ -292,7 +299,7 @@ class Engine:
         c = self.counters
         return EngineStats(self._queued, len(self.running), self.cache.num_blocks, self.cache.blocks_used,
                            c.num_row_rounds, c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
-                           c.num_preemptions, self.policy.last_gamma, self.policy.acceptance)
+                           c.num_lockstep_rows, c.num_preemptions, self.policy.last_gamma, self.policy.acceptance)
 
     def warm_up(self) -> None:
         """Capture the CUDA graph of every decode pass the engine can replay (each batch bucket up to max_batch, times
@@ -360,11 +367,12 @@ class Engine:
             self._live.update(item.id for k, item in inbox if k == "add")
         return inbox
 
-    def _choose(self, rows: int) -> int:
-        """The policy's drafts per row: rank 0's under tensor parallelism (its timings), broadcast."""
+    def _choose(self, rows: int) -> tuple[int, bool]:
+        """The policy's drafts per row and whether they only measure: rank 0's under tensor parallelism (its
+        timings), broadcast."""
         if self.tp.size == 1:
-            return self.policy.choose(rows)
-        return self.tp.broadcast(self.policy.choose(rows) if self.tp.rank == 0 else None)
+            return self.policy.choose(rows), self.policy.measuring
+        return self.tp.broadcast((self.policy.choose(rows), self.policy.measuring) if self.tp.rank == 0 else None)
 
     def _drain(self, inbox: list[tuple[str, object]], outputs: list[RequestOutput]) -> None:
         for kind, item in inbox:
@@ -386,8 +394,8 @@ class Engine:
                 budget -= chunks[s.id]
         auto = sum(s.gamma is None for s in self.running
                    if s.row is not None or s.prefilled + chunks.get(s.id, 0) == s.context_len)
-        k_auto = self._choose(auto) if auto else 0
-        plan, spare, preempted = StepPlan([], {}, {}), len(self.cache.free_blocks), False
+        k_auto, measuring = self._choose(auto) if auto else (0, False)
+        plan, spare, preempted = StepPlan([], {}, {}, measuring), len(self.cache.free_blocks), False
         queue = deque(self.running)
         while queue:
             seq = queue.popleft()
@@ -493,7 +501,7 @@ class Engine:
         for k, seqs in sorted(plan.rounds.items()):
             seqs = [s for s in seqs if s in self.running]  # its prefill may have ended it (error, EOS, length)
             if seqs:
-                self._isolated(seqs, lambda group, outs, k=k: self._round(group, k, outs), outputs)
+                self._isolated(seqs, lambda group, outs, k=k: self._round(group, k, plan.measuring, outs), outputs)
 
     def _finish(self, seq: Sequence, reason: str, outputs: list[RequestOutput], error: str | None = None) -> None:
         """End a request that did not end by its own tokens (abort, error)."""
@@ -586,26 +594,30 @@ class Engine:
         kept, seq.history = seq.history, None
         return kept if kept is not None and kept.tokens == tokens else self._history(tokens)
 
-    def _round(self, seqs: list[Sequence], k: int, outputs: list[RequestOutput]) -> None:
+    def _round(self, seqs: list[Sequence], k: int, measuring: bool, outputs: list[RequestOutput]) -> None:
+        """One batched round of k drafts. In a measuring round of several rows, the policy's greedy rows emit one
+        token each (lockstep): drafts they accepted would move them ahead of the others, and requests started
+        together would stop finishing together, their successors then prefilled one by one (docs/gpu.md)."""
         for s in seqs:
             self.cache.extend(s.id, k + 1)
         rows = [s.row for s in seqs]
-        before = [(r.stats.draft_proposed, r.stats.draft_accepted) for r in rows]
+        proposed = sum(r.stats.draft_proposed for r in rows)
+        held = measuring and k > 0 and len(seqs) > 1 and self.tree is None  # a tree's rounds commit what they accept
+        lockstep = [held and s.gamma is None and s.params.greedy for s in seqs]
         if self.tree is not None and k:
             tokens, timing = self._tree_round(seqs, k)
         else:
             tokens, timing = run_round(self.runner, self.cache.view([s.id for s in seqs]), rows, k,
-                                       self.llm.drafter, self.llm.verify_mode, self.accept)
-        proposed = sum(r.stats.draft_proposed - p for r, (p, _) in zip(rows, before))
-        accepted = [r.stats.draft_accepted - a for r, (_, a) in zip(rows, before)]
+                                       self.llm.drafter, self.llm.verify_mode, self.accept, lockstep)
         self.policy.observe_round(len(rows), timing.k, timing.draft_s, timing.verify_s)
-        self.policy.observe_acceptance(k, accepted)
+        self.policy.observe_acceptance(k, timing.accepted)
         c = self.counters
         c.num_row_rounds += len(rows)
+        c.num_lockstep_rows += sum(lockstep)
         if k:
             c.num_drafts += len(rows)
-            c.num_draft_tokens += proposed
-            c.num_accepted_tokens += sum(accepted)
+            c.num_draft_tokens += sum(r.stats.draft_proposed for r in rows) - proposed
+            c.num_accepted_tokens += sum(timing.accepted)
         for s, toks in zip(seqs, tokens):
             self._emit(s, toks, outputs)
 

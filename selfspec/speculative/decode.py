@@ -43,9 +43,11 @@ class Row:
 
 @dataclass
 class RoundTiming:
+    """What the gamma policy learns from a round."""
     draft_s: float  # the draft steps (a draft model's prefill of new rows left out: the policy prices steps)
     verify_s: float
     k: int  # drafts per row the verify pass checked: the longest proposal (a lookup may propose fewer than asked)
+    accepted: list[int]  # per row, the drafts verify accepted (a lockstep row emits none of them: run_round)
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -89,7 +91,6 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
     while row.length + 1 < cache.max_len:
         k = gamma if policy is None else policy.choose(1)
         k = min(k, cache.max_len - row.length - 1) if draft is not None else 0
-        accepted = stats.draft_accepted
         if tree:
             (tokens,), timing = tree_rounds(model, [cache], [row], k, draft, verify,
                                             lambda spans: cache.rows(*spans[0]), accept)
@@ -98,16 +99,20 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
         cache.commit(row.length)
         if policy is not None:
             policy.observe_round(1, timing.k, timing.draft_s, timing.verify_s)
-            policy.observe_acceptance(k, [stats.draft_accepted - accepted])
+            policy.observe_acceptance(k, timing.accepted)
         yield tokens
 
 
 @torch.inference_mode()
 def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Drafter | Mode | None, verify: Mode,
-              accept: GreedyAcceptance = accept_greedy) -> tuple[list[list[int]], RoundTiming]:
+              accept: GreedyAcceptance = accept_greedy, lockstep: list[bool] | None = None
+              ) -> tuple[list[list[int]], RoundTiming]:
     """One speculative round over a batch: up to k drafts per row (e.g. k batched draft-mode steps, or a lookup),
     one batched verify pass over the pending token and the longest proposal (T=k+1 for a self-draft), acceptance
     per row of its real drafts (a row's padding is never judged; a row without drafts is a plain decoding step).
+    A greedy row flagged in `lockstep` commits only the verify pass's token at its pending position, the plain
+    decoding step's, whatever it accepted (a round drafting only to measure keeps the batch's rows in step);
+    sampling rows commit what they accept (their draws stay those of their solo run).
     Returns each row's committed tokens; rows are updated only once every pass succeeded (a failure leaves them as
     they were). The caller commits/truncates the cache to each row's new length.
     The drafts stay on the device between steps: on a GPU the host waits twice per round (drafts, verify)."""
@@ -134,8 +139,11 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Drafter
                                                                        to_probs(lg, r.params), r.gen)
                 for r, d, qq, lg, t in zip(rows, drafts, q, logits, targets)]
     t2 = time.perf_counter()
-    out = [advance(r, d, n, nxt, t1 - t0, t2 - t1) for r, d, (n, nxt) in zip(rows, drafts, accepted)]
-    return out, RoundTiming(t1 - t0 - prefill_s, t2 - t1, k)
+    lockstep = lockstep or [False] * len(rows)
+    committed = [(0, t[0]) if lock and r.params.greedy else a
+                 for r, t, a, lock in zip(rows, targets, accepted, lockstep)]
+    out = [advance(r, d, n, nxt, t1 - t0, t2 - t1) for r, d, (n, nxt) in zip(rows, drafts, committed)]
+    return out, RoundTiming(t1 - t0 - prefill_s, t2 - t1, k, [n for n, _ in accepted])
 
 
 def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verify_s: float) -> list[int]:
@@ -194,7 +202,7 @@ def tree_rounds(model: Transformer, trees: list, rows: list[Row], k: int, draft:
         chosen.append((branches[best], n, nxt))
     t2 = time.perf_counter()
     out = [advance(row, b, n, nxt, t1 - t0, t2 - t1) for row, (b, n, nxt) in zip(rows, chosen)]
-    return out, RoundTiming(t1 - t0, t2 - t1, width)
+    return out, RoundTiming(t1 - t0, t2 - t1, width, [n for _, n, _ in chosen])
 
 
 def one_hot(drafts: list[int], logits: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,11 @@ losing option is a lost round, so probing is cost-bounded:
   costs a draft step and a wider verify and adds a^k tokens, so when speculation loses by a wide margin (drafts
   as dear as verify steps, as on the H100) that is k = 1, the cheapest round that still measures the draft step
   and acceptance; when speculation nearly pays it is near the best k, whose verify width the choice hinges on.
+
+`measuring` says whether the last choice drafts only to measure (an exploration round or a drafting probe), not
+because speculation pays. The serving engine then has its greedy rows emit the plain decoding step's one token
+(engine/engine.py `_round`): drafts accepted there would move some rows ahead of the others, and requests started
+together would stop finishing (and being replaced) together.
 """
 from __future__ import annotations
 
@@ -63,6 +68,7 @@ class GammaPolicy:
         self.verify_cost: dict[int, Ema] = {}  # tokens in the pass -> seconds
         self.draft_ratio: dict[int, Ema] = {}  # batch size -> draft step seconds / verify(B tokens) seconds
         self.last_gamma = 0
+        self.measuring = False  # the last choice drafts only to measure: exploration or a drafting probe
         # the probe schedule: the choice it follows, the batch size it started at, rounds since it last probed
         self.speculating: bool | None = None
         self.schedule_batch = 0
@@ -129,14 +135,17 @@ class GammaPolicy:
 
     def choose(self, batch: int) -> int:
         """Drafts per row for the next round over `batch` rows."""
+        exploring = self._exploring(batch)
         k = self._choose(batch)
         self._follow(batch, k > 0)
         self.since_probe += 1
-        if self.max_gamma and self.since_probe > self.probe_interval:
+        probing = self.max_gamma > 0 and self.since_probe > self.probe_interval
+        if probing:
             k = 0 if k else self._probe(batch)  # re-time the option not taken, once
             self.since_probe = 0
             self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)  # undone if the choice flips
         self.last_gamma = k
+        self.measuring = k > 0 and (exploring or probing)
         return k
 
     def _follow(self, batch: int, speculating: bool) -> None:
@@ -147,10 +156,14 @@ class GammaPolicy:
             self.speculating, self.schedule_batch, self.since_probe = speculating, batch, 0
             self.probe_interval = self.probe_every if speculating else 4 * self.probe_every
 
+    def _exploring(self, batch: int) -> bool:
+        """Whether plain decoding is measured at this size and drafting is not yet."""
+        return self.max_gamma > 0 and batch in self.verify_cost and (self.acceptance is None or not self.draft_ratio)
+
     def _choose(self, batch: int) -> int:
         if self.max_gamma == 0 or batch not in self.verify_cost:
             return 0  # measure plain decoding at this size first
-        if self.acceptance is None or not self.draft_ratio:
+        if self._exploring(batch):
             return 1  # explore: one cheap round measures the draft step and acceptance
         best = self._best(batch)
         return best if self.throughput(batch, best) > self.throughput(batch, 0) * (1 + self.margin) else 0
