@@ -26,13 +26,13 @@ def tqa():
 
 
 def test_tiny_run_times_decode_and_verify_of_every_format(qa, tqa, tmp_path, capsys, monkeypatch):
-    for name in ("CHUNK_KEYS", "BLOCK_N", "NUM_WARPS", "MAX_REGISTERS"):  # the run sets them: restored after
+    for name in ("CHUNK_KEYS", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MAX_REGISTERS"):  # the run sets them: restored after
         monkeypatch.setattr(tqa, name, getattr(tqa, name))
     path = tmp_path / "qa.json"
     qa.main(["--tiny", "--contexts", "256", "--queries", "1", "3", "--chunk-keys", "128", "--json", str(path)])
     out = json.loads(path.read_text())
     assert out["quant_kernel"] == {"chunk_keys": 128, "block_n": tqa.BLOCK_N, "warps": tqa.NUM_WARPS,
-                                   "max_registers": tqa.MAX_REGISTERS}
+                                   "stages": tqa.NUM_STAGES, "max_registers": tqa.MAX_REGISTERS}
     assert tqa.CHUNK_KEYS == 128
     rows = out["rows"]
     assert {(r["queries"], r["kernel"]) for r in rows} == {(t, k) for t in (1, 3) for k in qa.KERNELS}

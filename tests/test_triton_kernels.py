@@ -571,8 +571,13 @@ def test_prompt_tokens_run_the_bf16_gemm_on_the_dequantized_weight(storage, mode
 
 # --- attention over a quantized KV cache
 
+D = triton_quant_attention.MIN_DIM  # the smallest head the kernel takes (smaller ones run the reference)
+# The dots take float16 operands: the query rows times the keys' scales, the probabilities times the values' scales
+# (2^-11 relative rounding each), against the reference's float32 dequantized keys and values.
+QUANT_ATTENTION_TOL = 2e-3
 
-def filled_quant_cache(fmt: str, length: int, g: int = 16, hkv: int = 2, d: int = 16):
+
+def filled_quant_cache(fmt: str, length: int, g: int = 16, hkv: int = 2, d: int = D):
     """A one-layer QuantKVCache of 2 rows holding `length` committed positions of random k/v."""
     from selfspec.cache.quant_kv import QuantKVCache
 
@@ -593,11 +598,11 @@ def test_quantized_attention_matches_reference_and_is_query_invariant(fmt, upper
     g, length = 16, 87
     cache = filled_quant_cache(fmt, length, g)
     kv = cache.layer(0)
-    q = torch.randn(2, 4, 5, 16, generator=torch.Generator().manual_seed(1))
+    q = torch.randn(2, 4, 5, D, generator=torch.Generator().manual_seed(1))
     q_pos = torch.tensor([[87, 88, 89, 90, 91], [87, 89, 91, 93, 95]])  # a verify pass; past a group boundary
     ref = reference_op("quantized_attention")(q, kv, q_pos, upper)
     out = triton_quant_attention.quantized_attention(q, kv, q_pos, upper)
-    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, ref) < QUANT_ATTENTION_TOL
     # The largest position given by the caller (no host sync, for CUDA graphs): the same launch, the same bits.
     assert torch.equal(triton_quant_attention.quantized_attention(q, kv, q_pos, upper, max_pos=95), out)
     alone = triton_quant_attention.quantized_attention(q[:1, :, 3:4], kv, q_pos[:1, 3:4], upper)  # row 0's
@@ -615,16 +620,16 @@ def test_quantized_attention_verify_rows_share_a_program_bitwise(fmt, upper, mon
     assert [triton_quant_attention.row_slices(n) for n in (4, 12, 36)] == [1, 1, 3]
     cache = filled_quant_cache(fmt, 87)
     kv = cache.layer(0)
-    q = torch.randn(2, 8, 9, 16, generator=torch.Generator().manual_seed(2))
+    q = torch.randn(2, 8, 9, D, generator=torch.Generator().manual_seed(2))
     q_pos = torch.stack([torch.arange(94, 103), torch.arange(87, 105, 2)])  # quantized below 64, then 80
     ref = reference_op("quantized_attention")(q, kv, q_pos, upper)
     out = triton_quant_attention.quantized_attention(q, kv, q_pos, upper)
-    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, ref) < QUANT_ATTENTION_TOL
     three = triton_quant_attention.quantized_attention(q[:, :, 5:8], kv, q_pos[:, 5:8], upper)  # rows 20..31 of 9
-    assert torch.equal(three, out[:, :, 5:8]) and rel_err(three, ref[:, :, 5:8]) < 1e-5
+    assert torch.equal(three, out[:, :, 5:8]) and rel_err(three, ref[:, :, 5:8]) < QUANT_ATTENTION_TOL
     for t in (1, 8):  # a query alone (4 rows) against its place in the first and in the last program
         alone = triton_quant_attention.quantized_attention(q[:1, :, t:t + 1], kv, q_pos[:1, t:t + 1], upper)
-        assert torch.equal(alone, out[:1, :, t:t + 1]) and rel_err(alone, ref[:1, :, t:t + 1]) < 1e-5
+        assert torch.equal(alone, out[:1, :, t:t + 1]) and rel_err(alone, ref[:1, :, t:t + 1]) < QUANT_ATTENTION_TOL
 
 
 @pytest.mark.parametrize("fmt,upper", [("int8", False), ("hier", True)])
@@ -636,7 +641,7 @@ def test_quantized_attention_reads_paged_blocks(fmt, upper, monkeypatch):
     monkeypatch.setattr(triton_quant_attention, "CHUNK_KEYS", 32)
     g = 16
     lengths = [6 * g + 5, 2 * g + 9]
-    cache = PagedQuantKVCache(1, 16, 2, 2 * g, 16, torch.float32, "cpu", fmt, g, max_seqs=2)
+    cache = PagedQuantKVCache(1, 16, 2, 2 * g, D, torch.float32, "cpu", fmt, g, max_seqs=2)
     gen = torch.Generator().manual_seed(0)
     for s in "10":
         cache.allocate(s)
@@ -647,14 +652,14 @@ def test_quantized_attention_reads_paged_blocks(fmt, upper, monkeypatch):
                 view = cache.view([s])
                 slots, kv = view.slots(torch.arange(first, first + g)[None]), view.layer(0)
                 for pool in (kv.k, kv.v):
-                    pool[slots // pool.shape[2], :, slots % pool.shape[2]] = 2 * torch.randn(1, g, 2, 16, generator=gen)
+                    pool[slots // pool.shape[2], :, slots % pool.shape[2]] = 2 * torch.randn(1, g, 2, D, generator=gen)
                 cache.truncate(s, min(first + g, n))
     kv = cache.view(["0", "1"]).layer(0)
     assert kv.quant.table.tolist()[0][:3] != [1, 2, 3] and kv.table.tolist() == [[2], [1]]
-    q = torch.randn(2, 4, 3, 16, generator=gen)
+    q = torch.randn(2, 4, 3, D, generator=gen)
     q_pos = torch.tensor(lengths)[:, None] + torch.arange(3)
     ref = reference_op("quantized_attention")(q, kv, q_pos, upper)
     out = triton_quant_attention.quantized_attention(q, kv, q_pos, upper)
-    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, ref) < QUANT_ATTENTION_TOL
     alone = triton_quant_attention.quantized_attention(q[1:, :, 2:], cache.view(["1"]).layer(0), q_pos[1:, 2:], upper)
     assert torch.equal(alone, out[1:, :, 2:])

@@ -79,12 +79,16 @@ def compile_quant_attention(fmt: str, upper: bool, block_r: int, warps: int, dim
     sig.update(dict.fromkeys(("q_ptr", "kb_ptr", "vb_ptr"), "*bf16"))
     sig.update(dict.fromkeys(("m_ptr", "l_ptr", "acc_ptr"), "*fp32"))
     sig["sm_scale"] = "fp32"
-    sig.update(dict.fromkeys(("T", "HQ", "HKV", "QBS", "W", "D", "BS", "N_CHUNKS", "N_SLICES", "sqb", "sqh", "sqt"),
+    sig.update(dict.fromkeys(("T", "HQ", "HKV", "QBS", "W", "BS", "N_CHUNKS", "N_SLICES", "sqb", "sqh", "sqt"),
                              "i32"))
     consts = {**tqa.chunk_constants(group, dim, hier, upper), "BLOCK_R": block_r}
     sig.update(dict.fromkeys(consts, "constexpr"))
-    return triton.compile(ASTSource(tqa._quant_attention_chunks, sig, consts), target=H100,
-                          options=dict(num_warps=warps, maxnreg=max_registers))
+    # As a launch specializes them: tensors 16-byte aligned, block sizes (whole KV groups) multiples of 16.
+    aligned = [name for name, kind in sig.items() if kind.startswith("*")] + ["QBS", "BS"]
+    names = tqa._quant_attention_chunks.arg_names
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(ASTSource(tqa._quant_attention_chunks, sig, consts, attrs), target=H100,
+                          options=dict(num_warps=warps, num_stages=tqa.NUM_STAGES, maxnreg=max_registers))
 
 
 def resources(kernel: triton.compiler.CompiledKernel) -> Resources:

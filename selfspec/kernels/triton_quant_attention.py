@@ -8,18 +8,26 @@ A program serves every query of a sequence row that reads one kv head: the T que
 kv head (GQA) are the rows of its tensor-core dots (tiles of 16 rows; past 16 the rows are split over programs of
 16), so a verify pass of up to 4 tokens at 4 query heads a kv head reads each key once. The quantized keys are split
 into chunks of whole groups (CHUNK_KEYS, a multiple of G): one program per (row, kv head, slice of query rows,
-chunk) loads the chunk's codes (INT8, or one or both INT4 planes, two codes a byte), dequantizes them in registers
-with the group's per-channel key scales and the per-token value scales, and runs an online softmax over the chunk
-(scores and the weighted sum as tensor-core dots: tf32 products, fp32 sums), each query masking the keys past its
-own quantized range; one more program per (row, kv head, slice) does the same over the buffer keys, the only place a
-causal mask applies. A second kernel merges each query head's chunk states (max, sum, accumulator) by log-sum-exp in
-chunk order.
+chunk) runs an online softmax over its chunk, BLOCK_N keys a step; one more program per (row, kv head, slice) does
+the same over the buffer keys, the only place a causal mask applies. A second kernel merges each query head's chunk
+states (max, sum, accumulator) by log-sum-exp, in chunk order in blocks of MERGE_STATES.
+
+No code is dequantized. The tensor cores take the codes themselves, as exact float16 integers (bytes turned into
+float16 by byte permutes, `_BYTES_ASM`), and the scales and zeros go where they cost a row, not a key:
+- keys (a scale and zero per channel of a group): q . (z + s * c) = (q * s) . c + q . z, so each step scales the
+  query rows by the group's scales (rounded to float16 for the dot) and adds q . z to the scores;
+- values (a scale and zero per key): sum_n p_n (z_n + s_n c_n) = sum_n (p_n s_n) c_n + sum_n p_n z_n, so the
+  probabilities are scaled by the keys' scales (times 2^8, so that small ones stay normal float16) and the zeros
+  summed apart.
+Both hier planes join into one 8-bit code 16 * upper + lower (the lower plane's -8 folded into the zero); the upper
+plane alone reads nibbles. A byte holds channels 2j and 2j + 1 (hier), so the rows' channels are read as two halves
+(even and odd channels; for int8 the first and the second half), each its own dot: no interleaving in registers.
 
 Batch invariance: a query's chunks and the steps of keys within them sit at offsets set by its position alone and
 are walked in a fixed order; a step whose keys a query masks entirely (read for the other queries) leaves its state
-bit for bit as it was; and every program has the one tile shape (16 rows on NUM_WARPS), so how a row is reduced cannot
-depend on the pass (on an H100, 8 warps, which 32-row tiles need not to spill, made decode 1.8x slower than 4). So
-a query's result does not depend on the other queries of the call.
+bit for bit as it was; the buffer's state comes first in the merge and each chunk's sits at a slot set by its index
+alone, empty ones merging as nothing; and every program has the one tile shape (16 rows on NUM_WARPS), so how a row
+is reduced cannot depend on the pass. So a query's result does not depend on the other queries of the call.
 """
 from __future__ import annotations
 
@@ -31,16 +39,23 @@ from selfspec.cache.kv import LayerKV
 from selfspec.cache.quant_kv import quantized_below
 from selfspec.errors import SelfspecError
 from selfspec.kernels import register
+from selfspec.kernels.launch import INTERPRETING
 from selfspec.kernels.reference import quantized_attention as reference_quantized_attention
 
-CHUNK_KEYS = 256  # quantized keys per program (rounded to whole groups)
+CHUNK_KEYS = 512  # quantized keys per program (rounded to whole groups)
 MIN_GROUP = 16  # smaller KV groups take the reference
-BLOCK_N = 32  # keys per step of a program's online softmax (at most a group: a step reads one group's scales)
+MIN_DIM = 32  # and so do smaller heads (a dot takes at least 16 channels of each half)
+BLOCK_N = 32  # keys per step of a program's online softmax (at most a group: a step reads one group's key scales)
 TILE_ROWS = 16  # query rows (tokens x query heads) per program, whatever the pass: more take more programs
-NUM_WARPS = 4  # 8 warps: 1.8x slower decode at 128k keys on an H100 (docs/long-context.md)
-# Registers per thread (ptxas maxnreg), None: the compiler's choice, 230-255 here, so 2 programs an SM; 168 fits 3
-# and spills 200-456 bytes (`selfspec bench resources --attention --max-registers 168`). A tuning knob, not yet timed.
+NUM_WARPS = 4
+NUM_STAGES = 2  # software pipelining of a program's key steps
+MERGE_STATES = 16  # chunk states merged per step of the merge (a fixed tree: the bits do not depend on the count)
+# Probabilities times value scales are scaled by this before float16 (exact: a power of two), so that small ones
+# stay normal numbers; the accumulators are scaled back on the way out.
+V_SCALE = tl.constexpr(256.0)
+# Registers per thread (ptxas maxnreg), None: the compiler's choice (`selfspec bench resources --attention`).
 MAX_REGISTERS: int | None = None
+LOG2E = tl.constexpr(1.4426950408889634)  # exponents in base 2
 
 
 def row_slices(rows: int) -> int:
@@ -50,74 +65,98 @@ def row_slices(rows: int) -> int:
 
 def chunk_constants(group: int, dim: int, hier: bool, upper: bool) -> dict:
     """The chunk kernel's compile-time constants for KV groups of `group` and heads of `dim` channels."""
-    block_d = triton.next_power_of_2(dim)
-    return dict(G=group, CHUNK=max(group, CHUNK_KEYS // group * group), FMT_HIER=hier, UPPER=upper,
-                BLOCK=min(BLOCK_N, group), BLOCK_R=TILE_ROWS, BLOCK_D=block_d,
-                BLOCK_W=block_d // 2 if hier else block_d)
+    return dict(D=dim, G=group, CHUNK=max(group, CHUNK_KEYS // group * group), FMT_HIER=hier, UPPER=upper,
+                BLOCK=min(BLOCK_N, group), BLOCK_R=TILE_ROWS, HALF=triton.next_power_of_2(dim) // 2,
+                ASM=not INTERPRETING)
+
+
+# Four bytes -> four float16 1024 + byte (0x64 above each byte), less 1024: the bytes as exact float16 integers.
+_BYTES_ASM = tl.constexpr("""
+{
+.reg .b32 t, k;
+mov.b32 k, 0x64006400;
+prmt.b32 t, $2, 0x64, 0x4140;
+sub.f16x2 $0, t, k;
+prmt.b32 t, $2, 0x64, 0x4342;
+sub.f16x2 $1, t, k;
+}
+""")
 
 
 @triton.jit
-def _float_codes(c, OFFSET: tl.constexpr):
-    """float32 c - OFFSET of int32 codes 0 <= c < 2^23, exactly, without a conversion instruction: the code or'ed
-    into the mantissa of 2^23 reads as 2^23 + c."""
-    return (c | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+def _as_f16(b, ASM: tl.constexpr):
+    """uint8 codes (int32 or uint8 tensors of values 0..255) -> exact float16."""
+    if ASM:
+        return tl.inline_asm_elementwise(_BYTES_ASM, "=r,=r,r", [b.to(tl.uint8)], dtype=tl.float16, is_pure=True,
+                                         pack=4)
+    return b.to(tl.float32).to(tl.float16)
 
 
 @triton.jit
-def _codes(lo_ptr, hi_ptr, off, mask, FMT_HIER: tl.constexpr, UPPER: tl.constexpr, BLOCK: tl.constexpr,
-           BLOCK_D: tl.constexpr):
-    """The codes of BLOCK keys [BLOCK, BLOCK_D] (float32) from their rows of bytes at off [BLOCK, bytes per row]:
-    INT8 bytes; the upper plane's nibbles (channel 2j in byte j's low nibble, 2j + 1 in its high one); or both
-    planes joined into one 8-bit code 16 * upper + lower, less the lower plane's offset 8 (one conversion for both)."""
-    b = tl.load(lo_ptr + off, mask=mask, other=0).to(tl.int32)
-    if FMT_HIER:  # if/else, no early return: the compiler types the code after a return under a constexpr if
+def _bytes(ptr, off, mask, MASKED: tl.constexpr):
+    """Bytes at off; unmasked where every channel is real (a power-of-two head), so that the loads are vectors."""
+    if MASKED:
+        return tl.load(ptr + off, mask=mask, other=0)
+    return tl.load(ptr + off)
+
+
+@triton.jit
+def _code_halves(lo_ptr, hi_ptr, off, mask, HALF_BYTES: tl.constexpr, FMT_HIER: tl.constexpr, UPPER: tl.constexpr,
+                 MASKED: tl.constexpr, ASM: tl.constexpr):
+    """The codes of a step's keys as two float16 tiles [BLOCK, HALF] (the rows' channel halves), from their bytes at
+    off: int8 bytes at off and off + HALF_BYTES; the upper plane's low and high nibbles; or both planes joined,
+    16 * upper + lower, at the even and the odd channels."""
+    b = _bytes(lo_ptr, off, mask, MASKED)
+    if FMT_HIER:
         if UPPER:
-            x = _float_codes(tl.reshape(tl.interleave(b & 15, b >> 4), (BLOCK, BLOCK_D)), 0.0)
+            a, c = b & 15, b >> 4
         else:
-            low = tl.load(hi_ptr + off, mask=mask, other=0).to(tl.int32)
-            even = ((b & 15) << 4) | (low & 15)
-            odd = (b & 0xF0) | (low >> 4)
-            x = _float_codes(tl.reshape(tl.interleave(even, odd), (BLOCK, BLOCK_D)), 8.0)
+            low = _bytes(hi_ptr, off, mask, MASKED)
+            a = ((b & 15) << 4) | (low & 15)
+            c = (b & 0xF0) | (low >> 4)
     else:
-        x = _float_codes(b, 0.0)
-    return x
+        a, c = b, _bytes(lo_ptr, off + HALF_BYTES, mask, MASKED)
+    return _as_f16(a, ASM), _as_f16(c, ASM)
 
 
 @triton.jit
-def _dequantize(codes, s, z, FMT_HIER: tl.constexpr, UPPER: tl.constexpr):
-    """z + s * code for INT8 codes and the upper plane; z + s / 16 * (16 * upper + lower - 8) with both planes
-    (s, z broadcast): the reference's z + s * upper + s / 16 * (lower - 8) in one product."""
+def _affine(s, z, FMT_HIER: tl.constexpr, UPPER: tl.constexpr):
+    """(scale, zero) of the codes `_code_halves` gives: z + s * c for int8 and the upper plane; for both planes
+    z + s / 16 * (16 * upper + lower - 8) = (z - s / 2) + s / 16 * joined."""
     if FMT_HIER and not UPPER:
-        s = s / 16
-    return z + s * codes
+        return s / 16, z - s / 2
+    return s, z
 
 
 @triton.jit
-def _softmax_step(m, l, acc, k, v, q, live):
-    """One online-softmax step of the rows q [BLOCK_R, BLOCK_D] over keys, values [BLOCK_N, BLOCK_D] (live
-    [BLOCK_R, BLOCK_N]): scores and the weighted sum on the tensor cores (tf32 products, fp32 sums). A row with no
-    live key keeps m, l and acc as they were, bit for bit."""
-    scores = tl.where(live, tl.dot(q, tl.trans(k)), float("-inf"))  # [BLOCK_R, BLOCK_N]
+def _softmax_step(m, l, acc_a, acc_b, acc_z, scores, live, pv_scale, vz, va, vb):
+    """One online-softmax step (base 2) of the rows over a step's keys: scores [BLOCK_R, BLOCK_N] (live where a row
+    reads the key), the values as two float16 halves va, vb [BLOCK_N, HALF] with per-key scales pv_scale (V_SCALE
+    included) and zeros vz [BLOCK_N]. A row with no live key keeps its state bit for bit."""
+    scores = tl.where(live, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
     none = m_new == float("-inf")  # no live key yet: what the exponents subtract is then any finite number
     m_sub = tl.where(none, 0.0, m_new)
-    alpha = tl.where(none, 1.0, tl.exp(m - m_sub))
-    p = tl.where(live, tl.exp(scores - m_sub[:, None]), 0.0)
+    alpha = tl.where(none, 1.0, tl.exp2(m - m_sub))
+    p = tl.where(live, tl.exp2(scores - m_sub[:, None]), 0.0)
     l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p, v)
-    return m_new, l, acc
+    acc_z = acc_z * alpha + tl.sum(p * vz[None, :], 1)
+    pv = (p * pv_scale[None, :]).to(tl.float16)
+    acc_a = tl.dot(pv, va, acc_a * alpha[:, None])
+    acc_b = tl.dot(pv, vb, acc_b * alpha[:, None])
+    return m_new, l, acc_a, acc_b, acc_z
 
 
 @triton.jit
 def _quant_attention_chunks(
         q_ptr, pos_ptr, kq0, kq1, ks_ptr, kz_ptr, vq0, vq1, vs_ptr, vz_ptr, table_ptr, kb_ptr, vb_ptr, buf_ptr,
         start_ptr, m_ptr, l_ptr, acc_ptr,
-        T, HQ, HKV, QBS, W, D, BS, N_CHUNKS, N_SLICES, sm_scale,
+        T, HQ, HKV, QBS, W, BS, N_CHUNKS, N_SLICES, sm_scale,
         sqb, sqh, sqt,
-        G: tl.constexpr, CHUNK: tl.constexpr, FMT_HIER: tl.constexpr, UPPER: tl.constexpr,
-        BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr):
+        D: tl.constexpr, G: tl.constexpr, CHUNK: tl.constexpr, FMT_HIER: tl.constexpr, UPPER: tl.constexpr,
+        BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
     pid = tl.program_id(0)  # (b, kv head, slice of the query rows): the rows share each key read
-    c = tl.program_id(1)  # chunk; the last one is the buffer's
+    c = tl.program_id(1)  # 0: the buffer; c > 0: quantized chunk c - 1
     s = pid % N_SLICES
     hk = (pid // N_SLICES) % HKV
     b = pid // (N_SLICES * HKV)
@@ -128,38 +167,52 @@ def _quant_attention_chunks(
     h = hk * n_rep + r % n_rep
     pos = tl.load(pos_ptr + b * T + t, mask=rmask, other=-1)  # padding rows: no live key anywhere
     below = G * tl.maximum(pos // G - 1, 0)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + t[:, None] * sqt + d[None, :],
-                mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * sm_scale
+    # The channels of the two halves: even and odd (hier: a byte holds channels 2j and 2j + 1), or first and second.
+    j = tl.arange(0, HALF)
+    jmask = j < D // 2
+    d_a = 2 * j if FMT_HIER else j
+    d_b = d_a + 1 if FMT_HIER else j + D // 2
+    q_rows = q_ptr + b * sqb + h[:, None] * sqh + t[:, None] * sqt
+    qmask = rmask[:, None] & jmask[None, :]
+    q_a = tl.load(q_rows + d_a[None, :], mask=qmask, other=0.0).to(tl.float32) * (sm_scale * LOG2E)
+    q_b = tl.load(q_rows + d_b[None, :], mask=qmask, other=0.0).to(tl.float32) * (sm_scale * LOG2E)
     m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_R,), tl.float32)
-    acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-    width = D // 2 if FMT_HIER else D  # bytes a key's codes take: two channels a byte in a plane
+    acc_a = tl.zeros((BLOCK_R, HALF), tl.float32)
+    acc_b = tl.zeros((BLOCK_R, HALF), tl.float32)
+    acc_z = tl.zeros((BLOCK_R,), tl.float32)
     keys = tl.arange(0, BLOCK)
-    if c < N_CHUNKS:  # quantized keys c * CHUNK .. (the rows' largest quantized range) - 1 of this chunk
-        lo, hi = c * CHUNK, tl.minimum(c * CHUNK + CHUNK, tl.max(below, 0))
+    if c > 0:  # quantized keys (c - 1) * CHUNK .. (the rows' largest quantized range) - 1 of this chunk
+        lo = (c - 1) * CHUNK
+        hi = tl.minimum(lo + CHUNK, tl.max(below, 0))
+        WIDTH: tl.constexpr = D // 2 if FMT_HIER else D  # bytes a key's codes take: two channels a byte in a plane
+        codes = keys[:, None] * WIDTH + j[None, :]  # a step's bytes from its first key's: whole rows of bytes
         # lo and hi are multiples of G, and BLOCK divides G: a step's keys are whole, in one group and one block,
         # each key a row of bytes; the key scales are one per channel of the group, the value scales one per key.
-        bytes_mask = (tl.arange(0, BLOCK_W) < width)[None, :]
-        for n0 in range(lo, hi, BLOCK):
+        for n0 in tl.range(lo, hi, BLOCK):
             block = tl.load(table_ptr + b * W + n0 // QBS)
-            row = block * HKV + hk
-            at = n0 % QBS
-            off = (row * QBS + at + keys)[:, None] * width + tl.arange(0, BLOCK_W)[None, :]
-            group = (row * (QBS // G) + at // G) * D + d
-            k = _dequantize(_codes(kq0, kq1, off, bytes_mask, FMT_HIER, UPPER, BLOCK, BLOCK_D),
-                            tl.load(ks_ptr + group, mask=dmask, other=0).to(tl.float32)[None, :],
-                            tl.load(kz_ptr + group, mask=dmask, other=0).to(tl.float32)[None, :], FMT_HIER, UPPER)
-            token = row * QBS + at + keys
-            v = _dequantize(_codes(vq0, vq1, off, bytes_mask, FMT_HIER, UPPER, BLOCK, BLOCK_D),
-                            tl.load(vs_ptr + token).to(tl.float32)[:, None],
-                            tl.load(vz_ptr + token).to(tl.float32)[:, None], FMT_HIER, UPPER)
+            first = (block * HKV + hk) * QBS + n0 % QBS  # the step's first key in the pools (64-bit)
+            group = first // G * D
+            ks_a, kz_a = _affine(tl.load(ks_ptr + group + d_a, mask=jmask, other=0).to(tl.float32),
+                                 tl.load(kz_ptr + group + d_a, mask=jmask, other=0).to(tl.float32), FMT_HIER, UPPER)
+            ks_b, kz_b = _affine(tl.load(ks_ptr + group + d_b, mask=jmask, other=0).to(tl.float32),
+                                 tl.load(kz_ptr + group + d_b, mask=jmask, other=0).to(tl.float32), FMT_HIER, UPPER)
+            at = first * WIDTH
+            k_a, k_b = _code_halves(kq0 + at, kq1 + at, codes, jmask[None, :], D // 2, FMT_HIER, UPPER, HALF != D // 2, ASM)
+            scores = tl.dot((q_a * ks_a[None, :]).to(tl.float16), tl.trans(k_a))
+            scores = tl.dot((q_b * ks_b[None, :]).to(tl.float16), tl.trans(k_b), scores)
+            scores += tl.sum(q_a * kz_a[None, :] + q_b * kz_b[None, :], 1)[:, None]
+            vs, vz = _affine(tl.load(vs_ptr + first + keys).to(tl.float32),
+                             tl.load(vz_ptr + first + keys).to(tl.float32), FMT_HIER, UPPER)
+            v_a, v_b = _code_halves(vq0 + at, vq1 + at, codes, jmask[None, :], D // 2, FMT_HIER, UPPER, HALF != D // 2, ASM)
             live = (n0 + keys)[None, :] < below[:, None]
-            m, l, acc = _softmax_step(m, l, acc, k, v, q, live)
+            m, l, acc_a, acc_b, acc_z = _softmax_step(m, l, acc_a, acc_b, acc_z, scores, live, vs * V_SCALE, vz,
+                                                      v_a, v_b)
     else:  # the buffer (block buf[b] of the buffer pools): keys below .. pos at slots below - START .., causal
         row = tl.load(buf_ptr + b) * HKV + hk
         START = tl.load(start_ptr + b)
+        q_a16 = q_a.to(tl.float16)
+        q_b16 = q_b.to(tl.float16)
         # From the smallest quantized range of the rows: steps stay at offsets below - START + k * BLOCK of each
         # (the ranges are multiples of G), whatever the other rows.
         first = tl.min(tl.where(rmask, below, 2147483647), 0)
@@ -168,36 +221,50 @@ def _quant_attention_chunks(
             key_pos = START + slot
             live = (key_pos[None, :] >= below[:, None]) & (key_pos[None, :] <= pos[:, None])
             read = tl.max(live.to(tl.int32), 0) > 0  # the keys some row reads: other slots may hold anything
-            mask = read[:, None] & dmask[None, :]
-            off = (row * BS + slot)[:, None] * D + d[None, :]
-            k = tl.load(kb_ptr + off, mask=mask, other=0.0).to(tl.float32)
-            v = tl.load(vb_ptr + off, mask=mask, other=0.0).to(tl.float32)
-            m, l, acc = _softmax_step(m, l, acc, k, v, q, live)
-    # States [B, T, HQ, N_CHUNKS + 1]: each query head's chunks side by side, for the merge.
+            mask = read[:, None] & jmask[None, :]
+            at = (row * BS + n0) * D
+            k_a = tl.load(kb_ptr + at + keys[:, None] * D + d_a[None, :], mask=mask, other=0.0).to(tl.float16)
+            k_b = tl.load(kb_ptr + at + keys[:, None] * D + d_b[None, :], mask=mask, other=0.0).to(tl.float16)
+            scores = tl.dot(q_b16, tl.trans(k_b), tl.dot(q_a16, tl.trans(k_a)))
+            v_a = tl.load(vb_ptr + at + keys[:, None] * D + d_a[None, :], mask=mask, other=0.0).to(tl.float16)
+            v_b = tl.load(vb_ptr + at + keys[:, None] * D + d_b[None, :], mask=mask, other=0.0).to(tl.float16)
+            m, l, acc_a, acc_b, acc_z = _softmax_step(m, l, acc_a, acc_b, acc_z, scores, live,
+                                                      tl.full((BLOCK,), V_SCALE, tl.float32),
+                                                      tl.zeros((BLOCK,), tl.float32), v_a, v_b)
+    # States [B, T, HQ, N_CHUNKS + 1]: each query head's states side by side (the buffer's first), for the merge.
     state = ((b * T + t) * HQ + h) * (N_CHUNKS + 1) + c
     tl.store(m_ptr + state, m, mask=rmask)
     tl.store(l_ptr + state, l, mask=rmask)
-    tl.store(acc_ptr + state[:, None] * D + d[None, :], acc, mask=rmask[:, None] & dmask[None, :])
+    z = acc_z[:, None]
+    out = acc_ptr + state[:, None] * D
+    tl.store(out + d_a[None, :], acc_a / V_SCALE + z, mask=qmask)
+    tl.store(out + d_b[None, :], acc_b / V_SCALE + z, mask=qmask)
 
 
 @triton.jit
-def _merge_chunks(m_ptr, l_ptr, acc_ptr, out_ptr, N_STATES, D, BLOCK_D: tl.constexpr):
-    """Each (query, head)'s chunk states merged by log-sum-exp in chunk order -> out [B, T, HQ, D] float32."""
+def _merge_chunks(m_ptr, l_ptr, acc_ptr, out_ptr, N_STATES, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Each (query, head)'s chunk states merged by log-sum-exp (base 2), BLOCK_S states a step in state order ->
+    out [B, T, HQ, D] float32. A state sits in the step and lane its index sets, and an empty one (no live key)
+    adds exact zeros, so the states past a row's range change none of its bits."""
     r = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     m = tl.full((), float("-inf"), tl.float32)
     l = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    for c in range(0, N_STATES):
-        mc = tl.load(m_ptr + r * N_STATES + c)
-        lc = tl.load(l_ptr + r * N_STATES + c)
-        ac = tl.load(acc_ptr + (r * N_STATES + c) * D + d, mask=dmask, other=0.0)
-        m_new = tl.maximum(m, mc)
-        a = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_new))
-        w = tl.where(mc == float("-inf"), 0.0, tl.exp(mc - m_new))
-        l = l * a + lc * w
-        acc = acc * a + ac * w
+    for c0 in range(0, N_STATES, BLOCK_S):
+        cs = c0 + tl.arange(0, BLOCK_S)
+        cmask = cs < N_STATES
+        mc = tl.load(m_ptr + r * N_STATES + cs, mask=cmask, other=float("-inf"))
+        lc = tl.load(l_ptr + r * N_STATES + cs, mask=cmask, other=0.0)
+        ac = tl.load(acc_ptr + (r * N_STATES + cs)[:, None] * D + d[None, :], mask=cmask[:, None] & dmask[None, :],
+                     other=0.0)
+        m_new = tl.maximum(m, tl.max(mc, 0))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp2(m - m_sub)  # 0 for -inf: no NaN from -inf - -inf
+        w = tl.exp2(mc - m_sub)
+        l = l * a + tl.sum(lc * w, 0)
+        acc = acc * a + tl.sum(ac * w[:, None], 0)
         m = m_new
     tl.store(out_ptr + r * D + d, acc / l, mask=dmask)
 
@@ -212,9 +279,9 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
     g = quant.group
     if g & (g - 1):
         raise SelfspecError(f"the Triton quantized attention needs a power-of-two KV group, got {g}")
-    if g < MIN_GROUP:  # a step's keys lie in one group, and a tensor-core dot needs 16 of them
-        return reference_quantized_attention(q.float(), kv, q_pos, upper).to(q.dtype)
     b, hq, t, dim = q.shape
+    if g < MIN_GROUP or dim % 2 or dim < MIN_DIM:  # a tensor-core dot: 16 keys of a group, 16 channels a half
+        return reference_quantized_attention(q.float(), kv, q_pos, upper).to(q.dtype)
     hkv, qbs = quant.keys[0].shape[1], quant.keys[0].shape[2]
     hier = quant.fmt == "hier"
     consts = chunk_constants(g, dim, hier, upper)
@@ -232,11 +299,13 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
         q, q_pos.contiguous(), quant.keys[0], kq1, quant.k_scale, quant.k_zero, quant.values[0], vq1,
         quant.v_scale, quant.v_zero, quant.table.contiguous(), kv.k, kv.v, kv.table[:, 0].contiguous(),
         quant.start.contiguous(), m, l, acc,
-        t, hq, hkv, qbs, quant.table.shape[1], dim, kv.k.shape[2], n_chunks, n_slices, dim ** -0.5,
+        t, hq, hkv, qbs, quant.table.shape[1], kv.k.shape[2], n_chunks, n_slices, dim ** -0.5,
         q.stride(0), q.stride(1), q.stride(2),
-        **consts, num_warps=NUM_WARPS, **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}))
+        **consts, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}))
     out = torch.empty(b, t, hq, dim, dtype=torch.float32, device=q.device)
-    _merge_chunks[(b * t * hq,)](m, l, acc, out, n_chunks + 1, dim, BLOCK_D=consts["BLOCK_D"])
+    _merge_chunks[(b * t * hq,)](m, l, acc, out, n_chunks + 1, dim, BLOCK_S=MERGE_STATES,
+                                 BLOCK_D=triton.next_power_of_2(dim))
     return out.transpose(1, 2).to(q.dtype)
 
 
