@@ -594,7 +594,11 @@ def filled_quant_cache(fmt: str, length: int, g: int = 16, hkv: int = 2, d: int 
 
 @pytest.mark.parametrize("fmt,upper", [("int8", False), ("hier", False), ("hier", True)])
 def test_quantized_attention_matches_reference_and_is_query_invariant(fmt, upper, monkeypatch):
-    monkeypatch.setattr(triton_quant_attention, "CHUNK_KEYS", 32)  # several chunks to merge
+    monkeypatch.setattr(triton_quant_attention, "CHUNK_KEYS", 32)  # several chunks to merge ...
+    # ... in two steps of 4 states: with the buffer's state last, a launch over fewer chunks (max_pos) would merge it
+    # beside other states than the full launch does, and the max_pos check below would fail.
+    monkeypatch.setattr(triton_quant_attention, "MERGE_STATES", 4)
+    monkeypatch.setattr(triton_quant_attention, "MERGE_CHANNELS", 16)  # two programs a query head
     g, length = 16, 87
     cache = filled_quant_cache(fmt, length, g)
     kv = cache.layer(0)

@@ -49,7 +49,10 @@ BLOCK_N = 32  # keys per step of a program's online softmax (at most a group: a 
 TILE_ROWS = 16  # query rows (tokens x query heads) per program, whatever the pass: more take more programs
 NUM_WARPS = 4
 NUM_STAGES = 2  # software pipelining of a program's key steps
-MERGE_STATES = 16  # chunk states merged per step of the merge (a fixed tree: the bits do not depend on the count)
+# The merge: chunk states a step (a fixed tree: the bits do not depend on the count; at 128k keys, 257 states in 5
+# steps) and channels a program (a decode query's 32 heads would be only 32 programs).
+MERGE_STATES = 64
+MERGE_CHANNELS = 32
 # Probabilities times value scales are scaled by this before float16 (exact: a power of two), so that small ones
 # stay normal numbers; the accumulators are scaled back on the way out.
 V_SCALE = tl.constexpr(256.0)
@@ -243,16 +246,16 @@ def _quant_attention_chunks(
 
 @triton.jit
 def _merge_chunks(m_ptr, l_ptr, acc_ptr, out_ptr, N_STATES, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Each (query, head)'s chunk states merged by log-sum-exp (base 2), BLOCK_S states a step in state order ->
-    out [B, T, HQ, D] float32. A state sits in the step and lane its index sets, and an empty one (no live key)
-    adds exact zeros, so the states past a row's range change none of its bits."""
+    """Each (query, head)'s chunk states merged by log-sum-exp (base 2), BLOCK_S states a step in state order, BLOCK_D
+    channels a program -> out [B, T, HQ, D] float32. A state sits in the step and lane its index sets, and an empty
+    one (no live key) adds exact zeros, so the states past a row's range change none of its bits."""
     r = tl.program_id(0)
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
     m = tl.full((), float("-inf"), tl.float32)
     l = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    for c0 in range(0, N_STATES, BLOCK_S):
+    for c0 in tl.range(0, N_STATES, BLOCK_S):
         cs = c0 + tl.arange(0, BLOCK_S)
         cmask = cs < N_STATES
         mc = tl.load(m_ptr + r * N_STATES + cs, mask=cmask, other=float("-inf"))
@@ -304,8 +307,9 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
         **consts, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}))
     out = torch.empty(b, t, hq, dim, dtype=torch.float32, device=q.device)
-    _merge_chunks[(b * t * hq,)](m, l, acc, out, n_chunks + 1, dim, BLOCK_S=MERGE_STATES,
-                                 BLOCK_D=triton.next_power_of_2(dim))
+    block_d = min(MERGE_CHANNELS, triton.next_power_of_2(dim))
+    _merge_chunks[(b * t * hq, triton.cdiv(dim, block_d))](m, l, acc, out, n_chunks + 1, dim, BLOCK_S=MERGE_STATES,
+                                                           BLOCK_D=block_d)
     return out.transpose(1, 2).to(q.dtype)
 
 
