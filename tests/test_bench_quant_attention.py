@@ -26,7 +26,7 @@ def tqa():
 
 
 def test_tiny_run_times_decode_and_verify_of_every_format(qa, tqa, tmp_path, capsys, monkeypatch):
-    for name in ("CHUNK_KEYS", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MAX_REGISTERS"):  # the run sets them: restored after
+    for name in ("CHUNK_KEYS", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MAX_REGISTERS"):  # the run sets them: restored
         monkeypatch.setattr(tqa, name, getattr(tqa, name))
     path = tmp_path / "qa.json"
     qa.main(["--tiny", "--contexts", "256", "--queries", "1", "3", "--chunk-keys", "128", "--json", str(path)])

@@ -1,6 +1,6 @@
 """Token trees in the serving engine: each sequence forked into branch rows over its paged blocks (PagedTree), every
-branch of every row verified in one pass. Greedy engine output == AR of the verify mode for ngram-tree:4, hybrid-tree and
-tree:upper:3 as requests join at different times (tiny model, block size 4: branches start inside a shared partial
+branch of every row verified in one pass. Greedy engine output == AR of the verify mode for ngram-tree:4, hybrid-tree
+and tree:upper:3 as requests join at different times (tiny model, block size 4: branches start inside a shared partial
 block); sampling: engine == solo for the same seed; the fork's rows read the committed KV and copy exactly; the pool
 is empty at the end and no block has two owners after any step; an abort mid-stream leaves the others exact; the
 policy's plain rounds mix with tree rounds; a failing request fails alone; block accounting under a random schedule;

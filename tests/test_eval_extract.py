@@ -63,7 +63,8 @@ def test_equivalent_forms_are_equal(predicted, reference):
     assert math_equal(predicted, reference)
 
 
-@pytest.mark.parametrize("predicted, reference", [("41", "42"), ("\\frac{1}{3}", "0.5"), (None, "3"), ("(1,3)", "(1,2)")])
+@pytest.mark.parametrize("predicted, reference",
+                         [("41", "42"), ("\\frac{1}{3}", "0.5"), (None, "3"), ("(1,3)", "(1,2)")])
 def test_different_answers_are_not_equal(predicted, reference):
     assert not math_equal(predicted, reference)
 

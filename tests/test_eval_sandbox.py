@@ -223,7 +223,8 @@ def test_process_count_is_bounded_even_as_root():
 @NEEDS_NAMESPACES
 def test_memory_is_bounded_in_total_across_processes():
     program = ("import os\nfor _ in range(3):\n    if os.fork() == 0:\n        break\n"
-               "got = 0\ntry:\n    while True:\n        globals().setdefault('chunks', []).append(bytearray(16 << 20))\n"
+               "got = 0\ntry:\n    while True:\n"
+               "        globals().setdefault('chunks', []).append(bytearray(16 << 20))\n"
                "        got += 16\nexcept MemoryError:\n    pass\nprint(got, flush=True)\n"
                "if os.getpid() == 2:\n    while True:\n        try:\n            os.wait()\n"
                "        except ChildProcessError:\n            break\n")
@@ -234,7 +235,7 @@ def test_memory_is_bounded_in_total_across_processes():
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_eval_stops_before_generating_unless_unsafe_sandbox(setup, tmp_path, capsys, monkeypatch):
+def test_eval_stops_before_generating_unless_unsafe_sandbox(setup, tmp_path, capsys, monkeypatch):  # noqa: F811
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(sandbox, "namespace_problem", lambda: "forced by the test")
     argv = ["eval", "--model", str(setup / "model"), "--tasks", "humaneval", "--modes", "w4a4", "--recipes", "",

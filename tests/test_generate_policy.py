@@ -1,5 +1,5 @@
-"""`generate` picks each round's drafts with the serving engine's gamma policy (speculative/policy.py), --gamma as the cap;
---fixed-gamma (LLM fixed_gamma) drafts gamma tokens every round. Greedy output stays AR output either way."""
+"""`generate` picks each round's drafts with the serving engine's gamma policy (speculative/policy.py), --gamma as the
+cap; --fixed-gamma (LLM fixed_gamma) drafts gamma tokens every round. Greedy output stays AR output either way."""
 import pytest
 
 import selfspec

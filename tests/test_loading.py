@@ -435,7 +435,8 @@ def test_weights_that_disagree_with_the_config_are_refused(tiny, tmp_path):
     extra = {**state, "model.layers.1.self_attn.o_proj.bias": torch.zeros(64)}  # attention_bias is false
     with pytest.raises(SelfspecError, match="does not account for.*model.layers.1.self_attn.o_proj.bias"):
         load_hf_dir(_save(tmp_path / "extra", config, extra))
-    with pytest.raises(SelfspecError, match="lacks: model.layers.0.mlp.gate_proj.bias, .* and 2 more"):  # mlp_bias is true
+    # mlp_bias is true
+    with pytest.raises(SelfspecError, match="lacks: model.layers.0.mlp.gate_proj.bias, .* and 2 more"):
         load_hf_dir(_save(tmp_path / "missing", {**config, "mlp_bias": True}, state))
     wrong = {**state, "model.layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)}  # 2 kv heads of 16: 32 rows
     with pytest.raises(SelfspecError, match="k_proj.weight has shape \\(64, 64\\), the config implies \\(32, 64\\)"):

@@ -2,11 +2,11 @@
 token for token, for qspec and planes on the first 10 built-in prompts, each prompt checked at every gamma 1..6.
 
 Sized for CI's 2-core CPU: the model is read once per session (conftest: smollm2), on one torch thread (two
-spin-wait for each other when another job shares the CPU), the AR reference is generated once per prompt and reused by the six gammas,
-prompts are raw text (short prefills; the chat template would add ~25 tokens to each of the 70 prefills per
-recipe), and NEW_TOKENS = 6 gives every gamma at least one full round of gamma drafts verified in one pass (the
-first token comes from the prefill), most prompts several rounds, with accepts and rejects. Ten prompts, not
-all 20: even so sized, the 20 took 11 minutes on the shared CI-sized CPU (1,100-1,700 forwards per recipe); both
+spin-wait for each other when another job shares the CPU), the AR reference is generated once per prompt and reused
+by the six gammas, prompts are raw text (short prefills; the chat template would add ~25 tokens to each of the 70
+prefills per recipe), and NEW_TOKENS = 6 gives every gamma at least one full round of gamma drafts verified in one
+pass (the first token comes from the prefill), most prompts several rounds, with accepts and rejects. Ten prompts,
+not all 20: even so sized, the 20 took 11 minutes on the shared CI-sized CPU (1,100-1,700 forwards per recipe); both
 recipes still reject some drafts at every gamma on these ten.
 """
 import pytest
@@ -52,7 +52,8 @@ def test_greedy_speculative_equals_ar(llm_and_refs, gamma):
 
 # Recipe ngram: lookup drafts verified by `full`. A prompt that repeats itself (code) makes the lookup match and
 # propose whole runs; the built-in prompt mostly does not (rows without a proposal are plain steps).
-NGRAM_PROMPTS = [PROMPTS[0], "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"]
+NGRAM_PROMPTS = [PROMPTS[0],
+                 "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"]
 NGRAM_NEW_TOKENS = 16
 
 

@@ -75,7 +75,8 @@ def table(rows: list[dict], copy_gb_s: float) -> str:
         sel = {r["m"]: r for r in rows if r["gemm"] == g and r["mode"] == mode}
         cublas = {r["m"]: r["ms"] for r in rows if r["gemm"] == g and r["mode"] == "cublas-bf16"}
         cells = [f"{1000 * sel[m]['ms']:.1f} ({sel[m]['ms'] / cublas[m]:.2f})" if m in sel else "-" for m in ms]
-        bw = f"{sel[ms[0]]['gb_per_s']:.0f} GB/s ({100 * sel[ms[0]]['gb_per_s'] / copy_gb_s:.0f}%)" if ms[0] in sel else "-"
+        first = sel.get(ms[0])
+        bw = f"{first['gb_per_s']:.0f} GB/s ({100 * first['gb_per_s'] / copy_gb_s:.0f}%)" if first else "-"
         out.append(f"| {g} | {mode} | " + " | ".join(cells) + f" | {bw} |")
     return "\n".join(out)
 

@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     args = p.parse_args(argv)
     drafter = NgramDrafter(args.max_n, args.min_n)
     rng = random.Random(0)
-    print(f"| batch | history | build index (ms/row) | lookup + commit (us/round) | commit alone (us/round) | "
-          f"lookup (us/round) | rows with a proposal |")
+    print("| batch | history | build index (ms/row) | lookup + commit (us/round) | commit alone (us/round) | "
+          "lookup (us/round) | rows with a proposal |")
     print("|---|---|---|---|---|---|---|")
     for h in args.history:
         texts = [zipf_tokens(rng, h) for _ in range(args.batch)]

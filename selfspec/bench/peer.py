@@ -55,7 +55,8 @@ def measure(shape: str, context: int, new_tokens: int, compiled: bool) -> list[d
         rows.append({**rows[0], "peer": "transformers static cache + torch.compile",
                      "tokens_per_s": decode_tokens_per_s(model, context, new_tokens)})
     for r in rows:
-        print(f"{r['peer']}: {r['tokens_per_s']:.1f} tok/s ({shape}, synthetic, batch 1, context {context})", flush=True)
+        print(f"{r['peer']}: {r['tokens_per_s']:.1f} tok/s ({shape}, synthetic, batch 1, context {context})",
+              flush=True)
     return rows
 
 

@@ -3,8 +3,9 @@
 python -m selfspec.bench.prefill [--shape llama-3-8b] [--sizes 1x512 1x2048 1x8192 8x512] [--modes bf16 full w4a16]
 
 Both run a whole prompt from position 0 and compute the logits of each row's last position only. The peer is
-plain torch on our dense model's own bf16 tensors: F.linear (cuBLAS) for every projection, F.scaled_dot_product_attention
-(causal, GQA) for attention, torch ops for norms, RoPE and SwiGLU. Synthetic weights (randn * 0.02), labelled so.
+plain torch on our dense model's own bf16 tensors: F.linear (cuBLAS) for every projection,
+F.scaled_dot_product_attention (causal, GQA) for attention, torch ops for norms, RoPE and SwiGLU. Synthetic
+weights (randn * 0.02), labelled so.
 """
 from __future__ import annotations
 

@@ -136,7 +136,6 @@ def tune_many(shape: str, ms: tuple[int, ...], kernels: list[str], save: str | N
                       f"{best['us'] if best else float('nan'):8.1f} cuBLAS {row['cublas_us']:8.1f}  "
                       f"{best and tuple(best[f] for f in TILE_FIELDS)} not bitwise: {changed}",
                       flush=True)
-            del weight, w, dense
             if save:
                 with open(save, "w") as f:
                     json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

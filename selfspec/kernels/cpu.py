@@ -17,8 +17,8 @@ reference's (`dequantize`, permuted); only the order of the float32 sums in the 
 Batch invariance: a row's result must not depend on how many rows the call has (a verify pass runs gamma + 1
 tokens per row, plain decoding 1; greedy speculative output equals AR output only if each token's logits are
 the same bits either way). MKL's sgemm is not invariant on this (an M = 1 product takes another path than
-M >= 2, measured on SmolLM2's shapes and its head), so up to ROW_BY_ROW_MAX rows are multiplied one row at a time, each as an M = 1 product; larger calls
-(prefills) take one GEMM.
+M >= 2, measured on SmolLM2's shapes and its head), so up to ROW_BY_ROW_MAX rows are multiplied one row at a
+time, each as an M = 1 product; larger calls (prefills) take one GEMM.
 PyTorch's own CPU weight-only kernels were measured and not used: _weight_int8pack_mm and
 _weight_int4pack_mm_for_cpu are 10-20x slower than F.linear in float32 (fast only in bfloat16, whose rounding of
 the activations and the scales is as large as the INT8 step itself), and int4pack has no asymmetric INT8 form.

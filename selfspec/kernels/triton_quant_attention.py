@@ -190,6 +190,7 @@ def _quant_attention_chunks(
         hi = tl.minimum(lo + CHUNK, tl.max(below, 0))
         WIDTH: tl.constexpr = D // 2 if FMT_HIER else D  # bytes a key's codes take: two channels a byte in a plane
         codes = keys[:, None] * WIDTH + j[None, :]  # a step's bytes from its first key's: whole rows of bytes
+        cmask = jmask[None, :]
         # lo and hi are multiples of G, and BLOCK divides G: a step's keys are whole, in one group and one block,
         # each key a row of bytes; the key scales are one per channel of the group, the value scales one per key.
         for n0 in tl.range(lo, hi, BLOCK):
@@ -201,13 +202,13 @@ def _quant_attention_chunks(
             ks_b, kz_b = _affine(tl.load(ks_ptr + group + d_b, mask=jmask, other=0).to(tl.float32),
                                  tl.load(kz_ptr + group + d_b, mask=jmask, other=0).to(tl.float32), FMT_HIER, UPPER)
             at = first * WIDTH
-            k_a, k_b = _code_halves(kq0 + at, kq1 + at, codes, jmask[None, :], D // 2, FMT_HIER, UPPER, HALF != D // 2, ASM)
+            k_a, k_b = _code_halves(kq0 + at, kq1 + at, codes, cmask, D // 2, FMT_HIER, UPPER, HALF != D // 2, ASM)
             scores = tl.dot((q_a * ks_a[None, :]).to(tl.float16), tl.trans(k_a))
             scores = tl.dot((q_b * ks_b[None, :]).to(tl.float16), tl.trans(k_b), scores)
             scores += tl.sum(q_a * kz_a[None, :] + q_b * kz_b[None, :], 1)[:, None]
             vs, vz = _affine(tl.load(vs_ptr + first + keys).to(tl.float32),
                              tl.load(vz_ptr + first + keys).to(tl.float32), FMT_HIER, UPPER)
-            v_a, v_b = _code_halves(vq0 + at, vq1 + at, codes, jmask[None, :], D // 2, FMT_HIER, UPPER, HALF != D // 2, ASM)
+            v_a, v_b = _code_halves(vq0 + at, vq1 + at, codes, cmask, D // 2, FMT_HIER, UPPER, HALF != D // 2, ASM)
             live = (n0 + keys)[None, :] < below[:, None]
             m, l, acc_a, acc_b, acc_z = _softmax_step(m, l, acc_a, acc_b, acc_z, scores, live, vs * V_SCALE, vz,
                                                       v_a, v_b)

@@ -1,8 +1,8 @@
 """The serving engine on CUDA: paged Triton attention and CUDA graphs over batch buckets. 32 concurrent greedy
 requests (speculative rounds and plain steps, requests joining and leaving so the buckets change) each give
 exactly the tokens of a solo greedy AR run, for the planes and qspec recipes, on a tiny random model and on the
-real SmolLM2 (SELFSPEC_GPU_MODEL: its .gguf path or HF directory); tree drafters (hybrid-tree, ngram-tree:4) and the hybrid chain too, their
-branch rows replaying graphs of up to max_batch x branches rows."""
+real SmolLM2 (SELFSPEC_GPU_MODEL: its .gguf path or HF directory); tree drafters (hybrid-tree, ngram-tree:4) and
+the hybrid chain too, their branch rows replaying graphs of up to max_batch x branches rows."""
 import os
 
 import pytest
@@ -18,7 +18,7 @@ from selfspec.bench.prompts import PROMPTS  # noqa: E402
 from selfspec.engine.engine import Engine  # noqa: E402
 from selfspec.engine.graphs import PagedGraphedModel  # noqa: E402
 from selfspec.engine.llm import build  # noqa: E402
-from selfspec.speculative.drafters import SelfDraft, make_drafter  # noqa: E402
+from selfspec.speculative.drafters import SelfDraft  # noqa: E402
 from selfspec.speculative.recipes import resolve_recipe  # noqa: E402
 from selfspec.speculative.sampling import SamplingParams  # noqa: E402
 

@@ -1,8 +1,9 @@
 """Chunked and packed prefill on the GPU, through the engine, on SmolLM2 (or SELFSPEC_GPU_MODEL: its .gguf path or
 HF directory): a prompt prefilled in chunks of 16, 128 or 512 tokens leaves the same KV cache bits and draws its
 first token from the same logits bits as in one piece; prompts packed into one prefill pass give the bits each
-gives alone; prompt passes replayed from CUDA graphs give the bits of the same passes run eagerly. The Triton linear and attention are meant to be batch invariant (a row's reductions do not depend on
-the other rows, nor on the keys past its position), so these should hold bitwise at any size."""
+gives alone; prompt passes replayed from CUDA graphs give the bits of the same passes run eagerly. The Triton
+linear and attention are meant to be batch invariant (a row's reductions do not depend on the other rows, nor on
+the keys past its position), so these should hold bitwise at any size."""
 import os
 
 import pytest
