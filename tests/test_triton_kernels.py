@@ -614,6 +614,17 @@ def test_quantized_attention_matches_reference_and_is_query_invariant(fmt, upper
 
 
 @pytest.mark.parametrize("fmt,upper", [("int8", False), ("hier", False), ("hier", True)])
+def test_quantized_attention_head_of_no_power_of_two(fmt, upper, monkeypatch):
+    """48 channels: each half's tile is padded to 32, its loads masked (a power-of-two head loads unmasked)."""
+    monkeypatch.setattr(triton_quant_attention, "CHUNK_KEYS", 32)
+    kv = filled_quant_cache(fmt, 87, d=48).layer(0)
+    q = torch.randn(2, 4, 5, 48, generator=torch.Generator().manual_seed(1))
+    q_pos = torch.tensor([[87, 88, 89, 90, 91], [87, 89, 91, 93, 95]])
+    ref = reference_op("quantized_attention")(q, kv, q_pos, upper)
+    assert rel_err(triton_quant_attention.quantized_attention(q, kv, q_pos, upper), ref) < QUANT_ATTENTION_TOL
+
+
+@pytest.mark.parametrize("fmt,upper", [("int8", False), ("hier", False), ("hier", True)])
 def test_quantized_attention_verify_rows_share_a_program_bitwise(fmt, upper, monkeypatch):
     """A pass's tokens x the query heads of a kv head are the rows of one program: 1 token of 4 heads, 3 tokens (12
     rows), 9 tokens (36 rows: three programs of 16-row tiles). Each query gives the reference's values and the same
