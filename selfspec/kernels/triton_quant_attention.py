@@ -10,7 +10,7 @@ kv head (GQA) are the rows of its tensor-core dots (tiles of 16 rows; past 16 th
 into chunks of whole groups (CHUNK_KEYS, a multiple of G): one program per (row, kv head, slice of query rows,
 chunk) runs an online softmax over its chunk, BLOCK_N keys a step; one more program per (row, kv head, slice) does
 the same over the buffer keys, the only place a causal mask applies. A second kernel merges each query head's chunk
-states (max, sum, accumulator) by log-sum-exp, in chunk order in blocks of MERGE_STATES.
+states (max, sum, accumulator) by log-sum-exp: the buffer's first, then the chunks in order, MERGE_STATES a step.
 
 No code is dequantized. The tensor cores take the codes themselves, as exact float16 integers (bytes turned into
 float16 by byte permutes, `_BYTES_ASM`), and the scales and zeros go where they cost a row, not a key:
