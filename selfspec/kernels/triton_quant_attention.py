@@ -88,7 +88,7 @@ sub.f16x2 $1, t, k;
 
 @triton.jit
 def _as_f16(b, ASM: tl.constexpr):
-    """uint8 codes (int32 or uint8 tensors of values 0..255) -> exact float16."""
+    """uint8 codes -> exact float16 (the cast pins the byte type the asm packs four to a register)."""
     if ASM:
         return tl.inline_asm_elementwise(_BYTES_ASM, "=r,=r,r", [b.to(tl.uint8)], dtype=tl.float16, is_pure=True,
                                          pack=4)
@@ -189,6 +189,7 @@ def _quant_attention_chunks(
         lo = (c - 1) * CHUNK
         hi = tl.minimum(lo + CHUNK, tl.max(below, 0))
         WIDTH: tl.constexpr = D // 2 if FMT_HIER else D  # bytes a key's codes take: two channels a byte in a plane
+        MASKED: tl.constexpr = HALF != D // 2  # a head of no power of two: the halves' tiles are padded
         codes = keys[:, None] * WIDTH + j[None, :]  # a step's bytes from its first key's: whole rows of bytes
         cmask = jmask[None, :]
         # lo and hi are multiples of G, and BLOCK divides G: a step's keys are whole, in one group and one block,
@@ -202,13 +203,13 @@ def _quant_attention_chunks(
             ks_b, kz_b = _affine(tl.load(ks_ptr + group + d_b, mask=jmask, other=0).to(tl.float32),
                                  tl.load(kz_ptr + group + d_b, mask=jmask, other=0).to(tl.float32), FMT_HIER, UPPER)
             at = first * WIDTH
-            k_a, k_b = _code_halves(kq0 + at, kq1 + at, codes, cmask, D // 2, FMT_HIER, UPPER, HALF != D // 2, ASM)
+            k_a, k_b = _code_halves(kq0 + at, kq1 + at, codes, cmask, D // 2, FMT_HIER, UPPER, MASKED, ASM)
             scores = tl.dot((q_a * ks_a[None, :]).to(tl.float16), tl.trans(k_a))
             scores = tl.dot((q_b * ks_b[None, :]).to(tl.float16), tl.trans(k_b), scores)
             scores += tl.sum(q_a * kz_a[None, :] + q_b * kz_b[None, :], 1)[:, None]
             vs, vz = _affine(tl.load(vs_ptr + first + keys).to(tl.float32),
                              tl.load(vz_ptr + first + keys).to(tl.float32), FMT_HIER, UPPER)
-            v_a, v_b = _code_halves(vq0 + at, vq1 + at, codes, cmask, D // 2, FMT_HIER, UPPER, HALF != D // 2, ASM)
+            v_a, v_b = _code_halves(vq0 + at, vq1 + at, codes, cmask, D // 2, FMT_HIER, UPPER, MASKED, ASM)
             live = (n0 + keys)[None, :] < below[:, None]
             m, l, acc_a, acc_b, acc_z = _softmax_step(m, l, acc_a, acc_b, acc_z, scores, live, vs * V_SCALE, vz,
                                                       v_a, v_b)
@@ -226,12 +227,12 @@ def _quant_attention_chunks(
             live = (key_pos[None, :] >= below[:, None]) & (key_pos[None, :] <= pos[:, None])
             read = tl.max(live.to(tl.int32), 0) > 0  # the keys some row reads: other slots may hold anything
             mask = read[:, None] & jmask[None, :]
-            at = (row * BS + n0) * D
-            k_a = tl.load(kb_ptr + at + keys[:, None] * D + d_a[None, :], mask=mask, other=0.0).to(tl.float16)
-            k_b = tl.load(kb_ptr + at + keys[:, None] * D + d_b[None, :], mask=mask, other=0.0).to(tl.float16)
+            at = (row * BS + n0 + keys)[:, None] * D  # the step's keys' rows in the buffer pools
+            k_a = tl.load(kb_ptr + at + d_a[None, :], mask=mask, other=0.0).to(tl.float16)
+            k_b = tl.load(kb_ptr + at + d_b[None, :], mask=mask, other=0.0).to(tl.float16)
             scores = tl.dot(q_b16, tl.trans(k_b), tl.dot(q_a16, tl.trans(k_a)))
-            v_a = tl.load(vb_ptr + at + keys[:, None] * D + d_a[None, :], mask=mask, other=0.0).to(tl.float16)
-            v_b = tl.load(vb_ptr + at + keys[:, None] * D + d_b[None, :], mask=mask, other=0.0).to(tl.float16)
+            v_a = tl.load(vb_ptr + at + d_a[None, :], mask=mask, other=0.0).to(tl.float16)
+            v_b = tl.load(vb_ptr + at + d_b[None, :], mask=mask, other=0.0).to(tl.float16)
             m, l, acc_a, acc_b, acc_z = _softmax_step(m, l, acc_a, acc_b, acc_z, scores, live,
                                                       tl.full((BLOCK,), V_SCALE, tl.float32),
                                                       tl.zeros((BLOCK,), tl.float32), v_a, v_b)
