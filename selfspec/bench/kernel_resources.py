@@ -125,13 +125,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--attention", action="store_true",
                     help="the quantized attention's tiles (16 and 32 query rows) per KV format instead")
     ap.add_argument("--warps", type=int, nargs="+", default=[tqa.NUM_WARPS], help="with --attention")
-    ap.add_argument("--max-registers", type=int, nargs="+", default=[None], metavar="N",
-                    help="with --attention: registers per thread ptxas may use (default: its choice)")
+    ap.add_argument("--max-registers", type=int, nargs="+", default=None, metavar="N",
+                    help="with --attention: registers per thread ptxas may use (default: the launch's, MAX_REGISTERS)")
     args = ap.parse_args(argv)
     if tlin.INTERPRETING:
         ap.error("TRITON_INTERPRET=1 is set: interpreted kernels do not compile; unset it")
     if args.attention:
-        attention_table(args.warps, args.max_registers)
+        attention_table(args.warps, args.max_registers or [tqa.MAX_REGISTERS])
         return
     print(f"{args.mode}, K {args.k} in tiles of {args.block_k}, split {args.split}, {args.stages} stages, sm_90")
     print("| tiles (M x N x warps) | registers | stack bytes | shared bytes | MMA |\n|---|---|---|---|---|")

@@ -42,10 +42,10 @@ from selfspec.kernels import register
 from selfspec.kernels.launch import INTERPRETING
 from selfspec.kernels.reference import quantized_attention as reference_quantized_attention
 
-CHUNK_KEYS = 512  # quantized keys per program (rounded to whole groups)
+CHUNK_KEYS = 1024  # quantized keys per program (rounded to whole groups)
 MIN_GROUP = 16  # smaller KV groups take the reference
 MIN_DIM = 32  # and so do smaller heads (a dot takes at least 16 channels of each half)
-BLOCK_N = 32  # keys per step of a program's online softmax (at most a group: a step reads one group's key scales)
+BLOCK_N = 64  # keys per step of a program's online softmax (at most a group: a step reads one group's key scales)
 TILE_ROWS = 16  # query rows (tokens x query heads) per program, whatever the pass: more take more programs
 NUM_WARPS = 4
 NUM_STAGES = 2  # software pipelining of a program's key steps
@@ -56,8 +56,9 @@ MERGE_CHANNELS = 32
 # Probabilities times value scales are scaled by this before float16 (exact: a power of two), so that small ones
 # stay normal numbers; the accumulators are scaled back on the way out.
 V_SCALE = tl.constexpr(256.0)
-# Registers per thread (ptxas maxnreg), None: the compiler's choice (`selfspec bench resources --attention`).
-MAX_REGISTERS: int | None = None
+# Registers per thread (ptxas maxnreg): 128 lets 4 programs share an SM, where the compiler's choice (230-243) lets 2,
+# and hides more load latency (`selfspec bench quant_attention` sweeps; docs/long-context.md).
+MAX_REGISTERS: int | None = 128
 LOG2E = tl.constexpr(1.4426950408889634)  # exponents in base 2
 
 
@@ -286,6 +287,10 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
         raise SelfspecError(f"the Triton quantized attention needs a power-of-two KV group, got {g}")
     b, hq, t, dim = q.shape
     if g < MIN_GROUP or dim % 2 or dim < MIN_DIM:  # a tensor-core dot: 16 keys of a group, 16 channels a half
+        if torch.cuda.is_current_stream_capturing():  # the reference reads positions on the host
+            raise SelfspecError(f"the quantized KV attention runs in CUDA graphs for KV groups of at least {MIN_GROUP}"
+                                f" and even head dims of at least {MIN_DIM} (got group {g}, head dim {dim}): use a "
+                                f"larger --kv-group, or kv format bf16")
         return reference_quantized_attention(q.float(), kv, q_pos, upper).to(q.dtype)
     hkv, qbs = quant.keys[0].shape[1], quant.keys[0].shape[2]
     hier = quant.fmt == "hier"
