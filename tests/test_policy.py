@@ -132,6 +132,24 @@ def test_measuring_flags_exploration_and_drafting_probes_not_chosen_speculation(
     assert flags(s, 5) == [(3, False)] * 4 + [(0, False)]  # speculating: chosen rounds, then a plain probe
 
 
+def test_speculation_chosen_on_few_acceptance_trials_only_measures():
+    """One exploration round whose 8 rows all accepted its draft estimates acceptance 1: the speculation chosen on
+    it measures (its greedy rows stay in lockstep in the engine) until min_trials trials were seen."""
+    p = GammaPolicy(4, min_trials=64)
+    p.observe_round(8, 0, 0.0, 1.0)
+    assert (p.choose(8), p.measuring) == (1, True)  # exploration
+    p.observe_round(8, 1, 0.3, 1.0)
+    p.observe_acceptance(1, [1] * 8)
+    assert p.acceptance == 1.0 and p.num_trials == 8
+    flags = []
+    for _ in range(3):
+        k = p.choose(8)
+        flags.append((k, p.measuring))
+        p.observe_round(8, k, 0.3 * k, 1.0)
+        p.observe_acceptance(k, [k] * 8)  # k trials a row
+    assert flags == [(4, True), (4, True), (4, False)]  # 8 + 2 x 32 trials seen before the third
+
+
 def serve(p: GammaPolicy, rounds: int, batch: int, draft_ratio: float, acceptance: float, rng: random.Random,
           verify=lambda tokens: 1.0) -> list[int]:
     """Let the policy drive `rounds` simulated rounds over `batch` rows: a draft step costs draft_ratio x

@@ -29,10 +29,12 @@ losing option is a lost round, so probing is cost-bounded:
   as dear as verify steps, as on the H100) that is k = 1, the cheapest round that still measures the draft step
   and acceptance; when speculation nearly pays it is near the best k, whose verify width the choice hinges on.
 
-`measuring` says whether the last choice drafts only to measure (an exploration round or a drafting probe), not
-because speculation pays. The serving engine then has its greedy rows emit the plain decoding step's one token
-(engine/engine.py `_round`): drafts accepted there would move some rows ahead of the others, and requests started
-together would stop finishing (and being replaced) together.
+`measuring` says whether the last choice drafts only to measure, not because speculation pays: an exploration
+round, a drafting probe, or any drafting round while fewer than `min_trials` acceptance trials were seen (one
+exploration round whose rows all accepted estimates acceptance 1, and speculation chosen on that is a guess). The
+serving engine then has its greedy rows emit the plain decoding step's one token (engine/engine.py `_round`):
+drafts accepted there would move some rows ahead of the others, and requests started together would stop
+finishing (and being replaced) together.
 """
 from __future__ import annotations
 
@@ -57,15 +59,18 @@ def expected_tokens(a: float, k: int) -> float:
 
 class GammaPolicy:
     def __init__(self, max_gamma: int = 8, alpha: float = 0.2, margin: float = 0.05, probe_every: int = 16,
-                 max_probe_every: int = 128):
+                 max_probe_every: int = 128, min_trials: int = 32):
         self.max_gamma = max_gamma
         self.alpha = alpha
         self.margin = margin
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
+        self.min_trials = min_trials
+        self.num_trials = 0  # acceptance trials seen, all rounds together
         self.accepted = Ema(alpha)  # accepted drafts per round ...
         self.trials = Ema(alpha)  # ... and acceptance trials per round (accepted + 1 if a draft was rejected)
         self.verify_cost: dict[int, Ema] = {}  # tokens in the pass -> seconds
+        self.verify_sizes: list[int] = []  # its keys, sorted (a choice reads them max_gamma + 1 times)
         self.draft_ratio: dict[int, Ema] = {}  # batch size -> draft step seconds / verify(B tokens) seconds
         self.last_gamma = 0
         self.measuring = False  # the last choice drafts only to measure: exploration or a drafting probe
@@ -79,7 +84,11 @@ class GammaPolicy:
 
     def observe_round(self, batch: int, k: int, draft_s: float, verify_s: float) -> None:
         """A round of k drafts over `batch` rows took draft_s (all k steps) and verify_s."""
-        self.verify_cost.setdefault(batch * (k + 1), Ema(self.alpha)).update(verify_s)
+        tokens = batch * (k + 1)
+        if tokens not in self.verify_cost:
+            self.verify_cost[tokens] = Ema(self.alpha)
+            bisect.insort(self.verify_sizes, tokens)
+        self.verify_cost[tokens].update(verify_s)
         base = self.verify_estimate(batch)
         if k and base:
             self.draft_ratio.setdefault(batch, Ema(self.alpha)).update(draft_s / k / base)
@@ -88,8 +97,10 @@ class GammaPolicy:
         """Per-row accepted counts of a round with k drafts. A row accepting n < k drafts saw n successes in
         n + 1 trials, one accepting all k saw k in k: the geometric model's maximum-likelihood estimate."""
         if k and accepted:
+            trials = sum(n + (n < k) for n in accepted)
             self.accepted.update(sum(accepted) / len(accepted))
-            self.trials.update(sum(n + (n < k) for n in accepted) / len(accepted))
+            self.trials.update(trials / len(accepted))
+            self.num_trials += trials
 
     @property
     def acceptance(self) -> float | None:
@@ -102,16 +113,16 @@ class GammaPolicy:
     def verify_estimate(self, tokens: int) -> float | None:
         """Seconds of a verify pass over `tokens` tokens: measured, interpolated, or extrapolated linearly
         from the two largest (smallest) measured sizes; one measured size stands for all."""
-        known = sorted((n, e.value) for n, e in self.verify_cost.items())
-        if not known:
+        sizes = self.verify_sizes
+        if not sizes:
             return None
-        sizes = [n for n, _ in known]
         i = bisect.bisect_left(sizes, tokens)
         if i < len(sizes) and sizes[i] == tokens:
-            return known[i][1]
-        if len(known) == 1:
-            return known[0][1]
-        (n0, c0), (n1, c1) = known[min(max(i - 1, 0), len(known) - 2):][:2]
+            return self.verify_cost[tokens].value
+        if len(sizes) == 1:
+            return self.verify_cost[sizes[0]].value
+        n0, n1 = sizes[min(max(i - 1, 0), len(sizes) - 2):][:2]
+        c0, c1 = self.verify_cost[n0].value, self.verify_cost[n1].value
         return max(c0 + (c1 - c0) * (tokens - n0) / (n1 - n0), 0.0)
 
     def draft_estimate(self, batch: int) -> float | None:
@@ -121,15 +132,17 @@ class GammaPolicy:
         base = self.verify_estimate(batch)
         return None if base is None else self.draft_ratio[nearest].value * base
 
-    def round_cost(self, batch: int, k: int) -> float:
-        """Estimated seconds of a round with k drafts over `batch` rows (requires measurements)."""
-        draft = k * self.draft_estimate(batch) if k else 0.0
-        return draft + self.verify_estimate(batch * (k + 1))
+    def round_cost(self, batch: int, k: int, draft: float | None = None) -> float:
+        """Estimated seconds of a round with k drafts over `batch` rows (requires measurements); `draft`: the
+        draft step's estimate, where the caller has it."""
+        if not k:
+            return self.verify_estimate(batch)
+        return k * (self.draft_estimate(batch) if draft is None else draft) + self.verify_estimate(batch * (k + 1))
 
-    def throughput(self, batch: int, k: int) -> float:
+    def throughput(self, batch: int, k: int, draft: float | None = None) -> float:
         """Estimated tokens per second per row of a round with k drafts (requires measurements)."""
         tokens = expected_tokens(self.acceptance, k) if k else 1.0
-        return tokens / self.round_cost(batch, k)
+        return tokens / self.round_cost(batch, k, draft)
 
     # ---------------------------------------------------------------- the choice
 
@@ -145,7 +158,7 @@ class GammaPolicy:
             self.since_probe = 0
             self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)  # undone if the choice flips
         self.last_gamma = k
-        self.measuring = k > 0 and (exploring or probing)
+        self.measuring = k > 0 and (exploring or probing or self.num_trials < self.min_trials)
         return k
 
     def _follow(self, batch: int, speculating: bool) -> None:
@@ -165,12 +178,10 @@ class GammaPolicy:
             return 0  # measure plain decoding at this size first
         if self._exploring(batch):
             return 1  # explore: one cheap round measures the draft step and acceptance
-        best = self._best(batch)
-        return best if self.throughput(batch, best) > self.throughput(batch, 0) * (1 + self.margin) else 0
-
-    def _best(self, batch: int) -> int:
-        """The k >= 1 with the most estimated tokens per second."""
-        return max(range(1, self.max_gamma + 1), key=lambda k: self.throughput(batch, k))
+        draft = self.draft_estimate(batch)
+        rates = [self.throughput(batch, k, draft) for k in range(self.max_gamma + 1)]
+        best = max(range(1, self.max_gamma + 1), key=rates.__getitem__)  # the k >= 1 of the most tokens/s
+        return best if rates[best] > rates[0] * (1 + self.margin) else 0
 
     def _probe(self, batch: int) -> int:
         """The k >= 1 a probe of drafting runs: the least estimated time lost against plain decoding of the same
