@@ -83,14 +83,31 @@ def test_predictions_use_measured_steps_and_label_the_acceptance(tmp_path):
     path.write_text('{"recipe": "selfspec", "accepted": 7, "proposed": 10, "rate": 0.7}\n')
     rates = lc.acceptance_rates(None, str(path))
     assert rates["selfspec"][0] == 0.7 and rates["quantspec"] == (lc.ASSUMED_ACCEPTANCE, "ASSUMED")
-    steps = [("ar", "ar", 10.0), ("selfspec", "verify", 11.0), ("selfspec", "draft", 4.0),
-             ("quantspec", "verify", 12.0), ("quantspec", "draft", 5.0)]
-    rows = [{"part": "steps", "recipe": r, "context": 4096, "pass": p, "ms": ms} for r, p, ms in steps]
-    pred = {r["recipe"]: r for r in lc.predictions(rows, 4, rates)}
+    steps = [("ar", "ar", 1, 10.0), ("selfspec", "verify", 5, 11.0), ("selfspec", "draft", 1, 4.0),
+             ("quantspec", "verify", 5, 12.0), ("quantspec", "draft", 1, 5.0)]
+    rows = [{"part": "steps", "recipe": r, "context": 4096, "pass": p, "tokens": t, "ms": ms} for r, p, t, ms in steps]
+    pred = {r["recipe"]: r for r in lc.predictions(rows, [4], rates)}
     assert pred["selfspec"]["speedup"] == pytest.approx(expected_tokens(0.7, 4) * 10 / (4 * 4 + 11))
     assert pred["quantspec"]["speedup"] == pytest.approx(expected_tokens(0.9, 4) * 10 / (4 * 5 + 12))
     assert "ASSUMED" in lc.prediction_table(list(pred.values()))
     assert lc.acceptance_rates(0.8, str(path))["selfspec"] == (0.8, "given")
+
+
+def test_predictions_mark_the_best_gamma_and_check_the_end_to_end_bar():
+    """Verify passes of 2 and 4 tokens cost about the same, of 5 twice that (a second tile): with drafts at a fifth
+    of an AR step gamma 3 gives the most tokens per time, neither end of the range, and the bar line reads it."""
+    steps = [("ar", "ar", 1, 10.0), ("selfspec", "draft", 1, 2.0), ("selfspec", "verify", 2, 6.0),
+             ("selfspec", "verify", 4, 6.5), ("selfspec", "verify", 5, 12.0)]
+    rows = [{"part": "steps", "recipe": r, "context": lc.E2E_CONTEXT, "pass": p, "tokens": t, "ms": ms}
+            for r, p, t, ms in steps]
+    pred = lc.predictions(rows, [1, 3, 4], {"selfspec": (0.9, "given")})
+    speedups = {r["gamma"]: r["speedup"] for r in pred}
+    assert speedups == pytest.approx({g: expected_tokens(0.9, g) * 10 / (g * 2 + v)
+                                      for g, v in ((1, 6.0), (3, 6.5), (4, 12.0))})
+    assert [r["gamma"] for r in pred if r["best"]] == [max(speedups, key=speedups.get)] == [3]
+    line = [x for x in lc.bar_lines(pred) if "selfspec" in x]
+    assert line == [f"bar: selfspec >= 2.3x bf16 AR at 128k keys (predicted, gamma 3, acceptance 0.900 given): "
+                    f"met ({speedups[3]:.2f}x)"]
 
 
 @pytest.mark.parametrize("argv", [["--parts", "attention,nope"], ["--gamma", "16"], ["--acceptance", "1.5"],

@@ -1,6 +1,6 @@
 """Long-context benchmark of the quantized KV cache (QuantSpec; docs/long-context.md), at Llama-3-8B heads.
 
-python -m selfspec.bench.long_context [--contexts 4096 8192 ... 131072] [--gamma 4] [--json out.json]
+python -m selfspec.bench.long_context [--contexts 4096 8192 ... 131072] [--gamma 1 2 3 4] [--json out.json]
     [--plot attention.png] [--acceptance A | --acceptance-json FILE] [--sinks 4] [--parts attention,memory,steps]
 (also `selfspec bench long_context ...`)
 
@@ -13,8 +13,9 @@ python -m selfspec.bench.long_context [--contexts 4096 8192 ... 131072] [--gamma
 2. memory: bytes of the whole model's KV cache per format (QuantKVCache / KVCache nbytes: codes, scales, zeros and
    the full-precision buffer) against bf16, and the peak GPU memory of a decode step (part 3).
 3. steps: forward passes of the synthetic 8B model (random weights) at each context, replayed as CUDA graphs (as
-   decode runs them): AR (bf16 weights, bf16 KV) and each recipe's verify (gamma + 1 tokens) and draft step, and
-   the speedup over AR predicted from these step costs and an acceptance rate.
+   decode runs them): AR (bf16 weights, bf16 KV) and each recipe's verify (gamma + 1 tokens, each --gamma) and
+   draft step, and the speedup over AR predicted from these step costs and an acceptance rate, per gamma, the best
+   marked (the gamma policy picks it), checked against the end-to-end bars at 128k.
 
 --tiny runs parts 1 and 2 on the CPU with tiny heads and contexts (torch references, not the Triton kernels).
 """
@@ -47,6 +48,8 @@ QUANT_KERNELS = {"int8": ("int8", False), "hier-full": ("hier", False), "hier-up
 KERNELS = ("bf16", "bf16-contiguous", *QUANT_KERNELS, "sparse")
 BARS = {"hier-upper": 2.5, "hier-full": 1.4}  # speedup over bf16 wanted from BAR_CONTEXT keys on
 BAR_CONTEXT = 65536
+E2E_BARS = {"quantspec": 2.0, "selfspec": 2.3}  # predicted speedup over bf16 AR wanted at E2E_CONTEXT keys
+E2E_CONTEXT = 131072
 RECIPES = ("quantspec", "selfspec")
 
 
@@ -207,25 +210,26 @@ def memory_rows(heads: Heads, contexts: list[int]) -> list[dict]:
     return rows
 
 
-def step_rows(contexts: list[int], gamma: int, log: Callable[[str], None]) -> list[dict]:
+def step_rows(contexts: list[int], gammas: list[int], log: Callable[[str], None]) -> list[dict]:
     """Forward passes of the synthetic 8B model at each context that fits (CUDA graph replays on the GPU, each
-    pass rewriting the same positions' KV): AR (bf16 weights and KV) and each recipe's verify (gamma + 1 tokens)
-    and draft pass, with the peak GPU memory of each."""
+    pass rewriting the same positions' KV): AR (bf16 weights and KV) and each recipe's verify (gamma + 1 tokens,
+    for each gamma) and draft pass, with the peak GPU memory of each."""
     from selfspec.bench.synthetic import synthetic_model
 
-    max_len = max(contexts) + gamma + 1
+    max_len = max(contexts) + max(gammas) + 1
     runs = {"ar": ("dense", "bf16", [("ar", get_mode("bf16"), 1)])}
     for name in RECIPES:
         r = PRESETS[name]
         draft = replace(get_mode(r.draft), kv_upper=r.kv == "hier")
-        runs[name] = (r.storage, r.kv, [("verify", get_mode(r.verify), gamma + 1), ("draft", draft, 1)])
+        verify = [("verify", get_mode(r.verify), g + 1) for g in sorted(gammas)]
+        runs[name] = (r.storage, r.kv, [*verify, ("draft", draft, 1)])
     rows = []
     for recipe, (storage, kv, passes) in runs.items():
         model = synthetic_model(SHAPE, storage, max_seq_len=max_len)
         model.set_kv_format(kv, LLAMA_3_8B.group)
         for context in contexts:
             try:
-                cache = model.new_cache(context + gamma + 1)
+                cache = model.new_cache(context + max(gammas) + 1)
                 if kv == "bf16":
                     cache.k.normal_()
                     cache.v.normal_()
@@ -273,22 +277,29 @@ def acceptance_rates(value: float | None, path: str | None) -> dict[str, tuple[f
     return {r: measured.get(r, (ASSUMED_ACCEPTANCE, "ASSUMED")) for r in RECIPES}
 
 
-def predictions(rows: list[dict], gamma: int, rates: dict[str, tuple[float, str]]) -> list[dict]:
-    """Per recipe and context: tokens per round E(gamma) at acceptance a (policy.expected_tokens) over the round's
-    cost (gamma draft steps + one verify pass) in AR steps: the speedup over bf16 AR predicted from step costs."""
-    steps = {(r["recipe"], r["context"], r["pass"]): r["ms"] for r in rows if r["part"] == "steps" and "ms" in r}
+def predictions(rows: list[dict], gammas: list[int], rates: dict[str, tuple[float, str]]) -> list[dict]:
+    """Per recipe, context and gamma: tokens per round E(gamma) at acceptance a (policy.expected_tokens) over the
+    round's cost (gamma draft steps + one verify pass of gamma + 1 tokens) in AR steps: the speedup over bf16 AR
+    predicted from step costs. `best` marks each recipe and context's fastest gamma (what the policy would pick)."""
+    steps = {(r["recipe"], r["context"], r["pass"], r["tokens"]): r["ms"] for r in rows
+             if r["part"] == "steps" and "ms" in r}
     out = []
     for recipe, (a, source) in rates.items():
-        for context in sorted({c for _, c, _ in steps}):
-            ar, verify, draft = (steps.get((k, context, p)) for k, p in (("ar", "ar"), (recipe, "verify"),
-                                                                        (recipe, "draft")))
-            if None in (ar, verify, draft):
-                continue
-            tokens = expected_tokens(a, gamma)
-            out.append({"part": "prediction", "recipe": recipe, "context": context, "acceptance": a,
-                        "acceptance_source": source, "gamma": gamma, "verify_over_ar": verify / ar,
-                        "draft_over_verify": draft / verify,
-                        "expected_tokens": tokens, "speedup": tokens * ar / (gamma * draft + verify)})
+        for context in sorted({c for _, c, _, _ in steps}):
+            ar, draft = steps.get(("ar", context, "ar", 1)), steps.get((recipe, context, "draft", 1))
+            found = []
+            for gamma in sorted(gammas):
+                verify = steps.get((recipe, context, "verify", gamma + 1))
+                if None in (ar, verify, draft):
+                    continue
+                tokens = expected_tokens(a, gamma)
+                found.append({"part": "prediction", "recipe": recipe, "context": context, "acceptance": a,
+                              "acceptance_source": source, "gamma": gamma, "verify_over_ar": verify / ar,
+                              "draft_over_verify": draft / verify, "expected_tokens": tokens,
+                              "speedup": tokens * ar / (gamma * draft + verify), "best": False})
+            if found:
+                max(found, key=lambda r: r["speedup"])["best"] = True
+            out += found
     return out
 
 
@@ -303,8 +314,17 @@ def attention_table(rows: list[dict]) -> str:
 
 
 def bar_lines(rows: list[dict]) -> list[str]:
-    """Whether the wanted decode speedups over bf16 hold from BAR_CONTEXT keys on."""
+    """Whether the wanted decode speedups over bf16 hold from BAR_CONTEXT keys on, and the recipes' predicted
+    speedups over bf16 AR (at their best gamma) at E2E_CONTEXT."""
     lines = []
+    for recipe, want in E2E_BARS.items():
+        best = [r for r in rows if r["part"] == "prediction" and r["recipe"] == recipe and r["best"]
+                and r["context"] == E2E_CONTEXT]
+        if best:
+            r = best[0]
+            lines.append(f"bar: {recipe} >= {want}x bf16 AR at {E2E_CONTEXT // 1024}k keys (predicted, gamma "
+                         f"{r['gamma']}, acceptance {r['acceptance']:.3f} {r['acceptance_source']}): "
+                         f"{'met' if r['speedup'] >= want else 'MISSED'} ({r['speedup']:.2f}x)")
     for kernel, want in BARS.items():
         hits = [r for r in rows if r["part"] == "attention" and r["kernel"] == kernel and r["queries"] == 1
                 and r["context"] >= BAR_CONTEXT]
@@ -343,12 +363,13 @@ def steps_table(rows: list[dict]) -> str:
 
 
 def prediction_table(rows: list[dict]) -> str:
-    out = ["| context | recipe | acceptance a | verify / AR | draft / verify | tokens per round | "
-           "predicted speedup vs AR |", "|---|---|---|---|---|---|---|"]
+    out = ["| context | recipe | acceptance a | gamma | verify / AR | draft / verify | tokens per round | "
+           "predicted speedup vs AR |", "|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["part"] == "prediction"):
+        speedup = f"**{r['speedup']:.2f}x**" if r["best"] else f"{r['speedup']:.2f}x"
         out.append(f"| {r['context']} | {r['recipe']} | {r['acceptance']:.3f} ({r['acceptance_source']}) | "
-                   f"{r['verify_over_ar']:.3f} | {r['draft_over_verify']:.3f} | {r['expected_tokens']:.2f} | "
-                   f"{r['speedup']:.2f}x |")
+                   f"{r['gamma']} | {r['verify_over_ar']:.3f} | {r['draft_over_verify']:.3f} | "
+                   f"{r['expected_tokens']:.2f} | {speedup} |")
     return "\n".join(out)
 
 
@@ -378,7 +399,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=None,
                     help=f"keys before the first query (default {CONTEXTS}; --tiny: {TINY_CONTEXTS})")
-    ap.add_argument("--gamma", type=int, default=4, help="drafts per round: a verify pass reads gamma + 1 queries")
+    ap.add_argument("--gamma", type=int, nargs="+", default=[4],
+                    help="drafts per round (one or more): a verify pass reads gamma + 1 queries")
     ap.add_argument("--parts", default="attention,memory,steps", help="comma-separated: attention, memory, steps")
     ap.add_argument("--acceptance", type=float, default=None, help="per-token acceptance rate for the predictions")
     ap.add_argument("--acceptance-json", default=None, metavar="FILE",
@@ -395,7 +417,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                             "choose from attention, memory, steps")
     heads = TINY if args.tiny else LLAMA_3_8B
     contexts = args.contexts or (TINY_CONTEXTS if args.tiny else CONTEXTS)
-    if min(contexts) < 1 or args.gamma < 1 or args.gamma >= heads.group or args.sinks < 1:
+    if min(contexts) < 1 or min(args.gamma) < 1 or max(args.gamma) >= heads.group or args.sinks < 1:
         raise SelfspecError(f"contexts and --sinks must be at least 1 and --gamma in 1..{heads.group - 1} (a pass "
                             f"writes fewer tokens than the KV group {heads.group}); got {contexts}, {args.gamma}, "
                             f"{args.sinks}")
@@ -408,7 +430,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     rows = []
     if "attention" in parts:
         for context in contexts:
-            for queries in (1, args.gamma + 1):
+            for queries in sorted({1, *(g + 1 for g in args.gamma)}):
                 rows += attention_rows(heads, context, queries, args.sinks, device)
     if "memory" in parts:
         rows += memory_rows(heads, contexts)
@@ -425,7 +447,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if "attention" in parts:
         how = "CUDA graph replays" if device.type == "cuda" else "wall clock, torch references"
         print(f"\n## Attention, one layer (us: {how}, median)\n\n" + attention_table(rows))
-        print("\n".join(["", *bar_lines(rows)]))
         if args.plot:
             plot(rows, args.plot)
     if "memory" in parts:
@@ -433,7 +454,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if any(r["part"] == "steps" for r in rows):
         print(f"\n## Forward passes of the synthetic {SHAPE} (random weights), CUDA graph replays for every format "
               "alike\n\n" + steps_table(rows))
-        print("\n## Predicted from step costs and acceptance a (not measured end to end)\n\n" + prediction_table(rows))
+        print("\n## Predicted from step costs and acceptance a (not measured end to end; bold: the best gamma)\n\n"
+              + prediction_table(rows))
+    print("\n".join(["", *bar_lines(rows)]))
 
 
 if __name__ == "__main__":
