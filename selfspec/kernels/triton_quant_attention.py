@@ -87,6 +87,51 @@ sub.f16x2 $1, t, k;
 """)
 
 
+# Four bytes of the upper plane -> their low nibbles ($0, $1) and high nibbles ($2, $3) as exact float16, four a
+# register at once (where integer ops on uint8 tensors take a register a byte).
+_NIBBLES_ASM = tl.constexpr("""
+{
+.reg .b32 lo, hi, k;
+mov.b32 k, 0x64006400;
+and.b32 lo, $4, 0x0F0F0F0F;
+shr.b32 hi, $4, 4;
+and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $0, lo, 0x64, 0x4140;
+sub.f16x2 $0, $0, k;
+prmt.b32 $1, lo, 0x64, 0x4342;
+sub.f16x2 $1, $1, k;
+prmt.b32 $2, hi, 0x64, 0x4140;
+sub.f16x2 $2, $2, k;
+prmt.b32 $3, hi, 0x64, 0x4342;
+sub.f16x2 $3, $3, k;
+}
+""")
+# Four bytes of each plane (upper $4, lower $5) -> the joined codes 16 * upper + lower of the even channels (low
+# nibbles: $0, $1) and of the odd ones (high nibbles: $2, $3) as exact float16.
+_PLANES_ASM = tl.constexpr("""
+{
+.reg .b32 ev, od, t, k;
+mov.b32 k, 0x64006400;
+and.b32 ev, $4, 0x0F0F0F0F;
+shl.b32 ev, ev, 4;
+and.b32 t, $5, 0x0F0F0F0F;
+or.b32 ev, ev, t;
+and.b32 od, $4, 0xF0F0F0F0;
+shr.b32 t, $5, 4;
+and.b32 t, t, 0x0F0F0F0F;
+or.b32 od, od, t;
+prmt.b32 $0, ev, 0x64, 0x4140;
+sub.f16x2 $0, $0, k;
+prmt.b32 $1, ev, 0x64, 0x4342;
+sub.f16x2 $1, $1, k;
+prmt.b32 $2, od, 0x64, 0x4140;
+sub.f16x2 $2, $2, k;
+prmt.b32 $3, od, 0x64, 0x4342;
+sub.f16x2 $3, $3, k;
+}
+""")
+
+
 @triton.jit
 def _as_f16(b, ASM: tl.constexpr):
     """uint8 codes -> exact float16 (the cast pins the byte type the asm packs four to a register)."""
@@ -113,9 +158,15 @@ def _code_halves(lo_ptr, hi_ptr, off, mask, HALF_BYTES: tl.constexpr, FMT_HIER: 
     b = _bytes(lo_ptr, off, mask, MASKED)
     if FMT_HIER:
         if UPPER:
+            if ASM:
+                return tl.inline_asm_elementwise(_NIBBLES_ASM, "=r,=r,=r,=r,r", [b.to(tl.uint8)],
+                                                 dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
             a, c = b & 15, b >> 4
         else:
             low = _bytes(hi_ptr, off, mask, MASKED)
+            if ASM:
+                return tl.inline_asm_elementwise(_PLANES_ASM, "=r,=r,=r,=r,r,r", [b.to(tl.uint8), low.to(tl.uint8)],
+                                                 dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
             a = ((b & 15) << 4) | (low & 15)
             c = (b & 0xF0) | (low >> 4)
     else:
