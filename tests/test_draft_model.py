@@ -290,8 +290,8 @@ def test_the_policy_prices_draft_steps_without_the_draft_models_prefill(llm, mon
     cache = llm.model.new_cache(64)
     llm.model(torch.tensor([prompt]), torch.arange(len(prompt)), cache, llm.verify_mode)
     row = Row(7, len(prompt), greedy(8), None, GenerationStats(), llm.drafter.history(prompt + [7]))
-    _, timing = run_round(llm.model, cache, [row], 3, llm.drafter, llm.verify_mode)
+    timing = run_round(llm.model, cache, [row], 3, llm.drafter, llm.verify_mode)
     assert row.stats.draft_s >= 0.3 > timing.draft_s
     before = row.stats.draft_s
-    _, timing = run_round(llm.model, cache, [row], 3, llm.drafter, llm.verify_mode)  # no new row: all drafting
+    timing = run_round(llm.model, cache, [row], 3, llm.drafter, llm.verify_mode)  # no new row: all drafting
     assert timing.draft_s == pytest.approx(row.stats.draft_s - before) and timing.draft_s > 0

@@ -145,7 +145,7 @@ def test_round_time_splits_into_draft_and_verify():
     compares them), however the passes are queued."""
     draft, verify = MODES["upper"], MODES["full"]
     rows = [Row(3, 5, SamplingParams(max_new_tokens=8), None, GenerationStats()) for _ in range(2)]
-    _, timing = run_round(TimedModel(draft, verify), None, rows, 3, draft, verify)
+    timing = run_round(TimedModel(draft, verify), None, rows, 3, draft, verify)
     assert 0.03 <= timing.draft_s < 0.03 + 0.025
     assert 0.03 <= timing.verify_s < 0.03 + 0.025
 

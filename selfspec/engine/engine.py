@@ -51,7 +51,7 @@ from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.model import Packed
 from selfspec.quant.modes import prompt_mode
-from selfspec.speculative.decode import (GreedyAcceptance, Row, RoundTiming, make_generator, pick, run_round,
+from selfspec.speculative.decode import (GreedyAcceptance, Row, RoundResult, make_generator, pick, run_round,
                                          tree_rounds)
 from selfspec.speculative.draft_model import DraftModel
 from selfspec.speculative.drafters import TokenHistory, TreeDrafter
@@ -601,27 +601,26 @@ class Engine:
         for s in seqs:
             self.cache.extend(s.id, k + 1)
         rows = [s.row for s in seqs]
-        proposed = sum(r.stats.draft_proposed for r in rows)
         held = measuring and k > 0 and len(seqs) > 1 and self.tree is None  # a tree's rounds commit what they accept
         lockstep = [held and s.gamma is None and s.params.greedy for s in seqs]
         if self.tree is not None and k:
-            tokens, timing = self._tree_round(seqs, k)
+            result = self._tree_round(seqs, k)
         else:
-            tokens, timing = run_round(self.runner, self.cache.view([s.id for s in seqs]), rows, k,
-                                       self.llm.drafter, self.llm.verify_mode, self.accept, lockstep)
-        self.policy.observe_round(len(rows), timing.k, timing.draft_s, timing.verify_s)
-        self.policy.observe_acceptance(k, timing.accepted)
+            result = run_round(self.runner, self.cache.view([s.id for s in seqs]), rows, k, self.llm.drafter,
+                               self.llm.verify_mode, self.accept, lockstep)
+        self.policy.observe_round(len(rows), result.k, result.draft_s, result.verify_s)
+        self.policy.observe_acceptance(k, result.accepted)
         c = self.counters
         c.num_row_rounds += len(rows)
         c.num_lockstep_rows += sum(lockstep)
         if k:
             c.num_drafts += len(rows)
-            c.num_draft_tokens += sum(r.stats.draft_proposed for r in rows) - proposed
-            c.num_accepted_tokens += sum(timing.accepted)
-        for s, toks in zip(seqs, tokens):
+            c.num_draft_tokens += sum(result.proposed)
+            c.num_accepted_tokens += sum(result.accepted)
+        for s, toks in zip(seqs, result.tokens):
             self._emit(s, toks, outputs)
 
-    def _tree_round(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], RoundTiming]:
+    def _tree_round(self, seqs: list[Sequence], k: int) -> RoundResult:
         """A tree drafter's round: each sequence forked into its branch rows (PagedTree), every branch verified in
         one pass; the winner's committed KV is copied into the sequence's own blocks, the branch blocks go back."""
         trees = []

@@ -42,11 +42,13 @@ class Row:
 
 
 @dataclass
-class RoundTiming:
-    """What the gamma policy learns from a round."""
+class RoundResult:
+    """What a round did: each row's committed tokens, and what the gamma policy and the engine's counters learn."""
+    tokens: list[list[int]]  # per row, the tokens committed (accepted drafts and the verify pass's next token)
     draft_s: float  # the draft steps (a draft model's prefill of new rows left out: the policy prices steps)
     verify_s: float
     k: int  # drafts per row the verify pass checked: the longest proposal (a lookup may propose fewer than asked)
+    proposed: list[int]  # per row, the drafts verified (a tree: its chosen branch's)
     accepted: list[int]  # per row, the drafts verify accepted (a lockstep row emits none of them: run_round)
 
 
@@ -92,28 +94,28 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
         k = gamma if policy is None else policy.choose(1)
         k = min(k, cache.max_len - row.length - 1) if draft is not None else 0
         if tree:
-            (tokens,), timing = tree_rounds(model, [cache], [row], k, draft, verify,
-                                            lambda spans: cache.rows(*spans[0]), accept)
+            result = tree_rounds(model, [cache], [row], k, draft, verify, lambda spans: cache.rows(*spans[0]), accept)
         else:
-            (tokens,), timing = run_round(model, cache, [row], k, draft, verify, accept)
+            result = run_round(model, cache, [row], k, draft, verify, accept)
+        (tokens,) = result.tokens
         cache.commit(row.length)
         if policy is not None:
-            policy.observe_round(1, timing.k, timing.draft_s, timing.verify_s)
-            policy.observe_acceptance(k, timing.accepted)
+            policy.observe_round(1, result.k, result.draft_s, result.verify_s)
+            policy.observe_acceptance(k, result.accepted)
         yield tokens
 
 
 @torch.inference_mode()
 def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Drafter | Mode | None, verify: Mode,
               accept: GreedyAcceptance = accept_greedy, lockstep: list[bool] | None = None
-              ) -> tuple[list[list[int]], RoundTiming]:
+              ) -> RoundResult:
     """One speculative round over a batch: up to k drafts per row (e.g. k batched draft-mode steps, or a lookup),
     one batched verify pass over the pending token and the longest proposal (T=k+1 for a self-draft), acceptance
     per row of its real drafts (a row's padding is never judged; a row without drafts is a plain decoding step).
     A greedy row flagged in `lockstep` commits only the verify pass's token at its pending position, the plain
     decoding step's, whatever it accepted (a round drafting only to measure keeps the batch's rows in step);
     sampling rows commit what they accept (their draws stay those of their solo run).
-    Returns each row's committed tokens; rows are updated only once every pass succeeded (a failure leaves them as
+    Returns the RoundResult; rows are updated only once every pass succeeded (a failure leaves them as
     they were). The caller commits/truncates the cache to each row's new length.
     The drafts stay on the device between steps: on a GPU the host waits twice per round (drafts, verify)."""
     dev = model.device
@@ -143,7 +145,7 @@ def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Drafter
     committed = [(0, t[0]) if lock and r.params.greedy else a
                  for r, t, a, lock in zip(rows, targets, accepted, lockstep)]
     out = [advance(r, d, n, nxt, t1 - t0, t2 - t1) for r, d, (n, nxt) in zip(rows, drafts, committed)]
-    return out, RoundTiming(t1 - t0 - prefill_s, t2 - t1, k, [n for n, _ in accepted])
+    return RoundResult(out, t1 - t0 - prefill_s, t2 - t1, k, list(map(len, drafts)), [n for n, _ in accepted])
 
 
 def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verify_s: float) -> list[int]:
@@ -165,7 +167,7 @@ def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verif
 @torch.inference_mode()
 def tree_rounds(model: Transformer, trees: list, rows: list[Row], k: int, draft: TreeDrafter, verify: Mode,
                 view: RowsView, accept: GreedyAcceptance = accept_greedy
-                ) -> tuple[list[list[int]], RoundTiming]:
+                ) -> RoundResult:
     """One round of a tree drafter over a batch of sequences, as forked chains: trees[i] holds rows[i]'s branch
     rows (a solo KVCache of a row per branch, or the engine's PagedTree), each holding the sequence's committed KV,
     and `view(spans)` is one batch view of rows spans[i] of each trees[i]. The drafter proposes every sequence's
@@ -202,7 +204,7 @@ def tree_rounds(model: Transformer, trees: list, rows: list[Row], k: int, draft:
         chosen.append((branches[best], n, nxt))
     t2 = time.perf_counter()
     out = [advance(row, b, n, nxt, t1 - t0, t2 - t1) for row, (b, n, nxt) in zip(rows, chosen)]
-    return out, RoundTiming(t1 - t0, t2 - t1, width, [n for _, n, _ in chosen])
+    return RoundResult(out, t1 - t0, t2 - t1, width, [len(b) for b, _, _ in chosen], [n for _, n, _ in chosen])
 
 
 def one_hot(drafts: list[int], logits: torch.Tensor) -> torch.Tensor:
