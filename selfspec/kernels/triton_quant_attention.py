@@ -87,6 +87,13 @@ sub.f16x2 $1, t, k;
 """)
 
 
+def _f16_words(first: str, second: str) -> str:
+    """PTX: the four bytes of register `first` as exact float16 into $0 and $1, those of `second` into $2 and $3
+    (0x64 above each byte reads as 1024 + byte; k holds 1024 twice)."""
+    words = [(first, "0x4140"), (first, "0x4342"), (second, "0x4140"), (second, "0x4342")]
+    return "".join(f"prmt.b32 ${i}, {r}, 0x64, {sel};\nsub.f16x2 ${i}, ${i}, k;\n" for i, (r, sel) in enumerate(words))
+
+
 # Four bytes of the upper plane -> their low nibbles ($0, $1) and high nibbles ($2, $3) as exact float16, four a
 # register at once (where integer ops on uint8 tensors take a register a byte).
 _NIBBLES_ASM = tl.constexpr("""
@@ -96,16 +103,7 @@ mov.b32 k, 0x64006400;
 and.b32 lo, $4, 0x0F0F0F0F;
 shr.b32 hi, $4, 4;
 and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 $0, lo, 0x64, 0x4140;
-sub.f16x2 $0, $0, k;
-prmt.b32 $1, lo, 0x64, 0x4342;
-sub.f16x2 $1, $1, k;
-prmt.b32 $2, hi, 0x64, 0x4140;
-sub.f16x2 $2, $2, k;
-prmt.b32 $3, hi, 0x64, 0x4342;
-sub.f16x2 $3, $3, k;
-}
-""")
+""" + _f16_words("lo", "hi") + "}\n")
 # Four bytes of each plane (upper $4, lower $5) -> the joined codes 16 * upper + lower of the even channels (low
 # nibbles: $0, $1) and of the odd ones (high nibbles: $2, $3) as exact float16.
 _PLANES_ASM = tl.constexpr("""
@@ -120,16 +118,7 @@ and.b32 od, $4, 0xF0F0F0F0;
 shr.b32 t, $5, 4;
 and.b32 t, t, 0x0F0F0F0F;
 or.b32 od, od, t;
-prmt.b32 $0, ev, 0x64, 0x4140;
-sub.f16x2 $0, $0, k;
-prmt.b32 $1, ev, 0x64, 0x4342;
-sub.f16x2 $1, $1, k;
-prmt.b32 $2, od, 0x64, 0x4140;
-sub.f16x2 $2, $2, k;
-prmt.b32 $3, od, 0x64, 0x4342;
-sub.f16x2 $3, $3, k;
-}
-""")
+""" + _f16_words("ev", "od") + "}\n")
 
 
 @triton.jit
