@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -238,6 +239,18 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 
     factor, m, m_all = rs["factor"], rs.get("mscale"), rs.get("mscale_all_dim")
     return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+
+class Runner(Protocol):
+    """What runs the forward passes of a round: a Transformer, or one replaying its decode passes as CUDA graphs
+    (engine/graphs.py: GraphedModel, the serving engine's PagedGraphedModel)."""
+    cfg: ModelConfig
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode,
+                 logits_at: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor: ...
 
 
 class Transformer(nn.Module):

@@ -49,7 +49,7 @@ from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, PagedGraphedModel, bucket
 from selfspec.engine.llm import LLM, Generation, check_gamma
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
-from selfspec.model import Packed
+from selfspec.model import Packed, Runner
 from selfspec.quant.modes import prompt_mode
 from selfspec.speculative.decode import (GreedyAcceptance, Row, RoundResult, make_generator, pick, run_round,
                                          tree_rounds)
@@ -237,7 +237,7 @@ class Engine:
         self.accept = accept
         # Under tensor parallelism no graphs (engine/graphs.py), so no warm-up pass only rank 0 would run.
         on_gpu = llm.model.device.type == "cuda" and self.tp.size == 1
-        self.runner = PagedGraphedModel(llm.model, self.cache, self.max_len) if on_gpu else llm.model
+        self.runner: Runner = PagedGraphedModel(llm.model, self.cache, self.max_len) if on_gpu else llm.model
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission (FCFS: arrival) order; the newest is preempted first
         self.counters = _Counters()

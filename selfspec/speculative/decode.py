@@ -20,7 +20,7 @@ import torch
 from selfspec.cache import KVCache
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
-from selfspec.model import Transformer, prefill
+from selfspec.model import Runner, Transformer, prefill
 from selfspec.quant.modes import Mode, prompt_mode
 from selfspec.speculative.drafters import Drafter, RowsView, TokenHistory, TreeDrafter, as_drafter
 from selfspec.speculative.policy import GammaPolicy
@@ -106,7 +106,7 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
 
 
 @torch.inference_mode()
-def run_round(model: Transformer, cache, rows: list[Row], k: int, draft: Drafter | Mode | None, verify: Mode,
+def run_round(model: Runner, cache, rows: list[Row], k: int, draft: Drafter | Mode | None, verify: Mode,
               accept: GreedyAcceptance = accept_greedy, lockstep: list[bool] | None = None
               ) -> RoundResult:
     """One speculative round over a batch: up to k drafts per row (e.g. k batched draft-mode steps, or a lookup),
@@ -165,7 +165,7 @@ def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verif
 
 
 @torch.inference_mode()
-def tree_rounds(model: Transformer, trees: list, rows: list[Row], k: int, draft: TreeDrafter, verify: Mode,
+def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: TreeDrafter, verify: Mode,
                 view: RowsView, accept: GreedyAcceptance = accept_greedy
                 ) -> RoundResult:
     """One round of a tree drafter over a batch of sequences, as forked chains: trees[i] holds rows[i]'s branch
