@@ -26,14 +26,23 @@ def tqa():
 
 
 def test_tiny_run_times_decode_and_verify_of_every_format(qa, tqa, tmp_path, capsys, monkeypatch):
-    for name in ("CHUNK_KEYS", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MAX_REGISTERS"):  # the run sets them: restored
-        monkeypatch.setattr(tqa, name, getattr(tqa, name))
+    seen = {}
+    rows_for = qa.rows_for
+
+    def spy(*args):
+        seen.update(chunk=tqa.CHUNK_KEYS, registers=tqa.MAX_REGISTERS)
+        return rows_for(*args)
+
+    monkeypatch.setattr(qa, "rows_for", spy)
+    before = tqa.CHUNK_KEYS, tqa.BLOCK_N, tqa.NUM_WARPS, tqa.NUM_STAGES, tqa.MAX_REGISTERS
     path = tmp_path / "qa.json"
-    qa.main(["--tiny", "--contexts", "256", "--queries", "1", "3", "--chunk-keys", "128", "--json", str(path)])
+    qa.main(["--tiny", "--contexts", "256", "--queries", "1", "3", "--chunk-keys", "128", "--max-registers", "0",
+             "--json", str(path)])
     out = json.loads(path.read_text())
     assert out["quant_kernel"] == {"chunk_keys": 128, "block_n": tqa.BLOCK_N, "warps": tqa.NUM_WARPS,
-                                   "stages": tqa.NUM_STAGES, "max_registers": tqa.MAX_REGISTERS}
-    assert tqa.CHUNK_KEYS == 128
+                                   "stages": tqa.NUM_STAGES, "max_registers": None}
+    assert seen == {"chunk": 128, "registers": None}  # the run's constants in effect while it times ...
+    assert (tqa.CHUNK_KEYS, tqa.BLOCK_N, tqa.NUM_WARPS, tqa.NUM_STAGES, tqa.MAX_REGISTERS) == before  # ... only
     rows = out["rows"]
     assert {(r["queries"], r["kernel"]) for r in rows} == {(t, k) for t in (1, 3) for k in qa.KERNELS}
     assert all(r["us"] > 0 and r["x_bf16"] > 0 for r in rows)

@@ -1,7 +1,7 @@
 """Quantized KV attention vs bf16 for decode (1 query) and verify passes (several queries of one row), batch 1.
 
 python -m selfspec.bench.quant_attention [--contexts 16384 ... 131072] [--queries 1 5] [--json out.json]
-    [--chunk-keys 512] [--block-n 32] [--warps 4] [--stages 2] [--max-registers 168]
+    [--chunk-keys 1024] [--block-n 64] [--warps 4] [--stages 2] [--max-registers 128]
 (also `selfspec bench quant_attention ...`)
 
 One layer at Llama-3-8B heads (32 query, 8 kv, head dim 128, KV group 128): the paged bf16 attention
@@ -9,9 +9,9 @@ One layer at Llama-3-8B heads (32 query, 8 kv, head dim 128, KV group 128): the 
 planes (verify) and `hier` upper plane (draft), microseconds per call under CUDA graph replays (median), caches
 filled as bench/long_context.py fills them. Each row gives its time over bf16's at the same context and queries,
 and over its own decode query's (what a verify pass of T queries costs against one). --chunk-keys, --block-n,
---warps, --stages and --max-registers (ptxas's cap per thread) set the quantized kernel's constants for a tuning
-sweep. --tiny
-runs tiny heads on the CPU (torch references): a check that it runs.
+--warps, --stages and --max-registers (ptxas's cap per thread; 0: none) set the quantized kernel's constants for
+the run, for a tuning sweep (the kernel's own come back after it). --tiny runs tiny heads on the CPU (torch
+references): a check that it runs.
 """
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--warps", type=int, default=tqa.NUM_WARPS, help="warps of the quantized kernel")
     ap.add_argument("--stages", type=int, default=tqa.NUM_STAGES, help="software pipelining stages of the key steps")
     ap.add_argument("--max-registers", type=int, default=tqa.MAX_REGISTERS, metavar="N",
-                    help="registers per thread of the quantized kernel (default: the compiler's choice)")
+                    help=f"registers per thread of the quantized kernel (default {tqa.MAX_REGISTERS}; 0: the "
+                         "compiler's choice)")
     ap.add_argument("--json", default=None, help="write every row here")
     ap.add_argument("--tiny", action="store_true", help="tiny heads and contexts on the CPU (torch references)")
     args = ap.parse_args(argv)
@@ -79,13 +80,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
         raise SelfspecError("the quantized attention benchmark needs a CUDA GPU; --tiny runs a small check on the CPU")
-    tqa.CHUNK_KEYS, tqa.BLOCK_N, tqa.NUM_WARPS, tqa.NUM_STAGES = args.chunk_keys, args.block_n, args.warps, args.stages
-    tqa.MAX_REGISTERS = args.max_registers
-    torch.manual_seed(0)
-    rows = rows_for(heads, contexts, args.queries, device)
-    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     config = {"chunk_keys": args.chunk_keys, "block_n": args.block_n, "warps": args.warps, "stages": args.stages,
-              "max_registers": args.max_registers}
+              "max_registers": args.max_registers or None}
+    kept = tqa.CHUNK_KEYS, tqa.BLOCK_N, tqa.NUM_WARPS, tqa.NUM_STAGES, tqa.MAX_REGISTERS
+    tqa.CHUNK_KEYS, tqa.BLOCK_N, tqa.NUM_WARPS, tqa.NUM_STAGES, tqa.MAX_REGISTERS = config.values()
+    try:  # the kernel's own constants back afterwards: a later run in this process starts from them
+        torch.manual_seed(0)
+        rows = rows_for(heads, contexts, args.queries, device)
+    finally:
+        tqa.CHUNK_KEYS, tqa.BLOCK_N, tqa.NUM_WARPS, tqa.NUM_STAGES, tqa.MAX_REGISTERS = kept
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": where, "torch": torch.__version__, "heads": vars(heads), "quant_kernel": config,
