@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     config = {"chunk_keys": args.chunk_keys, "block_n": args.block_n, "warps": args.warps, "stages": args.stages,
               "max_registers": args.max_registers or None}
     kept = tqa.CHUNK_KEYS, tqa.BLOCK_N, tqa.NUM_WARPS, tqa.NUM_STAGES, tqa.MAX_REGISTERS
-    tqa.CHUNK_KEYS, tqa.BLOCK_N, tqa.NUM_WARPS, tqa.NUM_STAGES, tqa.MAX_REGISTERS = config.values()
+    tqa.CHUNK_KEYS, tqa.BLOCK_N, tqa.NUM_WARPS, tqa.NUM_STAGES = args.chunk_keys, args.block_n, args.warps, args.stages
+    tqa.MAX_REGISTERS = config["max_registers"]
     try:  # the kernel's own constants back afterwards: a later run in this process starts from them
         torch.manual_seed(0)
         rows = rows_for(heads, contexts, args.queries, device)

@@ -73,7 +73,7 @@ class GammaPolicy:
         self.verify_sizes: list[int] = []  # its keys, sorted (a choice reads them max_gamma + 1 times)
         self.draft_ratio: dict[int, Ema] = {}  # batch size -> draft step seconds / verify(B tokens) seconds
         self.last_gamma = 0
-        self.measuring = False  # the last choice drafts only to measure: exploration or a drafting probe
+        self.measuring = False  # the last choice drafts only to measure (module docstring)
         # the probe schedule: the choice it follows, the batch size it started at, rounds since it last probed
         self.speculating: bool | None = None
         self.schedule_batch = 0
