@@ -614,6 +614,22 @@ def test_quantized_attention_matches_reference_and_is_query_invariant(fmt, upper
 
 
 @pytest.mark.parametrize("fmt,upper", [("int8", False), ("hier", False), ("hier", True)])
+def test_quantized_attention_steps_within_a_group(fmt, upper, monkeypatch):
+    """KV groups of 32 keys in steps of 16: the upper plane walks a group an iteration, its key scales put into the
+    query rows once for both steps."""
+    monkeypatch.setattr(triton_quant_attention, "CHUNK_KEYS", 64)
+    monkeypatch.setattr(triton_quant_attention, "BLOCK_N", 16)
+    kv = filled_quant_cache(fmt, 150, g=32).layer(0)
+    q = torch.randn(2, 4, 3, D, generator=torch.Generator().manual_seed(3))
+    q_pos = torch.tensor([[130, 140, 150], [150, 151, 152]])  # quantized below 64, 96, 96 (row 1: 96)
+    ref = reference_op("quantized_attention")(q, kv, q_pos, upper)
+    out = triton_quant_attention.quantized_attention(q, kv, q_pos, upper)
+    assert rel_err(out, ref) < QUANT_ATTENTION_TOL
+    alone = triton_quant_attention.quantized_attention(q[:1, :, :1], kv, q_pos[:1, :1], upper)
+    assert torch.equal(alone, out[:1, :, :1])
+
+
+@pytest.mark.parametrize("fmt,upper", [("int8", False), ("hier", False), ("hier", True)])
 def test_quantized_attention_head_of_no_power_of_two(fmt, upper, monkeypatch):
     """48 channels: each half's tile is padded to 32, its loads masked (a power-of-two head loads unmasked)."""
     monkeypatch.setattr(triton_quant_attention, "CHUNK_KEYS", 32)

@@ -235,25 +235,32 @@ def _quant_attention_chunks(
         cmask = jmask[None, :]
         # lo and hi are multiples of G, and BLOCK divides G: a step's keys are whole, in one group and one block,
         # each key a row of bytes; the key scales are one per channel of the group, the value scales one per key.
-        for n0 in tl.range(lo, hi, BLOCK):
-            block = tl.load(table_ptr + b * W + n0 // QBS)
-            first = (block * HKV + hk) * QBS + n0 % QBS  # the step's first key in the pools (64-bit)
+        # The upper plane puts a group's key scales into the query rows once (and q . z) for the G // BLOCK steps of
+        # its keys: per step, their float16 rounding and the sum go through shared memory, 12% of its time at 128k.
+        # The larger steps of both planes and of int8 gained nothing so (int8 lost 20%: two steps spill).
+        OUTER: tl.constexpr = G if UPPER else BLOCK
+        for g0 in tl.range(lo, hi, OUTER):
+            block = tl.load(table_ptr + b * W + g0 // QBS)
+            first = (block * HKV + hk) * QBS + g0 % QBS  # the first key in the pools (64-bit)
             group = first // G * D
             ks_a, kz_a = _affine(tl.load(ks_ptr + group + d_a, mask=jmask, other=0).to(tl.float32),
                                  tl.load(kz_ptr + group + d_a, mask=jmask, other=0).to(tl.float32), FMT_HIER, UPPER)
             ks_b, kz_b = _affine(tl.load(ks_ptr + group + d_b, mask=jmask, other=0).to(tl.float32),
                                  tl.load(kz_ptr + group + d_b, mask=jmask, other=0).to(tl.float32), FMT_HIER, UPPER)
-            at = first * WIDTH
-            k_a, k_b = _code_halves(kq0 + at, kq1 + at, codes, cmask, D // 2, FMT_HIER, UPPER, MASKED, ASM)
-            scores = tl.dot((q_a * ks_a[None, :]).to(tl.float16), tl.trans(k_a))
-            scores = tl.dot((q_b * ks_b[None, :]).to(tl.float16), tl.trans(k_b), scores)
-            scores += tl.sum(q_a * kz_a[None, :] + q_b * kz_b[None, :], 1)[:, None]
-            vs, vz = _affine(tl.load(vs_ptr + first + keys).to(tl.float32),
-                             tl.load(vz_ptr + first + keys).to(tl.float32), FMT_HIER, UPPER)
-            v_a, v_b = _code_halves(vq0 + at, vq1 + at, codes, cmask, D // 2, FMT_HIER, UPPER, MASKED, ASM)
-            live = (n0 + keys)[None, :] < below[:, None]
-            m, l, acc_a, acc_b, acc_z = _softmax_step(m, l, acc_a, acc_b, acc_z, scores, live, vs * V_SCALE, vz,
-                                                      v_a, v_b)
+            qs_a = (q_a * ks_a[None, :]).to(tl.float16)
+            qs_b = (q_b * ks_b[None, :]).to(tl.float16)
+            qz = tl.sum(q_a * kz_a[None, :] + q_b * kz_b[None, :], 1)
+            for step in tl.static_range(OUTER // BLOCK):
+                at = (first + step * BLOCK) * WIDTH
+                k_a, k_b = _code_halves(kq0 + at, kq1 + at, codes, cmask, D // 2, FMT_HIER, UPPER, MASKED, ASM)
+                scores = tl.dot(qs_a, tl.trans(k_a))
+                scores = tl.dot(qs_b, tl.trans(k_b), scores) + qz[:, None]
+                vs, vz = _affine(tl.load(vs_ptr + first + step * BLOCK + keys).to(tl.float32),
+                                 tl.load(vz_ptr + first + step * BLOCK + keys).to(tl.float32), FMT_HIER, UPPER)
+                v_a, v_b = _code_halves(vq0 + at, vq1 + at, codes, cmask, D // 2, FMT_HIER, UPPER, MASKED, ASM)
+                live = (g0 + step * BLOCK + keys)[None, :] < below[:, None]
+                m, l, acc_a, acc_b, acc_z = _softmax_step(m, l, acc_a, acc_b, acc_z, scores, live, vs * V_SCALE,
+                                                          vz, v_a, v_b)
     else:  # the buffer (block buf[b] of the buffer pools): keys below .. pos at slots below - START .., causal
         row = tl.load(buf_ptr + b) * HKV + hk
         START = tl.load(start_ptr + b)
