@@ -110,6 +110,28 @@ def test_predictions_mark_the_best_gamma_and_check_the_end_to_end_bar():
                     f"met ({speedups[3]:.2f}x)"]
 
 
+def test_acceptance_reads_per_token_and_labels_an_old_rate_only_line(tmp_path):
+    """A kv_quality line's per_token is the a of expected_tokens; an older line's rate (accepted / proposed at a
+    fixed gamma) understates it: used, but labelled so, not as a measured per-token acceptance."""
+    new = tmp_path / "new.jsonl"
+    new.write_text('{"recipe": "quantspec", "gamma": 4, "accepted": 155, "proposed": 172, "rejected": 12, '
+                   '"rate": 0.9012, "per_token": 0.9281}\n'
+                   '{"recipe": "selfspec", "accepted": 151, "proposed": 176, "rate": 0.858}\n')
+    rates = lc.acceptance_rates(None, str(new))
+    assert rates["quantspec"] == (0.9281, f"measured per-token ({new})")
+    a, source = rates["selfspec"]
+    assert a == 0.858 and "draft share at gamma ?" in source and "understates per-token" in source
+    assert "measured per-token" not in source and str(new) in source
+    old = tmp_path / "old.jsonl"
+    old.write_text('{"recipe": "selfspec", "gamma": 4, "accepted": 7, "proposed": 10, "rate": 0.7}\n')
+    assert lc.acceptance_rates(None, str(old))["selfspec"] == (
+        0.7, f"draft share at gamma 4 (understates per-token acceptance) ({old})")
+    pred = lc.predictions([{"part": "steps", "recipe": r, "context": 4096, "pass": p, "tokens": t, "ms": ms}
+                           for r, p, t, ms in [("ar", "ar", 1, 10.0), ("quantspec", "verify", 5, 12.0),
+                                               ("quantspec", "draft", 1, 5.0)]], [4], rates)
+    assert pred[0]["acceptance"] == 0.9281 and pred[0]["expected_tokens"] == pytest.approx(expected_tokens(0.9281, 4))
+
+
 @pytest.mark.parametrize("argv", [["--parts", "attention,nope"], ["--gamma", "16"], ["--acceptance", "1.5"],
                                   ["--contexts", "0"]])
 def test_bad_arguments_are_clear_errors(argv):
@@ -120,3 +142,48 @@ def test_bad_arguments_are_clear_errors(argv):
 def test_memory_part_runs_at_real_shapes_without_a_gpu(capsys):
     lc.main(["--parts", "memory", "--contexts", "131072"])
     assert "| 131072 | hier | 8496.00 | 0.519 | - |" in capsys.readouterr().out
+
+
+def test_replayed_runs_follow_the_acceptance():
+    runs = lc.replayed_runs(0.8, 4000)
+    assert runs == lc.replayed_runs(0.8, 4000) and max(runs) <= lc.MAX_RUN  # seeded; capped
+    assert sum(runs) / len(runs) == pytest.approx(0.8 / 0.2, rel=0.1)  # a geometric run's mean, a / (1 - a)
+    assert set(lc.replayed_runs(0.0, 50)) == {0} and set(lc.replayed_runs(1.0, 50)) == {lc.MAX_RUN}
+
+
+@pytest.mark.parametrize("a,gamma", [(1.0, 3), (0.0, 2), (0.7, 2)])
+def test_loop_decodes_from_a_filled_cache_with_replayed_acceptance(a, gamma):
+    from conftest import tiny_model
+    from selfspec.engine.llm import build
+    from selfspec.speculative.recipes import resolve_recipe
+
+    cfg, sd, _ = tiny_model("llama", seed=0)
+    llm = build(cfg, sd, None, resolve_recipe("selfspec"), group_size=32)
+    llm.model.set_kv_format("hier", 16)
+    context, tokens = 50, 24
+    cache = llm.model.new_cache(context + lc.LOOP_WARM + tokens + gamma + 2)
+    lc.fill_quant_cache(cache, context)
+    runs = lc.replayed_runs(a, 64)
+    out = lc.loop_speed(llm.model, cache, context, llm.verify_mode, llm.draft_mode, gamma, runs, tokens, warm=4)
+    assert out["tokens"] >= tokens and out["tokens_per_s"] > 0
+    assert cache.length > context + tokens and cache.quantized > context  # decoding quantized its own groups
+    per_round = out["tokens"] / out["rounds"]
+    if a == 1.0:
+        assert per_round == gamma + 1
+    elif a == 0.0:
+        assert per_round == 1 and out["accepted"] == 0
+    else:
+        assert 1 < per_round < gamma + 1
+
+
+def test_loop_table_marks_the_best_gamma():
+    spec = {"part": "loop", "recipe": "selfspec", "context": 4096, "rounds": 70, "acceptance": 0.9,
+            "acceptance_source": "given"}
+    rows = [{"part": "loop", "recipe": "ar", "context": 4096, "gamma": 0, "rounds": 128, "tokens_per_s": 100.0},
+            *(dict(spec, gamma=g, tokens_per_s=t, speedup=t / 100) for g, t in ((1, 150.0), (2, 170.0)))]
+    table = lc.loop_table(rows)
+    assert "| 4096 | selfspec | 0.900 (given) | 2 | 70 | 170.0 | **1.70x** |" in table
+    assert "| 1 | 70 | 150.0 | 1.50x |" in table
+    rows = [dict(r, context=lc.E2E_CONTEXT) for r in rows]
+    assert any("selfspec >= 2.3x bf16 AR" in line and "MISSED (1.70x)" in line and "gamma 2" in line
+               for line in lc.bar_lines(rows))

@@ -11,6 +11,7 @@ import torch
 from conftest import tiny_model
 from selfspec.engine.llm import build
 from selfspec.engine.stats import GenerationStats
+from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES
 from selfspec.speculative.decode import Row, decode, run_round
 from selfspec.speculative.recipes import resolve_recipe
@@ -93,6 +94,28 @@ def _take(chunks, n):
         if len(out) >= n:
             return out[:n]
     return out
+
+
+@pytest.mark.parametrize("kv", ["bf16", "hier"])
+def test_decode_continues_a_cache_that_holds_the_prompt_start(kv):
+    """decode(start=S) over a cache holding a prompt's first S positions == decode of the whole prompt (greedy,
+    speculative): what a long-context benchmark runs from its filled cache."""
+    from selfspec.model import prefill
+    from selfspec.quant.modes import prompt_mode
+
+    llm = make_llm(RECIPES["planes"], seed=1)
+    model, verify, draft = llm.model, llm.verify_mode, llm.draft_mode
+    model.set_kv_format(kv, 16)
+    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = lambda: SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)  # noqa: E731
+    whole = _take(decode(model, prompt, verify, draft, 3, params(), GenerationStats()), N_NEW)
+    cache = model.new_cache(len(prompt) + N_NEW + 8)
+    prefill(model, prompt[:35], cache, prompt_mode(verify))
+    stats = GenerationStats()
+    assert _take(decode(model, prompt[35:], verify, draft, 3, params(), stats, cache=cache, start=35), N_NEW) == whole
+    assert stats.draft_proposed > 0
+    with pytest.raises(SelfspecError, match="continues a given cache"):
+        next(decode(model, prompt, verify, draft, 3, params(), GenerationStats(), start=35))
 
 
 @pytest.mark.parametrize("gamma", range(1, 7))

@@ -7,7 +7,11 @@ Each window is one sequence from an empty cache, run in passes of one group (as 
 prompt), so every query past the first 2G tokens reads quantized keys below its last G to 2G positions.
 
 With --acceptance RECIPES (e.g. planes,selfspec): instead, each window is a prompt, greedy decoding drafts
---gamma tokens every round for --max-new-tokens, and the share of drafts accepted is printed per recipe.
+--gamma tokens every round for --max-new-tokens, and per recipe a JSON line gives the drafts accepted,
+proposed and rejected (rounds ending in a rejected draft), `rate` = accepted / proposed (the share of drafts
+accepted at this gamma: the drafts after a rejection count as proposed though never judged) and `per_token` =
+accepted / (accepted + rejected), the per-draft acceptance a of the chain model (policy.expected_tokens;
+bench/long_context.py --acceptance-json reads it).
 """
 from __future__ import annotations
 
@@ -56,11 +60,17 @@ def main(argv: list[str] | None = None) -> None:
 
 def acceptance(args: argparse.Namespace, recipe: str) -> dict:
     llm = load(args.model, recipe, gamma=args.gamma, fixed_gamma=True)
-    accepted = proposed = 0
+    accepted = proposed = rejected = 0
     for item in load_windows(llm.tokenizer, None, args.windows, args.tokens):
         out = llm.generate(item.prompt, SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True))
         accepted, proposed = accepted + out.stats.draft_accepted, proposed + out.stats.draft_proposed
-    return {"accepted": accepted, "proposed": proposed, "rate": round(accepted / proposed, 4)}
+        rejected += out.stats.draft_rejected
+    judged = accepted + rejected
+    # rate: the share of drafts accepted at this fixed gamma (E[accepted per round] / gamma); per_token: the chain
+    # model's per-draft acceptance (GenerationStats.per_token_acceptance), what policy.expected_tokens takes.
+    return {"gamma": args.gamma, "accepted": accepted, "proposed": proposed, "rejected": rejected,
+            "rate": round(accepted / proposed, 4) if proposed else 0.0,
+            "per_token": round(accepted / judged, 4) if judged else 0.0}
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         for ids, ref in zip(prompts, refs):
             out, s = run(llm, ids, drafter, args.gamma, args.new_tokens)
             same &= out == ref
-            for f in ("rounds", "draft_proposed", "draft_accepted", "draft_s", "verify_s"):
+            for f in ("rounds", "draft_proposed", "draft_accepted", "draft_rejected", "draft_s", "verify_s"):
                 setattr(total, f, getattr(total, f) + getattr(s, f))
         emitted = total.rounds + total.draft_accepted  # each round: its accepted drafts and the verify's token
         print(f"| {name} | {total.rounds} | {total.draft_accepted / total.rounds:.2f} | "

@@ -219,15 +219,17 @@ def validate(model_name: str | None, tasks: list[str], n_prompts: int, max_new_t
     llm = load(model_name, "planes", gamma=gamma, fixed_gamma=True)
     out = {}
     for task in tasks:
-        accepted = proposed = rounds = 0
+        accepted = proposed = rounds = rejected = 0
         for text in read_prompts(task)[:n_prompts]:
             s = llm.generate(text, SamplingParams(max_new_tokens=max_new_tokens), chat=True).stats
             accepted, proposed, rounds = accepted + s.draft_accepted, proposed + s.draft_proposed, rounds + s.rounds
+            rejected += s.draft_rejected
         implied = [r for row in estimated[task]["floor-g128"] for r in accepted_per_round(row, gamma)]
         out[task] = {"real_acceptance": accepted / max(proposed, 1), "real_mean_accepted": accepted / max(rounds, 1),
                      "estimated_acceptance": sum(implied) / max(gamma * len(implied), 1),
                      "estimated_mean_accepted": sum(implied) / max(len(implied), 1),
-                     "estimated_per_token": mean_agreement(estimated[task]["floor-g128"])}
+                     "estimated_per_token": mean_agreement(estimated[task]["floor-g128"]),
+                     "real_per_token": accepted / max(accepted + rejected, 1)}  # GenerationStats.per_token_acceptance
     return out
 
 

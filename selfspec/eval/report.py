@@ -22,12 +22,16 @@ def task_metrics(task: str, records: list[dict]) -> dict:
     stats = [r["stats"] for r in records]
     decode_s = sum(s["total_s"] - s["prefill_s"] for s in stats)
     proposed, accepted, rounds = (sum(s[k] for s in stats) for k in ("draft_proposed", "draft_accepted", "rounds"))
+    # draft_rejected: absent from records cached before GenerationStats counted it (then no per-token figure).
+    rejected = sum(s["draft_rejected"] for s in stats) if all("draft_rejected" in s for s in stats) else None
     # A failed item counts as wrong: the score is over every item asked.
     return {"n": len(records), "score": 100 * sum(r["correct"] for r in records) / len(records),
             "errors": sum(bool(r.get("error")) for r in records),
             "new_tokens": sum(s["new_tokens"] for s in stats),
             "tokens_per_s": sum(s["new_tokens"] for s in stats) / decode_s if decode_s > 0 else 0.0,
             "acceptance_rate": accepted / proposed if proposed else None,
+            "per_token_acceptance": (accepted / (accepted + rejected) if rejected is not None and accepted + rejected
+                                     else None),
             "mean_acceptance_length": 1 + accepted / rounds if rounds and proposed else None}
 
 

@@ -63,17 +63,21 @@ def pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | No
 @torch.inference_mode()
 def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter | Mode | None, gamma: int,
            params: SamplingParams, stats: GenerationStats, cache: KVCache | None = None,
-           accept: GreedyAcceptance = accept_greedy, policy: GammaPolicy | None = None) -> Iterator[list[int]]:
+           accept: GreedyAcceptance = accept_greedy, policy: GammaPolicy | None = None, start: int = 0
+           ) -> Iterator[list[int]]:
     """Yield the tokens each round commits (AR: one per step); the caller stops the iteration.
     Each round drafts `gamma` tokens, or with `policy` as many as it picks from measured costs and acceptance
     (at most its max_gamma, which should not exceed gamma: the cache is sized by gamma).
     `accept` judges greedy drafts (benchmarks replay recorded acceptance through it). A tree drafter needs a cache
-    of a row per branch (made here when none is given) and runs `tree_rounds`."""
+    of a row per branch (made here when none is given) and runs `tree_rounds`. `start`: positions the given cache
+    already holds (committed), which the prompt follows (a long-context benchmark's filled cache)."""
     dev = model.device
     draft = as_drafter(draft)
     tree = isinstance(draft, TreeDrafter)
     gen = make_generator(params, dev)
     rows = draft.branches if tree else 1
+    if start and cache is None:
+        raise SelfspecError("decode(start=...) continues a given cache; pass the cache that holds those positions")
     cache = cache or model.new_cache(min(model.cfg.max_seq_len, len(prompt) + params.max_new_tokens + gamma + 1),
                                      rows)
     if tree and not isinstance(cache, KVCache):
@@ -82,12 +86,12 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
     if tree and cache.batch < rows:
         raise SelfspecError(f"a tree of {rows} branches needs a cache of {rows} rows, got {cache.batch}")
     t0 = time.perf_counter()
-    logits = prefill(model, prompt, cache.rows(0, 1) if tree else cache, prompt_mode(verify))  # the last logits
+    logits = prefill(model, prompt, cache.rows(0, 1) if tree else cache, prompt_mode(verify), start)  # the last's
     if tree:  # every branch row starts from the prompt's KV
-        cache.copy_positions(0, 0, len(prompt))
-        cache.commit(len(prompt))
+        cache.copy_positions(0, 0, start + len(prompt))
+        cache.commit(start + len(prompt))
     first = pick(logits[0], params, gen)
-    row = Row(first, len(prompt), params, gen, stats, draft.history(prompt + [first]) if draft else None)
+    row = Row(first, start + len(prompt), params, gen, stats, draft.history(prompt + [first]) if draft else None)
     stats.prefill_s += time.perf_counter() - t0
     yield [row.pending]
     while row.length + 1 < cache.max_len:
@@ -148,8 +152,34 @@ def run_round(model: Runner, cache, rows: list[Row], k: int, draft: Drafter | Mo
     return RoundResult(out, t1 - t0 - prefill_s, t2 - t1, k, list(map(len, drafts)), [n for n, _ in accepted])
 
 
-def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verify_s: float) -> list[int]:
-    """Commit a row's n accepted drafts and the verify pass's next token; returns the tokens committed."""
+@torch.inference_mode()
+def run_steps(model: Runner, cache, rows: list[Row], verify: Mode, steps: int) -> RoundResult:
+    """`steps` plain decoding steps of greedy rows, back to back: each step's argmax stays on the device as the
+    next step's input, so the host queues every pass and then waits once for all their tokens, where run_round
+    waits (and pays its own host time) once per step. A row's tokens are its AR tokens: the steps are plain
+    decoding steps, and the kernels are batch invariant. The cache must hold `steps` more positions per row; the
+    caller cuts each row at its stop (EOS, length, stop string: the tokens past it are computed and dropped).
+    Returns one RoundResult for all the steps (k = 0, verify_s their total time)."""
+    dev = model.device
+    t0 = time.perf_counter()
+    tok = torch.tensor([[r.pending] for r in rows], device=dev)
+    pos = torch.tensor([[r.length] for r in rows], device=dev)
+    out = []
+    for i in range(steps):
+        tok = model(tok, pos + i, cache, verify).argmax(-1)
+        out.append(tok)
+    tokens = torch.cat(out, 1).tolist()
+    verify_s = time.perf_counter() - t0
+    committed = [[t for nxt in row_tokens for t in advance(r, [], 0, nxt, 0.0, verify_s / steps)]
+                 for r, row_tokens in zip(rows, tokens)]
+    return RoundResult(committed, 0.0, verify_s, 0, [0] * len(rows), [0] * len(rows))
+
+
+def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verify_s: float,
+            deepest: int | None = None) -> list[int]:
+    """Commit a row's n accepted drafts and the verify pass's next token; returns the tokens committed. The round
+    counts as rejected (stats.draft_rejected) when n is below its deepest proposal: len(drafts) for a chain, or
+    `deepest`, the longest branch, for a tree round."""
     row.length += n + 1
     row.pending = nxt
     s = row.stats
@@ -158,6 +188,7 @@ def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verif
     s.rounds += 1
     s.draft_proposed += len(drafts)
     s.draft_accepted += n
+    s.draft_rejected += n < (len(drafts) if deepest is None else deepest)
     out = drafts[:n] + [nxt]
     if row.history is not None:
         row.history.extend(out)
@@ -203,7 +234,9 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
         tree.copy_positions(best, row.length, row.length + n + 1)  # the pending token and the accepted drafts
         chosen.append((branches[best], n, nxt))
     t2 = time.perf_counter()
-    out = [advance(row, b, n, nxt, t1 - t0, t2 - t1) for row, (b, n, nxt) in zip(rows, chosen)]
+    # A tree round counts as rejected when it accepted fewer drafts than its deepest branch (GenerationStats).
+    out = [advance(row, b, n, nxt, t1 - t0, t2 - t1, max(map(len, branches)))
+           for row, branches, (b, n, nxt) in zip(rows, proposed, chosen)]
     return RoundResult(out, t1 - t0, t2 - t1, width, [len(b) for b, _, _ in chosen], [n for _, n, _ in chosen])
 
 
