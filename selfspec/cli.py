@@ -6,7 +6,7 @@ import json
 import sys
 
 from selfspec.bench.serve import add_args as add_serve_bench_args
-from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT
+from selfspec.engine.engine import DEFAULT_DECODE_STEPS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT
 from selfspec.errors import SelfspecError
 from selfspec.eval.runner import DEFAULT_BATCH_SIZE
 from selfspec.quant.kv import KV_FORMATS
@@ -26,6 +26,13 @@ def add_prefill_wait_arg(p: argparse.ArgumentParser) -> None:
                    help="decode steps a new prompt may wait, while others decode, for more prompts to share its "
                         "prefill pass (a pass of few tokens costs nearly as much as a full one); 0: never wait "
                         "(default: %(default)s)")
+
+
+def add_decode_steps_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS, metavar="N",
+                   help="plain greedy decoding steps run back to back before the host waits for their tokens (a "
+                        "stream then gets up to N tokens at a time; new prompts are admitted between bursts); 1: "
+                        "one step at a time (default: %(default)s)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -77,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_bench_args(bs)
     add_prefill_chunk_arg(bs)
     add_prefill_wait_arg(bs)
+    add_decode_steps_arg(bs)
     for name, (_, help_) in GPU_BENCHES.items():  # each parses its own arguments (`selfspec bench NAME --help`)
         bench.add_parser(name, help=help_, add_help=False)
     e = sub.add_parser("eval", help="accuracy of modes and recipes (GSM8K, HumanEval, MATH-500, perplexity)")
@@ -117,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per KV block (divides 128 or is a multiple of 128)")
     add_prefill_chunk_arg(s)
     add_prefill_wait_arg(s)
+    add_decode_steps_arg(s)
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT / SIGTERM (new ones get 503 meanwhile); "
                         "those still running then end with a 503 or a stream error event")

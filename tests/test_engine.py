@@ -458,3 +458,58 @@ def test_block_accounting_under_a_random_schedule(llm, seed):
         prompt, params = requests[rid]
         if o.finish_reason == "length" and params.greedy:
             assert o.generation.token_ids == llm.generate(prompt, params, gamma=0).token_ids, rid
+
+
+def test_plain_decoding_steps_run_back_to_back_with_unchanged_output(llm, monkeypatch):
+    """decode_steps: a round of plain greedy decoding runs up to that many steps before the host waits
+    (run_steps). Requests of different lengths, some stopping at EOS inside a burst, and one sampling request
+    that turns bursts off while it runs: every output equals its solo run, and the bursts ran (and some were cut
+    short by the longest output still due)."""
+    import selfspec.engine.engine as engine_module
+    from selfspec.speculative.decode import run_steps
+
+    bursts = []
+    monkeypatch.setattr(engine_module, "run_steps",
+                        lambda *a: bursts.append((len(a[2]), a[4])) or run_steps(*a))
+    ps = prompts(9, seed=5)
+    lengths = [3, 17, 9, 12, 6, 30, 11, 8, 21]
+    eos = {llm.generate(ps[1], greedy(17), gamma=0).token_ids[10]}  # request 1 stops at its 11th token
+    monkeypatch.setattr(llm, "eos_ids", eos)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=i % 2 == 0) for i, n in enumerate(lengths)]
+    params[7] = SamplingParams(temperature=1.0, seed=3, max_new_tokens=8, ignore_eos=True)
+    refs = [llm.generate(p, sp, gamma=0).token_ids for p, sp in zip(ps, params)]
+    engine = Engine(llm, max_batch=4, block_size=4, num_blocks=80, prefill_chunk=32, decode_steps=5)
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        engine.add_request(str(i), p, sp, gamma=0)
+    out, _ = run(engine)
+    assert [out[str(i)][0] for i in range(9)] == refs
+    assert out["1"][1].finish_reason == "stop" and len(refs[1]) == 10
+    assert bursts and {steps for _, steps in bursts} >= {5} and min(steps for _, steps in bursts) < 5
+    assert engine.stats().num_row_rounds >= sum(map(len, refs)) - 9  # each burst step counted as a round
+    assert_idle(engine)
+
+
+def test_no_burst_where_a_prompt_waits_or_the_cache_is_quantized(llm, monkeypatch):
+    from dataclasses import replace
+
+    import selfspec.engine.engine as engine_module
+
+    engine = Engine(llm, max_batch=4, block_size=4, num_blocks=80, prefill_wait=8, decode_steps=4)
+    engine.add_request("a", [5, 6, 7], greedy(12), gamma=0)
+    engine.step()  # a prefilled; its first round ran
+    running = list(engine.running)
+    assert engine._burst(running, 0) == 4 and engine._burst(running, 2) == 1
+    engine.add_request("b", [8, 9], greedy(12), gamma=0)
+    engine.step()  # b waits for company to share its prefill pass (prefill_wait) while a decodes
+    assert engine.waiting and engine._burst(running, 0) == 1  # a burst would keep b waiting for all its steps
+    monkeypatch.setattr(engine_module, "run_steps", lambda *a: pytest.fail("a burst ran"))
+    engine = Engine(llm, max_batch=4, block_size=4, num_blocks=80, decode_steps=1)  # off
+    engine.add_request("a", [5, 6, 7], greedy(12), gamma=0)
+    run(engine)
+    cfg, sd, _ = tiny_model("llama", seed=1)
+    quant = build(cfg, sd, None, replace(resolve_recipe("selfspec"), kv_group=16), group_size=32)
+    engine = Engine(quant, max_batch=4, block_size=16, num_blocks=40, decode_steps=4)
+    engine.add_request("a", [5, 6, 7], greedy(12), gamma=0)
+    run(engine)
+    with pytest.raises(SelfspecError, match="decode_steps must be >= 1"):
+        Engine(llm, decode_steps=0)

@@ -34,7 +34,8 @@ def test_closed_loop_serves_every_prompt_as_solo_greedy_would(llm):
         r = run_closed_loop(engine, prompts, params, gamma)
         assert r["tokens"] == refs
         assert r["output_tokens"] == 7 * 6 and r["tokens_per_s"] > 0
-        assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] and r["itl_s"]["p50"] > 0
+        # A burst's tokens (engine decode_steps) arrive together: many intervals are 0, not all.
+        assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] and 0 <= r["itl_s"]["p50"] < r["itl_s"]["p99"]
         if gamma is not None:
             assert r["mean_gamma"] == gamma
 

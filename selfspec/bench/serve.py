@@ -38,7 +38,8 @@ from selfspec.bench.shapes import SHAPES
 from selfspec.bench.step_bound import PassLog, bound_seconds, pass_table
 from selfspec.bench.synthetic import synthetic_model
 from selfspec.bench.traces import TRACE_DIR, ReplayAcceptance, load
-from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT, Engine, branch_blocks
+from selfspec.engine.engine import (DEFAULT_DECODE_STEPS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT, Engine,
+                                    branch_blocks)
 from selfspec.engine.llm import LLM
 from selfspec.errors import SelfspecError
 from selfspec.eval.data import package_file
@@ -121,7 +122,7 @@ def percentiles(xs: list[float]) -> dict[str, float]:
 
 def make_engine(llm: selfspec.LLM, prompts: list[list[int]], batch: int, max_new_tokens: int, max_gamma: int,
                 replay: list[int] | None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                prefill_wait: int = DEFAULT_PREFILL_WAIT) -> Engine:
+                prefill_wait: int = DEFAULT_PREFILL_WAIT, decode_steps: int = DEFAULT_DECODE_STEPS) -> Engine:
     """An engine for `batch` requests in flight, its CUDA graphs captured (on the GPU) and its prefill kernels
     compiled (one untimed pass of `batch` prompts, one token each) before any run is timed; `replay`: the
     accepted-draft counts greedy rounds replay (None: real acceptance)."""
@@ -130,7 +131,8 @@ def make_engine(llm: selfspec.LLM, prompts: list[list[int]], batch: int, max_new
     blocks_per_seq += branch_blocks(llm.drafter, block_size, max_gamma)
     engine = Engine(llm, max_batch=batch, block_size=block_size, num_blocks=batch * blocks_per_seq,
                     max_queue=len(prompts), prefill_chunk=prefill_chunk, prefill_wait=prefill_wait,
-                    max_gamma=max_gamma, accept=accept_greedy if replay is None else ReplayAcceptance(replay))
+                    max_gamma=max_gamma, accept=accept_greedy if replay is None else ReplayAcceptance(replay),
+                    decode_steps=decode_steps)
     engine.warm_up()
     run_closed_loop(engine, prompts[:batch], SamplingParams(max_new_tokens=1, ignore_eos=True), 0)
     return engine
@@ -190,12 +192,13 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
 def bench_recipe(llm: selfspec.LLM, prompts: list[list[int]], batch_sizes: list[int], params: SamplingParams,
                  max_gamma: int, refs: list[list[int]] | None, repeats: int = 1,
                  replay: list[int] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 prefill_wait: int = DEFAULT_PREFILL_WAIT) -> list[dict]:
+                 prefill_wait: int = DEFAULT_PREFILL_WAIT, decode_steps: int = DEFAULT_DECODE_STEPS) -> list[dict]:
     """AR and speculative runs alternate on one engine per batch size (`repeats` pairs, so load drift hits both
     alike); each side reports its fastest run, and the spec/AR ratio of every pair is kept (median, min, max)."""
     rows = []
     for b in batch_sizes:
-        engine = make_engine(llm, prompts, b, params.max_new_tokens, max_gamma, replay, prefill_chunk, prefill_wait)
+        engine = make_engine(llm, prompts, b, params.max_new_tokens, max_gamma, replay, prefill_chunk, prefill_wait,
+                             decode_steps)
         runs = {"ar": [], "spec": []}
         for _ in range(repeats):
             runs["ar"].append(run_closed_loop(engine, prompts, params, 0))
@@ -304,6 +307,8 @@ def run(args: argparse.Namespace) -> None:
         raise SelfspecError(f"--prefill-chunk must be >= 1 prompt tokens per step, got {args.prefill_chunk}")
     if args.prefill_wait < 0:
         raise SelfspecError(f"--prefill-wait must be >= 0 decode steps, got {args.prefill_wait}")
+    if args.decode_steps < 1:
+        raise SelfspecError(f"--decode-steps must be >= 1, got {args.decode_steps}")
     if args.shape and args.model:
         raise SelfspecError("give --model (a real model) or --shape (synthetic weights), not both")
     if args.shape and "draft-model" in args.recipes:
@@ -329,12 +334,12 @@ def run(args: argparse.Namespace) -> None:
             if not args.no_check:
                 refs = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
         rows += bench_recipe(llm, prompts, args.batch_sizes, params, args.max_gamma, refs, args.repeats, replay,
-                             args.prefill_chunk, args.prefill_wait)
+                             args.prefill_chunk, args.prefill_wait, args.decode_steps)
         description = llm.description
         del llm  # before the next recipe's model is built
     result = {"model": description, "synthetic": bool(args.shape), "device": args.device, "requests": args.requests,
               "max_new_tokens": args.max_new_tokens, "prefill_chunk": args.prefill_chunk,
-              "prefill_wait": args.prefill_wait, "rows": rows}
+              "prefill_wait": args.prefill_wait, "decode_steps": args.decode_steps, "rows": rows}
     if args.shape:
         result |= {"prompt_tokens": args.prompt_tokens, "acceptance_replayed_from": replayed}
     else:

@@ -52,7 +52,7 @@ from selfspec.errors import SelfspecError
 from selfspec.model import Packed, Runner
 from selfspec.quant.modes import prompt_mode
 from selfspec.speculative.decode import (GreedyAcceptance, Row, RoundResult, make_generator, pick, run_round,
-                                         tree_rounds)
+                                         run_steps, tree_rounds)
 from selfspec.speculative.draft_model import DraftModel
 from selfspec.speculative.drafters import TokenHistory, TreeDrafter
 from selfspec.speculative.policy import GammaPolicy
@@ -69,6 +69,9 @@ DEFAULT_PREFILL_CHUNK = 2048
 # graphs) one 512-token prompt takes 26 ms alone, two 38 ms and four 65 ms in one pass (every integer weight is
 # dequantized once per pass); eager, before the graphs, 70 and 74 ms (docs/gpu.md, "Serving").
 DEFAULT_PREFILL_WAIT = 8
+# Plain decoding steps a round may run back to back (`_burst`, speculative/decode.py `run_steps`): the host queues
+# them all and waits once, where one step at a time it waited (and scheduled, and emitted) every step.
+DEFAULT_DECODE_STEPS = 4
 
 
 def prefill_warm_sizes(max_tokens: int) -> list[int]:
@@ -196,10 +199,11 @@ class Engine:
     def __init__(self, llm: LLM, max_batch: int = 32, block_size: int = 16, num_blocks: int | None = None,
                  max_queue: int = 256, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  prefill_wait: int = DEFAULT_PREFILL_WAIT, max_gamma: int = 8,
-                 policy: GammaPolicy | None = None, accept: GreedyAcceptance = accept_greedy):
+                 policy: GammaPolicy | None = None, accept: GreedyAcceptance = accept_greedy,
+                 decode_steps: int = DEFAULT_DECODE_STEPS):
         """`accept` judges greedy rows' drafts (benchmarks replay recorded acceptance through it)."""
         for name, value in (("max_batch", max_batch), ("block_size", block_size), ("max_queue", max_queue),
-                            ("prefill_chunk", prefill_chunk)):
+                            ("prefill_chunk", prefill_chunk), ("decode_steps", decode_steps)):
             if value < 1:
                 raise SelfspecError(f"{name} must be >= 1, got {value}")
         if prefill_wait < 0:
@@ -223,6 +227,7 @@ class Engine:
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
         self.prefill_wait = prefill_wait
+        self.decode_steps = decode_steps
         self.max_len = cfg.max_seq_len
         if num_blocks is None:
             num_blocks = max_batch * -(-min(cfg.max_seq_len, DEFAULT_TOKENS_PER_SEQ) // block_size)
@@ -595,23 +600,27 @@ class Engine:
         return kept if kept is not None and kept.tokens == tokens else self._history(tokens)
 
     def _round(self, seqs: list[Sequence], k: int, measuring: bool, outputs: list[RequestOutput]) -> None:
-        """One batched round of k drafts. In a measuring round of several rows, the policy's greedy rows emit one
-        token each (lockstep): drafts they accepted would move them ahead of the others, and requests started
-        together would stop finishing together, their successors then prefilled one by one (docs/gpu.md)."""
+        """One batched round of k drafts, or of several plain decoding steps back to back (`_burst`). In a
+        measuring round of several rows, the policy's greedy rows emit one token each (lockstep): drafts they
+        accepted would move them ahead of the others, and requests started together would stop finishing together,
+        their successors then prefilled one by one (docs/gpu.md)."""
+        steps = self._burst(seqs, k)
         for s in seqs:
-            self.cache.extend(s.id, k + 1)
+            self.cache.extend(s.id, max(k + 1, steps))
         rows = [s.row for s in seqs]
         held = measuring and k > 0 and len(seqs) > 1 and self.tree is None  # a tree's rounds commit what they accept
         lockstep = [held and s.gamma is None and s.params.greedy for s in seqs]
-        if self.tree is not None and k:
+        if steps > 1:
+            result = run_steps(self.runner, self.cache.view([s.id for s in seqs]), rows, self.llm.verify_mode, steps)
+        elif self.tree is not None and k:
             result = self._tree_round(seqs, k)
         else:
             result = run_round(self.runner, self.cache.view([s.id for s in seqs]), rows, k, self.llm.drafter,
                                self.llm.verify_mode, self.accept, lockstep)
-        self.policy.observe_round(len(rows), result.k, result.draft_s, result.verify_s)
+        self.policy.observe_round(len(rows), result.k, result.draft_s, result.verify_s / steps)
         self.policy.observe_acceptance(k, result.accepted)
         c = self.counters
-        c.num_row_rounds += len(rows)
+        c.num_row_rounds += len(rows) * steps
         c.num_lockstep_rows += sum(lockstep)
         if k:
             c.num_drafts += len(rows)
@@ -619,6 +628,21 @@ class Engine:
             c.num_accepted_tokens += sum(result.accepted)
         for s, toks in zip(seqs, result.tokens):
             self._emit(s, toks, outputs)
+
+    def _burst(self, seqs: list[Sequence], k: int) -> int:
+        """Plain decoding steps a round of k drafts runs back to back: up to decode_steps where it drafts nothing,
+        every row is greedy (a sampling row draws on the host), the cache is the bf16 one (a quantized cache settles
+        its buffer between passes), no prompt waits for a free row (it would wait for the whole burst) and the pool
+        has the steps' blocks; else 1. No row goes past the longest output still due, nor past the model's length;
+        a row stopping inside the burst (EOS, length, a stop string) drops the tokens after its stop."""
+        if (k or self.decode_steps == 1 or self.tree is not None or isinstance(self.cache, PagedQuantKVCache)
+                or (self.waiting and len(self.running) < self.max_batch) or not all(s.params.greedy for s in seqs)):
+            return 1
+        steps = min(self.decode_steps, max(s.params.max_new_tokens - len(s.out.token_ids) for s in seqs),
+                    *(self.max_len - s.row.length - 1 for s in seqs))
+        if steps < 2 or sum(self.cache.blocks_needed(s.id, steps) for s in seqs) > len(self.cache.free_blocks):
+            return 1
+        return steps
 
     def _tree_round(self, seqs: list[Sequence], k: int) -> RoundResult:
         """A tree drafter's round: each sequence forked into its branch rows (PagedTree), every branch verified in

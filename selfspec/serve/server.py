@@ -59,7 +59,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     """Refuse bad numbers before the model is loaded (loading takes a while)."""
     if not 0 <= args.port <= 65535:
         raise SelfspecError(f"--port must be between 0 and 65535, got {args.port}")
-    for flag in ("max_batch", "max_queue", "block_size", "prefill_chunk"):
+    for flag in ("max_batch", "max_queue", "block_size", "prefill_chunk", "decode_steps"):
         if getattr(args, flag) < 1:
             raise SelfspecError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.num_blocks is not None and args.num_blocks < 1:
@@ -86,7 +86,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
                         tensor_parallel=args.tensor_parallel)
     kwargs = dict(max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
                   max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, prefill_wait=args.prefill_wait,
-                  max_gamma=args.gamma)
+                  max_gamma=args.gamma, decode_steps=args.decode_steps)
     # Tensor parallel: rank 0's engine, the other ranks following its steps (parallel/launch.py).
     engine = llm.serve_engine(**kwargs) if args.tensor_parallel > 1 else Engine(llm, **kwargs)
     engine.warm_up()  # on the GPU: capture every decode pass's CUDA graph before the first request waits on one
