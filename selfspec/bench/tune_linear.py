@@ -84,7 +84,8 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
 
 # (block_m, block_n, warps, stages, K chunks in one program) per kernel kind (MANY_TOKENS says which kept the bits).
 _MMA_SYNC = [(32, 128, 4, 3, False), (32, 128, 4, 3, True), (32, 256, 8, 3, True), (32, 64, 4, 4, True),
-             (32, 128, 8, 3, True), (64, 128, 4, 3, True)]  # the last one on wgmma: shows the bits it changes
+             (32, 128, 8, 3, True), (32, 128, 8, 3, False), (32, 64, 8, 3, False), (32, 64, 8, 3, True),
+             (64, 128, 4, 3, True)]  # the last one on wgmma: shows the bits it changes
 _ANY = [(64, 128, 4, 3, False), (64, 128, 4, 3, True), (128, 128, 8, 3, True), (128, 256, 8, 2, True),
         (128, 128, 4, 3, True)]
 MANY_CANDIDATES = {"bf16": _MMA_SYNC, "int8": _MMA_SYNC, "nibble": _MMA_SYNC, "planes": _MMA_SYNC, "int8-act": _ANY,
