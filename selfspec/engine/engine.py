@@ -503,10 +503,12 @@ class Engine:
             if seqs:
                 self._isolated(seqs, lambda group, outs: self._prefill_chunk(
                     group, [plan.chunks[s.id] for s in group], outs), outputs)
+        alone = len(plan.rounds) == 1  # a burst may take the pool's blocks only where no other round needs them
         for k, seqs in sorted(plan.rounds.items()):
             seqs = [s for s in seqs if s in self.running]  # its prefill may have ended it (error, EOS, length)
             if seqs:
-                self._isolated(seqs, lambda group, outs, k=k: self._round(group, k, plan.measuring, outs), outputs)
+                self._isolated(seqs, lambda group, outs, k=k: self._round(group, k, plan.measuring, outs, alone),
+                               outputs)
 
     def _finish(self, seq: Sequence, reason: str, outputs: list[RequestOutput], error: str | None = None) -> None:
         """End a request that did not end by its own tokens (abort, error)."""
@@ -599,12 +601,13 @@ class Engine:
         kept, seq.history = seq.history, None
         return kept if kept is not None and kept.tokens == tokens else self._history(tokens)
 
-    def _round(self, seqs: list[Sequence], k: int, measuring: bool, outputs: list[RequestOutput]) -> None:
-        """One batched round of k drafts, or of several plain decoding steps back to back (`_burst`). In a
-        measuring round of several rows, the policy's greedy rows emit one token each (lockstep): drafts they
-        accepted would move them ahead of the others, and requests started together would stop finishing together,
-        their successors then prefilled one by one (docs/gpu.md)."""
-        steps = self._burst(seqs, k)
+    def _round(self, seqs: list[Sequence], k: int, measuring: bool, outputs: list[RequestOutput],
+               alone: bool = True) -> None:
+        """One batched round of k drafts, or of several plain decoding steps back to back (`_burst`, where `alone`:
+        no other round runs this step). In a measuring round of several rows, the policy's greedy rows emit one token
+        each (lockstep): drafts they accepted would move them ahead of the others, and requests started together
+        would stop finishing together, their successors then prefilled one by one (docs/gpu.md)."""
+        steps = self._burst(seqs, k) if alone else 1
         for s in seqs:
             self.cache.extend(s.id, max(k + 1, steps))
         rows = [s.row for s in seqs]
@@ -630,11 +633,12 @@ class Engine:
             self._emit(s, toks, outputs)
 
     def _burst(self, seqs: list[Sequence], k: int) -> int:
-        """Plain decoding steps a round of k drafts runs back to back: up to decode_steps where it drafts nothing,
-        every row is greedy (a sampling row draws on the host), the cache is the bf16 one (a quantized cache settles
-        its buffer between passes), no prompt waits for a free row (it would wait for the whole burst) and the pool
-        has the steps' blocks; else 1. No row goes past the longest output still due, nor past the model's length;
-        a row stopping inside the burst (EOS, length, a stop string) drops the tokens after its stop."""
+        """Plain decoding steps a round of k drafts runs back to back: up to decode_steps where it drafts nothing
+        (and is the step's only round: the others' blocks are planned, not yet taken), every row is greedy (a
+        sampling row draws on the host), the cache is the bf16 one (a quantized cache settles its buffer between
+        passes), no prompt waits for a free row (it would wait for the whole burst) and the pool has the steps'
+        blocks; else 1. No row goes past the longest output still due, nor past the model's length; a row stopping
+        inside the burst (EOS, length, a stop string) drops the tokens after its stop."""
         if (k or self.decode_steps == 1 or self.tree is not None or isinstance(self.cache, PagedQuantKVCache)
                 or (self.waiting and len(self.running) < self.max_batch) or not all(s.params.greedy for s in seqs)):
             return 1
