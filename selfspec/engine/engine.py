@@ -60,10 +60,11 @@ from selfspec.speculative.sampling import SEED_RANGE, SamplingParams
 from selfspec.speculative.verify import accept_greedy
 
 DEFAULT_TOKENS_PER_SEQ = 1024  # default pool: max_batch sequences of this many tokens
-# Context tokens prefilled per step (serve, bench serve and eval: --prefill-chunk). H100, 8B shape, 32 requests of
-# 512-token prompts: 2048 gave TTFT p99 0.71 s and 1,576 tok/s (planes, speculative), ITL p99 97 ms (docs/gpu.md);
-# every prompt pass dequantizes each integer weight once (Mode.prompt), which small chunks would pay again and again.
-DEFAULT_PREFILL_CHUNK = 2048
+# Context tokens prefilled per step (serve, bench serve and eval: --prefill-chunk). Every prompt pass dequantizes
+# each integer weight once (Mode.prompt), which small chunks pay again and again. H100, 8B shape, `full`, 64 requests
+# of 512-token prompts at batch 32, one lease, decode steps 4 (docs/gpu.md): 4096 gave 2,514 tok/s, TTFT p99
+# 0.57 s and ITL p99 55 ms against 2,417, 0.65 s and 79 ms for 2048 (half as many prompt passes stall decoding).
+DEFAULT_PREFILL_CHUNK = 4096
 # Decode steps a newcomer's prompt may wait, while other sequences decode, for more prompts to share its prefill
 # pass. A prompt pass costs far more than its tokens' share when it carries few: on the H100 (8B shape, `full`, CUDA
 # graphs) one 512-token prompt takes 26 ms alone, two 38 ms and four 65 ms in one pass (every integer weight is
