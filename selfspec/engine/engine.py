@@ -5,13 +5,13 @@ prefill chunk (a budget of prefill_chunk context tokens shared FCFS by the seque
 one forward without padding, so every GEMM runs on real tokens only), then one batched round over every sequence
 past prefill: k draft steps and one verify pass, each row accepting its own number of tokens and rolling its own
 cache back. A round that drafts nothing may run up to decode_steps plain steps back to back, the host waiting once
-for all their tokens (`_burst`, speculative/decode.py `run_steps`). k comes from the gamma policy (speculative/policy.py) unless a request asks
-for its own, which is capped at the engine's max_gamma (the server's --gamma); rows are grouped by k and each
-group runs its own batched passes. In a round the policy drafts only to measure (GammaPolicy.measuring), its greedy
-rows emit one token each, so that they stay in lockstep (`_round`). With a tree drafter, a round with drafts forks
-each sequence into a row per branch over its blocks (cache/paged.py `PagedTree`) and verifies every branch of the
-group in one pass (speculative/decode.py `tree_rounds`); the branch rows' blocks are budgeted with the round's and
-freed after it.
+for all their tokens (`_burst`, speculative/decode.py `run_steps`). k comes from the gamma policy
+(speculative/policy.py) unless a request asks for its own, which is capped at the engine's max_gamma (the server's
+--gamma); rows are grouped by k and each group runs its own batched passes. In a round the policy drafts only to
+measure (GammaPolicy.measuring), its greedy rows emit one token each, so that they stay in lockstep (`_round`). With
+a tree drafter, a round with drafts forks each sequence into a row per branch over its blocks (cache/paged.py
+`PagedTree`) and verifies every branch of the group in one pass (speculative/decode.py `tree_rounds`); the branch
+rows' blocks are budgeted with the round's and freed after it.
 
 KV blocks follow current need, as in vLLM's scheduler: each step gives every running sequence, oldest first, the
 blocks its passes will write (its prefill chunk; k + 1 positions of its round). When the pool runs short, the
