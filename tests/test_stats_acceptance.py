@@ -88,3 +88,13 @@ def test_tree_round_is_rejected_below_its_deepest_branch(llm):
     assert stats.draft_accepted == 4 + 3 + 1
     assert stats.draft_rejected == 2  # the rounds that accepted fewer than the deepest branch's 4 drafts
     assert stats.per_token_acceptance == pytest.approx(8 / 10)
+
+
+def test_total_sums_every_field_and_rates_follow_the_sums():
+    a = GenerationStats(new_tokens=10, rounds=4, draft_proposed=12, draft_accepted=6, draft_rejected=3, verify_s=0.5)
+    b = GenerationStats(new_tokens=7, rounds=2, draft_proposed=8, draft_accepted=8, draft_rejected=0, verify_s=0.25)
+    t = GenerationStats.total([a, b])
+    assert (t.new_tokens, t.rounds, t.draft_proposed, t.draft_accepted, t.draft_rejected, t.verify_s) == (
+        17, 6, 20, 14, 3, 0.75)
+    assert t.acceptance_rate == 14 / 20 and t.per_token_acceptance == 14 / 17
+    assert GenerationStats.total([]) == GenerationStats()

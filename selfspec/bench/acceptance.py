@@ -14,26 +14,22 @@ from tqdm import tqdm
 import selfspec
 from selfspec.bench.prompts import PROMPTS
 from selfspec.engine.llm import build
+from selfspec.engine.stats import GenerationStats
 from selfspec.loading import resolve
 from selfspec.speculative.recipes import resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
 
 
 def measure(llm: selfspec.LLM, gamma: int, max_new_tokens: int) -> dict:
-    totals = {"new_tokens": 0, "rounds": 0, "proposed": 0, "accepted": 0, "rejected": 0, "decode_s": 0.0}
-    for prompt in tqdm(PROMPTS, desc=f"{llm.recipe.name} gamma {gamma}", leave=False):
-        s = llm.generate(prompt, SamplingParams(max_new_tokens=max_new_tokens), chat=True, gamma=gamma).stats
-        totals["new_tokens"] += s.new_tokens
-        totals["rounds"] += s.rounds
-        totals["proposed"] += s.draft_proposed
-        totals["accepted"] += s.draft_accepted
-        totals["rejected"] += s.draft_rejected
-        totals["decode_s"] += s.total_s - s.prefill_s
-    t = totals
-    return {**t, "acceptance_rate": t["accepted"] / max(t["proposed"], 1),
-            "per_token_acceptance": t["accepted"] / max(t["accepted"] + t["rejected"], 1),  # GenerationStats'
-            "mean_acceptance_length": 1 + t["accepted"] / max(t["rounds"], 1),
-            "tokens_per_s": t["new_tokens"] / t["decode_s"]}
+    t = GenerationStats.total(
+        llm.generate(prompt, SamplingParams(max_new_tokens=max_new_tokens), chat=True, gamma=gamma).stats
+        for prompt in tqdm(PROMPTS, desc=f"{llm.recipe.name} gamma {gamma}", leave=False))
+    decode_s = t.total_s - t.prefill_s
+    return {"new_tokens": t.new_tokens, "rounds": t.rounds, "proposed": t.draft_proposed,
+            "accepted": t.draft_accepted, "rejected": t.draft_rejected, "decode_s": decode_s,
+            "acceptance_rate": t.acceptance_rate, "per_token_acceptance": t.per_token_acceptance,
+            "mean_acceptance_length": 1 + t.draft_accepted / max(t.rounds, 1),
+            "tokens_per_s": t.new_tokens / decode_s}
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 
 from selfspec.engine.llm import load
+from selfspec.engine.stats import GenerationStats
 from selfspec.eval.tasks.ppl import load_windows, window_nll
 from selfspec.speculative.sampling import SamplingParams
 
@@ -60,17 +61,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def acceptance(args: argparse.Namespace, recipe: str) -> dict:
     llm = load(args.model, recipe, gamma=args.gamma, fixed_gamma=True)
-    accepted = proposed = rejected = 0
-    for item in load_windows(llm.tokenizer, None, args.windows, args.tokens):
-        out = llm.generate(item.prompt, SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True))
-        accepted, proposed = accepted + out.stats.draft_accepted, proposed + out.stats.draft_proposed
-        rejected += out.stats.draft_rejected
-    judged = accepted + rejected
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    t = GenerationStats.total(llm.generate(item.prompt, params).stats
+                              for item in load_windows(llm.tokenizer, None, args.windows, args.tokens))
     # rate: the share of drafts accepted at this fixed gamma (E[accepted per round] / gamma); per_token: the chain
-    # model's per-draft acceptance (GenerationStats.per_token_acceptance), what policy.expected_tokens takes.
-    return {"gamma": args.gamma, "accepted": accepted, "proposed": proposed, "rejected": rejected,
-            "rate": round(accepted / proposed, 4) if proposed else 0.0,
-            "per_token": round(accepted / judged, 4) if judged else 0.0}
+    # model's per-draft acceptance, what policy.expected_tokens takes.
+    return {"gamma": args.gamma, "accepted": t.draft_accepted, "proposed": t.draft_proposed,
+            "rejected": t.draft_rejected, "rate": round(t.acceptance_rate, 4),
+            "per_token": round(t.per_token_acceptance, 4)}
 
 
 if __name__ == "__main__":

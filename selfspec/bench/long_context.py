@@ -90,6 +90,18 @@ def fill_quant_cache(cache: QuantKVCache, context: int) -> None:
         cache.commit(length)
 
 
+def fill_cache(cache: KVCache | QuantKVCache, context: int) -> KVCache | QuantKVCache:
+    """`cache` holding `context` committed positions of random keys and values (a quantized one filled as
+    decoding fills it: `fill_quant_cache`)."""
+    if isinstance(cache, QuantKVCache):
+        fill_quant_cache(cache, context)
+    else:
+        cache.k.normal_()
+        cache.v.normal_()
+        cache.commit(context)
+    return cache
+
+
 def quant_cache(heads: Heads, fmt: str, context: int, extra: int, layers: int, device: torch.device) -> QuantKVCache:
     cache = QuantKVCache(layers, 1, heads.kv, context + extra, heads.dim, torch.bfloat16, device, fmt, heads.group)
     fill_quant_cache(cache, context)
@@ -241,13 +253,7 @@ def step_rows(contexts: list[int], gammas: list[int], log: Callable[[str], None]
         model.set_kv_format(kv, LLAMA_3_8B.group)
         for context in contexts:
             try:
-                cache = model.new_cache(context + max(gammas) + 1)
-                if kv == "bf16":
-                    cache.k.normal_()
-                    cache.v.normal_()
-                    cache.commit(context)
-                else:
-                    fill_quant_cache(cache, context)
+                cache = fill_cache(model.new_cache(context + max(gammas) + 1), context)
             except torch.cuda.OutOfMemoryError:
                 log(f"{recipe} context {context}: the cache does not fit next to the weights; skipped")
                 rows.append({"part": "steps", "recipe": recipe, "context": context, "skipped": "out of memory"})
@@ -384,13 +390,7 @@ def loop_rows(contexts: list[int], gammas: list[int], rates: dict[str, tuple[flo
         runs = replayed_runs(a, 4 * (LOOP_WARM + new_tokens))
         for context in contexts:
             for gamma in ([0] if r is None else sorted(gammas)):
-                cache = gm.new_cache(max_len)
-                if kv == "bf16":
-                    cache.k.normal_()
-                    cache.v.normal_()
-                    cache.commit(context)
-                else:
-                    fill_quant_cache(cache, context)
+                cache = fill_cache(gm.new_cache(max_len), context)
                 out = loop_speed(gm, cache, context, verify, draft, gamma, runs, new_tokens)
                 row = {"part": "loop", "recipe": recipe, "context": context, "gamma": gamma, **out}
                 if r is None:

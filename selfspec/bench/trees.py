@@ -51,13 +51,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     print("|---|---|---|---|---|---|---|")
     for name in args.drafts:
         drafter = make_drafter(name)
-        total = GenerationStats()
-        same = True
-        for ids, ref in zip(prompts, refs):
-            out, s = run(llm, ids, drafter, args.gamma, args.new_tokens)
-            same &= out == ref
-            for f in ("rounds", "draft_proposed", "draft_accepted", "draft_rejected", "draft_s", "verify_s"):
-                setattr(total, f, getattr(total, f) + getattr(s, f))
+        runs = [run(llm, ids, drafter, args.gamma, args.new_tokens) for ids in prompts]
+        same = all(out == ref for (out, _), ref in zip(runs, refs))
+        total = GenerationStats.total(s for _, s in runs)
         emitted = total.rounds + total.draft_accepted  # each round: its accepted drafts and the verify's token
         print(f"| {name} | {total.rounds} | {total.draft_accepted / total.rounds:.2f} | "
               f"{emitted / total.rounds:.2f} | {total.draft_accepted / max(1, total.draft_proposed):.2f} | "

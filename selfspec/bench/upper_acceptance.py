@@ -28,6 +28,7 @@ from selfspec.bench.serve import read_prompts
 from selfspec.bench.traces import TRACE_DIR
 from selfspec.engine.engine import Engine
 from selfspec.engine.llm import LLM, load
+from selfspec.engine.stats import GenerationStats
 from selfspec.loading import resolve
 from selfspec.model import Linear, Transformer
 from selfspec.quant.formats import (DenseWeight, Int4Weight, Int8PlanesWeight, affine_dequant_, fit_group_size,
@@ -219,17 +220,14 @@ def validate(model_name: str | None, tasks: list[str], n_prompts: int, max_new_t
     llm = load(model_name, "planes", gamma=gamma, fixed_gamma=True)
     out = {}
     for task in tasks:
-        accepted = proposed = rounds = rejected = 0
-        for text in read_prompts(task)[:n_prompts]:
-            s = llm.generate(text, SamplingParams(max_new_tokens=max_new_tokens), chat=True).stats
-            accepted, proposed, rounds = accepted + s.draft_accepted, proposed + s.draft_proposed, rounds + s.rounds
-            rejected += s.draft_rejected
+        t = GenerationStats.total(llm.generate(text, SamplingParams(max_new_tokens=max_new_tokens), chat=True).stats
+                                  for text in read_prompts(task)[:n_prompts])
         implied = [r for row in estimated[task]["floor-g128"] for r in accepted_per_round(row, gamma)]
-        out[task] = {"real_acceptance": accepted / max(proposed, 1), "real_mean_accepted": accepted / max(rounds, 1),
+        out[task] = {"real_acceptance": t.acceptance_rate, "real_mean_accepted": t.draft_accepted / max(t.rounds, 1),
                      "estimated_acceptance": sum(implied) / max(gamma * len(implied), 1),
                      "estimated_mean_accepted": sum(implied) / max(len(implied), 1),
                      "estimated_per_token": mean_agreement(estimated[task]["floor-g128"]),
-                     "real_per_token": accepted / max(accepted + rejected, 1)}  # GenerationStats.per_token_acceptance
+                     "real_per_token": t.per_token_acceptance}
     return out
 
 

@@ -1,7 +1,8 @@
 """Per-generation statistics."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Iterable
 
 
 @dataclass
@@ -16,6 +17,15 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+
+    @classmethod
+    def total(cls, stats: Iterable[GenerationStats]) -> GenerationStats:
+        """The field-by-field sum of several generations' stats (rates then come from the summed counts)."""
+        out = cls()
+        for s in stats:
+            for f in fields(cls):
+                setattr(out, f.name, getattr(out, f.name) + getattr(s, f.name))
+        return out
 
     @property
     def acceptance_rate(self) -> float:
