@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import fail_from, tiny_model
-from selfspec.engine.engine import Engine, QueueFull
+from selfspec.engine.engine import Engine, QueueFull, StepPlan
 from selfspec.engine.graphs import PagedGraphedModel, bucket, pad_into
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
@@ -494,14 +494,20 @@ def test_no_burst_where_a_prompt_waits_or_the_cache_is_quantized(llm, monkeypatc
 
     import selfspec.engine.engine as engine_module
 
-    engine = Engine(llm, max_batch=4, block_size=4, num_blocks=80, prefill_wait=8, decode_steps=4)
+    engine = Engine(llm, max_batch=4, block_size=4, num_blocks=80, prefill_wait=8, decode_steps=8)
     engine.add_request("a", [5, 6, 7], greedy(12), gamma=0)
     engine.step()  # a prefilled; its first round ran
-    running = list(engine.running)
-    assert engine._burst(running, 0) == 4 and engine._burst(running, 2) == 1
+    running, spare = list(engine.running), len(engine.cache.free_blocks)
+    assert engine._burst(StepPlan([], {}, {0: running}), spare) == 8
+    more = engine.cache.blocks_needed("a", 8) - engine.cache.blocks_needed("a", 1)  # 8 steps cross a 4-key block
+    assert more > 0 and engine._burst(StepPlan([], {}, {0: running}), more - 1) == 1  # not spare enough
+    assert engine._burst(StepPlan([], {}, {2: running}), spare) == 1  # it drafts
+    assert engine._burst(StepPlan([], {}, {0: running, 2: running}), spare) == 1  # another round this step
+    b = replace(running[0], id="b", row=None)  # its prefill ends this step: it joins the round
+    assert engine._burst(StepPlan([b], {"b": 2}, {0: [*running, b]}), spare) == 1
     engine.add_request("b", [8, 9], greedy(12), gamma=0)
     engine.step()  # b waits for company to share its prefill pass (prefill_wait) while a decodes
-    assert engine.waiting and engine._burst(running, 0) == 1  # a burst would keep b waiting for all its steps
+    assert engine.waiting and engine._burst(StepPlan([], {}, {0: running}), spare) == 1  # b would wait the burst
     monkeypatch.setattr(engine_module, "run_steps", lambda *a: pytest.fail("a burst ran"))
     engine = Engine(llm, max_batch=4, block_size=4, num_blocks=80, decode_steps=1)  # off
     engine.add_request("a", [5, 6, 7], greedy(12), gamma=0)

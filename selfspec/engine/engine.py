@@ -176,11 +176,13 @@ class Sequence:
 class StepPlan:
     """One step's passes: a batched prefill chunk (`chunks`: each sequence's context tokens in it, within the
     prefill budget), then one batched round per draft count k. `measuring`: the policy's drafts only measure
-    (GammaPolicy.measuring), so the rounds keep its greedy rows in lockstep."""
+    (GammaPolicy.measuring), so the rounds keep its greedy rows in lockstep. `steps`: the plain decoding steps the
+    k = 0 round runs back to back (Engine._burst), their blocks reserved with the rest."""
     prefill: list[Sequence]
     chunks: dict[str, int]
     rounds: dict[int, list[Sequence]]
     measuring: bool = False
+    steps: int = 1
 
     @property
     def prefill_tokens(self) -> int:
@@ -420,15 +422,16 @@ class Engine:
             spare -= need
             self._plan(plan, seq, chunk, k)
         if not preempted:
-            self._admit(plan, spare, k_auto)
+            spare = self._admit(plan, spare, k_auto)
+        plan.steps = self._burst(plan, spare)
         return plan
 
-    def _admit(self, plan: StepPlan, spare: int, k_auto: int) -> None:
+    def _admit(self, plan: StepPlan, spare: int, k_auto: int) -> int:
         """Waiting sequences FCFS into this step's prefill chunk while the batch, the chunk's token budget and the
         pool allow; one block per running sequence stays spare, so that the next round's growth does not at once
-        preempt what was just prefilled."""
+        preempt what was just prefilled. -> the blocks still spare."""
         if self._hold_prefill(plan):
-            return
+            return spare
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             chunk = min(seq.region_left, self.prefill_chunk - plan.prefill_tokens, self.cache.max_pass)
@@ -446,6 +449,7 @@ class Engine:
             self.running.append(seq)  # the newest: a preempted sequence resumes only after every older one
             spare -= need
             self._plan(plan, seq, chunk, k)
+        return spare
 
     def _hold_prefill(self, plan: StepPlan) -> bool:
         """Whether the waiting prompts wait for more to share their prefill pass (DEFAULT_PREFILL_WAIT): only
@@ -505,12 +509,11 @@ class Engine:
             if seqs:
                 self._isolated(seqs, lambda group, outs: self._prefill_chunk(
                     group, [plan.chunks[s.id] for s in group], outs), outputs)
-        alone = len(plan.rounds) == 1  # a burst may take the pool's blocks only where no other round needs them
         for k, seqs in sorted(plan.rounds.items()):
             seqs = [s for s in seqs if s in self.running]  # its prefill may have ended it (error, EOS, length)
             if seqs:
-                self._isolated(seqs, lambda group, outs, k=k: self._round(group, k, plan.measuring, outs, alone),
-                               outputs)
+                self._isolated(seqs, lambda group, outs, k=k: self._round(
+                    group, k, plan.measuring, outs, plan.steps if k == 0 else 1), outputs)
 
     def _finish(self, seq: Sequence, reason: str, outputs: list[RequestOutput], error: str | None = None) -> None:
         """End a request that did not end by its own tokens (abort, error)."""
@@ -604,12 +607,11 @@ class Engine:
         return kept if kept is not None and kept.tokens == tokens else self._history(tokens)
 
     def _round(self, seqs: list[Sequence], k: int, measuring: bool, outputs: list[RequestOutput],
-               alone: bool = True) -> None:
-        """One batched round of k drafts, or of several plain decoding steps back to back (`_burst`, where `alone`:
-        no other round runs this step). In a measuring round of several rows, the policy's greedy rows emit one token
-        each (lockstep): drafts they accepted would move them ahead of the others, and requests started together
-        would stop finishing together, their successors then prefilled one by one (docs/gpu.md)."""
-        steps = self._burst(seqs, k) if alone else 1
+               steps: int = 1) -> None:
+        """One batched round of k drafts, or (k = 0) of `steps` plain decoding steps back to back (`_burst`). In a
+        measuring round of several rows, the policy's greedy rows emit one token each (lockstep): drafts they
+        accepted would move them ahead of the others, and requests started together would stop finishing together,
+        their successors then prefilled one by one (docs/gpu.md)."""
         for s in seqs:
             self.cache.extend(s.id, max(k + 1, steps))
         rows = [s.row for s in seqs]
@@ -634,21 +636,22 @@ class Engine:
         for s, toks in zip(seqs, result.tokens):
             self._emit(s, toks, outputs)
 
-    def _burst(self, seqs: list[Sequence], k: int) -> int:
-        """Plain decoding steps a round of k drafts runs back to back: up to decode_steps where it drafts nothing
-        (and is the step's only round: the others' blocks are planned, not yet taken), every row is greedy (a
-        sampling row draws on the host), the cache is the bf16 one (a quantized cache settles its buffer between
-        passes), no prompt waits for a free row (it would wait for the whole burst) and the pool has the steps'
-        blocks; else 1. No row goes past the longest output still due, nor past the model's length; a row stopping
-        inside the burst (EOS, length, a stop string) drops the tokens after its stop."""
-        if (k or self.decode_steps == 1 or self.tree is not None or isinstance(self.cache, PagedQuantKVCache)
-                or (self.waiting and len(self.running) < self.max_batch) or not all(s.params.greedy for s in seqs)):
+    def _burst(self, plan: StepPlan, spare: int) -> int:
+        """Plain decoding steps the planned step's round runs back to back: up to decode_steps where the step has one
+        round, it drafts nothing, none of its rows ends its prefill this step, every row is greedy (a sampling
+        row draws on the host), the cache is the bf16 one (a quantized cache settles its buffer between passes),
+        no prompt waits for a free row (it would wait for the whole burst) and the `spare` blocks cover the
+        steps past the first; else 1. No row goes past the longest output still due, nor past the model's
+        length; a row stopping inside the burst (EOS, length, a stop string) drops the tokens after its stop."""
+        seqs = plan.rounds.get(0, [])
+        if (self.decode_steps == 1 or len(plan.rounds) != 1 or not seqs or self.tree is not None
+                or isinstance(self.cache, PagedQuantKVCache) or (self.waiting and len(self.running) < self.max_batch)
+                or any(s.row is None or not s.params.greedy for s in seqs)):
             return 1
         steps = min(self.decode_steps, max(s.params.max_new_tokens - len(s.out.token_ids) for s in seqs),
                     *(self.max_len - s.row.length - 1 for s in seqs))
-        if steps < 2 or sum(self.cache.blocks_needed(s.id, steps) for s in seqs) > len(self.cache.free_blocks):
-            return 1
-        return steps
+        more = sum(self.cache.blocks_needed(s.id, steps) - self.cache.blocks_needed(s.id, 1) for s in seqs)
+        return steps if steps > 1 and more <= spare else 1
 
     def _tree_round(self, seqs: list[Sequence], k: int) -> RoundResult:
         """A tree drafter's round: each sequence forked into its branch rows (PagedTree), every branch verified in
