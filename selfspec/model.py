@@ -16,8 +16,8 @@ from selfspec.cache import KVCache
 from selfspec.cache.quant_kv import QuantKVCache
 from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
-from selfspec.kernels import (attention, linear, packed_attention, quantized_attention, rms_norm, rope_and_store,
-                              swiglu)
+from selfspec.kernels import (attention, linear, packed_attention, quantized_attention, rms_norm, rms_norm_summed,
+                              rope_and_store, swiglu_summed)
 from selfspec.parallel import SOLO, TensorParallel
 from selfspec.quant.formats import DenseWeight, QuantWeight, quantize_weight
 from selfspec.quant.kv import check_kv_format
@@ -88,8 +88,9 @@ class Linear(nn.Module):
         self.weight: QuantWeight = DenseWeight(weight)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
-    def forward(self, x: torch.Tensor, mode: Mode, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, mode, self.bias, residual)
+    def forward(self, x: torch.Tensor, mode: Mode, residual: torch.Tensor | None = None,
+                sums: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, self.weight, mode, self.bias, residual, sums)
 
 
 class RowParallelLinear(Linear):
@@ -101,8 +102,9 @@ class RowParallelLinear(Linear):
         super().__init__(weight, bias if tp.rank == 0 else None)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor, mode: Mode, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x, mode, residual if self.tp.rank == 0 else None))
+    def forward(self, x: torch.Tensor, mode: Mode, residual: torch.Tensor | None = None,
+                sums: torch.Tensor | None = None) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x, mode, residual if self.tp.rank == 0 else None, sums))
 
 
 def concat_bias(sd: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
@@ -124,6 +126,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def summed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The norm, and its output's row sums for the linear that reads it (kernels.linear's sums)."""
+        return rms_norm_summed(x, self.weight, self.eps)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], p: str, tp: TensorParallel = SOLO):
@@ -138,11 +144,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(sd[p + "q_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(sd[p + "k_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, layer: int, residual: torch.Tensor) -> torch.Tensor:
-        """residual + attention(x): the output projection adds the residual as it writes its output."""
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, layer: int, residual: torch.Tensor,
+                sums: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + attention(x): the output projection adds the residual as it writes its output. sums: x's row
+        sums from the norm (kernels.linear's sums)."""
         b, t, _ = x.shape
         hd = self.cfg.head_dim
-        q, k, v = (z.view(b, t, -1, hd) for z in self.wqkv(x, fb.mode).split(self.sizes, dim=-1))
+        q, k, v = (z.view(b, t, -1, hd) for z in self.wqkv(x, fb.mode, sums=sums).split(self.sizes, dim=-1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         kv = fb.cache.layer(layer)
@@ -164,10 +172,13 @@ class FeedForward(nn.Module):
         self.gate_up = Linear(torch.cat([sd[n + ".weight"] for n in names]), concat_bias(sd, names))
         self.down = RowParallelLinear(sd[p + "down_proj.weight"], sd.get(p + "down_proj.bias"), tp)
 
-    def forward(self, x: torch.Tensor, mode: Mode, residual: torch.Tensor) -> torch.Tensor:
-        """residual + feed_forward(x), the residual added by the down projection."""
-        gate, up = self.gate_up(x, mode).chunk(2, dim=-1)
-        return self.down(swiglu(gate, up), mode, residual)
+    def forward(self, x: torch.Tensor, mode: Mode, residual: torch.Tensor,
+                sums: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + feed_forward(x), the residual added by the down projection. sums: x's row sums from the norm;
+        swiglu hands its own to the down projection (kernels.linear's sums)."""
+        gate, up = self.gate_up(x, mode, sums=sums).chunk(2, dim=-1)
+        h, h_sums = swiglu_summed(gate, up)
+        return self.down(h, mode, residual, sums=h_sums)
 
 
 class Block(nn.Module):
@@ -180,8 +191,10 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(sd, p + "mlp.", tp)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, layer: int) -> torch.Tensor:
-        x = self.attention(self.attention_norm(x), fb, layer, residual=x)
-        return self.feed_forward(self.ffn_norm(x), fb.mode, residual=x)
+        h, sums = self.attention_norm.summed(x)
+        x = self.attention(h, fb, layer, residual=x, sums=sums)
+        h, sums = self.ffn_norm.summed(x)
+        return self.feed_forward(h, fb.mode, residual=x, sums=sums)
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:

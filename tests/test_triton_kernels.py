@@ -301,6 +301,24 @@ def test_rms_norm():
     assert torch.equal(triton_small.rms_norm(x[1:2, 2:], w, 1e-6), y[1:2, 2:])
 
 
+def row_sums_oracle(y: torch.Tensor) -> torch.Tensor:
+    """y's rows summed per ROW_SUM_COLS columns in float64: [rows, D / ROW_SUM_COLS]."""
+    cols = triton_small.ROW_SUM_COLS.value
+    return y.double().reshape(-1, y.shape[-1] // cols, cols).sum(-1)
+
+
+@pytest.mark.parametrize("d", [192, 640])  # 640: a masked tail in the power-of-two block
+def test_rms_norm_summed_writes_its_row_sums(d):
+    torch.manual_seed(5)
+    x, w = torch.randn(2, 3, d).bfloat16(), torch.randn(d).bfloat16()
+    y, sums = triton_small.rms_norm_summed(x, w, 1e-6)
+    assert torch.equal(y, triton_small.rms_norm(x, w, 1e-6)) and sums.dtype == torch.float32
+    torch.testing.assert_close(sums.double(), row_sums_oracle(y), rtol=1e-5, atol=1e-4)
+    alone_y, alone = triton_small.rms_norm_summed(x[1:2, 2:], w, 1e-6)
+    assert torch.equal(alone_y, y[1:2, 2:]) and torch.equal(alone, sums[5:6])  # a row's sums: the same alone
+    assert triton_small.rms_norm_summed(x[..., :96], w[:96], 1e-6)[1] is None  # 96 is no multiple of 64
+
+
 def fused_qkv(b: int, t: int, hq: int, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [B, Hq, T, D], k, v [B, Hkv, T, D] as the model has them: strided views of one fused projection output."""
     qkv = torch.randn(b, t, (hq + 2 * hkv) * d).bfloat16()
@@ -371,6 +389,16 @@ def test_swiglu():
     y = triton_small.swiglu(gate, up)
     torch.testing.assert_close(y, reference_op("swiglu")(gate, up))
     assert torch.equal(triton_small.swiglu(gate[1:2], up[1:2]), y[1:2])
+
+
+def test_swiglu_summed_writes_its_row_sums():
+    torch.manual_seed(7)
+    gate_up = torch.randn(3, 2, 2 * 1088).bfloat16() * 3  # 1088 = 17 x 64: a second, mostly masked block
+    gate, up = gate_up.chunk(2, dim=-1)
+    y, sums = triton_small.swiglu_summed(gate, up)
+    assert torch.equal(y, triton_small.swiglu(gate, up)) and sums.shape == (6, 17)
+    torch.testing.assert_close(sums.double(), row_sums_oracle(y), rtol=1e-5, atol=1e-4)
+    assert torch.equal(triton_small.swiglu_summed(gate[2:], up[2:])[1], sums[4:])
 
 
 def test_swiglu_reads_the_halves_of_a_fused_output():
@@ -449,6 +477,59 @@ def test_many_token_tiles_keep_every_rows_bits(storage, mode_name):
         y = triton_linear.linear(x, weight, mode, None)
         for i in (0, 299):
             assert torch.equal(y[i], triton_linear.linear(x[i:i + 1], weight, mode, None)[0])
+
+
+@pytest.mark.parametrize("storage,mode_name,group", [("int4", "w4a16", 64), ("planes", "full", 128),
+                                                     ("planes", "upper", 64)])
+def test_nibble_linear_takes_its_inputs_row_sums(storage, mode_name, group):
+    """Given x's row sums (from the norm or swiglu that wrote x), the nibble kernel computes the same linear from
+    them, at decode and many-token tiles alike: a row's bits do not depend on the rows beside it."""
+    torch.manual_seed(12)
+    mode = MODES[mode_name]
+    weight = quantize_weight(torch.randn(40, 256), storage, group)
+    fmt = triton_linear.kernel_format(weight, mode)
+    assert triton_linear.takes_row_sums(fmt, False, group)
+    x = torch.randn(70, 256).bfloat16()
+    sums = row_sums_oracle(x).float()
+    y = triton_linear.linear(x, weight, mode, None, sums=sums)
+    assert triton_linear.tile_config(fmt, False, 40, 256, group, 70).block_m > triton_linear.BLOCK_M
+    assert rel_err(y, linear_oracle(x, weight, mode, None)) < TOL
+    for i in (0, 69):
+        assert torch.equal(triton_linear.linear(x[i:i + 1], weight, mode, None, sums=sums[i:i + 1])[0], y[i])
+    assert torch.equal(triton_linear.linear(x[:9], weight, mode, None, sums=sums[:9]), y[:9])
+    with pytest.raises(ValueError, match="row sums of shape"):
+        triton_linear.linear(x[:9], weight, mode, None, sums=sums[:8])
+
+
+@pytest.mark.parametrize("mode_name,group", [("w4a8", 128), ("w4a4", 64)])
+def test_int8_activations_take_their_codes_row_sums_from_act_quant(mode_name, group):
+    """With int8 activations the nibble kernel reads the codes' row sums that act_quant writes (exact integers)
+    instead of a dot with ones: the same bits as that dot."""
+    torch.manual_seed(14)
+    mode = MODES[mode_name]
+    weight = quantize_weight(torch.randn(40, 256), "int4", group)
+    fmt = triton_linear.kernel_format(weight, mode)
+    x = torch.randn(20, 256).bfloat16()
+    xq, xs, sums = triton_linear._act_quant(x, mode.act_bits, sums=True)
+    assert torch.equal(sums.double(), row_sums_oracle(xq))
+    assert torch.equal(xq, triton_linear.act_quant(x, mode.act_bits)[0])
+    cfg = triton_linear.tile_config(fmt, True, 40, 256, group, 20)
+    with_dot = triton_linear._launch(xq, xs, weight, fmt, True, None, cfg)
+    assert torch.equal(triton_linear._launch(xq, xs, weight, fmt, True, None, cfg, sums=sums), with_dot)
+    assert torch.equal(triton_linear.linear(x, weight, mode, None), with_dot)
+
+
+def test_linear_ignores_row_sums_where_its_kernel_sums_itself():
+    """Activation-quantized and dense GEMMs take no row sums from the caller: the same bits with or without."""
+    torch.manual_seed(13)
+    x = torch.randn(5, 256).bfloat16()
+    sums = row_sums_oracle(x).float()
+    for storage, mode_name in (("int4", "w4a8"), ("dense", "bf16"), ("int8", "w8a16")):
+        w = torch.randn(40, 256)
+        weight = quantize_weight(w.bfloat16() if storage == "dense" else w, storage, 128)
+        mode = MODES[mode_name]
+        assert torch.equal(triton_linear.linear(x, weight, mode, None, sums=sums),
+                           triton_linear.linear(x, weight, mode, None)), mode_name
 
 
 @pytest.mark.parametrize("storage,mode_name", [("int4", "w4a16"), ("planes", "full"), ("planes", "w4a8")])

@@ -1,6 +1,8 @@
 """Per-layer GEMM time vs M for every mode, on the GPU: our op table vs cuBLAS BF16 (and torch._int_mm, cuBLAS's
 int8 GEMM, for the int8-activation modes), and the bandwidth reached. "(prompt)" rows: the same weights read as
-prompt tokens read them (Mode.prompt: dequantized to bf16, then the bf16 GEMM), past 16 rows.
+prompt tokens read them (Mode.prompt: dequantized to bf16, then the bf16 GEMM), past 16 rows. Each GEMM gets its
+input's row sums as the model hands them over (from the norm or swiglu that wrote x, not timed here), which the
+nibble formats with bf16 activations read instead of summing x themselves.
 
 python -m selfspec.bench.gemm [--shape llama-3-8b] [--m 1 16 64 256 1024 4096]
 """
@@ -14,6 +16,7 @@ import torch
 from selfspec.bench.device import copies_past_l2, copy_bandwidth, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import linear
+from selfspec.kernels.ops import ROW_SUM_COLS
 from selfspec.quant.formats import quantize_weight, storage_supports
 from selfspec.quant.modes import MODES, prompt_mode
 
@@ -29,13 +32,14 @@ def measure(shape: str, ms: list[int], group_size: int = 128) -> list[dict]:
     for name, n, k in layer_gemms(SHAPES[shape]):
         ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies_past_l2(2 * n * k))]
         xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in ms}
+        sums = {m: x.float().view(m, -1, ROW_SUM_COLS).sum(-1) for m, x in xs.items()}
         for storage, mode_name in PAIRS:
             mode = MODES[mode_name]
             assert storage_supports(storage, mode)
             weights = [quantize_weight(w.bfloat16() if storage == "dense" else w, storage, group_size) for w in ws]
             nbytes = weights[0].nbytes_read(mode)
             for m in ms:
-                t = graph_time_ms([lambda w=w, m=m: linear(xs[m], w, mode) for w in weights])
+                t = graph_time_ms([lambda w=w, m=m: linear(xs[m], w, mode, sums=sums[m]) for w in weights])
                 rows.append({"gemm": name, "n": n, "k": k, "storage": storage, "mode": mode_name, "m": m,
                              "ms": t, "gb_per_s": nbytes / t / 1e6})
             if storage != "dense" and mode.act_bits is None:  # prompt tokens: dequantized, then the bf16 GEMM

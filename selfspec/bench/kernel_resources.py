@@ -56,9 +56,13 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
                   else cfg.split_k, IN_PROGRAM=cfg.in_program, PDL=False)
     if fmt != tlin.FULL.value:
         consts["w2_desc"] = None
-    if nibble:
+    if nibble:  # as the model runs it: with its input's row sums where the kernel takes them
+        row_sums = tlin.takes_row_sums(fmt, act, group)
+        sig["sums_ptr"] = "*fp32" if row_sums else "constexpr"
+        if not row_sums:
+            consts["sums_ptr"] = None
         consts.update(TILES=triton.next_power_of_2(tlin.k_chunk(k, cfg.split_k, cfg.block_k) // cfg.block_k),
-                      ASM=True)
+                      ROW_SUMS=row_sums, ASM=True)
         kernel = tlin._nibble_kernel
     else:
         consts.update(SHIFT=tlin._shift(fmt) if act else 0, SWAP=cfg.swap)

@@ -9,18 +9,24 @@ from selfspec import kernels
 from selfspec.quant.formats import QuantWeight
 from selfspec.quant.modes import Mode
 
+# The width of each row sum that `rms_norm_summed` and `swiglu_summed` write for `linear` (sums [rows, D / 64]).
+ROW_SUM_COLS = 64
+
 if TYPE_CHECKING:
     from selfspec.cache.kv import LayerKV
     from selfspec.model import Packed
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T (+ bias), W read as `mode` says; + residual, when given, in the same pass over the output."""
+           residual: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias), W read as `mode` says; + residual, when given, in the same pass over the output. sums: x's
+    row sums from the op that produced x (`rms_norm_summed`, `swiglu_summed`), which a device's GEMM may use in
+    place of summing x itself. A linear must get them on every call or on none: they are part of its arithmetic."""
     weight = weight.for_mode(mode)  # a format with a copy per mode (dense+int4) hands over the one `mode` reads
     if weight.rotation is not None:  # stored as W H: (x H)(W H)^T = x W^T, with outliers spread before act quant
-        x = rotate(x, weight.rotation.matrix)
-    return kernels.lookup("linear", weight.storage, x.device.type)(x, weight, mode, bias, residual)
+        x, sums = rotate(x, weight.rotation.matrix), None  # the sums were x's, not x H's
+    fn = kernels.lookup("linear", weight.storage, x.device.type)
+    return fn(x, weight, mode, bias, residual) if sums is None else fn(x, weight, mode, bias, residual, sums)
 
 
 def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -30,6 +36,11 @@ def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return kernels.lookup("rms_norm", "", x.device.type)(x, weight, eps)
+
+
+def rms_norm_summed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """rms_norm, and the row sums of its output where the device's GEMMs take them (`linear`'s sums), else None."""
+    return kernels.lookup("rms_norm_summed", "", x.device.type)(x, weight, eps)
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -44,6 +55,11 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return kernels.lookup("swiglu", "", gate.device.type)(gate, up)
+
+
+def swiglu_summed(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """swiglu, and the row sums of its output where the device's GEMMs take them (`linear`'s sums), else None."""
+    return kernels.lookup("swiglu_summed", "", gate.device.type)(gate, up)
 
 
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

@@ -76,6 +76,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# The references' GEMMs sum their tiles themselves: no row sums (kernels/ops.py says what they are for).
+@register("rms_norm_summed")
+def rms_norm_summed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, None]:
+    return rms_norm(x, weight, eps), None
+
+
+@register("swiglu_summed")
+def swiglu_summed(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return swiglu(gate, up), None
+
+
 @register("attention")
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
               q_pos: torch.Tensor, prompt: bool = False) -> torch.Tensor:

@@ -41,6 +41,7 @@ from selfspec.kernels.launch import INTERPRETING, launch_options, wait
 from selfspec.kernels.reference import linear as reference_linear
 from selfspec.kernels.reference import rotate as reference_rotate
 from selfspec.kernels.semaphores import group_counts, last_to_arrive
+from selfspec.kernels.triton_small import ROW_SUM_COLS, store_row_sums
 from selfspec.quant.formats import STORAGES, DenseWeight, QuantWeight
 from selfspec.quant.modes import MODES, Mode
 
@@ -64,9 +65,10 @@ def _round_half_even(v):
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, QMAX: tl.constexpr, BLOCK: tl.constexpr,
-                      PDL: tl.constexpr):
-    """One row: scale = max|x| / QMAX, q = round(x / scale) (quant/act.py, exactly)."""
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, sums_ptr, K, stride_xm, QMAX: tl.constexpr, BLOCK: tl.constexpr,
+                      SUMS: tl.constexpr, PDL: tl.constexpr):
+    """One row: scale = max|x| / QMAX, q = round(x / scale) (quant/act.py, exactly); with SUMS the codes' sums
+    per ROW_SUM_COLS columns too (exact integers in fp32, whatever order they are added in)."""
     wait(PDL)
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_xm
@@ -81,17 +83,29 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, QMAX: tl.constexpr, BLO
         x = tl.load(x_row + offs, mask=offs < K, other=0).to(tl.float32)
         q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(x, scale)), -QMAX), QMAX)
         tl.store(q_ptr + row * K + offs, q.to(tl.int8), mask=offs < K)
+        if SUMS:
+            store_row_sums(q, sums_ptr + row * (K // ROW_SUM_COLS), k0 // ROW_SUM_COLS, K // ROW_SUM_COLS)
     tl.store(s_ptr + row, scale)
 
 
 def act_quant(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q int8 [M, K], scale float32 [M, 1]): quant.act.quantize_per_token on the GPU."""
+    return _act_quant(x, bits, sums=False)[:2]
+
+
+def _act_quant(x: torch.Tensor, bits: int, sums: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """act_quant, and with `sums` the codes' row sums per ROW_SUM_COLS columns [M, K / ROW_SUM_COLS] (None where K
+    is not a multiple of that)."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    _act_quant_kernel[(m,)](x, q, scale, k, x.stride(0), QMAX=2.0 ** (bits - 1) - 1,
-                            BLOCK=min(triton.next_power_of_2(k), 1024), **launch_options())
-    return q, scale
+    block = min(triton.next_power_of_2(k), 1024)
+    row_sums = None
+    if sums and k % ROW_SUM_COLS.value == 0 and block >= ROW_SUM_COLS.value:
+        row_sums = torch.empty((m, k // ROW_SUM_COLS.value), dtype=torch.float32, device=x.device)
+    _act_quant_kernel[(m,)](x, q, scale, row_sums, k, x.stride(0), QMAX=2.0 ** (bits - 1) - 1, BLOCK=block,
+                            SUMS=row_sums is not None, **launch_options())
+    return q, scale, row_sums
 
 
 @triton.jit
@@ -375,18 +389,21 @@ def _widen_k(a, b):
 
 
 @triton.jit
-def _nibble_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, k_start, k_end, M, N, K,
-                  stride_xm, stride_sn, stride_sg, FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr,
+def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, k_start, k_end, M,
+                  N, K, stride_xm, stride_sn, stride_sg, FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
-                  ASM: tl.constexpr):
+                  ROW_SUMS: tl.constexpr, ASM: tl.constexpr):
     """One K chunk [k_start, k_end) of a [BLOCK_M, BLOCK_N] tile of _nibble_kernel, from a zero accumulator."""
     # K is a multiple of GROUP and BLOCK_K divides GROUP: no K mask.
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_start + tl.arange(0, BLOCK_K)[None, :]
     x_mask = (offs_m < M)[:, None]
-    tiles = tl.arange(0, TILES)
-    sums = tl.zeros((BLOCK_M, TILES), dtype=tl.float32)  # row sums of x per K tile
-    offsets = tl.zeros((TILES, BLOCK_N), dtype=tl.float32)  # what multiplies them: lo - s * code offset
-    if ACT:
+    if not ACT and not ROW_SUMS:
+        tiles = tl.arange(0, TILES)
+        sums = tl.zeros((BLOCK_M, TILES), dtype=tl.float32)  # row sums of x per K tile
+        offsets = tl.zeros((TILES, BLOCK_N), dtype=tl.float32)  # what multiplies them: lo - s * code offset
+    if ROW_SUMS:  # the producer's sums of x per ROW_SUM_COLS columns [M, K / ROW_SUM_COLS]
+        sum_ptrs = sums_ptr + offs_m * (K // ROW_SUM_COLS) + k_start // ROW_SUM_COLS
+    if ACT and not ROW_SUMS:
         ones = tl.full((BLOCK_K // 2, BLOCK_N), 1, tl.int8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Each tile's group affine is loaded one tile ahead: used at once, its load would stall every tile on a
@@ -414,7 +431,16 @@ def _nibble_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0,
         else:
             d = _nibble_dot(xe, xo, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), ASM)
             offset = CODE_OFFSET
-        if ACT:  # exact int32 sums from the int8 tensor cores (a dot with ones) measured faster here
+        if ROW_SUMS:  # the tile's row sums, its ROW_SUM_COLS-column pieces added in order
+            x_sum = tl.load(sum_ptrs, mask=offs_m < M, other=0)
+            for j in tl.static_range(1, BLOCK_K // ROW_SUM_COLS):
+                x_sum += tl.load(sum_ptrs + j, mask=offs_m < M, other=0)
+            sum_ptrs += BLOCK_K // ROW_SUM_COLS
+            if ACT:  # the codes' sums: exact integers, as the dot with ones below gives them
+                acc += d * s[None, :] + x_sum[:, None] * lo[None, :]
+            else:
+                acc += d * s[None, :] + x_sum[:, None] * (lo - s * offset)[None, :]
+        elif ACT:  # exact int32 sums from the int8 tensor cores (a dot with ones) measured faster here
             x_sum = tl.dot(xo, ones, tl.dot(xe, ones, out_dtype=tl.int32), out_dtype=tl.int32).to(tl.float32)
             acc += d * s[None, :] + x_sum * lo[None, :]
         else:
@@ -423,7 +449,7 @@ def _nibble_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0,
             offsets = tl.where(tiles[:, None] == i, (lo - s * offset)[None, :], offsets)
         x_ptrs += BLOCK_K
         i += 1
-    if not ACT:
+    if not ACT and not ROW_SUMS:
         if TILES < 16:  # TILES is a power of two: widen it to 16
             sums, offsets = _widen_k(sums, offsets)
         if TILES < 8:
@@ -438,21 +464,22 @@ def _nibble_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0,
 
 @triton.jit(do_not_specialize=["M"])
 def _nibble_kernel(
-    x_ptr, xs_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
+    x_ptr, xs_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, K_CHUNK, CHUNKS, stride_xm, stride_sn, stride_sg, stride_ym, stride_rm,
     FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    IN_PROGRAM: tl.constexpr, TILES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    IN_PROGRAM: tl.constexpr, TILES: tl.constexpr, ROW_SUMS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Nibble formats: INT4, UPPER and FULL with bf16 activations, INT4 and UPPER with int8 activation codes
     (ACT). A K tile lies in one quant group, whose affine is applied after the dot:
         x . (lo + s q) = s (x . q) + lo sum(x)
     so the tensor cores read exact integer codes and no weight is scaled or converted through fp32 (which would
     bound the kernel by conversions, not by memory). The weight tiles come by TMA (w_desc, w2_desc: the
-    descriptors of the nibble planes), which keeps more bytes in flight than per-thread loads. With bf16
-    activations the lo sum(x) terms are kept per K tile (each row's sum of x, each column's offset) and added once
-    after the loop as one small fp32 product (TILES, a power of two, covers this program's tiles); with int8
-    activations sum(x) comes exact from an int8 dot with ones, per tile.
+    descriptors of the nibble planes), which keeps more bytes in flight than per-thread loads. sum(x) per K tile:
+    with ROW_SUMS, read from sums_ptr (x's row sums per ROW_SUM_COLS columns, written by the kernel that wrote x,
+    or by act_quant for int8 codes) and added per tile; else, with bf16 activations, summed here and kept per K tile
+    (each row's sum of x, each column's offset) and added once after the loop as one small fp32 product (TILES, a
+    power of two, covers this program's tiles); with int8 activations, exact from an int8 dot with ones.
     Same grid, split-K and chunks in a program as _linear_kernel; every row goes through the same instructions
     whatever M is."""
     pid_m = tl.program_id(0)
@@ -465,13 +492,13 @@ def _nibble_kernel(
     if IN_PROGRAM:  # as _linear_kernel: the CHUNKS chunks in order, the split-K sum bit for bit
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for c in range(0, CHUNKS):
-            acc += _nibble_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, c * K_CHUNK,
-                                 tl.minimum(K, (c + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn, stride_sg, FMT,
-                                 ACT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, TILES, ASM)
+            acc += _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0,
+                                 c * K_CHUNK, tl.minimum(K, (c + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn,
+                                 stride_sg, FMT, ACT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, TILES, ROW_SUMS, ASM)
     else:
-        acc = _nibble_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, pid_k * K_CHUNK,
+        acc = _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, pid_k * K_CHUNK,
                             tl.minimum(K, (pid_k + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn, stride_sg, FMT, ACT,
-                            GROUP, BLOCK_M, BLOCK_N, BLOCK_K, TILES, ASM)
+                            GROUP, BLOCK_M, BLOCK_N, BLOCK_K, TILES, ROW_SUMS, ASM)
     _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
             stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
 
@@ -676,8 +703,10 @@ def _tensors(weight: QuantWeight, fmt: int) -> tuple:
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference `linear` (any leading dims), on the Triton kernel where it covers the case."""
+           residual: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference `linear` (any leading dims), on the Triton kernel where it covers the case. sums: x's row sums
+    per ROW_SUM_COLS columns [rows, K / ROW_SUM_COLS] from the kernel that wrote x, which the nibble kernel takes
+    (with bf16 activations, K tiles of whole pieces) in place of summing each K tile of x in every program."""
     weight.check(mode)
     fmt = kernel_format(weight, mode)
     if fmt is None or x.dtype != torch.bfloat16 or (residual is not None and residual.dtype != torch.bfloat16):
@@ -692,25 +721,41 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     act = mode.act_bits is not None
     if mode.prompt and fmt != DENSE.value and not act:
         return prompt_linear(x2, weight, fmt, bias, r2).view(*x.shape[:-1], n)
-    xs = None
-    if act:
-        x2, xs = act_quant(x2, mode.act_bits)
     group = getattr(weight, "group_size", 0)
+    row_sums = takes_row_sums(fmt, act, group)
+    xs = None
+    if act:  # the GEMM's row sums are those of the codes, which act_quant writes beside them
+        x2, xs, sums = _act_quant(x2, mode.act_bits, sums=row_sums)
+    elif not row_sums:
+        sums = None
     cfg = tile_config(fmt, act, n, k, group, x2.shape[0])
-    return _launch(x2, xs, weight, fmt, act, bias, cfg, r2).view(*x.shape[:-1], n)
+    return _launch(x2, xs, weight, fmt, act, bias, cfg, r2, sums).view(*x.shape[:-1], n)
+
+
+def takes_row_sums(fmt: int, act: bool, group: int) -> bool:
+    """Whether a GEMM reads its input's row sums (which its group offsets multiply) instead of summing each K tile
+    of x in every program: the nibble kernel, in K tiles made of whole ROW_SUM_COLS-column pieces. With bf16
+    activations they are `linear`'s sums, from the kernel that wrote x; with int8 ones the codes' sums, from
+    act_quant."""
+    return uses_nibble_kernel(fmt, act, group) and min(group, 128) % ROW_SUM_COLS.value == 0
 
 
 def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt: int, act: bool,
-            bias: torch.Tensor | None, cfg: TileConfig, r2: torch.Tensor | None = None) -> torch.Tensor:
+            bias: torch.Tensor | None, cfg: TileConfig, r2: torch.Tensor | None = None,
+            sums: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ W^T (+ r2 [M, N]) under one tile config (the benchmark's tuner calls this)."""
     return _run(x2, xs, _tensors(weight, fmt), weight.shape[0], getattr(weight, "group_size", 0), fmt, act, bias,
-                cfg, r2)
+                cfg, r2, sums)
 
 
 def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, group: int, fmt: int, act: bool,
-         bias: torch.Tensor | None, cfg: TileConfig, r2: torch.Tensor | None) -> torch.Tensor:
+         bias: torch.Tensor | None, cfg: TileConfig, r2: torch.Tensor | None,
+         sums: torch.Tensor | None = None) -> torch.Tensor:
     """_launch on the tensors the kernel reads: (w, w2, scale, lo) of a weight of N rows in quant groups of `group`."""
     m, k = x2.shape
+    if sums is not None and sums.shape != (m, k // ROW_SUM_COLS.value):
+        raise ValueError(f"row sums of shape {tuple(sums.shape)} for x of {m} x {k}: expected "
+                         f"[{m}, {k // ROW_SUM_COLS.value}]")
     w, w2, scale, lo = tensors
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     chunk = k_chunk(k, cfg.split_k, cfg.block_k)
@@ -730,8 +775,8 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
     descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
     if uses_nibble_kernel(fmt, act, group):
         tiles = triton.next_power_of_2(chunk // cfg.block_k)
-        _nibble_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, TILES=tiles, ASM=not INTERPRETING,
-                             **flags)
+        _nibble_kernel[grid](x2, xs, sums, *descs, scale, lo, bias, r2, *args, TILES=tiles, ROW_SUMS=sums is not None,
+                             ASM=not INTERPRETING, **flags)
     else:
         _linear_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, SHIFT=_shift(fmt) if act else 0,
                              SWAP=cfg.swap, **flags)

@@ -8,8 +8,13 @@ import triton.language as tl
 
 from selfspec.errors import SelfspecError
 from selfspec.kernels import register
+from selfspec.kernels import ops
 from selfspec.kernels.launch import launch_options, wait
 from selfspec.kernels.reference import rope_and_store as reference_rope_and_store
+
+# The producers of a GEMM's input (rms_norm, swiglu) can also write its row sums per this many columns, which the
+# nibble GEMMs need for their group offsets (triton_linear): summed once per row here, not once per N tile there.
+ROW_SUM_COLS = tl.constexpr(ops.ROW_SUM_COLS)
 
 
 def _warps(block: int) -> int:
@@ -17,7 +22,19 @@ def _warps(block: int) -> int:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def store_row_sums(y, sums_ptr, first, count):
+    """The fp32 sums of the values y [BLOCK] (as rounded for storage) per ROW_SUM_COLS columns, stored as the sums
+    first .. first + BLOCK / ROW_SUM_COLS of a row that has `count`: a GEMM reading y takes them instead of
+    summing its tiles of y itself (triton_linear's nibble kernel)."""
+    n: tl.constexpr = y.shape[0] // ROW_SUM_COLS
+    sums = tl.sum(tl.reshape(y.to(tl.float32), (n, ROW_SUM_COLS)), axis=1)
+    idx = first + tl.arange(0, n)
+    tl.store(sums_ptr + idx, sums, mask=idx < count)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, sums_ptr, D, stride_x, eps, BLOCK: tl.constexpr, SUMS: tl.constexpr,
+                     PDL: tl.constexpr):
     wait(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -25,20 +42,43 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, eps, BLOCK: tl.constexpr,
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.float32)
     r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    tl.store(y_ptr + row * D + offs, (x * r * w).to(y_ptr.dtype.element_ty), mask=mask)
+    y = (x * r * w).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * D + offs, y, mask=mask)
+    if SUMS:
+        store_row_sums(y, sums_ptr + row * (D // ROW_SUM_COLS), 0, D // ROW_SUM_COLS)
 
 
-@register("rms_norm", "", "cuda")
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _sums_buffer(rows: int, d: int, like: torch.Tensor) -> torch.Tensor | None:
+    """[rows, d / ROW_SUM_COLS] fp32 for a producer's row sums; None where d is not a multiple of it."""
+    if d % ROW_SUM_COLS.value:
+        return None
+    return torch.empty((rows, d // ROW_SUM_COLS.value), dtype=torch.float32, device=like.device)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+              sums: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(d)
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, d, x2.stride(0), eps, BLOCK=block, num_warps=_warps(block),
-                                    **launch_options())
-    return y.view(x.shape)
+    row_sums = _sums_buffer(x2.shape[0], d, x) if sums else None
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, row_sums, d, x2.stride(0), eps, BLOCK=block,
+                                    SUMS=row_sums is not None, num_warps=_warps(block), **launch_options())
+    return y.view(x.shape), row_sums
+
+
+@register("rms_norm", "", "cuda")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm(x, weight, eps, sums=False)[0]
+
+
+@register("rms_norm_summed", "", "cuda")
+def rms_norm_summed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """rms_norm, and its output's fp32 row sums per ROW_SUM_COLS columns [rows, D / ROW_SUM_COLS] (None where D is not
+    a multiple of that)."""
+    return _rms_norm(x, weight, eps, sums=True)
 
 
 @triton.jit
@@ -115,7 +155,8 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, y_ptr, H, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _swiglu_kernel(g_ptr, u_ptr, y_ptr, sums_ptr, H, stride_g, stride_u, BLOCK: tl.constexpr, SUMS: tl.constexpr,
+                   PDL: tl.constexpr):
     wait(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -124,16 +165,32 @@ def _swiglu_kernel(g_ptr, u_ptr, y_ptr, H, stride_g, stride_u, BLOCK: tl.constex
     u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
     silu = (g / (1 + tl.exp(-g))).to(dtype)  # F.silu rounds to the input dtype before the product
-    tl.store(y_ptr + row * H + offs, (silu.to(tl.float32) * u).to(dtype), mask=mask)
+    y = (silu.to(tl.float32) * u).to(dtype)
+    tl.store(y_ptr + row * H + offs, y, mask=mask)
+    if SUMS:
+        store_row_sums(y, sums_ptr + row * (H // ROW_SUM_COLS), tl.program_id(1) * (BLOCK // ROW_SUM_COLS),
+                        H // ROW_SUM_COLS)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, sums: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    h = gate.shape[-1]
+    g2, u2 = (z.reshape(-1, h) for z in (gate, up))
+    g2, u2 = (z if z.stride(-1) == 1 else z.contiguous() for z in (g2, u2))
+    y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    row_sums = _sums_buffer(g2.shape[0], h, gate) if sums else None
+    _swiglu_kernel[(g2.shape[0], triton.cdiv(h, 1024))](g2, u2, y, row_sums, h, g2.stride(0), u2.stride(0),
+                                                        BLOCK=1024, SUMS=row_sums is not None, num_warps=4,
+                                                        **launch_options())
+    return y.view(gate.shape), row_sums
 
 
 @register("swiglu", "", "cuda")
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up [..., H]: rows may be strided (the two halves of one fused gate/up output), not copied."""
-    h = gate.shape[-1]
-    g2, u2 = (z.reshape(-1, h) for z in (gate, up))
-    g2, u2 = (z if z.stride(-1) == 1 else z.contiguous() for z in (g2, u2))
-    y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
-    _swiglu_kernel[(g2.shape[0], triton.cdiv(h, 1024))](g2, u2, y, h, g2.stride(0), u2.stride(0), BLOCK=1024,
-                                                        num_warps=4, **launch_options())
-    return y.view(gate.shape)
+    return _swiglu(gate, up, sums=False)[0]
+
+
+@register("swiglu_summed", "", "cuda")
+def swiglu_summed(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """swiglu, and its output's row sums per ROW_SUM_COLS columns (None where H is not a multiple of that)."""
+    return _swiglu(gate, up, sums=True)

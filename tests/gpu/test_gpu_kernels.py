@@ -34,8 +34,9 @@ M_SPLITS = (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)
 
 def test_the_op_table_dispatches_cuda_to_triton():
     for op, variant, fn in [("attention", "", triton_attention.attention), ("rms_norm", "", triton_small.rms_norm),
+                            ("rms_norm_summed", "", triton_small.rms_norm_summed),
                             ("rope_and_store", "", triton_small.rope_and_store),
-                            ("swiglu", "", triton_small.swiglu)]:
+                            ("swiglu", "", triton_small.swiglu), ("swiglu_summed", "", triton_small.swiglu_summed)]:
         assert lookup(op, variant, DEV) is fn
     for storage in STORAGES:
         assert lookup("linear", storage, DEV) is triton_linear.linear
@@ -70,19 +71,30 @@ MANY_ROWS = (17, 64, 65, 256, 257, 1024, 8192)  # the many-token buckets' edges,
 
 @pytest.mark.parametrize("storage,mode_name", PAIRS)
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 1024)])  # K split (4 tiles for bf16), K whole
-def test_linear_many_tokens_keeps_each_rows_bits(storage, mode_name, n, k):
+@pytest.mark.parametrize("row_sums", [False, True])  # x's row sums handed over, as the model's norms and swiglu do
+def test_linear_many_tokens_keeps_each_rows_bits(storage, mode_name, n, k, row_sums):
     """Every M bucket's tiles give each row the bits it gets alone (M = 1) and among 16 (the decode tiles)."""
     torch.manual_seed(3)
     mode = MODES[mode_name]
     w = torch.randn(n, k, device=DEV) * 0.02
     weight = quantize_weight(w.bfloat16() if storage == "dense" else w, storage, 128)
+    if row_sums and (mode.act_bits is not None or not triton_linear.takes_row_sums(
+            triton_linear.kernel_format(weight, mode), False, 128)):
+        pytest.skip("the caller's row sums are for bf16 activations into the nibble kernel")
     x = torch.randn(MANY_ROWS[-1], k, device=DEV).bfloat16()
-    y16 = triton_linear.linear(x[:16], weight, mode, None)
+    sums = None
+    if row_sums:  # normed rows and their sums, as a block's norm hands them to its linear
+        x, sums = triton_small.rms_norm_summed(x, torch.ones(k, device=DEV).bfloat16(), 1e-6)
+
+    def linear(rows: slice) -> torch.Tensor:
+        return triton_linear.linear(x[rows], weight, mode, None, sums=None if sums is None else sums[rows])
+
+    y16 = linear(slice(0, 16))
     rows = [0, 15, 16, 63, 64, 255, 256, 1023, 8191]
-    alone = {i: triton_linear.linear(x[i:i + 1], weight, mode, None) for i in rows}
+    alone = {i: linear(slice(i, i + 1)) for i in rows}
     assert torch.equal(alone[15], y16[15:16])
     for m in MANY_ROWS:
-        y = triton_linear.linear(x[:m], weight, mode, None)
+        y = linear(slice(0, m))
         assert torch.equal(y[:16], y16), f"M={m}"
         for i in rows:
             if i < m:
@@ -163,6 +175,24 @@ def test_act_quant(bits):
     q, s = triton_linear.act_quant(x, bits)
     q_ref, s_ref = quantize_per_token(x, bits)
     assert torch.equal(s, s_ref) and torch.equal(q, q_ref)
+    q2, s2, sums = triton_linear._act_quant(x, bits, sums=True)  # and the codes' row sums, exact
+    assert torch.equal(q2, q) and torch.equal(s2, s)
+    assert torch.equal(sums.double(), q.double().view(64, -1, 64).sum(-1))
+
+
+@pytest.mark.parametrize("mode_name", ["w4a8", "w4a4"])
+@pytest.mark.parametrize("m", [1, 16, 32, 160, 1024])
+def test_int8_activations_row_sums_give_the_dot_with_ones_bits(mode_name, m):
+    """The codes' row sums from act_quant in place of the nibble kernel's dot with ones: the same bits (exact
+    integers either way), at decode and many-token tiles."""
+    torch.manual_seed(4)
+    mode = MODES[mode_name]
+    weight = quantize_weight(torch.randn(4096, 4096, device=DEV) * 0.02, "int4", 128)
+    fmt = triton_linear.kernel_format(weight, mode)
+    xq, xs, sums = triton_linear._act_quant(torch.randn(m, 4096, device=DEV).bfloat16(), mode.act_bits, sums=True)
+    cfg = triton_linear.tile_config(fmt, True, 4096, 4096, 128, m)
+    assert torch.equal(triton_linear._launch(xq, xs, weight, fmt, True, None, cfg, sums=sums),
+                       triton_linear._launch(xq, xs, weight, fmt, True, None, cfg))
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (9, 3, 64)])
