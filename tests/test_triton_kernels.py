@@ -775,3 +775,53 @@ def test_quantized_attention_reads_paged_blocks(fmt, upper, monkeypatch):
     assert rel_err(out, ref) < QUANT_ATTENTION_TOL
     alone = triton_quant_attention.quantized_attention(q[1:, :, 2:], cache.view(["1"]).layer(0), q_pos[1:, 2:], upper)
     assert torch.equal(alone, out[1:, :, 2:])
+
+
+# --- the model on the Triton kernels
+
+
+def test_model_hands_its_producers_row_sums_to_the_nibble_gemms(monkeypatch):
+    """A tiny planes model run on the Triton kernels (interpreted, the op table's "cuda" entries for CPU tensors):
+    each block's norms hand their row sums to q/k/v and gate/up, swiglu to down, and o sums its input itself; the
+    logits are those of the kernels summing x themselves (up to the order of the sums' adds), and a 3-token verify
+    pass gives each position the bits of decoding it alone."""
+    from conftest import tiny_model
+
+    from selfspec import kernels
+    from selfspec.model import Transformer
+
+    cfg, sd, _ = tiny_model("llama", seed=4)  # hidden 64, intermediate 128: whole 64-column sums
+    model = Transformer(cfg, sd).to(torch.bfloat16)
+    model.quantize("planes", 64)
+    tokens = torch.tensor([[5, 17, 42, 7]])
+    mode = MODES["full"]
+
+    def logits_per_token(steps: list[int]) -> torch.Tensor:
+        cache = model.new_cache(16)
+        out, start = [], 0
+        for n in steps:
+            pos = torch.arange(start, start + n)
+            out.append(model(tokens[:, start:start + n], pos, cache, mode)[0])
+            start += n
+        return torch.cat(out)
+
+    reference_logits = logits_per_token([1, 3])
+    took = []
+    keep_sums = True
+
+    def spy(x, weight, mode, bias, residual=None, sums=None):
+        took.append((weight.shape, sums is not None))
+        return triton_linear.linear(x, weight, mode, bias, residual, sums if keep_sums else None)
+
+    monkeypatch.setattr(kernels, "_TABLE", {**kernels._TABLE, **{
+        (op, variant, "cpu"): spy if op == "linear" else fn
+        for (op, variant, device), fn in kernels._TABLE.items() if device == "cuda"}})
+    triton_logits = logits_per_token([1, 3])
+    assert torch.equal(triton_logits, logits_per_token([1, 1, 1, 1]))  # verify of 3 tokens: each row as alone
+    assert rel_err(triton_logits, reference_logits.double()) < 2e-2
+    h = cfg.hidden_dim
+    with_sums = {shape for shape, given in took if given}
+    assert with_sums == {(cfg.dim + 2 * cfg.n_kv_heads * cfg.head_dim, cfg.dim), (2 * h, cfg.dim), (cfg.dim, h)}
+    assert all(not given for shape, given in took if shape == (cfg.dim, cfg.n_heads * cfg.head_dim))
+    keep_sums = False
+    assert rel_err(triton_logits, logits_per_token([1, 3]).double()) < 1e-3

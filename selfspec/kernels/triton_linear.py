@@ -753,9 +753,11 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
          sums: torch.Tensor | None = None) -> torch.Tensor:
     """_launch on the tensors the kernel reads: (w, w2, scale, lo) of a weight of N rows in quant groups of `group`."""
     m, k = x2.shape
-    if sums is not None and sums.shape != (m, k // ROW_SUM_COLS.value):
-        raise ValueError(f"row sums of shape {tuple(sums.shape)} for x of {m} x {k}: expected "
-                         f"[{m}, {k // ROW_SUM_COLS.value}]")
+    if sums is not None:
+        if sums.shape != (m, k // ROW_SUM_COLS.value):
+            raise ValueError(f"row sums of shape {tuple(sums.shape)} for x of {m} x {k}: expected "
+                             f"[{m}, {k // ROW_SUM_COLS.value}]")
+        sums = sums.contiguous()  # the kernel reads row r's sums at r * K / ROW_SUM_COLS
     w, w2, scale, lo = tensors
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     chunk = k_chunk(k, cfg.split_k, cfg.block_k)
