@@ -189,14 +189,19 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
             "tokens": [tokens[str(i)] for i in range(len(prompts))], "passes": log.passes}
 
 
-def bench_recipe(llm: selfspec.LLM, prompts: list[list[int]], batch_sizes: list[int], params: SamplingParams,
+def bench_recipe(llm: selfspec.LLM, pool: list[list[int]], batch_sizes: list[int], params: SamplingParams,
                  max_gamma: int, refs: list[list[int]] | None, repeats: int = 1,
                  replay: list[int] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 prefill_wait: int = DEFAULT_PREFILL_WAIT, decode_steps: int = DEFAULT_DECODE_STEPS) -> list[dict]:
+                 prefill_wait: int = DEFAULT_PREFILL_WAIT, decode_steps: int = DEFAULT_DECODE_STEPS,
+                 requests_per_row: int | None = None) -> list[dict]:
     """AR and speculative runs alternate on one engine per batch size (`repeats` pairs, so load drift hits both
-    alike); each side reports its fastest run, and the spec/AR ratio of every pair is kept (median, min, max)."""
+    alike); each side reports its fastest run, and the spec/AR ratio of every pair is kept (median, min, max).
+    Every run serves the whole prompt pool, or with `requests_per_row` R its first max(8, R * batch) prompts: as
+    many waves of requests at every batch size, and a batch-1 run not as long as the pool."""
     rows = []
     for b in batch_sizes:
+        n = len(pool) if requests_per_row is None else min(len(pool), max(8, requests_per_row * b))
+        prompts = pool[:n]
         engine = make_engine(llm, prompts, b, params.max_new_tokens, max_gamma, replay, prefill_chunk, prefill_wait,
                              decode_steps)
         runs = {"ar": [], "spec": []}
@@ -212,12 +217,13 @@ def bench_recipe(llm: selfspec.LLM, prompts: list[list[int]], batch_sizes: list[
             run["of_step_bound"] = run["tokens_per_s"] / run["step_bound_tokens_per_s"]
         ar, spec = (max(runs[side], key=lambda r: r["tokens_per_s"]) for side in ("ar", "spec"))
         row = {"recipe": llm.recipe.name, "draft": llm.recipe.draft, "verify": llm.recipe.verify, "batch": b,
-               "synthetic": replay is not None, "ar": ar, "spec": spec,
+               "requests": n, "synthetic": replay is not None, "ar": ar, "spec": spec,
                "speedup": spec["tokens_per_s"] / ar["tokens_per_s"],
                "tokens_per_s_all_runs": {side: [r["tokens_per_s"] for r in rs] for side, rs in runs.items()}}
         row |= pair_speedups(runs)
         if refs is not None:  # batched greedy (AR and speculative) == solo greedy, request by request
-            row["mismatches"] = sum(t != r for rs in runs.values() for run in rs for t, r in zip(run["tokens"], refs))
+            row["mismatches"] = sum(t != r for rs in runs.values() for run in rs
+                                    for t, r in zip(run["tokens"], refs[:n]))
         for rs in runs.values():
             for run in rs:
                 run.pop("tokens", None)
@@ -276,6 +282,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 16, 32])
     p.add_argument("--requests", type=int, default=64, help="requests per run (a run: recipe x batch x AR/spec)")
+    p.add_argument("--requests-per-row", type=int, default=None, metavar="R",
+                   help="each batch size B serves max(8, R * B) of the --requests prompts instead of all of them")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     p.add_argument("--max-gamma", type=int, default=8, help="the policy drafts 0..max-gamma tokens per round")
@@ -301,8 +309,25 @@ def replay_trace(path: Path) -> tuple[str, list[int]]:
 
 
 def run(args: argparse.Namespace) -> None:
+    result = measure(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(report(result))
+
+
+def report(result: dict) -> str:
+    """The run's title and one markdown row per (recipe, batch size)."""
+    return "\n".join([title(result), HEADER, *map(markdown_row, result["rows"])])
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """`selfspec bench serve`'s runs (the arguments of `add_args` and the engine's prefill chunk, prefill wait
+    and decode steps) -> the result JSON: what ran, and one row per (recipe, batch size)."""
     if min(args.batch_sizes) < 1 or min(args.requests, args.max_new_tokens, args.repeats, args.prompt_tokens) < 1:
         raise SelfspecError("batch sizes, --requests, --max-new-tokens, --repeats and --prompt-tokens must be >= 1")
+    if args.requests_per_row is not None and args.requests_per_row < 1:
+        raise SelfspecError(f"--requests-per-row must be >= 1, got {args.requests_per_row}")
     if args.prefill_chunk < 1:
         raise SelfspecError(f"--prefill-chunk must be >= 1 prompt tokens per step, got {args.prefill_chunk}")
     if args.prefill_wait < 0:
@@ -334,27 +359,25 @@ def run(args: argparse.Namespace) -> None:
             if not args.no_check:
                 refs = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
         rows += bench_recipe(llm, prompts, args.batch_sizes, params, args.max_gamma, refs, args.repeats, replay,
-                             args.prefill_chunk, args.prefill_wait, args.decode_steps)
+                             args.prefill_chunk, args.prefill_wait, args.decode_steps, args.requests_per_row)
         description = llm.description
         del llm  # before the next recipe's model is built
     result = {"model": description, "synthetic": bool(args.shape), "device": args.device, "requests": args.requests,
+              "requests_per_row": args.requests_per_row,
               "max_new_tokens": args.max_new_tokens, "prefill_chunk": args.prefill_chunk,
               "prefill_wait": args.prefill_wait, "decode_steps": args.decode_steps, "rows": rows}
     if args.shape:
         result |= {"prompt_tokens": args.prompt_tokens, "acceptance_replayed_from": replayed}
     else:
         result["datasets"] = args.datasets
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    print(title(result))
-    print(HEADER)
-    for r in rows:
-        print(markdown_row(r))
+    return result
 
 
 def title(result: dict) -> str:
-    line = f"{result['model']} on {result['device']}, {result['requests']} requests x {result['max_new_tokens']} tokens"
+    per_row = result.get("requests_per_row")
+    requests = (f"max(8, {per_row} x batch) of {result['requests']} requests" if per_row
+                else f"{result['requests']} requests")
+    line = f"{result['model']} on {result['device']}, {requests} x {result['max_new_tokens']} tokens"
     if not result["synthetic"]:
         return line + f", prompts from {', '.join(result['datasets'])}"
     traces = "; ".join(f"{k}: {v}" for k, v in result["acceptance_replayed_from"].items())
