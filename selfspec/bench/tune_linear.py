@@ -17,12 +17,24 @@ import triton
 from selfspec.bench.device import copies_past_l2, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import triton_linear as tlin
+from selfspec.kernels.ops import ROW_SUM_COLS
 from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES
 
 KERNELS = {"bf16": ("dense", "bf16"), "w8a16": ("int8", "w8a16"), "w8a8": ("int8", "w8a8"),
            "w4a16": ("int4", "w4a16"), "w4a8": ("int4", "w4a8"), "upper": ("planes", "upper"),
            "full": ("planes", "full")}
+
+
+def kernel_inputs(x: torch.Tensor, mode, fmt: int, group: int) -> tuple:
+    """What the model hands the kernel for activations x: (x or its int8 codes, their row scales, the row sums the
+    kernel reads, or None where it sums x itself)."""
+    act = mode.act_bits is not None
+    if act:
+        return tlin._act_quant(x, mode.act_bits, sums=tlin.takes_row_sums(fmt, act, group))
+    if not tlin.takes_row_sums(fmt, act, group):
+        return x, None, None
+    return x, None, x.float().view(x.shape[0], -1, ROW_SUM_COLS).sum(-1)
 
 
 def candidates(group_fmt: bool, nibble_kernel: bool) -> list[tlin.TileConfig]:
@@ -46,11 +58,12 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
                        for _ in range(copies)]
             weight = weights[0]
             fmt, act = tlin.kernel_format(weight, mode), mode.act_bits is not None
-            xs = {m: (tlin.act_quant(x, mode.act_bits) if act else (x, None))
-                  for m, x in ((m, torch.randn(m, k, device="cuda").bfloat16()) for m in ms)}
+            group = getattr(weight, "group_size", 0)
+            xs = {m: kernel_inputs(torch.randn(m, k, device="cuda").bfloat16(), mode, fmt, group) for m in ms}
 
             def cost(cfg: tlin.TileConfig) -> float:
-                return sum(graph_time_ms([lambda w=w, m=m: tlin._launch(*xs[m], w, fmt, act, None, cfg)
+                return sum(graph_time_ms([lambda w=w, m=m: tlin._launch(*xs[m][:2], w, fmt, act, None, cfg,
+                                                                        sums=xs[m][2])
                                           for w in weights])
                            for m in ms)
 
@@ -86,9 +99,13 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
 _MMA_SYNC = [(32, 128, 4, 3, False), (32, 128, 4, 3, True), (32, 256, 8, 3, True), (32, 64, 4, 4, True),
              (32, 128, 8, 3, True), (32, 128, 8, 3, False), (32, 64, 8, 3, False), (32, 64, 8, 3, True),
              (64, 128, 4, 3, True)]  # the last one on wgmma: shows the bits it changes
+# The nibble kernel with bf16 activations reads its codes in mma.sync's natural k order (16-bit words, kWidth 2),
+# the order wgmma reads: whether its wgmma tiles keep decode's bits, as the bf16 weights' do, is what these show.
+_NIBBLE = _MMA_SYNC + [(64, 128, 4, 3, False), (64, 256, 8, 3, True), (128, 128, 8, 3, True),
+                       (128, 128, 8, 3, False), (128, 256, 8, 3, True)]
 _ANY = [(64, 128, 4, 3, False), (64, 128, 4, 3, True), (128, 128, 8, 3, True), (128, 256, 8, 2, True),
         (128, 128, 4, 3, True)]
-MANY_CANDIDATES = {"bf16": _MMA_SYNC, "int8": _MMA_SYNC, "nibble": _MMA_SYNC, "planes": _MMA_SYNC, "int8-act": _ANY,
+MANY_CANDIDATES = {"bf16": _MMA_SYNC, "int8": _MMA_SYNC, "nibble": _NIBBLE, "planes": _NIBBLE, "int8-act": _ANY,
                    "nibble-act": _ANY}
 MANY_KERNELS = {**KERNELS, "w4a4": ("int4", "w4a4")}
 TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "in_program")
@@ -111,10 +128,14 @@ def tune_many(shape: str, ms: tuple[int, ...], kernels: list[str], save: str | N
             dense = w.bfloat16()
             for m in ms:
                 x = torch.randn(m, k, device="cuda").bfloat16()
-                xq, xs = tlin.act_quant(x, mode.act_bits) if act else (x, None)
-                ref = tlin._launch(xq, xs, weight, fmt, act, None, base)
+                xq, xs, sums = kernel_inputs(x, mode, fmt, group)
+
+                def launch(cfg: tlin.TileConfig) -> torch.Tensor:
+                    return tlin._launch(xq, xs, weight, fmt, act, None, cfg, sums=sums)
+
+                ref = launch(base)
                 row = {"kernel": kname, "kind": kind, "gemm": gemm, "n": n, "k": k, "m": m, "base": base.__dict__,
-                       "base_us": 1000 * graph_time_ms([lambda: tlin._launch(xq, xs, weight, fmt, act, None, base)]),
+                       "base_us": 1000 * graph_time_ms([lambda: launch(base)]),
                        "cublas_us": 1000 * graph_time_ms([lambda: torch.nn.functional.linear(x, dense)]),
                        "candidates": []}
                 for bm, bn, warps, stages, in_program in MANY_CANDIDATES[kind]:
@@ -123,8 +144,8 @@ def tune_many(shape: str, ms: tuple[int, ...], kernels: list[str], save: str | N
                     cfg = replace(base, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
                                   in_program=in_program and base.split_k > 1)
                     try:
-                        same = torch.equal(tlin._launch(xq, xs, weight, fmt, act, None, cfg), ref)
-                        us = 1000 * graph_time_ms([lambda: tlin._launch(xq, xs, weight, fmt, act, None, cfg)])
+                        same = torch.equal(launch(cfg), ref)
+                        us = 1000 * graph_time_ms([lambda: launch(cfg)])
                     except Exception as e:  # noqa: BLE001 (a config past the shared memory: recorded, skipped)
                         row["candidates"].append({**cfg.__dict__, "error": str(e)[:200]})
                         continue

@@ -9,7 +9,9 @@ _linear_kernel, specialised at compile time by how it reads W (FMT) and whether 
   where unsigned weight codes are shifted into the signed int8 range and the shift is folded into the offset.
 _nibble_kernel covers the nibble formats (w4a16, upper, full; w4a8 and w4a4 with the same act_quant): it feeds the
 tensor cores the codes themselves and applies each group's affine after the dot, which keeps it bound by memory
-rather than by converting every weight through fp32.
+rather than by converting every weight through fp32. With bf16 activations it reads the planes as 16-bit words and
+builds the bf16 codes in one asm block, so that they enter mma.sync in its natural k order: from 8-bit values
+Triton builds dot operands in another order (kWidth 4), which rounds a dot's sums otherwise than wgmma does.
 Both kernels read their weight tiles by TMA (tensor descriptors, zeros past the edges): Hopper's copy engine keeps
 more bytes in flight per SM than per-thread loads do.
 
@@ -351,6 +353,98 @@ def _plane_codes(u, l, ASM: tl.constexpr):
     return even, odd
 
 
+# Two 16-bit words of a nibble plane (four bytes; byte j holds k = 2j in its low nibble and 2j + 1 in its high one)
+# -> the codes at k = 4w + t, t = 0..3, as bf16 128 + c: output t holds word 0's code and word 1's. Built from 16-bit
+# words in one asm block, the codes enter mma.sync in its natural k order, the one wgmma and the bf16 weights' tiles
+# use: Triton gives a dot operand converted from 8-bit values another order (kWidth 4), which rounds differently.
+_WORD_NIBBLES_ASM = tl.constexpr("""
+{
+.reg .b32 lo, hi;
+and.b32 lo, $4, 0x0F0F0F0F;
+shr.b32 hi, $4, 4;
+and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $0, lo, 0x43, 0x4240;
+prmt.b32 $1, hi, 0x43, 0x4240;
+prmt.b32 $2, lo, 0x43, 0x4341;
+prmt.b32 $3, hi, 0x43, 0x4341;
+}
+""")
+
+
+@triton.jit
+def _word_codes(w, ASM: tl.constexpr):
+    """bf16 128 + c of the codes at k = 4j + t (t = 0..3) of a nibble plane's 16-bit words w."""
+    if ASM:
+        return tl.inline_asm_elementwise(_WORD_NIBBLES_ASM, "=r,=r,=r,=r,r", [w],
+                                         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
+                                         pack=2)
+    v = w.to(tl.int32) & 0xFFFF
+    return (((v & 15) + 128).to(tl.float32).to(tl.bfloat16), (((v >> 4) & 15) + 128).to(tl.float32).to(tl.bfloat16),
+            (((v >> 8) & 15) + 128).to(tl.float32).to(tl.bfloat16),
+            (((v >> 12) & 15) + 128).to(tl.float32).to(tl.bfloat16))
+
+
+# The two planes' 16-bit words (2 + 2) -> bf16 q8 - 128 (q8 = 16 upper + lower) at k = 4w + t, t = 0..3: a holds the
+# codes of the bytes' low nibbles (t = 0, 2), b of their high ones (t = 1, 3), each as a signed byte (sign bit
+# flipped); 0x43 put above a signed byte makes bf16 128 + (its low 7 bits), or 256 + twice that where its top bit is
+# set, so subtracting 128 or 256 (that byte's 0x43 and top bit alone) leaves its value, exactly.
+_PLANE_WORDS_ASM = tl.constexpr("""
+{
+.reg .b32 a, b, t, l0, l1, l2;
+and.b32 a, $4, 0x0F0F0F0F;
+shl.b32 a, a, 4;
+and.b32 t, $5, 0x0F0F0F0F;
+or.b32 a, a, t;
+xor.b32 a, a, 0x80808080;
+and.b32 b, $4, 0xF0F0F0F0;
+shr.b32 t, $5, 4;
+and.b32 t, t, 0x0F0F0F0F;
+or.b32 b, b, t;
+xor.b32 b, b, 0x80808080;
+prmt.b32 l0, a, 0x43, 0x4240;
+and.b32 l1, l0, 0xff7fff7f;
+and.b32 l2, l0, 0xff80ff80;
+sub.bf16x2 $0, l1, l2;
+prmt.b32 l0, b, 0x43, 0x4240;
+and.b32 l1, l0, 0xff7fff7f;
+and.b32 l2, l0, 0xff80ff80;
+sub.bf16x2 $1, l1, l2;
+prmt.b32 l0, a, 0x43, 0x4341;
+and.b32 l1, l0, 0xff7fff7f;
+and.b32 l2, l0, 0xff80ff80;
+sub.bf16x2 $2, l1, l2;
+prmt.b32 l0, b, 0x43, 0x4341;
+and.b32 l1, l0, 0xff7fff7f;
+and.b32 l2, l0, 0xff80ff80;
+sub.bf16x2 $3, l1, l2;
+}
+""")
+
+
+@triton.jit
+def _plane_word_codes(u, l, ASM: tl.constexpr):
+    """bf16 q8 - 128 (q8 = 16 upper + lower) at k = 4j + t (t = 0..3) of the two planes' 16-bit words u and l."""
+    if ASM:
+        return tl.inline_asm_elementwise(_PLANE_WORDS_ASM, "=r,=r,=r,=r,r,r", [u, l],
+                                         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
+                                         pack=2)
+    a = u.to(tl.int32) & 0xFFFF
+    b = l.to(tl.int32) & 0xFFFF
+    return ((((a & 15) << 4) + (b & 15) - 128).to(tl.float32).to(tl.bfloat16),
+            (((a >> 4) & 15) * 16 + ((b >> 4) & 15) - 128).to(tl.float32).to(tl.bfloat16),
+            (((a >> 8) & 15) * 16 + ((b >> 8) & 15) - 128).to(tl.float32).to(tl.bfloat16),
+            (((a >> 12) & 15) * 16 + ((b >> 12) & 15) - 128).to(tl.float32).to(tl.bfloat16))
+
+
+@triton.jit
+def _quarters(x):
+    """x [M, K] -> its columns k = 4j, 4j + 1, 4j + 2 and 4j + 3, each [M, K / 4]."""
+    even, odd = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 4, 2, 2)))  # k = 4j + 2i, 4j + 2i + 1
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
 # Four bytes -> their low and their high nibbles as int8 codes 0..15 (for the int8 tensor cores).
 _NIBBLES_I8_ASM = tl.constexpr("""
 {
@@ -392,7 +486,7 @@ def _widen_k(a, b):
 def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, k_start, k_end, M,
                   N, K, stride_xm, stride_sn, stride_sg, FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
-                  ROW_SUMS: tl.constexpr, ASM: tl.constexpr):
+                  ROW_SUMS: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
     """One K chunk [k_start, k_end) of a [BLOCK_M, BLOCK_N] tile of _nibble_kernel, from a zero accumulator."""
     # K is a multiple of GROUP and BLOCK_K divides GROUP: no K mask.
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_start + tl.arange(0, BLOCK_K)[None, :]
@@ -418,19 +512,31 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
         g_next = tl.minimum((k0 + BLOCK_K) // GROUP, last_group)
         s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, g_next, N, stride_sn, stride_sg, FMT)
         x = tl.load(x_ptrs, mask=x_mask, other=0)
-        xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
-        b = w_desc.load([n0, k0 // 2])
-        if ACT:  # int8 codes 0..15 on int8 tensor cores, exact int32 sums per tile
-            lo_c, hi_c = _int8_codes(b, ASM)
-            d = tl.dot(xo, tl.trans(hi_c), tl.dot(xe, tl.trans(lo_c), out_dtype=tl.int32), out_dtype=tl.int32)
-            d = d.to(tl.float32)
-        elif FMT == FULL:  # the lower plane has the upper plane's layout
-            even, odd = _plane_codes(b, w2_desc.load([n0, k0 // 2]), ASM)
-            d = tl.dot(xo, tl.trans(odd), tl.dot(xe, tl.trans(even)))
-            offset = -128.0
+        if WORDS:  # bf16 activations: the planes as 16-bit words, four codes each
+            x0, x1, x2, x3 = _quarters(x)
+            w = w_desc.load([n0, k0 // 4])
+            if FMT == FULL:
+                c0, c1, c2, c3 = _plane_word_codes(w, w2_desc.load([n0, k0 // 4]), ASM)
+                offset = -128.0
+            else:
+                c0, c1, c2, c3 = _word_codes(w, ASM)
+                offset = CODE_OFFSET
+            d = tl.dot(x0, tl.trans(c0))
+            d = tl.dot(x3, tl.trans(c3), tl.dot(x2, tl.trans(c2), tl.dot(x1, tl.trans(c1), d)))
         else:
-            d = _nibble_dot(xe, xo, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), ASM)
-            offset = CODE_OFFSET
+            xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+            b = w_desc.load([n0, k0 // 2])
+            if ACT:  # int8 codes 0..15 on int8 tensor cores, exact int32 sums per tile
+                lo_c, hi_c = _int8_codes(b, ASM)
+                d = tl.dot(xo, tl.trans(hi_c), tl.dot(xe, tl.trans(lo_c), out_dtype=tl.int32), out_dtype=tl.int32)
+                d = d.to(tl.float32)
+            elif FMT == FULL:  # the lower plane has the upper plane's layout
+                even, odd = _plane_codes(b, w2_desc.load([n0, k0 // 2]), ASM)
+                d = tl.dot(xo, tl.trans(odd), tl.dot(xe, tl.trans(even)))
+                offset = -128.0
+            else:
+                d = _nibble_dot(xe, xo, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), ASM)
+                offset = CODE_OFFSET
         if ROW_SUMS:  # the tile's row sums, its ROW_SUM_COLS-column pieces added in order
             x_sum = tl.load(sum_ptrs, mask=offs_m < M, other=0)
             for j in tl.static_range(1, BLOCK_K // ROW_SUM_COLS):
@@ -468,7 +574,8 @@ def _nibble_kernel(
     M, N, K, K_CHUNK, CHUNKS, stride_xm, stride_sn, stride_sg, stride_ym, stride_rm,
     FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    IN_PROGRAM: tl.constexpr, TILES: tl.constexpr, ROW_SUMS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    IN_PROGRAM: tl.constexpr, TILES: tl.constexpr, ROW_SUMS: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Nibble formats: INT4, UPPER and FULL with bf16 activations, INT4 and UPPER with int8 activation codes
     (ACT). A K tile lies in one quant group, whose affine is applied after the dot:
@@ -494,11 +601,12 @@ def _nibble_kernel(
         for c in range(0, CHUNKS):
             acc += _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0,
                                  c * K_CHUNK, tl.minimum(K, (c + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn,
-                                 stride_sg, FMT, ACT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, TILES, ROW_SUMS, ASM)
+                                 stride_sg, FMT, ACT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, TILES, ROW_SUMS, WORDS,
+                                 ASM)
     else:
         acc = _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, pid_k * K_CHUNK,
                             tl.minimum(K, (pid_k + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn, stride_sg, FMT, ACT,
-                            GROUP, BLOCK_M, BLOCK_N, BLOCK_K, TILES, ROW_SUMS, ASM)
+                            GROUP, BLOCK_M, BLOCK_N, BLOCK_K, TILES, ROW_SUMS, WORDS, ASM)
     _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
             stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
 
@@ -606,6 +714,9 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 # - bf16 activations (bf16, int8 and nibble weights): warps, stages, N tiles and M tiles up to 32 keep the bits,
 #   but M tiles of 64 or more (where Triton issues Hopper's wgmma instead of mma.sync) changed 4e-5 to 1.5e-3 of
 #   the outputs of integer-coded weights (int8 codes, nibbles, planes): so these stay on mma.sync, M tiles of 32.
+#   (Measured with their codes built from bytes, whose mma.sync operands Triton lays out with kWidth 4; the nibble
+#   kernel now builds them from 16-bit words, kWidth 2 as for bf16 weights, whose wgmma tiles keep the bits: its
+#   wgmma tiles are to be measured, `python -m selfspec.bench.tune_linear --many`.)
 #   bf16 weights kept every bit on wgmma tiles (64 to 128 rows, N tiles 128/256, K tiles 64/128, at M = 256 to
 #   4096 on the 8B layers: random, integer-valued and +-1 weights such as the rotation's,
 #   docs/bench-h100/gemm-many-tokens.md): they take them past 64 rows, 64 x 128 up to 256 rows (1.3-1.6x cuBLAS),
@@ -732,6 +843,12 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     return _launch(x2, xs, weight, fmt, act, bias, cfg, r2, sums).view(*x.shape[:-1], n)
 
 
+def reads_words(act: bool, block_k: int) -> bool:
+    """Whether the nibble kernel reads its planes as 16-bit words (four codes a word, for mma.sync's natural k order):
+    with bf16 activations, in K tiles of 64 and more (a dot of a quarter of the tile needs K >= 16)."""
+    return not act and block_k >= 64
+
+
 def takes_row_sums(fmt: int, act: bool, group: int) -> bool:
     """Whether a GEMM reads its input's row sums (which its group offsets multiply) instead of summing each K tile
     of x in every program: the nibble kernel, in K tiles made of whole ROW_SUM_COLS-column pieces. With bf16
@@ -773,12 +890,18 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
     stride_sn, stride_sg = (0, 0) if lo is None else lo.stride()  # scale has lo's layout
     args = (y, part, counts, m, n, k, chunk, cfg.split_k if cfg.in_program else 1, x2.stride(0), stride_sn,
             stride_sg, y.stride(0), 0 if r2 is None else r2.stride(0))
-    block = [cfg.block_n, cfg.block_k // 2 if fmt >= INT4.value else cfg.block_k]
+    nibble = uses_nibble_kernel(fmt, act, group)
+    words = nibble and reads_words(act, cfg.block_k)
+    if words:  # the planes' bytes as 16-bit words, four codes each
+        w, w2 = (None if t is None else t.view(torch.int16) for t in (w, w2))
+        block = [cfg.block_n, cfg.block_k // 4]
+    else:
+        block = [cfg.block_n, cfg.block_k // 2 if fmt >= INT4.value else cfg.block_k]
     descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
-    if uses_nibble_kernel(fmt, act, group):
+    if nibble:
         tiles = triton.next_power_of_2(chunk // cfg.block_k)
         _nibble_kernel[grid](x2, xs, sums, *descs, scale, lo, bias, r2, *args, TILES=tiles, ROW_SUMS=sums is not None,
-                             ASM=not INTERPRETING, **flags)
+                             WORDS=words, ASM=not INTERPRETING, **flags)
     else:
         _linear_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, SHIFT=_shift(fmt) if act else 0,
                              SWAP=cfg.swap, **flags)

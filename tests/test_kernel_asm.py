@@ -1,0 +1,123 @@
+"""The linear kernel's inline PTX, run here by a small emulator of the instructions it uses (the interpreter in CI
+runs the kernels' integer-op twins instead; the GPU tests run the PTX itself): each block turns packed words of
+the stored planes into the codes the tensor cores read, exactly."""
+import re
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: no kernels")
+
+from selfspec.kernels import triton_linear  # noqa: E402
+
+MASK = 0xFFFFFFFF
+
+
+def bf16_bits(values) -> np.ndarray:
+    return torch.tensor(np.asarray(values, dtype=np.float32)).bfloat16().view(torch.int16).numpy().view(np.uint16)
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def run_ptx(text: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
+    """Run an asm block of and/or/xor/shl/shr/prmt .b32 and sub.bf16x2 on uint32 arrays; operands $0.. are the
+    outputs, then the inputs."""
+    regs = {f"${outputs + i}": v.astype(np.uint64) for i, v in enumerate(inputs)}
+
+    def val(tok: str) -> np.ndarray:
+        if tok.startswith("0x"):
+            return np.uint64(int(tok, 16))
+        return np.uint64(int(tok)) if tok.isdigit() else regs[tok]
+
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        d, *args = [a.strip() for a in rest.split(",")]
+        a = [val(x) for x in args]
+        if op == "and.b32":
+            r = a[0] & a[1]
+        elif op == "or.b32":
+            r = a[0] | a[1]
+        elif op == "xor.b32":
+            r = a[0] ^ a[1]
+        elif op == "shl.b32":
+            r = (a[0] << a[1]) & MASK
+        elif op == "shr.b32":
+            r = a[0] >> a[1]
+        elif op == "prmt.b32":  # bytes of {b, a} picked by the selector's nibbles
+            pool = [(a[0] >> (8 * i)) & 0xFF for i in range(4)] + [(a[1] >> (8 * i)) & 0xFF for i in range(4)]
+            sel = int(args[2], 16)
+            r = sum(pool[(sel >> (4 * i)) & 7] << np.uint64(8 * i) for i in range(4))
+        elif op == "sub.bf16x2":
+            halves = [bf16_bits(bf16_values(((a[0] >> s) & 0xFFFF).astype(np.uint16))
+                                - bf16_values(((a[1] >> s) & 0xFFFF).astype(np.uint16))).astype(np.uint64) << s
+                      for s in (np.uint64(0), np.uint64(16))]
+            r = halves[0] | halves[1]
+        else:
+            raise AssertionError(f"instruction {op} not emulated")
+        regs[d] = np.asarray(r, dtype=np.uint64) & MASK
+    return [regs[f"${i}"].astype(np.uint32) for i in range(outputs)]
+
+
+def halves(reg: np.ndarray) -> np.ndarray:
+    """A register of two bf16 (element 0 in the low half) -> their values [n, 2]."""
+    return np.stack([bf16_values((reg & 0xFFFF).astype(np.uint16)), bf16_values((reg >> 16).astype(np.uint16))], 1)
+
+
+def words(rng, n):
+    """n registers of two random 16-bit words (element 0 in the low half) and the words themselves [n, 2]."""
+    w = rng.integers(0, 1 << 16, size=(n, 2), dtype=np.uint64)
+    return (w[:, 0] | (w[:, 1] << np.uint64(16))).astype(np.uint32), w
+
+
+def test_emulator_knows_the_instructions_it_runs():
+    for name in ("_WORD_NIBBLES_ASM", "_PLANE_WORDS_ASM", "_NIBBLES_ASM", "_PLANES_ASM"):
+        text = getattr(triton_linear, name).value
+        ops = set(re.findall(r"^\s*([a-z]+\.[a-z0-9.]+)", text, re.M)) - {".reg"}
+        assert ops <= {"and.b32", "or.b32", "xor.b32", "shl.b32", "shr.b32", "prmt.b32", "sub.bf16x2"}, name
+
+
+def test_word_nibbles_give_the_codes_at_k_4j_to_4j_plus_3():
+    rng = np.random.default_rng(0)
+    reg, w = words(rng, 4096)
+    outs = run_ptx(triton_linear._WORD_NIBBLES_ASM.value, [reg], 4)
+    for t, out in enumerate(outs):  # word j holds k = 4j .. 4j + 3, nibble t at bits 4t .. 4t + 3
+        assert np.array_equal(halves(out), ((w >> np.uint64(4 * t)) & np.uint64(15)).astype(np.float32) + 128), t
+
+
+def test_plane_words_give_the_signed_int8_codes():
+    rng = np.random.default_rng(1)
+    upper, u = words(rng, 4096)
+    lower, low = words(rng, 4096)
+    outs = run_ptx(triton_linear._PLANE_WORDS_ASM.value, [upper, lower], 4)
+    for t, out in enumerate(outs):
+        q8 = ((u >> np.uint64(4 * t)) & np.uint64(15)) * 16 + ((low >> np.uint64(4 * t)) & np.uint64(15))
+        assert np.array_equal(halves(out), q8.astype(np.float32) - 128), t
+    assert {-128.0, 127.0} <= set(np.concatenate([halves(o).ravel() for o in outs]))  # the ends of the range
+
+
+def byte_regs(rng, n):
+    b = rng.integers(0, 256, size=(n, 4), dtype=np.uint64)
+    return sum(b[:, i] << np.uint64(8 * i) for i in range(4)).astype(np.uint32), b
+
+
+def test_byte_blocks_the_gpu_tests_proved_run_here_as_there():
+    """The emulator on the asm the GPU tests have long run: nibbles of bytes, and the two planes' signed codes."""
+    rng = np.random.default_rng(2)
+    reg, b = byte_regs(rng, 1024)
+    lo01, lo23, hi01, hi23 = run_ptx(triton_linear._NIBBLES_ASM.value, [reg], 4)
+    for out, first, shift in ((lo01, 0, 0), (lo23, 2, 0), (hi01, 0, 4), (hi23, 2, 4)):
+        expect = ((b[:, first:first + 2] >> np.uint64(shift)) & np.uint64(15)).astype(np.float32) + 128
+        assert np.array_equal(halves(out), expect)
+    upper, u = byte_regs(rng, 1024)
+    lower, low = byte_regs(rng, 1024)
+    even, odd = run_ptx(triton_linear._PLANES_ASM.value, [upper, lower], 2)
+    for out, codes in ((even, ((u & np.uint64(15)) << np.uint64(4)) | (low & np.uint64(15))),
+                       (odd, (u & np.uint64(0xF0)) | (low >> np.uint64(4)))):
+        got = np.stack([(out.astype(np.uint64) >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)], 1)
+        assert np.array_equal(got, codes ^ np.uint64(0x80))
