@@ -23,7 +23,7 @@ def bf16_values(bits: np.ndarray) -> np.ndarray:
 
 
 def run_ptx(text: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
-    """Run an asm block of and/or/xor/shl/shr/prmt .b32 and sub.bf16x2 on uint32 arrays; operands $0.. are the
+    """Run an asm block of and/or/xor/shl/shr/mov/prmt .b32 and sub.bf16x2 on uint32 arrays; operands $0.. are the
     outputs, then the inputs."""
     regs = {f"${outputs + i}": v.astype(np.uint64) for i, v in enumerate(inputs)}
 
@@ -49,6 +49,8 @@ def run_ptx(text: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarra
             r = (a[0] << a[1]) & MASK
         elif op == "shr.b32":
             r = a[0] >> a[1]
+        elif op == "mov.b32":
+            r = a[0]
         elif op == "prmt.b32":  # bytes of {b, a} picked by the selector's nibbles
             pool = [(a[0] >> (8 * i)) & 0xFF for i in range(4)] + [(a[1] >> (8 * i)) & 0xFF for i in range(4)]
             sel = int(args[2], 16)
@@ -76,10 +78,10 @@ def words(rng, n):
 
 
 def test_emulator_knows_the_instructions_it_runs():
-    for name in ("_WORD_NIBBLES_ASM", "_PLANE_WORDS_ASM", "_NIBBLES_ASM", "_PLANES_ASM"):
+    for name in ("_WORD_NIBBLES_ASM", "_PLANE_WORDS_ASM", "_INT8_WORDS_ASM", "_NIBBLES_ASM", "_PLANES_ASM"):
         text = getattr(triton_linear, name).value
         ops = set(re.findall(r"^\s*([a-z]+\.[a-z0-9.]+)", text, re.M)) - {".reg"}
-        assert ops <= {"and.b32", "or.b32", "xor.b32", "shl.b32", "shr.b32", "prmt.b32", "sub.bf16x2"}, name
+        assert ops <= {"and.b32", "or.b32", "xor.b32", "shl.b32", "shr.b32", "mov.b32", "prmt.b32", "sub.bf16x2"}, name
 
 
 def test_word_nibbles_give_the_codes_at_k_4j_to_4j_plus_3():
@@ -99,6 +101,16 @@ def test_plane_words_give_the_signed_int8_codes():
         q8 = ((u >> np.uint64(4 * t)) & np.uint64(15)) * 16 + ((low >> np.uint64(4 * t)) & np.uint64(15))
         assert np.array_equal(halves(out), q8.astype(np.float32) - 128), t
     assert {-128.0, 127.0} <= set(np.concatenate([halves(o).ravel() for o in outs]))  # the ends of the range
+
+
+def test_int8_words_give_the_signed_codes_at_even_and_odd_k():
+    rng = np.random.default_rng(3)
+    reg, w = words(rng, 4096)
+    even, odd = run_ptx(triton_linear._INT8_WORDS_ASM.value, [reg], 2)
+    for out, shift in ((even, 0), (odd, 8)):  # word j holds k = 2j in its low byte, 2j + 1 in its high one
+        byte = ((w >> np.uint64(shift)) & np.uint64(0xFF)).astype(np.int64)
+        assert np.array_equal(halves(out), np.where(byte > 127, byte - 256, byte).astype(np.float32))
+    assert {-128.0, 127.0} <= set(np.concatenate([halves(o).ravel() for o in (even, odd)]))
 
 
 def byte_regs(rng, n):

@@ -519,6 +519,21 @@ def test_int8_activations_take_their_codes_row_sums_from_act_quant(mode_name, gr
     assert torch.equal(triton_linear.linear(x, weight, mode, None), with_dot)
 
 
+@pytest.mark.parametrize("storage,mode_name", [("int4", "w4a16"), ("planes", "full"), ("planes", "upper")])
+def test_nibble_codes_by_bytes_in_groups_of_32(storage, mode_name):
+    """Groups of 32 (K tiles of 32, too narrow for the 16-bit words' four dots of K / 4) read the planes by bytes."""
+    torch.manual_seed(15)
+    mode = MODES[mode_name]
+    weight = quantize_weight(torch.randn(40, 192), storage, 32)
+    fmt = triton_linear.kernel_format(weight, mode)
+    cfg = triton_linear.tile_config(fmt, False, 40, 192, 32, 5)
+    assert cfg.block_k == 32 and not triton_linear.reads_words(fmt, False, cfg, 192, True)
+    x = torch.randn(5, 192).bfloat16()
+    y = triton_linear.linear(x, weight, mode, None)
+    assert rel_err(y, linear_oracle(x, weight, mode, None)) < TOL
+    assert torch.equal(triton_linear.linear(x[3:4], weight, mode, None)[0], y[3])
+
+
 def test_linear_ignores_row_sums_where_its_kernel_sums_itself():
     """Activation-quantized and dense GEMMs take no row sums from the caller: the same bits with or without."""
     torch.manual_seed(13)

@@ -43,9 +43,12 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
     """The kernel `_launch` would run for `mode` under `cfg` (K = k), compiled for sm_90 (no launch, no GPU)."""
     fmt, act = FORMATS[mode], MODES[mode].act_bits is not None
     nibble = tlin.uses_nibble_kernel(fmt, act, group)
-    words = nibble and tlin.reads_words(act, cfg.block_k)
+    words = tlin.reads_words(fmt, act, cfg, k, nibble)
     w_type = "i16" if words else {tlin.DENSE.value: "bf16", tlin.INT8.value: "i8"}.get(fmt, "u8")
-    w_cols = cfg.block_k // 4 if words else cfg.block_k // 2 if fmt >= tlin.INT4.value else cfg.block_k
+    if words:
+        w_cols = cfg.block_k // 4 if nibble else cfg.block_k // 2
+    else:
+        w_cols = cfg.block_k // 2 if fmt >= tlin.INT4.value else cfg.block_k
     desc = f"tensordesc<{w_type}[{cfg.block_n}, {w_cols}]>"
     sig = {"x_ptr": "*i8" if act else "*bf16", "xs_ptr": "*fp32", "w_desc": desc,
            "w2_desc": desc if fmt == tlin.FULL.value else "constexpr", "scale_ptr": "*fp32", "lo_ptr": "*fp32",
@@ -66,7 +69,7 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
                       ROW_SUMS=row_sums, WORDS=words, ASM=True)
         kernel = tlin._nibble_kernel
     else:
-        consts.update(SHIFT=tlin._shift(fmt) if act else 0, SWAP=cfg.swap)
+        consts.update(SHIFT=tlin._shift(fmt) if act else 0, SWAP=cfg.swap, WORDS=words, ASM=True)
         kernel = tlin._linear_kernel
     sig.update(dict.fromkeys(consts, "constexpr"))
     return triton.compile(ASTSource(kernel, sig, consts), target=H100,

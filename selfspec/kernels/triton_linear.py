@@ -1,8 +1,9 @@
 """Triton GEMM y = x @ W^T (+ bias) read straight from every stored weight format.
 
 _linear_kernel, specialised at compile time by how it reads W (FMT) and whether activations are quantized (ACT):
-- weight-only modes (bf16, w8a16) dequantize the weight tile in registers and run a bf16 tl.dot with fp32
-  accumulation;
+- weight-only modes (bf16, w8a16) run a bf16 tl.dot with fp32 accumulation; w8a16 reads its INT8 codes as 16-bit
+  words and turns them into bf16 in asm (the per-channel scale comes after the K loop), so that they enter the
+  tensor cores in mma.sync's natural k order, as the nibble kernel below does;
 - activation-quantized modes on INT8 and both planes quantize x per token (`act_quant`: int8 codes and a row
   scale), run an int8 tl.dot with int32 accumulation per K tile, and apply the weight's affine per tile:
       y = sx * sum_tiles(s * dot(xq, q - shift) + (lo + shift * s) * sum(xq))
@@ -190,7 +191,7 @@ def _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_pt
 def _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, k_start, k_end, M, N, K,
                   stride_xm, stride_sn, stride_sg, FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SWAP: tl.constexpr):
+                  SWAP: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
     """One K chunk [k_start, k_end) of a [BLOCK_M, BLOCK_N] tile, walked in order from a zero accumulator."""
     if SWAP:  # y^T = W x^T: the weight tile is the dot's left operand, fed to the tensor cores from registers
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -200,33 +201,46 @@ def _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0)
-        q = _load_weight(w_desc, w2_desc, n0, k0, FMT, BLOCK_K)
-        if FMT >= INT4:  # BLOCK_K divides GROUP, so the tile lies in one group
-            s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
-        if ACT:
-            if SWAP:
-                d = tl.dot(_signed(q, SHIFT), tl.trans(x), out_dtype=tl.int32).to(tl.float32)
-            else:
-                d = tl.dot(x, tl.trans(_signed(q, SHIFT)), out_dtype=tl.int32).to(tl.float32)
-            if FMT >= INT4:
-                x_sum = tl.sum(x.to(tl.int32), axis=1).to(tl.float32)
-                if SWAP:
-                    acc += d * s[:, None] + (lo + SHIFT * s)[:, None] * x_sum[None, :]
-                else:
-                    acc += d * s[None, :] + x_sum[:, None] * (lo + SHIFT * s)[None, :]
-            else:
-                acc += d
+        if WORDS:
+            acc = _int8_word_dot(x, w_desc, n0, k0, acc, ASM)
         else:
-            if FMT == INT8:
-                w = q.to(tl.float32).to(tl.bfloat16)  # via fp32: exact for int8 codes
-            else:
-                w = q.to(tl.bfloat16)
-            if SWAP:
-                acc = tl.dot(w, tl.trans(x), acc)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
+            acc = _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg, FMT,
+                            ACT, SHIFT, GROUP, BLOCK_K, SWAP)
     if SWAP:
         acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
+def _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg,
+              FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+              SWAP: tl.constexpr):
+    """acc + the K tile at k0 of x @ W^T (W x^T where SWAP) as read by bytes (TMA; zeros past the edges)."""
+    q = _load_weight(w_desc, w2_desc, n0, k0, FMT, BLOCK_K)
+    if FMT >= INT4:  # BLOCK_K divides GROUP, so the tile lies in one group
+        s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
+    if ACT:
+        if SWAP:
+            d = tl.dot(_signed(q, SHIFT), tl.trans(x), out_dtype=tl.int32).to(tl.float32)
+        else:
+            d = tl.dot(x, tl.trans(_signed(q, SHIFT)), out_dtype=tl.int32).to(tl.float32)
+        if FMT >= INT4:
+            x_sum = tl.sum(x.to(tl.int32), axis=1).to(tl.float32)
+            if SWAP:
+                acc += d * s[:, None] + (lo + SHIFT * s)[:, None] * x_sum[None, :]
+            else:
+                acc += d * s[None, :] + x_sum[:, None] * (lo + SHIFT * s)[None, :]
+        else:
+            acc += d
+    else:
+        if FMT == INT8:
+            w = q.to(tl.float32).to(tl.bfloat16)  # via fp32: exact for int8 codes
+        else:
+            w = q.to(tl.bfloat16)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
     return acc
 
 
@@ -236,7 +250,8 @@ def _linear_kernel(
     M, N, K, K_CHUNK, CHUNKS, stride_xm, stride_sn, stride_sg, stride_ym, stride_rm,
     FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, IN_PROGRAM: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, IN_PROGRAM: tl.constexpr, SWAP: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # M tiles vary fastest, so the programs sharing one N tile of W run together and hit it in L2.
     pid_m = tl.program_id(0)
@@ -250,7 +265,7 @@ def _linear_kernel(
         for c in range(0, CHUNKS):
             acc += _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, pid_n * BLOCK_N,
                                  c * K_CHUNK, tl.minimum(K, (c + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn,
-                                 stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
+                                 stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SWAP, WORDS, ASM)
     else:  # the loop of _linear_chunk written out here: through the helper, decode ran up to 10% slower (H100)
         if SWAP:  # y^T = W x^T: the weight tile is the dot's left operand, fed to the tensor cores from registers
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -261,51 +276,73 @@ def _linear_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x_mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0)
-            q = _load_weight(w_desc, w2_desc, pid_n * BLOCK_N, k0, FMT, BLOCK_K)
-            if FMT >= INT4:  # BLOCK_K divides GROUP, so the tile lies in one group
-                s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
-            if ACT:
-                if SWAP:
-                    d = tl.dot(_signed(q, SHIFT), tl.trans(x), out_dtype=tl.int32).to(tl.float32)
-                else:
-                    d = tl.dot(x, tl.trans(_signed(q, SHIFT)), out_dtype=tl.int32).to(tl.float32)
-                if FMT >= INT4:
-                    x_sum = tl.sum(x.to(tl.int32), axis=1).to(tl.float32)
-                    if SWAP:
-                        acc += d * s[:, None] + (lo + SHIFT * s)[:, None] * x_sum[None, :]
-                    else:
-                        acc += d * s[None, :] + x_sum[:, None] * (lo + SHIFT * s)[None, :]
-                else:
-                    acc += d
+            if WORDS:
+                acc = _int8_word_dot(x, w_desc, pid_n * BLOCK_N, k0, acc, ASM)
             else:
-                if FMT == INT8:
-                    w = q.to(tl.float32).to(tl.bfloat16)  # via fp32: exact for int8 codes
-                else:
-                    w = q.to(tl.bfloat16)
-                if SWAP:
-                    acc = tl.dot(w, tl.trans(x), acc)
-                else:
-                    acc = tl.dot(x, tl.trans(w), acc)
+                acc = _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, pid_n * BLOCK_N, k0, N, stride_sn,
+                                stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_K, SWAP)
         if SWAP:
             acc = tl.trans(acc)
     _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
             stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
 
 
-# Four bytes -> their eight nibbles as bf16 128 + c: masks, then byte permutes that put 0x43 above each nibble
-# (bf16 0x4300 is 128 and its 7 mantissa bits count 1s), two codes per 32-bit register.
-_NIBBLES_ASM = tl.constexpr("""
-{
-.reg .b32 lo, hi;
-and.b32 lo, $4, 0x0F0F0F0F;
-shr.b32 hi, $4, 4;
-and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 $0, lo, 0x43, 0x4140;
-prmt.b32 $1, lo, 0x43, 0x4342;
-prmt.b32 $2, hi, 0x43, 0x4140;
-prmt.b32 $3, hi, 0x43, 0x4342;
-}
-""")
+# The asm blocks below, from shared pieces of PTX. Each turns packed bytes or 16-bit words of stored codes into the
+# values the tensor cores read.
+def _asm(registers: str, body: str) -> tl.constexpr:
+    return tl.constexpr("{\n.reg .b32 " + registers + ";\n" + body + "}\n")
+
+
+def _split_nibbles(src: str) -> str:
+    """Registers lo, hi: the low and the high nibbles of the four bytes of src."""
+    return f"and.b32 lo, {src}, 0x0F0F0F0F;\nshr.b32 hi, {src}, 4;\nand.b32 hi, hi, 0x0F0F0F0F;\n"
+
+
+def _plane_bytes(upper: str, lower: str) -> str:
+    """Registers a, b: the signed 8-bit codes q8 - 128 (q8 = 16 upper + lower) at the low and at the high nibbles of
+    the two planes' bytes: the upper nibble shifted over the lower one, the sign bit flipped."""
+    return (f"and.b32 a, {upper}, 0x0F0F0F0F;\nshl.b32 a, a, 4;\nand.b32 t, {lower}, 0x0F0F0F0F;\nor.b32 a, a, t;\n"
+            "xor.b32 a, a, 0x80808080;\n"
+            f"and.b32 b, {upper}, 0xF0F0F0F0;\nshr.b32 t, {lower}, 4;\nand.b32 t, t, 0x0F0F0F0F;\nor.b32 b, b, t;\n"
+            "xor.b32 b, b, 0x80808080;\n")
+
+
+def _signed_bytes_to_bf16(out: str, src: str, selector: str) -> str:
+    """bf16 of two signed bytes of src (selector 0x4240: bytes 0 and 2, 0x4341: bytes 1 and 3) into out. 0x43 put
+    above a signed byte makes bf16 128 + (its low 7 bits), or 256 + twice that where its top bit is set; subtracting
+    128 or 256 (that byte's 0x43 and top bit alone) leaves its value, exactly (the conversion Triton emits itself)."""
+    return (f"prmt.b32 l0, {src}, 0x43, {selector};\nand.b32 l1, l0, 0xff7fff7f;\nand.b32 l2, l0, 0xff80ff80;\n"
+            f"sub.bf16x2 {out}, l1, l2;\n")
+
+
+# Two 16-bit words of INT8 codes (word j holds k = 2j in its low byte and 2j + 1 in its high one) -> bf16 of the
+# codes at the even and at the odd k. Built in asm from 16-bit words, the values enter mma.sync in its natural k order,
+# the one wgmma and the bf16 weights' tiles use: Triton gives a dot operand converted from 8-bit values another
+# order (kWidth 4), which rounds differently.
+_INT8_WORDS_ASM = _asm("l0, l1, l2", _signed_bytes_to_bf16("$0", "$2", "0x4240")
+                       + _signed_bytes_to_bf16("$1", "$2", "0x4341"))
+
+
+@triton.jit
+def _int8_word_dot(x, w_desc, n0, k0, acc, ASM: tl.constexpr):
+    """acc + x @ W^T for the K tile at k0 of INT8 codes read as 16-bit words (two codes each): the even columns of
+    x meet the low bytes, the odd ones the high bytes."""
+    w = w_desc.load([n0, k0 // 2])
+    if ASM:
+        even, odd = tl.inline_asm_elementwise(_INT8_WORDS_ASM, "=r,=r,r", [w], dtype=(tl.bfloat16, tl.bfloat16),
+                                              is_pure=True, pack=2)
+    else:
+        v = w.to(tl.int32) & 0xFFFF
+        even = (((v & 255) ^ 128) - 128).to(tl.float32).to(tl.bfloat16)
+        odd = ((((v >> 8) & 255) ^ 128) - 128).to(tl.float32).to(tl.bfloat16)
+    xe, xo = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+    return tl.dot(xo, tl.trans(odd), tl.dot(xe, tl.trans(even), acc))
+
+
+# Four bytes -> their eight nibbles as bf16 128 + c: byte permutes that put 0x43 above each nibble (bf16 0x4300 is
+# 128 and its 7 mantissa bits count 1s), two codes per 32-bit register.
+_NIBBLES_ASM = _asm("lo, hi", _split_nibbles("$4") + "prmt.b32 $0, lo, 0x43, 0x4140;\nprmt.b32 $1, lo, 0x43, 0x4342;\n"
+                    "prmt.b32 $2, hi, 0x43, 0x4140;\nprmt.b32 $3, hi, 0x43, 0x4342;\n")
 CODE_OFFSET = tl.constexpr(128)  # the codes the tensor cores see are 128 + c: exact in bf16, cheap to build
 
 
@@ -322,23 +359,8 @@ def _codes(b, ASM: tl.constexpr):
     return lo, hi
 
 
-# The two planes' bytes (4 + 4) -> the signed 8-bit codes q8 - 128 at the even and the odd k: upper nibble
-# shifted over the lower one, the sign bit flipped.
-_PLANES_ASM = tl.constexpr("""
-{
-.reg .b32 a, b;
-and.b32 a, $2, 0x0F0F0F0F;
-shl.b32 a, a, 4;
-and.b32 b, $3, 0x0F0F0F0F;
-or.b32 a, a, b;
-xor.b32 $0, a, 0x80808080;
-and.b32 a, $2, 0xF0F0F0F0;
-shr.b32 b, $3, 4;
-and.b32 b, b, 0x0F0F0F0F;
-or.b32 a, a, b;
-xor.b32 $1, a, 0x80808080;
-}
-""")
+# The two planes' bytes (4 + 4) -> the signed 8-bit codes q8 - 128 at the even and the odd k.
+_PLANES_ASM = _asm("a, b, t", _plane_bytes("$2", "$3") + "mov.b32 $0, a;\nmov.b32 $1, b;\n")
 
 
 @triton.jit
@@ -354,21 +376,11 @@ def _plane_codes(u, l, ASM: tl.constexpr):
 
 
 # Two 16-bit words of a nibble plane (four bytes; byte j holds k = 2j in its low nibble and 2j + 1 in its high one)
-# -> the codes at k = 4w + t, t = 0..3, as bf16 128 + c: output t holds word 0's code and word 1's. Built from 16-bit
-# words in one asm block, the codes enter mma.sync in its natural k order, the one wgmma and the bf16 weights' tiles
-# use: Triton gives a dot operand converted from 8-bit values another order (kWidth 4), which rounds differently.
-_WORD_NIBBLES_ASM = tl.constexpr("""
-{
-.reg .b32 lo, hi;
-and.b32 lo, $4, 0x0F0F0F0F;
-shr.b32 hi, $4, 4;
-and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 $0, lo, 0x43, 0x4240;
-prmt.b32 $1, hi, 0x43, 0x4240;
-prmt.b32 $2, lo, 0x43, 0x4341;
-prmt.b32 $3, hi, 0x43, 0x4341;
-}
-""")
+# -> the codes at k = 4w + t, t = 0..3, as bf16 128 + c: output t holds word 0's code and word 1's (natural k order,
+# as _INT8_WORDS_ASM).
+_WORD_NIBBLES_ASM = _asm("lo, hi", _split_nibbles("$4") + "prmt.b32 $0, lo, 0x43, 0x4240;\n"
+                         "prmt.b32 $1, hi, 0x43, 0x4240;\nprmt.b32 $2, lo, 0x43, 0x4341;\n"
+                         "prmt.b32 $3, hi, 0x43, 0x4341;\n")
 
 
 @triton.jit
@@ -384,41 +396,11 @@ def _word_codes(w, ASM: tl.constexpr):
             (((v >> 12) & 15) + 128).to(tl.float32).to(tl.bfloat16))
 
 
-# The two planes' 16-bit words (2 + 2) -> bf16 q8 - 128 (q8 = 16 upper + lower) at k = 4w + t, t = 0..3: a holds the
-# codes of the bytes' low nibbles (t = 0, 2), b of their high ones (t = 1, 3), each as a signed byte (sign bit
-# flipped); 0x43 put above a signed byte makes bf16 128 + (its low 7 bits), or 256 + twice that where its top bit is
-# set, so subtracting 128 or 256 (that byte's 0x43 and top bit alone) leaves its value, exactly.
-_PLANE_WORDS_ASM = tl.constexpr("""
-{
-.reg .b32 a, b, t, l0, l1, l2;
-and.b32 a, $4, 0x0F0F0F0F;
-shl.b32 a, a, 4;
-and.b32 t, $5, 0x0F0F0F0F;
-or.b32 a, a, t;
-xor.b32 a, a, 0x80808080;
-and.b32 b, $4, 0xF0F0F0F0;
-shr.b32 t, $5, 4;
-and.b32 t, t, 0x0F0F0F0F;
-or.b32 b, b, t;
-xor.b32 b, b, 0x80808080;
-prmt.b32 l0, a, 0x43, 0x4240;
-and.b32 l1, l0, 0xff7fff7f;
-and.b32 l2, l0, 0xff80ff80;
-sub.bf16x2 $0, l1, l2;
-prmt.b32 l0, b, 0x43, 0x4240;
-and.b32 l1, l0, 0xff7fff7f;
-and.b32 l2, l0, 0xff80ff80;
-sub.bf16x2 $1, l1, l2;
-prmt.b32 l0, a, 0x43, 0x4341;
-and.b32 l1, l0, 0xff7fff7f;
-and.b32 l2, l0, 0xff80ff80;
-sub.bf16x2 $2, l1, l2;
-prmt.b32 l0, b, 0x43, 0x4341;
-and.b32 l1, l0, 0xff7fff7f;
-and.b32 l2, l0, 0xff80ff80;
-sub.bf16x2 $3, l1, l2;
-}
-""")
+# The two planes' 16-bit words (2 + 2) -> bf16 q8 - 128 (q8 = 16 upper + lower) at k = 4w + t, t = 0..3: the
+# codes at the bytes' low nibbles (t = 0, 2) and at their high ones (t = 1, 3), each turned into bf16.
+_PLANE_WORDS_ASM = _asm("a, b, t, l0, l1, l2", _plane_bytes("$4", "$5")
+                        + _signed_bytes_to_bf16("$0", "a", "0x4240") + _signed_bytes_to_bf16("$1", "b", "0x4240")
+                        + _signed_bytes_to_bf16("$2", "a", "0x4341") + _signed_bytes_to_bf16("$3", "b", "0x4341"))
 
 
 @triton.jit
@@ -843,10 +825,16 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     return _launch(x2, xs, weight, fmt, act, bias, cfg, r2, sums).view(*x.shape[:-1], n)
 
 
-def reads_words(act: bool, block_k: int) -> bool:
-    """Whether the nibble kernel reads its planes as 16-bit words (four codes a word, for mma.sync's natural k order):
-    with bf16 activations, in K tiles of 64 and more (a dot of a quarter of the tile needs K >= 16)."""
-    return not act and block_k >= 64
+def reads_words(fmt: int, act: bool, cfg: TileConfig, k: int, nibble: bool) -> bool:
+    """Whether a GEMM reads its integer codes as 16-bit words and builds their bf16 values in asm, so that they enter
+    mma.sync in its natural k order (Triton's order for operands built from 8-bit values rounds otherwise than
+    wgmma): with bf16 activations, the nibble kernel in K tiles of 64 and more (each quarter of a tile a dot of K >=
+    16), INT8 codes unswapped over an even K."""
+    if act:
+        return False
+    if nibble:
+        return cfg.block_k >= 64
+    return fmt == INT8.value and not cfg.swap and k % 2 == 0
 
 
 def takes_row_sums(fmt: int, act: bool, group: int) -> bool:
@@ -891,10 +879,10 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
     args = (y, part, counts, m, n, k, chunk, cfg.split_k if cfg.in_program else 1, x2.stride(0), stride_sn,
             stride_sg, y.stride(0), 0 if r2 is None else r2.stride(0))
     nibble = uses_nibble_kernel(fmt, act, group)
-    words = nibble and reads_words(act, cfg.block_k)
-    if words:  # the planes' bytes as 16-bit words, four codes each
+    words = reads_words(fmt, act, cfg, k, nibble)
+    if words:  # the codes' bytes as 16-bit words: four nibble codes a word, or two INT8 codes
         w, w2 = (None if t is None else t.view(torch.int16) for t in (w, w2))
-        block = [cfg.block_n, cfg.block_k // 4]
+        block = [cfg.block_n, cfg.block_k // 4 if nibble else cfg.block_k // 2]
     else:
         block = [cfg.block_n, cfg.block_k // 2 if fmt >= INT4.value else cfg.block_k]
     descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
@@ -904,7 +892,7 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
                              WORDS=words, ASM=not INTERPRETING, **flags)
     else:
         _linear_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, SHIFT=_shift(fmt) if act else 0,
-                             SWAP=cfg.swap, **flags)
+                             SWAP=cfg.swap, WORDS=words, ASM=not INTERPRETING, **flags)
     return y
 
 
