@@ -97,6 +97,8 @@ def test_cli_bench_serve_rejects_bad_sizes(capsys):
     assert "batch sizes" in capsys.readouterr().err
     assert main(["bench", "serve", "--shape", "llama-3-8b", "--device", "cpu"]) == 2
     assert "--device cuda" in capsys.readouterr().err
+    assert main(["bench", "serve", "--requests-per-row", "0"]) == 2
+    assert "--requests-per-row must be >= 1" in capsys.readouterr().err
 
 
 def test_verify_table_shows_each_pass_against_the_one_token_step():
