@@ -1,15 +1,12 @@
-"""The linear kernel's inline PTX, run here by a small emulator of the instructions it uses (the interpreter in CI
-runs the kernels' integer-op twins instead; the GPU tests run the PTX itself): each block turns packed words of
-the stored planes into the codes the tensor cores read, exactly."""
+"""The linear kernels' inline PTX (kernels/ptx.py), run here by a small emulator of the instructions it uses (the
+interpreter in CI runs the kernels' integer-op twins instead; the GPU tests run the PTX itself): each block turns
+packed bytes or words of the stored codes into the values the tensor cores read, exactly."""
 import re
 
 import numpy as np
-import pytest
 import torch
 
-pytest.importorskip("triton", reason="triton is not installed: no kernels")
-
-from selfspec.kernels import triton_linear  # noqa: E402
+from selfspec.kernels import ptx
 
 MASK = 0xFFFFFFFF
 
@@ -78,8 +75,8 @@ def words(rng, n):
 
 
 def test_emulator_knows_the_instructions_it_runs():
-    for name in ("_WORD_NIBBLES_ASM", "_PLANE_WORDS_ASM", "_INT8_WORDS_ASM", "_NIBBLES_ASM", "_PLANES_ASM"):
-        text = getattr(triton_linear, name).value
+    for name in ("WORD_NIBBLES", "PLANE_WORDS", "INT8_WORDS", "NIBBLES", "NIBBLES_I8", "PLANES"):
+        text = getattr(ptx, name)
         ops = set(re.findall(r"^\s*([a-z]+\.[a-z0-9.]+)", text, re.M)) - {".reg"}
         assert ops <= {"and.b32", "or.b32", "xor.b32", "shl.b32", "shr.b32", "mov.b32", "prmt.b32", "sub.bf16x2"}, name
 
@@ -87,7 +84,7 @@ def test_emulator_knows_the_instructions_it_runs():
 def test_word_nibbles_give_the_codes_at_k_4j_to_4j_plus_3():
     rng = np.random.default_rng(0)
     reg, w = words(rng, 4096)
-    outs = run_ptx(triton_linear._WORD_NIBBLES_ASM.value, [reg], 4)
+    outs = run_ptx(ptx.WORD_NIBBLES, [reg], 4)
     for t, out in enumerate(outs):  # word j holds k = 4j .. 4j + 3, nibble t at bits 4t .. 4t + 3
         assert np.array_equal(halves(out), ((w >> np.uint64(4 * t)) & np.uint64(15)).astype(np.float32) + 128), t
 
@@ -96,7 +93,7 @@ def test_plane_words_give_the_signed_int8_codes():
     rng = np.random.default_rng(1)
     upper, u = words(rng, 4096)
     lower, low = words(rng, 4096)
-    outs = run_ptx(triton_linear._PLANE_WORDS_ASM.value, [upper, lower], 4)
+    outs = run_ptx(ptx.PLANE_WORDS, [upper, lower], 4)
     for t, out in enumerate(outs):
         q8 = ((u >> np.uint64(4 * t)) & np.uint64(15)) * 16 + ((low >> np.uint64(4 * t)) & np.uint64(15))
         assert np.array_equal(halves(out), q8.astype(np.float32) - 128), t
@@ -106,7 +103,7 @@ def test_plane_words_give_the_signed_int8_codes():
 def test_int8_words_give_the_signed_codes_at_even_and_odd_k():
     rng = np.random.default_rng(3)
     reg, w = words(rng, 4096)
-    even, odd = run_ptx(triton_linear._INT8_WORDS_ASM.value, [reg], 2)
+    even, odd = run_ptx(ptx.INT8_WORDS, [reg], 2)
     for out, shift in ((even, 0), (odd, 8)):  # word j holds k = 2j in its low byte, 2j + 1 in its high one
         byte = ((w >> np.uint64(shift)) & np.uint64(0xFF)).astype(np.int64)
         assert np.array_equal(halves(out), np.where(byte > 127, byte - 256, byte).astype(np.float32))
@@ -122,13 +119,16 @@ def test_byte_blocks_the_gpu_tests_proved_run_here_as_there():
     """The emulator on the asm the GPU tests have long run: nibbles of bytes, and the two planes' signed codes."""
     rng = np.random.default_rng(2)
     reg, b = byte_regs(rng, 1024)
-    lo01, lo23, hi01, hi23 = run_ptx(triton_linear._NIBBLES_ASM.value, [reg], 4)
+    lo01, lo23, hi01, hi23 = run_ptx(ptx.NIBBLES, [reg], 4)
     for out, first, shift in ((lo01, 0, 0), (lo23, 2, 0), (hi01, 0, 4), (hi23, 2, 4)):
         expect = ((b[:, first:first + 2] >> np.uint64(shift)) & np.uint64(15)).astype(np.float32) + 128
         assert np.array_equal(halves(out), expect)
+    for out, shift in zip(run_ptx(ptx.NIBBLES_I8, [reg], 2), (0, 4)):  # int8 codes 0..15, four a register
+        got = np.stack([(out.astype(np.uint64) >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)], 1)
+        assert np.array_equal(got, (b >> np.uint64(shift)) & np.uint64(15))
     upper, u = byte_regs(rng, 1024)
     lower, low = byte_regs(rng, 1024)
-    even, odd = run_ptx(triton_linear._PLANES_ASM.value, [upper, lower], 2)
+    even, odd = run_ptx(ptx.PLANES, [upper, lower], 2)
     for out, codes in ((even, ((u & np.uint64(15)) << np.uint64(4)) | (low & np.uint64(15))),
                        (odd, (u & np.uint64(0xF0)) | (low >> np.uint64(4)))):
         got = np.stack([(out.astype(np.uint64) >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)], 1)

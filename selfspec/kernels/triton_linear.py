@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from selfspec.kernels import register
+from selfspec.kernels import ptx, register
 from selfspec.kernels.launch import INTERPRETING, launch_options, wait
 from selfspec.kernels.reference import linear as reference_linear
 from selfspec.kernels.reference import rotate as reference_rotate
@@ -287,40 +287,7 @@ def _linear_kernel(
             stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
 
 
-# The asm blocks below, from shared pieces of PTX. Each turns packed bytes or 16-bit words of stored codes into the
-# values the tensor cores read.
-def _asm(registers: str, body: str) -> tl.constexpr:
-    return tl.constexpr("{\n.reg .b32 " + registers + ";\n" + body + "}\n")
-
-
-def _split_nibbles(src: str) -> str:
-    """Registers lo, hi: the low and the high nibbles of the four bytes of src."""
-    return f"and.b32 lo, {src}, 0x0F0F0F0F;\nshr.b32 hi, {src}, 4;\nand.b32 hi, hi, 0x0F0F0F0F;\n"
-
-
-def _plane_bytes(upper: str, lower: str) -> str:
-    """Registers a, b: the signed 8-bit codes q8 - 128 (q8 = 16 upper + lower) at the low and at the high nibbles of
-    the two planes' bytes: the upper nibble shifted over the lower one, the sign bit flipped."""
-    return (f"and.b32 a, {upper}, 0x0F0F0F0F;\nshl.b32 a, a, 4;\nand.b32 t, {lower}, 0x0F0F0F0F;\nor.b32 a, a, t;\n"
-            "xor.b32 a, a, 0x80808080;\n"
-            f"and.b32 b, {upper}, 0xF0F0F0F0;\nshr.b32 t, {lower}, 4;\nand.b32 t, t, 0x0F0F0F0F;\nor.b32 b, b, t;\n"
-            "xor.b32 b, b, 0x80808080;\n")
-
-
-def _signed_bytes_to_bf16(out: str, src: str, selector: str) -> str:
-    """bf16 of two signed bytes of src (selector 0x4240: bytes 0 and 2, 0x4341: bytes 1 and 3) into out. 0x43 put
-    above a signed byte makes bf16 128 + (its low 7 bits), or 256 + twice that where its top bit is set; subtracting
-    128 or 256 (that byte's 0x43 and top bit alone) leaves its value, exactly (the conversion Triton emits itself)."""
-    return (f"prmt.b32 l0, {src}, 0x43, {selector};\nand.b32 l1, l0, 0xff7fff7f;\nand.b32 l2, l0, 0xff80ff80;\n"
-            f"sub.bf16x2 {out}, l1, l2;\n")
-
-
-# Two 16-bit words of INT8 codes (word j holds k = 2j in its low byte and 2j + 1 in its high one) -> bf16 of the
-# codes at the even and at the odd k. Built in asm from 16-bit words, the values enter mma.sync in its natural k order,
-# the one wgmma and the bf16 weights' tiles use: Triton gives a dot operand converted from 8-bit values another
-# order (kWidth 4), which rounds differently.
-_INT8_WORDS_ASM = _asm("l0, l1, l2", _signed_bytes_to_bf16("$0", "$2", "0x4240")
-                       + _signed_bytes_to_bf16("$1", "$2", "0x4341"))
+_INT8_WORDS_ASM = tl.constexpr(ptx.INT8_WORDS)
 
 
 @triton.jit
@@ -339,10 +306,7 @@ def _int8_word_dot(x, w_desc, n0, k0, acc, ASM: tl.constexpr):
     return tl.dot(xo, tl.trans(odd), tl.dot(xe, tl.trans(even), acc))
 
 
-# Four bytes -> their eight nibbles as bf16 128 + c: byte permutes that put 0x43 above each nibble (bf16 0x4300 is
-# 128 and its 7 mantissa bits count 1s), two codes per 32-bit register.
-_NIBBLES_ASM = _asm("lo, hi", _split_nibbles("$4") + "prmt.b32 $0, lo, 0x43, 0x4140;\nprmt.b32 $1, lo, 0x43, 0x4342;\n"
-                    "prmt.b32 $2, hi, 0x43, 0x4140;\nprmt.b32 $3, hi, 0x43, 0x4342;\n")
+_NIBBLES_ASM = tl.constexpr(ptx.NIBBLES)
 CODE_OFFSET = tl.constexpr(128)  # the codes the tensor cores see are 128 + c: exact in bf16, cheap to build
 
 
@@ -359,8 +323,7 @@ def _codes(b, ASM: tl.constexpr):
     return lo, hi
 
 
-# The two planes' bytes (4 + 4) -> the signed 8-bit codes q8 - 128 at the even and the odd k.
-_PLANES_ASM = _asm("a, b, t", _plane_bytes("$2", "$3") + "mov.b32 $0, a;\nmov.b32 $1, b;\n")
+_PLANES_ASM = tl.constexpr(ptx.PLANES)
 
 
 @triton.jit
@@ -375,12 +338,7 @@ def _plane_codes(u, l, ASM: tl.constexpr):
     return even, odd
 
 
-# Two 16-bit words of a nibble plane (four bytes; byte j holds k = 2j in its low nibble and 2j + 1 in its high one)
-# -> the codes at k = 4w + t, t = 0..3, as bf16 128 + c: output t holds word 0's code and word 1's (natural k order,
-# as _INT8_WORDS_ASM).
-_WORD_NIBBLES_ASM = _asm("lo, hi", _split_nibbles("$4") + "prmt.b32 $0, lo, 0x43, 0x4240;\n"
-                         "prmt.b32 $1, hi, 0x43, 0x4240;\nprmt.b32 $2, lo, 0x43, 0x4341;\n"
-                         "prmt.b32 $3, hi, 0x43, 0x4341;\n")
+_WORD_NIBBLES_ASM = tl.constexpr(ptx.WORD_NIBBLES)
 
 
 @triton.jit
@@ -396,11 +354,7 @@ def _word_codes(w, ASM: tl.constexpr):
             (((v >> 12) & 15) + 128).to(tl.float32).to(tl.bfloat16))
 
 
-# The two planes' 16-bit words (2 + 2) -> bf16 q8 - 128 (q8 = 16 upper + lower) at k = 4w + t, t = 0..3: the
-# codes at the bytes' low nibbles (t = 0, 2) and at their high ones (t = 1, 3), each turned into bf16.
-_PLANE_WORDS_ASM = _asm("a, b, t, l0, l1, l2", _plane_bytes("$4", "$5")
-                        + _signed_bytes_to_bf16("$0", "a", "0x4240") + _signed_bytes_to_bf16("$1", "b", "0x4240")
-                        + _signed_bytes_to_bf16("$2", "a", "0x4341") + _signed_bytes_to_bf16("$3", "b", "0x4341"))
+_PLANE_WORDS_ASM = tl.constexpr(ptx.PLANE_WORDS)
 
 
 @triton.jit
@@ -427,14 +381,7 @@ def _quarters(x):
     return x0, x1, x2, x3
 
 
-# Four bytes -> their low and their high nibbles as int8 codes 0..15 (for the int8 tensor cores).
-_NIBBLES_I8_ASM = tl.constexpr("""
-{
-and.b32 $0, $2, 0x0F0F0F0F;
-shr.b32 $1, $2, 4;
-and.b32 $1, $1, 0x0F0F0F0F;
-}
-""")
+_NIBBLES_I8_ASM = tl.constexpr(ptx.NIBBLES_I8)
 
 
 @triton.jit

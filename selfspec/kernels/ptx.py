@@ -1,0 +1,67 @@
+"""Inline PTX of the linear kernels (kernels/triton_linear.py): each block turns packed bytes or 16-bit words of
+stored codes into the values the tensor cores read, several codes a 32-bit register. Plain strings, built from a
+few shared pieces; tests/test_kernel_asm.py runs them on an emulator of their instructions.
+
+Operands: $0.. are the outputs, then the inputs (Triton's inline_asm_elementwise). An input register holds four
+bytes (`pack=4` over uint8) or two 16-bit words (`pack=2` over int16), element 0 in the low bits; an output
+register holds two bf16 (element 0 in the low half) or four int8.
+
+Why 16-bit words: Triton lays out a dot operand built from 8-bit values with four consecutive k a thread (kWidth
+4), a permutation of k inside each mma.sync step, which rounds a dot's sums otherwise than wgmma (natural order)
+does; built from 16-bit words in asm, the operands get mma.sync's natural order (kWidth 2), as the bf16 GEMM's.
+"""
+from __future__ import annotations
+
+
+def block(registers: str, body: str) -> str:
+    return "{\n.reg .b32 " + registers + ";\n" + body + "}\n"
+
+
+def split_nibbles(src: str) -> str:
+    """Registers lo, hi: the low and the high nibbles of the four bytes of src."""
+    return f"and.b32 lo, {src}, 0x0F0F0F0F;\nshr.b32 hi, {src}, 4;\nand.b32 hi, hi, 0x0F0F0F0F;\n"
+
+
+def plane_bytes(upper: str, lower: str) -> str:
+    """Registers a, b: the signed 8-bit codes q8 - 128 (q8 = 16 upper + lower) at the low and at the high nibbles of
+    the two planes' bytes: the upper nibble shifted over the lower one, the sign bit flipped."""
+    return (f"and.b32 a, {upper}, 0x0F0F0F0F;\nshl.b32 a, a, 4;\nand.b32 t, {lower}, 0x0F0F0F0F;\nor.b32 a, a, t;\n"
+            "xor.b32 a, a, 0x80808080;\n"
+            f"and.b32 b, {upper}, 0xF0F0F0F0;\nshr.b32 t, {lower}, 4;\nand.b32 t, t, 0x0F0F0F0F;\nor.b32 b, b, t;\n"
+            "xor.b32 b, b, 0x80808080;\n")
+
+
+def signed_bytes_to_bf16(out: str, src: str, selector: str) -> str:
+    """bf16 of two signed bytes of src (selector 0x4240: bytes 0 and 2, 0x4341: bytes 1 and 3) into out. 0x43 put
+    above a signed byte makes bf16 128 + (its low 7 bits), or 256 + twice that where its top bit is set; subtracting
+    128 or 256 (that byte's 0x43 and top bit alone) leaves its value, exactly (the conversion Triton emits itself)."""
+    return (f"prmt.b32 l0, {src}, 0x43, {selector};\nand.b32 l1, l0, 0xff7fff7f;\nand.b32 l2, l0, 0xff80ff80;\n"
+            f"sub.bf16x2 {out}, l1, l2;\n")
+
+
+# Four bytes -> their eight nibbles as bf16 128 + c: byte permutes put 0x43 above each nibble (bf16 0x4300 is 128
+# and its 7 mantissa bits count 1s). $0, $1: the low nibbles of bytes 0-1 and 2-3; $2, $3: the high ones.
+NIBBLES = block("lo, hi", split_nibbles("$4") + "prmt.b32 $0, lo, 0x43, 0x4140;\nprmt.b32 $1, lo, 0x43, 0x4342;\n"
+                "prmt.b32 $2, hi, 0x43, 0x4140;\nprmt.b32 $3, hi, 0x43, 0x4342;\n")
+
+# Four bytes -> their low ($0) and their high ($1) nibbles as int8 codes 0..15 (for the int8 tensor cores).
+NIBBLES_I8 = "{\nand.b32 $0, $2, 0x0F0F0F0F;\nshr.b32 $1, $2, 4;\nand.b32 $1, $1, 0x0F0F0F0F;\n}\n"
+
+# The two planes' bytes (4 + 4) -> the signed 8-bit codes q8 - 128 at the even ($0) and the odd ($1) k.
+PLANES = block("a, b, t", plane_bytes("$2", "$3") + "mov.b32 $0, a;\nmov.b32 $1, b;\n")
+
+# Two 16-bit words of a nibble plane (byte j holds k = 2j in its low nibble and 2j + 1 in its high one) -> the codes
+# at k = 4w + t, t = 0..3, as bf16 128 + c: output t holds word 0's code and word 1's.
+WORD_NIBBLES = block("lo, hi", split_nibbles("$4") + "prmt.b32 $0, lo, 0x43, 0x4240;\nprmt.b32 $1, hi, 0x43, 0x4240;\n"
+                     "prmt.b32 $2, lo, 0x43, 0x4341;\nprmt.b32 $3, hi, 0x43, 0x4341;\n")
+
+# The two planes' 16-bit words (2 + 2) -> bf16 q8 - 128 at k = 4w + t, t = 0..3: the codes at the bytes' low nibbles
+# (t = 0, 2) and at their high ones (t = 1, 3), each turned into bf16.
+PLANE_WORDS = block("a, b, t, l0, l1, l2", plane_bytes("$4", "$5")
+                    + signed_bytes_to_bf16("$0", "a", "0x4240") + signed_bytes_to_bf16("$1", "b", "0x4240")
+                    + signed_bytes_to_bf16("$2", "a", "0x4341") + signed_bytes_to_bf16("$3", "b", "0x4341"))
+
+# Two 16-bit words of INT8 codes (word j holds k = 2j in its low byte and 2j + 1 in its high one) -> bf16 of the
+# codes at the even ($0) and at the odd ($1) k.
+INT8_WORDS = block("l0, l1, l2",
+                   signed_bytes_to_bf16("$0", "$2", "0x4240") + signed_bytes_to_bf16("$1", "$2", "0x4341"))
