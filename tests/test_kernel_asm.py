@@ -16,12 +16,20 @@ def bf16_bits(values) -> np.ndarray:
 
 
 def bf16_values(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def f16_bits(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32).astype(np.float16).view(np.uint16)
+
+
+def f16_values(bits: np.ndarray) -> np.ndarray:
+    return np.asarray(bits).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
 def run_ptx(text: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
-    """Run an asm block of and/or/xor/shl/shr/mov/prmt .b32 and sub.bf16x2 on uint32 arrays; operands $0.. are the
-    outputs, then the inputs."""
+    """Run an asm block of and/or/xor/shl/shr/mov/prmt .b32 and sub.bf16x2 / sub.f16x2 on uint32 arrays; operands
+    $0.. are the outputs, then the inputs."""
     regs = {f"${outputs + i}": v.astype(np.uint64) for i, v in enumerate(inputs)}
 
     def val(tok: str) -> np.ndarray:
@@ -52,11 +60,12 @@ def run_ptx(text: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarra
             pool = [(a[0] >> (8 * i)) & 0xFF for i in range(4)] + [(a[1] >> (8 * i)) & 0xFF for i in range(4)]
             sel = int(args[2], 16)
             r = sum(pool[(sel >> (4 * i)) & 7] << np.uint64(8 * i) for i in range(4))
-        elif op == "sub.bf16x2":
-            halves = [bf16_bits(bf16_values(((a[0] >> s) & 0xFFFF).astype(np.uint16))
-                                - bf16_values(((a[1] >> s) & 0xFFFF).astype(np.uint16))).astype(np.uint64) << s
-                      for s in (np.uint64(0), np.uint64(16))]
-            r = halves[0] | halves[1]
+        elif op in ("sub.bf16x2", "sub.f16x2"):
+            to_bits, values = (bf16_bits, bf16_values) if op == "sub.bf16x2" else (f16_bits, f16_values)
+            r = np.zeros_like(np.broadcast_to(a[0], np.broadcast(a[0], a[1]).shape))
+            for s in (np.uint64(0), np.uint64(16)):
+                diff = values((a[0] >> s) & np.uint64(0xFFFF)) - values((a[1] >> s) & np.uint64(0xFFFF))
+                r = r | (to_bits(diff).astype(np.uint64) << s)
         else:
             raise AssertionError(f"instruction {op} not emulated")
         regs[d] = np.asarray(r, dtype=np.uint64) & MASK
@@ -75,10 +84,12 @@ def words(rng, n):
 
 
 def test_emulator_knows_the_instructions_it_runs():
-    for name in ("WORD_NIBBLES", "PLANE_WORDS", "INT8_WORDS", "NIBBLES", "NIBBLES_I8", "PLANES"):
+    for name in ("WORD_NIBBLES", "PLANE_WORDS", "INT8_WORDS", "NIBBLES", "NIBBLES_I8", "PLANES", "BYTES_F16",
+                 "NIBBLES_F16", "PLANES_F16"):
         text = getattr(ptx, name)
         ops = set(re.findall(r"^\s*([a-z]+\.[a-z0-9.]+)", text, re.M)) - {".reg"}
-        assert ops <= {"and.b32", "or.b32", "xor.b32", "shl.b32", "shr.b32", "mov.b32", "prmt.b32", "sub.bf16x2"}, name
+        assert ops <= {"and.b32", "or.b32", "xor.b32", "shl.b32", "shr.b32", "mov.b32", "prmt.b32", "sub.bf16x2",
+                       "sub.f16x2"}, name
 
 
 def test_word_nibbles_give_the_codes_at_k_4j_to_4j_plus_3():
@@ -133,3 +144,25 @@ def test_byte_blocks_the_gpu_tests_proved_run_here_as_there():
                        (odd, (u & np.uint64(0xF0)) | (low >> np.uint64(4)))):
         got = np.stack([(out.astype(np.uint64) >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)], 1)
         assert np.array_equal(got, codes ^ np.uint64(0x80))
+
+
+def f16_halves(reg: np.ndarray) -> np.ndarray:
+    return np.stack([f16_values(reg & 0xFFFF), f16_values(reg >> 16)], 1)
+
+
+def test_attention_blocks_give_the_kv_codes_as_exact_float16():
+    """The quantized KV cache's bytes, upper-plane nibbles and joined planes (16 upper + lower) as float16."""
+    rng = np.random.default_rng(4)
+    reg, b = byte_regs(rng, 1024)
+    low01, low23 = run_ptx(ptx.BYTES_F16, [reg], 2)
+    assert np.array_equal(f16_halves(low01), b[:, :2].astype(np.float32))
+    assert np.array_equal(f16_halves(low23), b[:, 2:].astype(np.float32))
+    outs = run_ptx(ptx.NIBBLES_F16, [reg], 4)
+    for out, first, shift in zip(outs, (0, 2, 0, 2), (0, 0, 4, 4)):
+        assert np.array_equal(f16_halves(out), ((b[:, first:first + 2] >> np.uint64(shift)) & np.uint64(15)))
+    lower, low = byte_regs(rng, 1024)
+    outs = run_ptx(ptx.PLANES_F16, [reg, lower], 4)
+    even = ((b & np.uint64(15)) << np.uint64(4)) | (low & np.uint64(15))
+    odd = (b & np.uint64(0xF0)) | (low >> np.uint64(4))
+    for out, codes, first in zip(outs, (even, even, odd, odd), (0, 2, 0, 2)):
+        assert np.array_equal(f16_halves(out), codes[:, first:first + 2].astype(np.float32))

@@ -1,5 +1,6 @@
-"""Inline PTX of the linear kernels (kernels/triton_linear.py): each block turns packed bytes or 16-bit words of
-stored codes into the values the tensor cores read, several codes a 32-bit register. Plain strings, built from a
+"""Inline PTX of the kernels that read integer codes (kernels/triton_linear.py, kernels/triton_quant_attention.py):
+each block turns packed bytes or 16-bit words of stored codes into the values the tensor cores read, several codes
+a 32-bit register. Plain strings, built from a
 few shared pieces; tests/test_kernel_asm.py runs them on an emulator of their instructions.
 
 Operands: $0.. are the outputs, then the inputs (Triton's inline_asm_elementwise). An input register holds four
@@ -22,13 +23,25 @@ def split_nibbles(src: str) -> str:
     return f"and.b32 lo, {src}, 0x0F0F0F0F;\nshr.b32 hi, {src}, 4;\nand.b32 hi, hi, 0x0F0F0F0F;\n"
 
 
+def join_planes(upper: str, lower: str, even: str = "a", odd: str = "b") -> str:
+    """Registers even, odd: the 8-bit codes 16 upper + lower at the low and at the high nibbles of the two planes'
+    bytes, the upper nibble shifted over the lower one (t: scratch)."""
+    return (f"and.b32 {even}, {upper}, 0x0F0F0F0F;\nshl.b32 {even}, {even}, 4;\nand.b32 t, {lower}, 0x0F0F0F0F;\n"
+            f"or.b32 {even}, {even}, t;\nand.b32 {odd}, {upper}, 0xF0F0F0F0;\nshr.b32 t, {lower}, 4;\n"
+            f"and.b32 t, t, 0x0F0F0F0F;\nor.b32 {odd}, {odd}, t;\n")
+
+
 def plane_bytes(upper: str, lower: str) -> str:
     """Registers a, b: the signed 8-bit codes q8 - 128 (q8 = 16 upper + lower) at the low and at the high nibbles of
-    the two planes' bytes: the upper nibble shifted over the lower one, the sign bit flipped."""
-    return (f"and.b32 a, {upper}, 0x0F0F0F0F;\nshl.b32 a, a, 4;\nand.b32 t, {lower}, 0x0F0F0F0F;\nor.b32 a, a, t;\n"
-            "xor.b32 a, a, 0x80808080;\n"
-            f"and.b32 b, {upper}, 0xF0F0F0F0;\nshr.b32 t, {lower}, 4;\nand.b32 t, t, 0x0F0F0F0F;\nor.b32 b, b, t;\n"
-            "xor.b32 b, b, 0x80808080;\n")
+    the two planes' bytes: the joined codes, the sign bit flipped."""
+    return join_planes(upper, lower) + "xor.b32 a, a, 0x80808080;\nxor.b32 b, b, 0x80808080;\n"
+
+
+def f16_words(first: str, second: str) -> str:
+    """The four bytes of register `first` as exact float16 into $0 and $1, those of `second` into $2 and $3 (0x64
+    above each byte reads as 1024 + byte; register k holds 1024 twice)."""
+    words = [(first, "0x4140"), (first, "0x4342"), (second, "0x4140"), (second, "0x4342")]
+    return "".join(f"prmt.b32 ${i}, {r}, 0x64, {sel};\nsub.f16x2 ${i}, ${i}, k;\n" for i, (r, sel) in enumerate(words))
 
 
 def signed_bytes_to_bf16(out: str, src: str, selector: str) -> str:
@@ -65,3 +78,15 @@ PLANE_WORDS = block("a, b, t, l0, l1, l2", plane_bytes("$4", "$5")
 # codes at the even ($0) and at the odd ($1) k.
 INT8_WORDS = block("l0, l1, l2",
                    signed_bytes_to_bf16("$0", "$2", "0x4240") + signed_bytes_to_bf16("$1", "$2", "0x4341"))
+
+
+# The quantized KV cache's codes for the attention kernel, as exact float16 (register k: 1024 twice).
+# Four bytes -> four float16 1024 + byte (0x64 above each byte), less 1024: the bytes as exact float16 integers.
+BYTES_F16 = ("{\n.reg .b32 t, k;\nmov.b32 k, 0x64006400;\nprmt.b32 t, $2, 0x64, 0x4140;\nsub.f16x2 $0, t, k;\n"
+             "prmt.b32 t, $2, 0x64, 0x4342;\nsub.f16x2 $1, t, k;\n}\n")
+# Four bytes of the upper plane -> their low nibbles ($0, $1) and high nibbles ($2, $3) as exact float16.
+NIBBLES_F16 = "{\n.reg .b32 lo, hi, k;\nmov.b32 k, 0x64006400;\n" + split_nibbles("$4") + f16_words("lo", "hi") + "}\n"
+# Four bytes of each plane (upper $4, lower $5) -> the joined codes 16 * upper + lower of the even channels (low
+# nibbles: $0, $1) and of the odd ones (high nibbles: $2, $3) as exact float16.
+PLANES_F16 = ("{\n.reg .b32 ev, od, t, k;\nmov.b32 k, 0x64006400;\n" + join_planes("$4", "$5", "ev", "od")
+              + f16_words("ev", "od") + "}\n")

@@ -38,7 +38,7 @@ import triton.language as tl
 from selfspec.cache.kv import LayerKV
 from selfspec.cache.quant_kv import quantized_below
 from selfspec.errors import SelfspecError
-from selfspec.kernels import register
+from selfspec.kernels import ptx, register
 from selfspec.kernels.launch import INTERPRETING
 from selfspec.kernels.reference import quantized_attention as reference_quantized_attention
 
@@ -74,51 +74,9 @@ def chunk_constants(group: int, dim: int, hier: bool, upper: bool) -> dict:
                 ASM=not INTERPRETING)
 
 
-# Four bytes -> four float16 1024 + byte (0x64 above each byte), less 1024: the bytes as exact float16 integers.
-_BYTES_ASM = tl.constexpr("""
-{
-.reg .b32 t, k;
-mov.b32 k, 0x64006400;
-prmt.b32 t, $2, 0x64, 0x4140;
-sub.f16x2 $0, t, k;
-prmt.b32 t, $2, 0x64, 0x4342;
-sub.f16x2 $1, t, k;
-}
-""")
-
-
-def _f16_words(first: str, second: str) -> str:
-    """PTX: the four bytes of register `first` as exact float16 into $0 and $1, those of `second` into $2 and $3
-    (0x64 above each byte reads as 1024 + byte; k holds 1024 twice)."""
-    words = [(first, "0x4140"), (first, "0x4342"), (second, "0x4140"), (second, "0x4342")]
-    return "".join(f"prmt.b32 ${i}, {r}, 0x64, {sel};\nsub.f16x2 ${i}, ${i}, k;\n" for i, (r, sel) in enumerate(words))
-
-
-# Four bytes of the upper plane -> their low nibbles ($0, $1) and high nibbles ($2, $3) as exact float16, four a
-# register at once (where integer ops on uint8 tensors take a register a byte).
-_NIBBLES_ASM = tl.constexpr("""
-{
-.reg .b32 lo, hi, k;
-mov.b32 k, 0x64006400;
-and.b32 lo, $4, 0x0F0F0F0F;
-shr.b32 hi, $4, 4;
-and.b32 hi, hi, 0x0F0F0F0F;
-""" + _f16_words("lo", "hi") + "}\n")
-# Four bytes of each plane (upper $4, lower $5) -> the joined codes 16 * upper + lower of the even channels (low
-# nibbles: $0, $1) and of the odd ones (high nibbles: $2, $3) as exact float16.
-_PLANES_ASM = tl.constexpr("""
-{
-.reg .b32 ev, od, t, k;
-mov.b32 k, 0x64006400;
-and.b32 ev, $4, 0x0F0F0F0F;
-shl.b32 ev, ev, 4;
-and.b32 t, $5, 0x0F0F0F0F;
-or.b32 ev, ev, t;
-and.b32 od, $4, 0xF0F0F0F0;
-shr.b32 t, $5, 4;
-and.b32 t, t, 0x0F0F0F0F;
-or.b32 od, od, t;
-""" + _f16_words("ev", "od") + "}\n")
+_BYTES_ASM = tl.constexpr(ptx.BYTES_F16)  # the codes as exact float16, several a register (kernels/ptx.py)
+_NIBBLES_ASM = tl.constexpr(ptx.NIBBLES_F16)
+_PLANES_ASM = tl.constexpr(ptx.PLANES_F16)
 
 
 @triton.jit
