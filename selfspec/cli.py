@@ -199,6 +199,7 @@ GPU_BENCHES = {
     "resources": ("kernel_resources", "registers, spills, MMA of linear and quantized-attention tiles (sm_90, no GPU)"),
     "long_context": ("long_context", "quantized KV cache at 4k-128k context: attention time, KV memory, step times"),
     "quant_attention": ("quant_attention", "quantized KV attention vs bf16 at 16k-128k, decode and verify queries"),
+    "ab": ("ab", "a benchmark (steps, gemm) from an old source tree and from this one in turn: each row's new / old"),
 }
 CPU_BENCHES = ("trace", "lookup", "trees", "resources", "spec")  # spec: --tables --device cpu
 
