@@ -658,7 +658,8 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 #   and down of 8B models), whose long programs stayed faster at every M: those keep their decode tiles. Both
 #   planes (`planes`, the `full` mode) differ: their 32-row tiles took 0.80-0.86x the decode tiles' time at M = 32
 #   and 64 on every 8B layer (0.97-1.03x at 40 and 48), the same bits (docs/bench-h100/gemm-rows-32.md): a
-#   batch-32 verify-mode step reads each weight tile's two planes once, not twice.
+#   batch-32 verify-mode step reads each weight tile's two planes once, not twice. INT8 codes read as 16-bit words
+#   spill in 32 x 128 tiles (168-304 bytes, compiled for sm_90) and none in 32 x 64: they take those (not yet timed).
 MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
     "int8-act": [(64, (64, 128, 4, 3, False), (64, 128, 4, 3, False)),
                  (256, (64, 128, 4, 3, True), (128, 128, 8, 3, False)),
@@ -671,8 +672,8 @@ MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
              (256, (64, 128, 4, 4, True, 64), (128, 128, 8, 3, False, 64)),
              (1 << 62, [(128, 256, 8, 3, True, 64), (128, 128, 8, 3, True, 128)],
               [(128, 256, 8, 3, False, 64), (128, 128, 8, 3, False, 64)])],
-    "int8": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
-             (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
+    "int8": [(64, (32, 64, 4, 3, False), (32, 64, 4, 3, False)),
+             (1 << 62, (32, 64, 4, 3, True), (32, 64, 4, 3, False))],
 }
 
 
