@@ -46,3 +46,14 @@ def test_quantized_attention_tile_issues_mma_sync():
     assert {r[0] for r in rows} == {"16 x 4", "16 x 8", "32 x 4", "32 x 8"}
     capped = report("--attention", "--warps", "4", "--max-registers", "96")
     assert len(capped) == 6 and all(r[2] == "96" and int(r[3]) <= 96 and int(r[4]) > 0 for r in capped)
+
+
+def test_shape_report_compiles_the_tiles_linear_picks():
+    """--shape: one row per layer GEMM and M, with the tiles `linear` picks (w8a16 at 32 rows: 32 x 64, no spill)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--shape", "llama-3-8b", "--modes",
+                          "w8a16", "--m", "32"], env=env, capture_output=True, text=True, check=True).stdout
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    rows = [r for r in rows if r[1] == "w8a16"]
+    assert [r[0].split()[0] for r in rows] == ["qkv", "o", "gate/up", "down"]
+    assert all(r[3].startswith("32 x 64 x 4, 256") and r[5] == "0" and r[6] == "mma.sync" for r in rows)

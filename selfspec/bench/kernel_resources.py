@@ -7,6 +7,8 @@ whether Triton issues mma.sync or wgmma decides a row's bits: both show here bef
 
 python -m selfspec.bench.kernel_resources --mode full --tiles 16x128x4 32x128x4 64x64x4 [--split 4]
 python -m selfspec.bench.kernel_resources --attention [--warps 4 8] [--max-registers 168 128]  (Llama-3-8B heads)
+python -m selfspec.bench.kernel_resources --shape llama-3-8b --modes full w4a16 --m 1 32 160   (the tiles `linear`
+    picks for each layer GEMM of the shape at each M, as the model runs them)
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import triton_linear as tlin
 from selfspec.kernels import triton_quant_attention as tqa
 from selfspec.quant.modes import MODES
@@ -39,8 +42,10 @@ class Resources:
     mma: str  # "wgmma", "mma.sync" or "none"
 
 
-def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 128) -> triton.compiler.CompiledKernel:
-    """The kernel `_launch` would run for `mode` under `cfg` (K = k), compiled for sm_90 (no launch, no GPU)."""
+def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 128,
+                   row_sums: bool = True) -> triton.compiler.CompiledKernel:
+    """The kernel `_launch` would run for `mode` under `cfg` (K = k), compiled for sm_90 (no launch, no GPU); with
+    its input's row sums handed over where the kernel takes them, unless `row_sums` is False (o's input)."""
     fmt, act = FORMATS[mode], MODES[mode].act_bits is not None
     nibble = tlin.uses_nibble_kernel(fmt, act, group)
     words = tlin.reads_words(fmt, act, cfg, k, nibble)
@@ -61,7 +66,7 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
     if fmt != tlin.FULL.value:
         consts["w2_desc"] = None
     if nibble:  # as the model runs it: with its input's row sums where the kernel takes them
-        row_sums = tlin.takes_row_sums(fmt, act, group)
+        row_sums = tlin.takes_row_sums(fmt, act, group) and (row_sums or act)
         sig["sums_ptr"] = "*fp32" if row_sums else "constexpr"
         if not row_sums:
             consts["sums_ptr"] = None
@@ -130,6 +135,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--split", type=int, default=1, help="K chunks (walked in one program past 16 rows)")
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--swap", action="store_true", help="the weight tile as the dot's left operand")
+    ap.add_argument("--shape", choices=list(SHAPES), default=None,
+                    help="instead of --tiles: the tiles linear picks for each layer GEMM of this shape")
+    ap.add_argument("--modes", nargs="+", default=["full", "upper", "w4a16", "w8a16", "w4a8"], choices=list(FORMATS),
+                    help="with --shape")
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 160, 1024], help="with --shape: rows")
+    ap.add_argument("--group", type=int, default=128, help="with --shape: the quantization group")
     ap.add_argument("--attention", action="store_true",
                     help="the quantized attention's tiles (16 and 32 query rows) per KV format instead")
     ap.add_argument("--warps", type=int, nargs="+", default=[tqa.NUM_WARPS], help="with --attention")
@@ -141,6 +152,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if args.attention:
         attention_table(args.warps, args.max_registers or [tqa.MAX_REGISTERS])
         return
+    if args.shape:
+        shape_table(args.shape, args.modes, args.m, args.group)
+        return
     print(f"{args.mode}, K {args.k} in tiles of {args.block_k}, split {args.split}, {args.stages} stages, sm_90")
     print("| tiles (M x N x warps) | registers | stack bytes | shared bytes | MMA |\n|---|---|---|---|---|")
     for block_m, block_n, warps in args.tiles:
@@ -148,6 +162,22 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                               in_program=block_m > tlin.BLOCK_M and args.split > 1)
         r = resources(compile_linear(args.mode, cfg, args.k))
         print(f"| {block_m} x {block_n} x {warps} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} |")
+
+
+def shape_table(shape: str, modes: list[str], ms: list[int], group: int) -> None:
+    """Registers and spills of the tile config `linear` picks (triton_linear.tile_config) per layer GEMM, mode and M."""
+    print(f"{shape}: the tiles linear picks, quantization group {group}, sm_90")
+    print("| GEMM (N x K) | mode | M | tiles (M x N x warps, K tile, split, chunks in a program) | registers | "
+          "stack bytes | MMA |\n|---|---|---|---|---|---|---|")
+    for name, n, k in layer_gemms(SHAPES[shape]):
+        for mode in modes:
+            fmt, act = FORMATS[mode], MODES[mode].act_bits is not None
+            for m in ms:
+                cfg = tlin.tile_config(fmt, act, n, k, group if fmt >= tlin.INT4.value else 0, m)
+                r = resources(compile_linear(mode, cfg, k, group, row_sums=name != "o"))  # no kernel sums o's input
+                tiles = (f"{cfg.block_m} x {cfg.block_n} x {cfg.num_warps}, {cfg.block_k}, {cfg.split_k}, "
+                         f"{'yes' if cfg.in_program else 'no'}")
+                print(f"| {name} ({n} x {k}) | {mode} | {m} | {tiles} | {r.registers} | {r.stack_bytes} | {r.mma} |")
 
 
 def attention_table(warps: list[int], max_registers: list[int | None]) -> None:
