@@ -3,7 +3,7 @@ run in turn from an old tree and from this one (old, new, old, new, ...), each r
 ratio. Lent machines differ by up to 7% and drift within a lease, so a change is judged only against its old code
 timed beside it.
 
-    mkdir -p .ab/old && git archive REV selfspec | tar -x -C .ab/old     # the old tree (.ab in .git/info/exclude)
+    mkdir -p .ab/old && git archive REV selfspec | tar -x -C .ab/old     # the old tree (.ab/ is git-ignored)
     python -m selfspec.bench.ab --old .ab/old --json ab.json -- steps --batch 1 32 --verify-tokens 1 5
     python -m selfspec.bench.ab --old .ab/old -- gemm --m 1 16 32 160
 """
