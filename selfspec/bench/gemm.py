@@ -16,7 +16,7 @@ import torch
 from selfspec.bench.device import copies_past_l2, copy_bandwidth, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import linear
-from selfspec.kernels.ops import ROW_SUM_COLS
+from selfspec.kernels.reference import row_sums
 from selfspec.quant.formats import quantize_weight, storage_supports
 from selfspec.quant.modes import MODES, prompt_mode
 
@@ -32,7 +32,7 @@ def measure(shape: str, ms: list[int], group_size: int = 128) -> list[dict]:
     for name, n, k in layer_gemms(SHAPES[shape]):
         ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies_past_l2(2 * n * k))]
         xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in ms}
-        sums = {m: x.float().view(m, -1, ROW_SUM_COLS).sum(-1) for m, x in xs.items()}
+        sums = {m: row_sums(x) for m, x in xs.items()}
         for storage, mode_name in PAIRS:
             mode = MODES[mode_name]
             assert storage_supports(storage, mode)

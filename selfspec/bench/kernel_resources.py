@@ -43,9 +43,10 @@ class Resources:
 
 
 def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 128,
-                   row_sums: bool = True) -> triton.compiler.CompiledKernel:
+                   producer_sums: bool = True) -> triton.compiler.CompiledKernel:
     """The kernel `_launch` would run for `mode` under `cfg` (K = k), compiled for sm_90 (no launch, no GPU); with
-    its input's row sums handed over where the kernel takes them, unless `row_sums` is False (o's input)."""
+    its input's row sums where the kernel takes them: act_quant's for int8 activations, the producer's for bf16 ones
+    unless `producer_sums` is False (o's input: no kernel writes its sums)."""
     fmt, act = FORMATS[mode], MODES[mode].act_bits is not None
     nibble = tlin.uses_nibble_kernel(fmt, act, group)
     words = tlin.reads_words(fmt, act, cfg, k, nibble)
@@ -66,7 +67,7 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
     if fmt != tlin.FULL.value:
         consts["w2_desc"] = None
     if nibble:  # as the model runs it: with its input's row sums where the kernel takes them
-        row_sums = tlin.takes_row_sums(fmt, act, group) and (row_sums or act)
+        row_sums = tlin.takes_row_sums(fmt, act, group) and (producer_sums or act)
         sig["sums_ptr"] = "*fp32" if row_sums else "constexpr"
         if not row_sums:
             consts["sums_ptr"] = None
@@ -174,7 +175,7 @@ def shape_table(shape: str, modes: list[str], ms: list[int], group: int) -> None
             fmt, act = FORMATS[mode], MODES[mode].act_bits is not None
             for m in ms:
                 cfg = tlin.tile_config(fmt, act, n, k, group if fmt >= tlin.INT4.value else 0, m)
-                r = resources(compile_linear(mode, cfg, k, group, row_sums=name != "o"))  # no kernel sums o's input
+                r = resources(compile_linear(mode, cfg, k, group, producer_sums=name != "o"))
                 tiles = (f"{cfg.block_m} x {cfg.block_n} x {cfg.num_warps}, {cfg.block_k}, {cfg.split_k}, "
                          f"{'yes' if cfg.in_program else 'no'}")
                 print(f"| {name} ({n} x {k}) | {mode} | {m} | {tiles} | {r.registers} | {r.stack_bytes} | {r.mma} |")

@@ -17,7 +17,7 @@ import triton
 from selfspec.bench.device import copies_past_l2, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import triton_linear as tlin
-from selfspec.kernels.ops import ROW_SUM_COLS
+from selfspec.kernels.reference import row_sums
 from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES
 
@@ -34,7 +34,7 @@ def kernel_inputs(x: torch.Tensor, mode, fmt: int, group: int) -> tuple:
         return tlin._act_quant(x, mode.act_bits, sums=tlin.takes_row_sums(fmt, act, group))
     if not tlin.takes_row_sums(fmt, act, group):
         return x, None, None
-    return x, None, x.float().view(x.shape[0], -1, ROW_SUM_COLS).sum(-1)
+    return x, None, row_sums(x)
 
 
 def candidates(group_fmt: bool, nibble_kernel: bool) -> list[tlin.TileConfig]:

@@ -140,8 +140,9 @@ def weight_block(weight: QuantWeight, mode: Mode, scales: tuple[torch.Tensor, ..
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference linear (kernels/reference.py) on float32 activations, by blocks of output rows."""
+           residual: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference linear (kernels/reference.py) on float32 activations, by blocks of output rows (sums: not
+    needed)."""
     weight.check(mode)
     dense = isinstance(weight, DenseWeight)
     if x.dtype != torch.float32 or dense and (mode.name != "fp32" or weight.weight.dtype != torch.float32):

@@ -25,8 +25,7 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     weight = weight.for_mode(mode)  # a format with a copy per mode (dense+int4) hands over the one `mode` reads
     if weight.rotation is not None:  # stored as W H: (x H)(W H)^T = x W^T, with outliers spread before act quant
         x, sums = rotate(x, weight.rotation.matrix), None  # the sums were x's, not x H's
-    fn = kernels.lookup("linear", weight.storage, x.device.type)
-    return fn(x, weight, mode, bias, residual) if sums is None else fn(x, weight, mode, bias, residual, sums)
+    return kernels.lookup("linear", weight.storage, x.device.type)(x, weight, mode, bias, residual, sums)
 
 
 def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

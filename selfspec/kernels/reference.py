@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from selfspec.cache.paged import gather_blocks
 from selfspec.cache.quant_kv import quantized_below
 from selfspec.kernels import lookup, register
+from selfspec.kernels.ops import ROW_SUM_COLS
 from selfspec.quant.act import fake_quantize_per_token
 from selfspec.quant.formats import STORAGES, QuantWeight
 from selfspec.quant.modes import Mode
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T (+ bias) in the mode's precision, returned in x's dtype (+ residual, added in that dtype)."""
+           residual: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) in the mode's precision, returned in x's dtype (+ residual, added in that dtype). sums (x's
+    row sums, kernels/ops.py `linear`) are not needed here."""
     weight.check(mode)
     if mode.name == "fp32":
         dtype = torch.float32
@@ -74,6 +76,12 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
 @register("swiglu")
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] summed per ROW_SUM_COLS columns in fp32 [rows, K / ROW_SUM_COLS]: what `rms_norm_summed` and
+    `swiglu_summed` hand to `linear` (up to the order of the adds)."""
+    return x.float().view(x.shape[0], -1, ROW_SUM_COLS).sum(-1)
 
 
 # The references' GEMMs sum their tiles themselves: no row sums (kernels/ops.py says what they are for).

@@ -7,8 +7,7 @@ import triton
 import triton.language as tl
 
 from selfspec.errors import SelfspecError
-from selfspec.kernels import register
-from selfspec.kernels import ops
+from selfspec.kernels import ops, register
 from selfspec.kernels.launch import launch_options, wait
 from selfspec.kernels.reference import rope_and_store as reference_rope_and_store
 
