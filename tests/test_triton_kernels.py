@@ -488,7 +488,7 @@ def test_nibble_linear_takes_its_inputs_row_sums(storage, mode_name, group):
     mode = MODES[mode_name]
     weight = quantize_weight(torch.randn(40, 256), storage, group)
     fmt = triton_linear.kernel_format(weight, mode)
-    assert triton_linear.takes_row_sums(fmt, False, group)
+    assert triton_linear.takes_row_sums(fmt, False, group, triton_linear.decode_config(fmt, False, 40, 256, group))
     x = torch.randn(70, 256).bfloat16()
     sums = row_sums_oracle(x).float()
     y = triton_linear.linear(x, weight, mode, None, sums=sums)
@@ -638,10 +638,35 @@ def test_rotate_matches_reference_and_is_batch_invariant():
 
 def test_many_token_tiles_fill_the_last_wave():
     """Of the tiles a bucket offers, the one whose last wave of programs is fullest; the larger on a tie."""
-    tiles = [(128, 256, 8, 3, True, 64), (128, 128, 8, 3, True, 128)]
-    assert triton_linear.fullest_wave(tiles, 1024, 6144) == tiles[1]  # 192 programs (1.45 waves) vs 384 (2.9)
-    assert triton_linear.fullest_wave(tiles, 4096, 6144) == tiles[0]  # 768 vs 1536 programs: both 97% full
+    wide, narrow = (triton_linear.TileConfig(n, 64, 1, 8, 3, block_m=128) for n in (256, 128))
+    assert triton_linear.fullest_wave([wide, narrow], 1024, 6144) == narrow  # 192 programs (1.45 waves) vs 384
+    assert triton_linear.fullest_wave([wide, narrow], 4096, 6144) == wide  # 768 vs 1536 programs: both 97% full
     assert triton_linear.tile_config(triton_linear.DENSE.value, False, 6144, 4096, 0, 1024).block_n == 128
+
+
+@pytest.mark.parametrize("n,k", [(576, 1536), (960, 576), (3072, 576), (6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("m", [17, 65, 257, 1024, 4096])
+def test_many_token_tiles_fit_in_shared_memory(n, k, m):
+    """A bf16 tile offered with K tiles of 64 keeps the decode K tile where the split's chunks do not start at
+    multiples of 64 (SmolLM2's down: K = 1536 in 8 chunks of 192): 128 x 256 x 128 over 3 stages would need 288 KB
+    of shared memory, so the bucket's other tile is taken."""
+    cfg = triton_linear.tile_config(triton_linear.DENSE.value, False, n, k, 0, m)
+    assert triton_linear.fits_shared(cfg, triton_linear.DENSE.value, False)
+    assert triton_linear.k_chunk(k, cfg.split_k, cfg.block_k) == triton_linear.k_chunk(
+        k, cfg.split_k, triton_linear.decode_config(triton_linear.DENSE.value, False, n, k, 0).block_k)
+    big = triton_linear.TileConfig(256, 128, 8, 8, 3, block_m=128)
+    assert not triton_linear.fits_shared(big, triton_linear.DENSE.value, False)
+    assert triton_linear.fits_shared(big, triton_linear.INT8.value, True)  # int8 x and W: half the bytes
+
+
+def test_nibble_tiles_past_256_rows_are_wgmma_tiles_even_from_wide_decode_tiles():
+    """w4a16's gate/up decodes over N tiles of 256; past 256 rows it takes the 64 x 128 tiles (bits kept on the
+    GPU, tests/gpu), with the decode tiles' K split."""
+    fmt = triton_linear.INT4.value
+    decode = triton_linear.decode_config(fmt, False, 28672, 4096, 128)
+    assert decode.block_n == 256
+    many = triton_linear.tile_config(fmt, False, 28672, 4096, 128, 1024)
+    assert (many.block_m, many.block_n, many.split_k, many.block_k) == (64, 128, decode.split_k, decode.block_k)
 
 
 @pytest.mark.parametrize("storage,mode_name", [("int8", "w8a16"), ("int4", "w4a16"), ("planes", "upper"),

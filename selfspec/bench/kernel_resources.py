@@ -67,7 +67,7 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
     if fmt != tlin.FULL.value:
         consts["w2_desc"] = None
     if nibble:  # as the model runs it: with its input's row sums where the kernel takes them
-        row_sums = tlin.takes_row_sums(fmt, act, group) and (producer_sums or act)
+        row_sums = tlin.takes_row_sums(fmt, act, group, cfg) and (producer_sums or act)
         sig["sums_ptr"] = "*fp32" if row_sums else "constexpr"
         if not row_sums:
             consts["sums_ptr"] = None

@@ -26,13 +26,15 @@ KERNELS = {"bf16": ("dense", "bf16"), "w8a16": ("int8", "w8a16"), "w8a8": ("int8
            "full": ("planes", "full")}
 
 
-def kernel_inputs(x: torch.Tensor, mode, fmt: int, group: int) -> tuple:
-    """What the model hands the kernel for activations x: (x or its int8 codes, their row scales, the row sums the
-    kernel reads, or None where it sums x itself)."""
+def kernel_inputs(x: torch.Tensor, mode, fmt: int, group: int, n: int) -> tuple:
+    """What the model hands the kernel for activations x (a GEMM of N outputs): (x or its int8 codes, their row
+    scales, the row sums the kernel reads, or None where it sums x itself), as `linear` hands them for x's rows."""
     act = mode.act_bits is not None
+    m, k = x.shape
+    row_sums_read = tlin.takes_row_sums(fmt, act, group, tlin.tile_config(fmt, act, n, k, group, m))
     if act:
-        return tlin._act_quant(x, mode.act_bits, sums=tlin.takes_row_sums(fmt, act, group))
-    if not tlin.takes_row_sums(fmt, act, group):
+        return tlin._act_quant(x, mode.act_bits, sums=row_sums_read)
+    if not row_sums_read:
         return x, None, None
     return x, None, row_sums(x)
 
@@ -59,7 +61,7 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
             weight = weights[0]
             fmt, act = tlin.kernel_format(weight, mode), mode.act_bits is not None
             group = getattr(weight, "group_size", 0)
-            xs = {m: kernel_inputs(torch.randn(m, k, device="cuda").bfloat16(), mode, fmt, group) for m in ms}
+            xs = {m: kernel_inputs(torch.randn(m, k, device="cuda").bfloat16(), mode, fmt, group, n) for m in ms}
 
             def cost(cfg: tlin.TileConfig) -> float:
                 return sum(graph_time_ms([lambda w=w, m=m: tlin._launch(*xs[m][:2], w, fmt, act, None, cfg,
@@ -128,7 +130,7 @@ def tune_many(shape: str, ms: tuple[int, ...], kernels: list[str], save: str | N
             dense = w.bfloat16()
             for m in ms:
                 x = torch.randn(m, k, device="cuda").bfloat16()
-                xq, xs, sums = kernel_inputs(x, mode, fmt, group)
+                xq, xs, sums = kernel_inputs(x, mode, fmt, group, n)
 
                 def launch(cfg: tlin.TileConfig) -> torch.Tensor:
                     return tlin._launch(xq, xs, weight, fmt, act, None, cfg, sums=sums)

@@ -643,9 +643,10 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 # - bf16 activations (bf16, int8 and nibble weights): warps, stages, N tiles and M tiles up to 32 keep the bits,
 #   but M tiles of 64 or more (where Triton issues Hopper's wgmma instead of mma.sync) changed 4e-5 to 1.5e-3 of
 #   the outputs of integer-coded weights (int8 codes, nibbles, planes): so these stay on mma.sync, M tiles of 32.
-#   (Measured with their codes built from bytes, whose mma.sync operands Triton lays out with kWidth 4; the nibble
-#   kernel now builds them from 16-bit words, kWidth 2 as for bf16 weights, whose wgmma tiles keep the bits: its
-#   wgmma tiles are to be measured, `python -m selfspec.bench.tune_linear --many`.)
+#   Measured with their codes built from bytes, whose mma.sync operands Triton lays out with kWidth 4. The nibble
+#   kernel now builds them from 16-bit words (kWidth 2, as for bf16 weights), and every wgmma tile tried kept the
+#   bits of its decode tiles: 64 and 128 rows, N tiles 128/256, `full` and w4a16, M = 160 to 1024 (H200,
+#   docs/bench-h200/tune-many-words.json).
 #   bf16 weights kept every bit on wgmma tiles (64 to 128 rows, N tiles 128/256, K tiles 64/128, at M = 256 to
 #   4096 on the 8B layers: random, integer-valued and +-1 weights such as the rotation's,
 #   docs/bench-h100/gemm-many-tokens.md): they take them past 64 rows, 64 x 128 up to 256 rows (1.3-1.6x cuBLAS),
@@ -654,20 +655,24 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 #   tiles of 128 x 256 (1.5 waves, 1.50x cuBLAS) but 384 of 128 x 128 (2.9 waves, 1.31x);
 #   docs/bench-h100/gemm-bf16-tiles-probe.json;
 # - speed: each bucket's tiles beat the decode tiles at M = 64 to 4096 (gemm bench), but for the nibble kernel with
-#   bf16 activations at M <= 64, and where its decode tiles are 256 wide (one nibble plane over few K pieces: gate/up
-#   and down of 8B models), whose long programs stayed faster at every M: those keep their decode tiles. Both
-#   planes (`planes`, the `full` mode) differ: their 32-row tiles took 0.80-0.86x the decode tiles' time at M = 32
-#   and 64 on every 8B layer (0.97-1.03x at 40 and 48), the same bits (docs/bench-h100/gemm-rows-32.md): a
-#   batch-32 verify-mode step reads each weight tile's two planes once, not twice. INT8 codes read as 16-bit words
-#   spill in 32 x 128 tiles (168-304 bytes, compiled for sm_90) and none in 32 x 64: they take those (not yet timed).
+#   bf16 activations at M <= 64. Both planes (`planes`, the `full` mode) differ: their 32-row tiles took 0.80-0.86x
+#   the decode tiles' time at M = 32 and 64 on every 8B layer (docs/bench-h100/gemm-rows-32.md): a batch-32
+#   verify-mode step reads each weight tile's two planes once, not twice. Past 64 rows both planes take wgmma tiles
+#   of 64 x 128: 0.48-0.67x the decode tiles' time at M = 256 and 1024, the sum of a layer's GEMMs 0.87x the 32-row
+#   tiles' at M = 160; one plane (w4a16, upper) past 256 rows (0.57-0.85x the decode tiles at 1024; at 160 to 256
+#   the 32-row tiles are as fast). INT8 codes read as 16-bit words spill in 32 x 128 tiles (168-304 bytes,
+#   compiled for sm_90) and none in 32 x 64: they take those (not yet timed).
+# - shared memory: a tile whose pipelined operands would not fit (`fits_shared`: a bf16 list tile given K tiles of
+#   128 where the split's chunks do not start at multiples of 64) is passed over.
 MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
     "int8-act": [(64, (64, 128, 4, 3, False), (64, 128, 4, 3, False)),
                  (256, (64, 128, 4, 3, True), (128, 128, 8, 3, False)),
                  (1 << 62, (128, 128, 8, 3, True), (128, 128, 8, 3, False))],
     "nibble-act": [(64, None, None), (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
-    "nibble": [(64, None, None), (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
+    "nibble": [(64, None, None), (256, (32, 128, 4, 3, True), (32, 128, 4, 3, False)),
+               (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
     "planes": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
-               (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
+               (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
     "bf16": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
              (256, (64, 128, 4, 4, True, 64), (128, 128, 8, 3, False, 64)),
              (1 << 62, [(128, 256, 8, 3, True, 64), (128, 128, 8, 3, True, 128)],
@@ -689,36 +694,51 @@ def kernel_kind(fmt: int, act: bool, group: int) -> str:
 def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, n: int, k: int) -> TileConfig:
     """cfg with the M and N tiles, warps and stages of M's bucket (and, for bf16 weights, its K tile); the split,
     the swap and so each row's order of adds stay."""
-    kind = kernel_kind(fmt, act, group)
-    if cfg.swap or (kind == "nibble" and cfg.block_n > 128):  # not measured / slower at many tokens (MANY_TOKENS)
+    if cfg.swap:  # not measured at many tokens
         return cfg
-    for max_m, split_tiles, whole_tiles in MANY_TOKENS[kind]:
+    for max_m, split_tiles, whole_tiles in MANY_TOKENS[kernel_kind(fmt, act, group)]:
         if m <= max_m:
             tiles = split_tiles if cfg.split_k > 1 else whole_tiles
             if tiles is None:
                 return cfg
-            if isinstance(tiles, list):
-                tiles = fullest_wave(tiles, m, n)
-            block_m, block_n, warps, stages, in_program, *block_k = tiles
-            # A bf16 dot adds its K tiles into one accumulator, 16 columns at a time in order, whatever BLOCK_K is;
-            # the split's chunks must still start at the same columns.
-            block_k = block_k[0] if block_k and k_chunk(k, cfg.split_k, block_k[0]) == k_chunk(
-                k, cfg.split_k, cfg.block_k) else cfg.block_k
-            return replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps,
-                           num_stages=stages, in_program=in_program and cfg.split_k > 1)
+            fitting = [c for c in (retile(cfg, t, k) for t in (tiles if isinstance(tiles, list) else [tiles]))
+                       if fits_shared(c, fmt, act)]
+            return fullest_wave(fitting, m, n) if fitting else cfg
     raise AssertionError("the last bucket takes every M")
+
+
+def retile(cfg: TileConfig, tiles: tuple, k: int) -> TileConfig:
+    """cfg with one MANY_TOKENS entry's tiles."""
+    block_m, block_n, warps, stages, in_program, *block_k = tiles
+    # A bf16 dot adds its K tiles into one accumulator, 16 columns at a time in order, whatever BLOCK_K is; the
+    # split's chunks must still start at the same columns.
+    block_k = block_k[0] if block_k and k_chunk(k, cfg.split_k, block_k[0]) == k_chunk(
+        k, cfg.split_k, cfg.block_k) else cfg.block_k
+    return replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
+                   in_program=in_program and cfg.split_k > 1)
+
+
+SHARED_MEMORY = 232448  # bytes of shared memory a program may use on an H100 or H200
+
+
+def fits_shared(cfg: TileConfig, fmt: int, act: bool) -> bool:
+    """Whether a tile's pipelined operands fit in shared memory: a stage holds an x tile (int8 or bf16) and a W
+    tile (bf16, or codes of a byte at most). Triton's own count stayed at or below this for every config
+    MANY_TOKENS offers, compiled for sm_90."""
+    x_bytes, w_bytes = 1 if act else 2, 2 if fmt == DENSE.value else 1
+    return cfg.num_stages * (cfg.block_m * x_bytes + cfg.block_n * w_bytes) * cfg.block_k <= SHARED_MEMORY
 
 
 SMS = 132  # streaming multiprocessors of an H100 SXM (and an H200): programs per wave at one per SM
 
 
-def fullest_wave(tiles: list[tuple], m: int, n: int) -> tuple:
-    """Of several tile shapes, the one whose last wave of programs is fullest (the first, the largest, on a tie):
+def fullest_wave(configs: list[TileConfig], m: int, n: int) -> TileConfig:
+    """Of several tile configs, the one whose last wave of programs is fullest (the first, the largest, on a tie):
     a half-empty last wave leaves SMs idle for a whole tile's time."""
-    def fill(t: tuple) -> float:
-        programs = triton.cdiv(m, t[0]) * triton.cdiv(n, t[1])
+    def fill(c: TileConfig) -> float:
+        programs = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
         return programs / (triton.cdiv(programs, SMS) * SMS)
-    return max(tiles, key=fill)  # max keeps the first of equals
+    return max(configs, key=fill)  # max keeps the first of equals
 
 
 def k_chunk(k: int, split_k: int, block_k: int) -> int:
@@ -763,13 +783,13 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     if mode.prompt and fmt != DENSE.value and not act:
         return prompt_linear(x2, weight, fmt, bias, r2).view(*x.shape[:-1], n)
     group = getattr(weight, "group_size", 0)
-    row_sums = takes_row_sums(fmt, act, group)
+    cfg = tile_config(fmt, act, n, k, group, x2.shape[0])
+    row_sums = takes_row_sums(fmt, act, group, cfg)
     xs = None
     if act:  # the GEMM's row sums are those of the codes, which act_quant writes beside them
         x2, xs, sums = _act_quant(x2, mode.act_bits, sums=row_sums)
     elif not row_sums:
         sums = None
-    cfg = tile_config(fmt, act, n, k, group, x2.shape[0])
     return _launch(x2, xs, weight, fmt, act, bias, cfg, r2, sums).view(*x.shape[:-1], n)
 
 
@@ -785,12 +805,16 @@ def reads_words(fmt: int, act: bool, cfg: TileConfig, k: int, nibble: bool) -> b
     return fmt == INT8.value and not cfg.swap and k % 2 == 0
 
 
-def takes_row_sums(fmt: int, act: bool, group: int) -> bool:
+def takes_row_sums(fmt: int, act: bool, group: int, cfg: TileConfig) -> bool:
     """Whether a GEMM reads its input's row sums (which its group offsets multiply) instead of summing each K tile
     of x in every program: the nibble kernel, in K tiles made of whole ROW_SUM_COLS-column pieces. With bf16
     activations they are `linear`'s sums, from the kernel that wrote x; with int8 ones the codes' sums, from
-    act_quant."""
-    return uses_nibble_kernel(fmt, act, group) and min(group, 128) % ROW_SUM_COLS.value == 0
+    act_quant, in many-token tiles only: in decode's 16-row tiles the dot with ones on the int8 tensor cores was
+    the faster (w4a8 and w4a4 at 16 and 32 rows took 1.04-1.19x the time reading sums, 0.77-0.89x at 160 and 256;
+    H200, `selfspec bench ab gemm`). Both give the same exact integers, so the same bits."""
+    if not uses_nibble_kernel(fmt, act, group) or min(group, 128) % ROW_SUM_COLS.value:
+        return False
+    return not act or cfg.block_m > BLOCK_M
 
 
 def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt: int, act: bool,

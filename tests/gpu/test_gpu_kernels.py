@@ -78,8 +78,9 @@ def test_linear_many_tokens_keeps_each_rows_bits(storage, mode_name, n, k, row_s
     mode = MODES[mode_name]
     w = torch.randn(n, k, device=DEV) * 0.02
     weight = quantize_weight(w.bfloat16() if storage == "dense" else w, storage, 128)
+    fmt = triton_linear.kernel_format(weight, mode)
     if row_sums and (mode.act_bits is not None or not triton_linear.takes_row_sums(
-            triton_linear.kernel_format(weight, mode), False, 128)):
+            fmt, False, 128, triton_linear.decode_config(fmt, False, n, k, 128))):
         pytest.skip("the caller's row sums are for bf16 activations into the nibble kernel")
     x = torch.randn(MANY_ROWS[-1], k, device=DEV).bfloat16()
     sums = None
