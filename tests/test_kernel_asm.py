@@ -84,7 +84,7 @@ def words(rng, n):
 
 
 def test_emulator_knows_the_instructions_it_runs():
-    for name in ("WORD_NIBBLES", "PLANE_WORDS", "INT8_WORDS", "NIBBLES", "NIBBLES_I8", "PLANES", "BYTES_F16",
+    for name in ("WORD_NIBBLES", "PLANE_WORDS", "NIBBLES", "NIBBLES_I8", "PLANES", "BYTES_F16",
                  "NIBBLES_F16", "PLANES_F16"):
         text = getattr(ptx, name)
         ops = set(re.findall(r"^\s*([a-z]+\.[a-z0-9.]+)", text, re.M)) - {".reg"}
@@ -109,16 +109,6 @@ def test_plane_words_give_the_signed_int8_codes():
         q8 = ((u >> np.uint64(4 * t)) & np.uint64(15)) * 16 + ((low >> np.uint64(4 * t)) & np.uint64(15))
         assert np.array_equal(halves(out), q8.astype(np.float32) - 128), t
     assert {-128.0, 127.0} <= set(np.concatenate([halves(o).ravel() for o in outs]))  # the ends of the range
-
-
-def test_int8_words_give_the_signed_codes_at_even_and_odd_k():
-    rng = np.random.default_rng(3)
-    reg, w = words(rng, 4096)
-    even, odd = run_ptx(ptx.INT8_WORDS, [reg], 2)
-    for out, shift in ((even, 0), (odd, 8)):  # word j holds k = 2j in its low byte, 2j + 1 in its high one
-        byte = ((w >> np.uint64(shift)) & np.uint64(0xFF)).astype(np.int64)
-        assert np.array_equal(halves(out), np.where(byte > 127, byte - 256, byte).astype(np.float32))
-    assert {-128.0, 127.0} <= set(np.concatenate([halves(o).ravel() for o in (even, odd)]))
 
 
 def byte_regs(rng, n):

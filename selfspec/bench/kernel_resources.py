@@ -49,10 +49,10 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
     unless `producer_sums` is False (o's input: no kernel writes its sums)."""
     fmt, act = FORMATS[mode], MODES[mode].act_bits is not None
     nibble = tlin.uses_nibble_kernel(fmt, act, group)
-    words = tlin.reads_words(fmt, act, cfg, k, nibble)
+    words = nibble and tlin.reads_words(act, cfg)
     w_type = "i16" if words else {tlin.DENSE.value: "bf16", tlin.INT8.value: "i8"}.get(fmt, "u8")
     if words:
-        w_cols = cfg.block_k // 4 if nibble else cfg.block_k // 2
+        w_cols = cfg.block_k // 4
     else:
         w_cols = cfg.block_k // 2 if fmt >= tlin.INT4.value else cfg.block_k
     desc = f"tensordesc<{w_type}[{cfg.block_n}, {w_cols}]>"
@@ -75,7 +75,7 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
                       ROW_SUMS=row_sums, WORDS=words, ASM=True)
         kernel = tlin._nibble_kernel
     else:
-        consts.update(SHIFT=tlin._shift(fmt) if act else 0, SWAP=cfg.swap, WORDS=words, ASM=True)
+        consts.update(SHIFT=tlin._shift(fmt) if act else 0, SWAP=cfg.swap)
         kernel = tlin._linear_kernel
     sig.update(dict.fromkeys(consts, "constexpr"))
     return triton.compile(ASTSource(kernel, sig, consts), target=H100,

@@ -74,12 +74,6 @@ PLANE_WORDS = block("a, b, t, l0, l1, l2", plane_bytes("$4", "$5")
                     + signed_bytes_to_bf16("$0", "a", "0x4240") + signed_bytes_to_bf16("$1", "b", "0x4240")
                     + signed_bytes_to_bf16("$2", "a", "0x4341") + signed_bytes_to_bf16("$3", "b", "0x4341"))
 
-# Two 16-bit words of INT8 codes (word j holds k = 2j in its low byte and 2j + 1 in its high one) -> bf16 of the
-# codes at the even ($0) and at the odd ($1) k.
-INT8_WORDS = block("l0, l1, l2",
-                   signed_bytes_to_bf16("$0", "$2", "0x4240") + signed_bytes_to_bf16("$1", "$2", "0x4341"))
-
-
 # The quantized KV cache's codes for the attention kernel, as exact float16 (register k: 1024 twice).
 # Four bytes -> four float16 1024 + byte (0x64 above each byte), less 1024: the bytes as exact float16 integers.
 BYTES_F16 = ("{\n.reg .b32 t, k;\nmov.b32 k, 0x64006400;\nprmt.b32 t, $2, 0x64, 0x4140;\nsub.f16x2 $0, t, k;\n"

@@ -191,7 +191,7 @@ def _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_pt
 def _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, k_start, k_end, M, N, K,
                   stride_xm, stride_sn, stride_sg, FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SWAP: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
+                  SWAP: tl.constexpr):
     """One K chunk [k_start, k_end) of a [BLOCK_M, BLOCK_N] tile, walked in order from a zero accumulator."""
     if SWAP:  # y^T = W x^T: the weight tile is the dot's left operand, fed to the tensor cores from registers
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -201,11 +201,8 @@ def _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0)
-        if WORDS:
-            acc = _int8_word_dot(x, w_desc, n0, k0, acc, ASM)
-        else:
-            acc = _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg, FMT,
-                            ACT, SHIFT, GROUP, BLOCK_K, SWAP)
+        acc = _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg, FMT, ACT,
+                        SHIFT, GROUP, BLOCK_K, SWAP)
     if SWAP:
         acc = tl.trans(acc)
     return acc
@@ -250,8 +247,7 @@ def _linear_kernel(
     M, N, K, K_CHUNK, CHUNKS, stride_xm, stride_sn, stride_sg, stride_ym, stride_rm,
     FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, IN_PROGRAM: tl.constexpr, SWAP: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr,
-    PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, IN_PROGRAM: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
 ):
     # M tiles vary fastest, so the programs sharing one N tile of W run together and hit it in L2.
     pid_m = tl.program_id(0)
@@ -265,7 +261,7 @@ def _linear_kernel(
         for c in range(0, CHUNKS):
             acc += _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, pid_n * BLOCK_N,
                                  c * K_CHUNK, tl.minimum(K, (c + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn,
-                                 stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SWAP, WORDS, ASM)
+                                 stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
     else:  # the loop of _linear_chunk written out here: through the helper, decode ran up to 10% slower (H100)
         if SWAP:  # y^T = W x^T: the weight tile is the dot's left operand, fed to the tensor cores from registers
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -276,34 +272,12 @@ def _linear_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x_mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0)
-            if WORDS:
-                acc = _int8_word_dot(x, w_desc, pid_n * BLOCK_N, k0, acc, ASM)
-            else:
-                acc = _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, pid_n * BLOCK_N, k0, N, stride_sn,
-                                stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_K, SWAP)
+            acc = _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, pid_n * BLOCK_N, k0, N, stride_sn,
+                            stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_K, SWAP)
         if SWAP:
             acc = tl.trans(acc)
     _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
             stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
-
-
-_INT8_WORDS_ASM = tl.constexpr(ptx.INT8_WORDS)
-
-
-@triton.jit
-def _int8_word_dot(x, w_desc, n0, k0, acc, ASM: tl.constexpr):
-    """acc + x @ W^T for the K tile at k0 of INT8 codes read as 16-bit words (two codes each): the even columns of
-    x meet the low bytes, the odd ones the high bytes."""
-    w = w_desc.load([n0, k0 // 2])
-    if ASM:
-        even, odd = tl.inline_asm_elementwise(_INT8_WORDS_ASM, "=r,=r,r", [w], dtype=(tl.bfloat16, tl.bfloat16),
-                                              is_pure=True, pack=2)
-    else:
-        v = w.to(tl.int32) & 0xFFFF
-        even = (((v & 255) ^ 128) - 128).to(tl.float32).to(tl.bfloat16)
-        odd = ((((v >> 8) & 255) ^ 128) - 128).to(tl.float32).to(tl.bfloat16)
-    xe, xo = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
-    return tl.dot(xo, tl.trans(odd), tl.dot(xe, tl.trans(even), acc))
 
 
 _NIBBLES_ASM = tl.constexpr(ptx.NIBBLES)
@@ -642,11 +616,11 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 #   int32 dots per K tile, then the same fp32 affine per element);
 # - bf16 activations (bf16, int8 and nibble weights): warps, stages, N tiles and M tiles up to 32 keep the bits,
 #   but M tiles of 64 or more (where Triton issues Hopper's wgmma instead of mma.sync) changed 4e-5 to 1.5e-3 of
-#   the outputs of integer-coded weights (int8 codes, nibbles, planes): so these stay on mma.sync, M tiles of 32.
-#   Measured with their codes built from bytes, whose mma.sync operands Triton lays out with kWidth 4. The nibble
-#   kernel now builds them from 16-bit words (kWidth 2, as for bf16 weights), and every wgmma tile tried kept the
-#   bits of its decode tiles: 64 and 128 rows, N tiles 128/256, `full` and w4a16, M = 160 to 1024 (H200,
-#   docs/bench-h200/tune-many-words.json).
+#   the outputs of integer-coded weights (int8 codes, nibbles, planes) built from bytes, whose mma.sync operands
+#   Triton lays out with kWidth 4: INT8 codes stay there, on mma.sync, M tiles of 32 (`reads_words` says why). The
+#   nibble kernel builds its codes from 16-bit words (kWidth 2, as for bf16 weights), and every wgmma tile tried
+#   kept the bits of its decode tiles: 64 and 128 rows, N tiles 128/256, `full`, upper and w4a16, M = 160 to 1024
+#   (H200 and H100, docs/bench-h200/tune-many-words.json; the GPU tests, up to 8192 rows).
 #   bf16 weights kept every bit on wgmma tiles (64 to 128 rows, N tiles 128/256, K tiles 64/128, at M = 256 to
 #   4096 on the 8B layers: random, integer-valued and +-1 weights such as the rotation's,
 #   docs/bench-h100/gemm-many-tokens.md): they take them past 64 rows, 64 x 128 up to 256 rows (1.3-1.6x cuBLAS),
@@ -659,9 +633,8 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 #   the decode tiles' time at M = 32 and 64 on every 8B layer (docs/bench-h100/gemm-rows-32.md): a batch-32
 #   verify-mode step reads each weight tile's two planes once, not twice. Past 64 rows both planes take wgmma tiles
 #   of 64 x 128: 0.48-0.67x the decode tiles' time at M = 256 and 1024, the sum of a layer's GEMMs 0.87x the 32-row
-#   tiles' at M = 160; one plane (w4a16, upper) past 256 rows (0.57-0.85x the decode tiles at 1024; at 160 to 256
-#   the 32-row tiles are as fast). INT8 codes read as 16-bit words spill in 32 x 128 tiles (168-304 bytes,
-#   compiled for sm_90) and none in 32 x 64: they take those (not yet timed).
+#   tiles' at M = 160; one plane (w4a16, upper) past 192 rows (0.52-0.65x the old 32-row tiles at 1024 rows, H100;
+#   at 160 rows its decode tiles were the faster on 3 of 4 layers, 256-wide down 1.15x quicker than 32 x 128).
 # - shared memory: a tile whose pipelined operands would not fit (`fits_shared`: a bf16 list tile given K tiles of
 #   128 where the split's chunks do not start at multiples of 64) is passed over.
 MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
@@ -669,16 +642,15 @@ MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
                  (256, (64, 128, 4, 3, True), (128, 128, 8, 3, False)),
                  (1 << 62, (128, 128, 8, 3, True), (128, 128, 8, 3, False))],
     "nibble-act": [(64, None, None), (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
-    "nibble": [(64, None, None), (256, (32, 128, 4, 3, True), (32, 128, 4, 3, False)),
-               (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
+    "nibble": [(192, None, None), (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
     "planes": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
                (1 << 62, (64, 128, 4, 3, True), (64, 128, 4, 3, False))],
     "bf16": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
              (256, (64, 128, 4, 4, True, 64), (128, 128, 8, 3, False, 64)),
              (1 << 62, [(128, 256, 8, 3, True, 64), (128, 128, 8, 3, True, 128)],
               [(128, 256, 8, 3, False, 64), (128, 128, 8, 3, False, 64)])],
-    "int8": [(64, (32, 64, 4, 3, False), (32, 64, 4, 3, False)),
-             (1 << 62, (32, 64, 4, 3, True), (32, 64, 4, 3, False))],
+    "int8": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
+             (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
 }
 
 
@@ -793,16 +765,13 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     return _launch(x2, xs, weight, fmt, act, bias, cfg, r2, sums).view(*x.shape[:-1], n)
 
 
-def reads_words(fmt: int, act: bool, cfg: TileConfig, k: int, nibble: bool) -> bool:
-    """Whether a GEMM reads its integer codes as 16-bit words and builds their bf16 values in asm, so that they enter
-    mma.sync in its natural k order (Triton's order for operands built from 8-bit values rounds otherwise than
-    wgmma): with bf16 activations, the nibble kernel in K tiles of 64 and more (each quarter of a tile a dot of K >=
-    16), INT8 codes unswapped over an even K."""
-    if act:
-        return False
-    if nibble:
-        return cfg.block_k >= 64
-    return fmt == INT8.value and not cfg.swap and k % 2 == 0
+def reads_words(act: bool, cfg: TileConfig) -> bool:
+    """Whether the nibble kernel reads its planes as 16-bit words and builds their bf16 codes in asm, so that they
+    enter mma.sync in its natural k order (Triton's order for operands built from 8-bit values rounds otherwise than
+    wgmma, so wgmma tiles would change the bits): with bf16 activations, in K tiles of 64 and more (each quarter of
+    a tile a dot of K >= 16). INT8 codes stay bytes: as words they took 1.04-1.06x the time at decode (qkv and o,
+    H100) and, on wgmma tiles, only 0.83-1.05x the bytes' mma.sync tiles' at 1024 rows."""
+    return not act and cfg.block_k >= 64
 
 
 def takes_row_sums(fmt: int, act: bool, group: int, cfg: TileConfig) -> bool:
@@ -851,10 +820,10 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
     args = (y, part, counts, m, n, k, chunk, cfg.split_k if cfg.in_program else 1, x2.stride(0), stride_sn,
             stride_sg, y.stride(0), 0 if r2 is None else r2.stride(0))
     nibble = uses_nibble_kernel(fmt, act, group)
-    words = reads_words(fmt, act, cfg, k, nibble)
-    if words:  # the codes' bytes as 16-bit words: four nibble codes a word, or two INT8 codes
+    words = nibble and reads_words(act, cfg)
+    if words:  # the planes' bytes as 16-bit words, four nibble codes each
         w, w2 = (None if t is None else t.view(torch.int16) for t in (w, w2))
-        block = [cfg.block_n, cfg.block_k // 4 if nibble else cfg.block_k // 2]
+        block = [cfg.block_n, cfg.block_k // 4]
     else:
         block = [cfg.block_n, cfg.block_k // 2 if fmt >= INT4.value else cfg.block_k]
     descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
@@ -864,7 +833,7 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
                              WORDS=words, ASM=not INTERPRETING, **flags)
     else:
         _linear_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, SHIFT=_shift(fmt) if act else 0,
-                             SWAP=cfg.swap, WORDS=words, ASM=not INTERPRETING, **flags)
+                             SWAP=cfg.swap, **flags)
     return y
 
 
