@@ -27,16 +27,11 @@ KERNELS = {"bf16": ("dense", "bf16"), "w8a16": ("int8", "w8a16"), "w8a8": ("int8
 
 
 def kernel_inputs(x: torch.Tensor, mode, fmt: int, group: int, n: int) -> tuple:
-    """What the model hands the kernel for activations x (a GEMM of N outputs): (x or its int8 codes, their row
-    scales, the row sums the kernel reads, or None where it sums x itself), as `linear` hands them for x's rows."""
-    act = mode.act_bits is not None
+    """What the model hands the kernel for activations x (a GEMM of N outputs), as `linear` does for x's rows: x
+    or its int8 codes, their row scales, and the row sums the kernel reads (its producer's, for bf16 x)."""
     m, k = x.shape
-    row_sums_read = tlin.takes_row_sums(fmt, act, group, tlin.tile_config(fmt, act, n, k, group, m))
-    if act:
-        return tlin._act_quant(x, mode.act_bits, sums=row_sums_read)
-    if not row_sums_read:
-        return x, None, None
-    return x, None, row_sums(x)
+    cfg = tlin.tile_config(fmt, mode.act_bits is not None, n, k, group, m)
+    return tlin.kernel_inputs(x, mode, fmt, group, cfg, row_sums(x))
 
 
 def candidates(group_fmt: bool, nibble_kernel: bool) -> list[tlin.TileConfig]:

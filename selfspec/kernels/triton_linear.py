@@ -1,9 +1,8 @@
 """Triton GEMM y = x @ W^T (+ bias) read straight from every stored weight format.
 
 _linear_kernel, specialised at compile time by how it reads W (FMT) and whether activations are quantized (ACT):
-- weight-only modes (bf16, w8a16) run a bf16 tl.dot with fp32 accumulation; w8a16 reads its INT8 codes as 16-bit
-  words and turns them into bf16 in asm (the per-channel scale comes after the K loop), so that they enter the
-  tensor cores in mma.sync's natural k order, as the nibble kernel below does;
+- weight-only modes (bf16, w8a16) dequantize the weight tile in registers and run a bf16 tl.dot with fp32
+  accumulation;
 - activation-quantized modes on INT8 and both planes quantize x per token (`act_quant`: int8 codes and a row
   scale), run an int8 tl.dot with int32 accumulation per K tile, and apply the weight's affine per tile:
       y = sx * sum_tiles(s * dot(xq, q - shift) + (lo + shift * s) * sum(xq))
@@ -756,13 +755,19 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
         return prompt_linear(x2, weight, fmt, bias, r2).view(*x.shape[:-1], n)
     group = getattr(weight, "group_size", 0)
     cfg = tile_config(fmt, act, n, k, group, x2.shape[0])
-    row_sums = takes_row_sums(fmt, act, group, cfg)
-    xs = None
-    if act:  # the GEMM's row sums are those of the codes, which act_quant writes beside them
-        x2, xs, sums = _act_quant(x2, mode.act_bits, sums=row_sums)
-    elif not row_sums:
-        sums = None
+    x2, xs, sums = kernel_inputs(x2, mode, fmt, group, cfg, sums)
     return _launch(x2, xs, weight, fmt, act, bias, cfg, r2, sums).view(*x.shape[:-1], n)
+
+
+def kernel_inputs(x2: torch.Tensor, mode: Mode, fmt: int, group: int, cfg: TileConfig,
+                  sums: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """What the kernel reads for activations x2 under cfg: (x2 or its int8 codes, their row scales, the row sums
+    it reads or None): with int8 activations the codes' sums, which act_quant writes beside them; else x2's `sums`
+    from the kernel that wrote x2, where the kernel takes them (`takes_row_sums`)."""
+    row_sums = takes_row_sums(fmt, mode.act_bits is not None, group, cfg)
+    if mode.act_bits is not None:
+        return _act_quant(x2, mode.act_bits, sums=row_sums)
+    return x2, None, sums if row_sums else None
 
 
 def reads_words(act: bool, cfg: TileConfig) -> bool:
