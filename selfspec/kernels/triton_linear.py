@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from selfspec.kernels import ptx, register
+from selfspec.kernels import gluon_linear, ptx, register
 from selfspec.kernels.launch import INTERPRETING, launch_options, wait
 from selfspec.kernels.reference import linear as reference_linear
 from selfspec.kernels.reference import rotate as reference_rotate
@@ -545,6 +545,7 @@ class TileConfig:
     swap: bool = False  # W as the dot's left operand (y^T = W x^T)
     block_m: int = BLOCK_M
     in_program: bool = False  # the split_k K chunks walked by one program (no partials in memory)
+    warp_specialized: bool = False  # on Hopper, given x's row sums: kernels/gluon_linear.py in its own tiles
 
 
 def uses_nibble_kernel(fmt: int, act: bool, group: int) -> bool:
@@ -674,8 +675,15 @@ def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, n: int
                 return cfg
             fitting = [c for c in (retile(cfg, t, k) for t in (tiles if isinstance(tiles, list) else [tiles]))
                        if fits_shared(c, fmt, act)]
-            return fullest_wave(fitting, m, n) if fitting else cfg
+            many = fullest_wave(fitting, m, n) if fitting else cfg
+            if not act and fmt >= INT4.value and m >= WARP_SPECIALIZED_ROWS[kernel_kind(fmt, act, group)]:
+                many = replace(many, warp_specialized=True)
+            return many
     raise AssertionError("the last bucket takes every M")
+
+
+# Rows from which the nibble GEMM with bf16 activations runs warp-specialized (kernels/gluon_linear.py) where it can.
+WARP_SPECIALIZED_ROWS = {"nibble": 1024, "planes": 1024}
 
 
 def retile(cfg: TileConfig, tiles: tuple, k: int) -> TileConfig:
@@ -826,6 +834,9 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
             stride_sg, y.stride(0), 0 if r2 is None else r2.stride(0))
     nibble = uses_nibble_kernel(fmt, act, group)
     words = nibble and reads_words(act, cfg)
+    if cfg.warp_specialized and words and sums is not None and gluon_linear.runs_on(x2.device):
+        return gluon_linear.nibble_gemm(x2, sums, fmt, (w, w2, scale, lo), n, group, cfg.block_k, cfg.split_k, bias,
+                                        r2)
     if words:  # the planes' bytes as 16-bit words, four nibble codes each
         w, w2 = (None if t is None else t.view(torch.int16) for t in (w, w2))
         block = [cfg.block_n, cfg.block_k // 4]
