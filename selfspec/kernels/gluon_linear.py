@@ -1,21 +1,23 @@
-"""The nibble GEMM for many tokens on Hopper, warp-specialized (Gluon): codes built by some warps while others run
-the tensor cores.
+"""The nibble GEMM for many tokens on Hopper, warp-specialized (Gluon): a loader warp keeps TMA copies in flight
+while two consumer warpgroups build codes, run wgmma and apply the group affine in turn.
 
-_nibble_kernel (kernels/triton_linear.py) builds each K tile's bf16 codes in the same warps that then run wgmma on
-them, so the build and the MMA take turns. Here three partitions share a CTA through mbarrier rings in shared
-memory:
-- a loader warp issues the TMA copies: the x tile (as four quarter tiles, below) and the planes' 16-bit words;
-- four builder warps turn the words into bf16 codes (the same PTX as _nibble_kernel) and write them to a second
-  ring of shared memory;
-- the consumer warpgroups (the default partition) run wgmma on x and the codes and apply each K tile's group affine
-  to a fresh product, in _nibble_chunk's arithmetic:  acc += d * s + x_sum * (lo - s * offset).
+_nibble_kernel (kernels/triton_linear.py) builds each K tile's bf16 codes in registers, writes them to shared
+memory for wgmma and waits for each tile's product before its affine, so build, MMA and affine take turns, and the
+shared-memory traffic of the codes bounds it. Here, for one [BLOCK_N = 128, BLOCK_M = 128] tile of y^T:
+- the loader warp copies each K tile's x (as four quarter tiles, below) and the planes' 16-bit words into a ring of
+  shared memory;
+- each consumer warpgroup takes 64 weight rows: it reads their words, builds the bf16 codes in registers, in the
+  layout wgmma takes its first operand in (no trip through shared memory), computes d = W x^T for the tile on the
+  tensor cores and applies the tile's group affine in _nibble_chunk's arithmetic
+      acc += d * s + x_sum * (lo - s * offset)
+  while the other warpgroup's wgmma runs.
 
 The same bits as the decode tiles: _nibble_kernel reads a word's four codes as four dots, over the columns
-k = 4j + t of x for t = 0..3, K tile by K tile, chunk by chunk. Here x comes in with each K tile's columns already
-in that order (`quartered`: column t * BLOCK_K / 4 + j holds x's column 4j + t), so the quarters are four TMA
-boxes and the four dots the same wgmma instructions in the same order. The K tile, the chunks of the decode
-config's split and every add's order are the decode config's; only the M and N tiles differ, which the wgmma tiles
-were measured to leave bit for bit (tests/gpu/test_gpu_kernels.py).
+k = 4j + t of x for t = 0..3, K tile by K tile, chunk by chunk. Here x comes with each K tile's columns already in
+that order (`quartered`: column t * BLOCK_K / 4 + j of a tile holds its column 4j + t), so the quarters are four TMA
+boxes and the four dots the same wgmma instructions in the same order; each output's products and adds are the
+decode tiles' (the GPU tests compare every row's bits). The K tile, the chunks of the decode config's split and the
+order of every add are the decode config's; only the tiles differ.
 """
 from __future__ import annotations
 
@@ -25,8 +27,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                             warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from selfspec.kernels import ptx
@@ -35,142 +36,112 @@ from selfspec.kernels.triton_small import ROW_SUM_COLS
 
 # The nibble formats, as kernels/triton_linear.py numbers them.
 INT4, UPPER, FULL = gl.constexpr(2), gl.constexpr(3), gl.constexpr(4)
-BLOCK_N = 128
-X_STAGES = 2  # x tiles in flight (32 KB each; the words' stages: 2 of 16 KB for both planes, 4 of 8 KB for one)
-CODE_STAGES = 2  # built code tiles in flight (32 KB each)
-BUILDER_WARPS = gl.constexpr(4)
-BUILDER_REGISTERS = gl.constexpr(40)
-CONSUMER_REGISTERS = gl.constexpr(232)  # the second consumer warpgroup's; the first (default) gets the rest
-WARPGROUP_ROWS = gl.constexpr(64)  # rows of x per consumer warpgroup
+BLOCK_N = 128  # weight rows per CTA: two consumer warpgroups of WARPGROUP_ROWS
+BLOCK_M = 128  # rows of x per CTA
+WARPGROUP_ROWS = gl.constexpr(64)
+LOADER_REGISTERS = gl.constexpr(24)
+CONSUMER_REGISTERS = gl.constexpr(240)  # the second consumer warpgroup's; the first (default) gets the same
 _WORD_NIBBLES = gl.constexpr(ptx.WORD_NIBBLES)
 _PLANE_WORDS = gl.constexpr(ptx.PLANE_WORDS)
 
 
 @gluon.jit
-def _load_words(w_desc, w2_desc, w_bufs, w2_bufs, w_ready, i, n0, FMT: gl.constexpr, BLOCK_K: gl.constexpr):
-    """TMA: the planes' words of K tile i into their ring slot."""
-    planes: gl.constexpr = 2 if FMT == FULL else 1
-    slot = i % w_ready.type.shape[0]
-    bar = w_ready.index(slot)
-    mbarrier.expect(bar, planes * w_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(w_desc, [n0, i * (BLOCK_K // 4)], bar, w_bufs.index(slot))
-    if FMT == FULL:
-        tma.async_copy_global_to_shared(w2_desc, [n0, i * (BLOCK_K // 4)], bar, w2_bufs.index(slot))
-
-
-@gluon.jit
-def _builder(w_desc, w2_desc, w_bufs, w2_bufs, w_ready, code_bufs, affine_bufs, code_ready, code_free, scale_ptr,
-             lo_ptr, n0, N, K, stride_sn, stride_sg, FMT: gl.constexpr, GROUP: gl.constexpr, BLOCK_K: gl.constexpr):
-    """BUILDER_WARPS warps: each K tile's words -> the bf16 codes at k = 4j + t, one [BLOCK_N, BLOCK_K / 4] tile per
-    t, in the code ring, beside the tile's group scale and offset (what multiplies x's row sums: lo - s * code
-    offset); each word slot is refilled as soon as it is read. The consumer reads the affine from shared memory:
-    its own per-column pointers, kept across the loop, spilled."""
-    stages: gl.constexpr = w_ready.type.shape[0]
-    code_stages: gl.constexpr = code_ready.type.shape[0]
-    rows: gl.constexpr = 32  # a slice of rows at a time keeps few registers
-    block_n: gl.constexpr = w_bufs.type.shape[1]
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])
-    offs_n = n0 + gl.arange(0, block_n, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-    offset: gl.constexpr = -128.0 if FMT == FULL else 128.0
-    tiles = gl.cdiv(K, BLOCK_K)
-    for i in gl.static_range(stages):
-        if i < tiles:
-            _load_words(w_desc, w2_desc, w_bufs, w2_bufs, w_ready, i, n0, FMT, BLOCK_K)
-    for i in range(tiles):
-        slot = i % stages
-        c = i % code_stages
-        s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, i * BLOCK_K // GROUP, N, stride_sn, stride_sg, FMT)
-        mbarrier.wait(w_ready.index(slot), (i // stages) & 1)
-        mbarrier.wait(code_free.index(c), ((i // code_stages) & 1) ^ 1)  # a new barrier reads as freed once
-        affine_bufs.index(2 * c).store(s)
-        affine_bufs.index(2 * c + 1).store(lo - s * offset)
-        for r in gl.static_range(0, block_n, rows):
-            w = w_bufs.index(slot).slice(r, rows).load(layout)
-            if FMT == FULL:
-                w2 = w2_bufs.index(slot).slice(r, rows).load(layout)
-                codes = gl.inline_asm_elementwise(_PLANE_WORDS, "=r,=r,=r,=r,r,r", [w, w2],
-                                                  dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
-                                                  is_pure=True, pack=2)
-            else:
-                codes = gl.inline_asm_elementwise(_WORD_NIBBLES, "=r,=r,=r,=r,r", [w],
-                                                  dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
-                                                  is_pure=True, pack=2)
-            for t in gl.static_range(4):
-                code_bufs.index(4 * c + t).slice(r, rows).store(codes[t])
-        fence_async_shared()  # the codes are written (and the words read) before the async proxy goes on
-        mbarrier.arrive(code_ready.index(c))
-        if i + stages < tiles:
-            _load_words(w_desc, w2_desc, w_bufs, w2_bufs, w_ready, i + stages, n0, FMT, BLOCK_K)
-
-
-@gluon.jit
-def _load_x(x_desc, x_bufs, x_ready, i, m0, BLOCK_K: gl.constexpr):
-    """TMA: the four quarter tiles of x's K tile i into their ring slot."""
+def _loader(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs,
+            ready, free, m0, n0, K, FMT: gl.constexpr, GROUP: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One warp: each K tile's x quarters, words, x's row sums and group affine (scale, lo) into the ring, as its
+    slots come free."""
+    stages: gl.constexpr = ready.type.shape[0]
     q: gl.constexpr = BLOCK_K // 4
-    slot = i % x_ready.type.shape[0]
-    bar = x_ready.index(slot)
-    mbarrier.expect(bar, 4 * x_desc.block_type.nbytes)
-    for t in gl.static_range(4):
-        tma.async_copy_global_to_shared(x_desc, [m0, i * BLOCK_K + t * q], bar, x_bufs.index(4 * slot + t))
+    planes: gl.constexpr = 2 if FMT == FULL else 1
+    nbytes: gl.constexpr = (4 * x_desc.block_type.nbytes + planes * w_desc.block_type.nbytes
+                            + sums_desc.block_type.nbytes + 2 * scale_desc.block_type.nbytes)
+    for i in range(gl.cdiv(K, BLOCK_K)):
+        slot = i % stages
+        mbarrier.wait(free.index(slot), ((i // stages) & 1) ^ 1)  # a new barrier reads as freed once
+        bar = ready.index(slot)
+        mbarrier.expect(bar, nbytes)
+        for t in gl.static_range(4):
+            tma.async_copy_global_to_shared(x_desc, [m0, i * BLOCK_K + t * q], bar, x_bufs.index(4 * slot + t))
+        tma.async_copy_global_to_shared(w_desc, [n0, i * q], bar, w_bufs.index(slot))
+        if FMT == FULL:
+            tma.async_copy_global_to_shared(w2_desc, [n0, i * q], bar, w2_bufs.index(slot))
+        tma.async_copy_global_to_shared(sums_desc, [i, m0], bar, sum_bufs.index(slot))
+        tma.async_copy_global_to_shared(scale_desc, [i * BLOCK_K // GROUP, n0], bar, affine_bufs.index(2 * slot))
+        tma.async_copy_global_to_shared(lo_desc, [i * BLOCK_K // GROUP, n0], bar, affine_bufs.index(2 * slot + 1))
 
 
 @gluon.jit
-def _group_affine(scale_ptr, lo_ptr, offs_n, g, N, stride_sn, stride_sg, FMT: gl.constexpr):
-    """(scale, lo) of quant group g: triton_linear._group_affine."""
-    mask = offs_n < N
-    s = gl.load(scale_ptr + offs_n * stride_sn + g * stride_sg, mask=mask, other=0)
-    lo = gl.load(lo_ptr + offs_n * stride_sn + g * stride_sg, mask=mask, other=0)
-    if FMT == UPPER:
-        lo = lo + s * 7.5
-        s = s * 16
-    return s, lo
+def _tile_codes(w_bufs, w2_bufs, slot, row0, layout: gl.constexpr, FMT: gl.constexpr):
+    """The bf16 codes at k = 4j + t (t = 0..3) of the warpgroup's rows of the words in ring slot `slot`, in the
+    register layout of wgmma's first operand."""
+    rows: gl.constexpr = WARPGROUP_ROWS
+    w = w_bufs.index(slot).slice(row0, rows).load(layout)
+    if FMT == FULL:
+        w2 = w2_bufs.index(slot).slice(row0, rows).load(layout)
+        return gl.inline_asm_elementwise(_PLANE_WORDS, "=r,=r,=r,=r,r,r", [w, w2],
+                                         dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True,
+                                         pack=2)
+    return gl.inline_asm_elementwise(_WORD_NIBBLES, "=r,=r,=r,=r,r", [w],
+                                     dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True,
+                                     pack=2)
 
 
 @gluon.jit
-def _consumer(x_desc, x_bufs, code_bufs, affine_bufs, total_smem, x_ready, code_ready, code_free, sums_ptr, bias_ptr,
-              res_ptr, y_ptr, m0, n0, M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS: gl.constexpr,
-              HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-              ROW_SUM_COLS: gl.constexpr):
-    """One warpgroup, its own WARPGROUP_ROWS rows from m0: their x tiles' TMA copies, wgmma per K tile, the group
-    affine, the epilogue. Each warpgroup is a partition of its own, so one's affine runs beside the other's wgmma."""
-    BLOCK_M: gl.constexpr = WARPGROUP_ROWS
-    stages: gl.constexpr = x_ready.type.shape[0]
-    code_stages: gl.constexpr = code_ready.type.shape[0]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
-    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-    row_mask = offs_m < M
-    if IN_PROGRAM:  # the chunks' sum waits in shared memory: three accumulators in registers would spill
-        total_smem.store(gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout))
-    sum_ptrs = sums_ptr + offs_m * (K // ROW_SUM_COLS)
+def _row(buf, start, length: gl.constexpr, layout: gl.constexpr):
+    """Values start .. start + length of a one-row ring slot (TMA's box [1, n], unswizzled), as a vector."""
+    row = buf._reinterpret(gl.float32, [buf.type.shape[1]], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    return row.slice(start, length).load(layout)
+
+
+@gluon.jit
+def _consumer(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem,
+              bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
+              FMT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One warpgroup: y^T rows n0 + row0 .. + WARPGROUP_ROWS of the tile (weight rows), BLOCK_M columns from m0.
+    While a tile's wgmma runs, the next tile's codes are built (one tile ahead)."""
+    stages: gl.constexpr = ready.type.shape[0]
+    rows: gl.constexpr = WARPGROUP_ROWS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    codes_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    offs_n = n0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, acc_layout))
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    offset: gl.constexpr = -128.0 if FMT == FULL else 128.0
+    if IN_PROGRAM:  # the chunks' sum waits in shared memory: a third accumulator in registers would spill
+        total_smem.store(gl.zeros((rows, BLOCK_M), gl.float32, acc_layout))
     tiles = gl.cdiv(K, BLOCK_K)
-    for i in gl.static_range(stages):
-        if i < tiles:
-            _load_x(x_desc, x_bufs, x_ready, i, m0, BLOCK_K)
+    mbarrier.wait(ready.index(0), 0)
+    codes = _tile_codes(w_bufs, w2_bufs, 0, row0, codes_layout, FMT)
     i = 0
     for c in range(0, CHUNKS):
-        acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+        acc = gl.zeros((rows, BLOCK_M), gl.float32, acc_layout)
         for k0 in range(c * K_CHUNK, gl.minimum(K, (c + 1) * K_CHUNK), BLOCK_K):
             slot = i % stages
-            cs = i % code_stages
-            mbarrier.wait(x_ready.index(slot), (i // stages) & 1)
-            mbarrier.wait(code_ready.index(cs), (i // code_stages) & 1)
-            d = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+            d = gl.zeros((rows, BLOCK_M), gl.float32, acc_layout)
             for t in gl.static_range(4):
-                d = warpgroup_mma(x_bufs.index(4 * slot + t), code_bufs.index(4 * cs + t).permute((1, 0)), d,
-                                  use_acc=t > 0, is_async=True)
-            # The tile's affine and row sums load while the tensor cores work.
-            s = affine_bufs.index(2 * cs).load(gl.SliceLayout(0, acc_layout))
-            off = affine_bufs.index(2 * cs + 1).load(gl.SliceLayout(0, acc_layout))
-            x_sum = gl.load(sum_ptrs + k0 // ROW_SUM_COLS, mask=row_mask, other=0)
-            for j in gl.static_range(1, BLOCK_K // ROW_SUM_COLS):
-                x_sum += gl.load(sum_ptrs + k0 // ROW_SUM_COLS + j, mask=row_mask, other=0)
+                d = warpgroup_mma(codes[t], x_bufs.index(4 * slot + t).permute((1, 0)), d, use_acc=t > 0,
+                                  is_async=True)
+            # While the tensor cores work: the next tile's codes.
+            if i + 1 < tiles:
+                mbarrier.wait(ready.index((i + 1) % stages), ((i + 1) // stages) & 1)
+                following = _tile_codes(w_bufs, w2_bufs, (i + 1) % stages, row0, codes_layout, FMT)
+            else:
+                following = codes
             d = warpgroup_mma_wait(0, deps=(d, ))
-            mbarrier.arrive(code_free.index(cs))
-            if i + stages < tiles:  # the slot's x is read: refill it
-                _load_x(x_desc, x_bufs, x_ready, i + stages, m0, BLOCK_K)
-            acc += d * s[None, :] + x_sum[:, None] * off[None, :]
+            x_sum = _row(sum_bufs.index(slot), 0, BLOCK_M, gl.SliceLayout(0, acc_layout))
+            s = _row(affine_bufs.index(2 * slot), row0, rows, gl.SliceLayout(1, acc_layout))
+            lo = _row(affine_bufs.index(2 * slot + 1), row0, rows, gl.SliceLayout(1, acc_layout))
+            if FMT == UPPER:  # triton_linear._group_affine
+                lo = lo + s * 7.5
+                s = s * 16
+            mbarrier.arrive(free.index(slot))
+            # _nibble_chunk's `d * s + x_sum * off`, with the fused multiply-add LLVM gives it there, written out:
+            # left to LLVM, which product it fuses here changed with how M was specialized.
+            acc += gl.fma(d, s[:, None], x_sum[None, :] * (lo - s * offset)[:, None])
+            codes = following
             i += 1
         if IN_PROGRAM:
             total_smem.store(total_smem.load(acc_layout) + acc)
@@ -179,79 +150,51 @@ def _consumer(x_desc, x_bufs, code_bufs, affine_bufs, total_smem, x_ready, code_
     else:
         total = acc
     if HAS_BIAS:
-        total += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(gl.float32)[None, :]
-    y_mask = row_mask[:, None] & (offs_n < N)[None, :]
+        total += gl.load(bias_ptr + offs_n, mask=n_mask, other=0).to(gl.float32)[:, None]
+    y_mask = n_mask[:, None] & m_mask[None, :]
     y = total.to(gl.bfloat16)
     if HAS_RES:
-        r = gl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=y_mask, other=0)
+        r = gl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=y_mask, other=0)
         y = (y.to(gl.float32) + r.to(gl.float32)).to(gl.bfloat16)
-    gl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=y_mask)
+    gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], y, mask=y_mask)
 
 
-@gluon.jit
-def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_ptr, scale_ptr, lo_ptr, bias_ptr, res_ptr, y_ptr,
-                      M, N, K, K_CHUNK, CHUNKS, stride_sn, stride_sg, stride_ym, stride_rm,
+@gluon.jit(do_not_specialize=["M"])  # one binary for every M
+def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, bias_ptr, res_ptr, y_ptr,
+                      M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
                       FMT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                       IN_PROGRAM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      BLOCK_K: gl.constexpr, ROW_SUM_COLS: gl.constexpr, X_STAGES: gl.constexpr,
-                      W_STAGES: gl.constexpr, CODE_STAGES: gl.constexpr):
-    """BLOCK_M = 64 or 128 rows: one or two consumer warpgroups (the default partition, and a worker for the second)
-    and the builder warps, sharing each code tile."""
+                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     # M tiles vary fastest, so the programs sharing one N tile of W run together and hit it in L2.
     m0 = gl.program_id(0) * BLOCK_M
     n0 = gl.program_id(1) * BLOCK_N
     q: gl.constexpr = BLOCK_K // 4
-    groups: gl.constexpr = BLOCK_M // WARPGROUP_ROWS
-    x_bufs = gl.allocate_shared_memory(gl.bfloat16, [4 * X_STAGES, WARPGROUP_ROWS, q], x_desc.layout)
-    w_bufs = gl.allocate_shared_memory(gl.int16, [W_STAGES, BLOCK_N, q], w_desc.layout)
+    x_bufs = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, BLOCK_M, q], x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, q], w_desc.layout)
     if FMT == FULL:
-        w2_bufs = gl.allocate_shared_memory(gl.int16, [W_STAGES, BLOCK_N, q], w2_desc.layout)
+        w2_bufs = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, q], w2_desc.layout)
     else:
         w2_bufs = w_bufs
-    code_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, q], gl.bfloat16)
-    code_bufs = gl.allocate_shared_memory(gl.bfloat16, [4 * CODE_STAGES, BLOCK_N, q], code_layout)
-    affine_bufs = gl.allocate_shared_memory(gl.float32, [2 * CODE_STAGES, BLOCK_N],
-                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    total_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WARPGROUP_ROWS, BLOCK_N], gl.float32)
-    total_smem = gl.allocate_shared_memory(gl.float32, [groups, WARPGROUP_ROWS, BLOCK_N], total_layout)
-    x_ready = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())
-    w_ready = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
-    code_ready = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
-    code_free = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(X_STAGES):
-        mbarrier.init(x_ready.index(s), count=1)
-    if groups == 2:  # the second warpgroup's x ring
-        x_bufs2 = gl.allocate_shared_memory(gl.bfloat16, [4 * X_STAGES, WARPGROUP_ROWS, q], x_desc.layout)
-        x_ready2 = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(X_STAGES):
-            mbarrier.init(x_ready2.index(s), count=1)
-    for s in gl.static_range(W_STAGES):
-        mbarrier.init(w_ready.index(s), count=1)
-    for s in gl.static_range(CODE_STAGES):
-        mbarrier.init(code_ready.index(s), count=1)
-        mbarrier.init(code_free.index(s), count=groups)  # every consumer warpgroup has read the tile
-    # The partitions' arguments are written out in each call: a tuple kept in a variable loses its constexprs.
-    if groups == 2:  # the second warpgroup: its rows, its x ring, its share of the chunks' sum
-        gl.warp_specialize([
-            (_consumer, (x_desc, x_bufs, code_bufs, affine_bufs, total_smem.index(0),
-                         x_ready, code_ready, code_free, sums_ptr, bias_ptr, res_ptr, y_ptr, m0,
-                         n0, M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_N,
-                         BLOCK_K, ROW_SUM_COLS)),
-            (_consumer, (x_desc, x_bufs2, code_bufs, affine_bufs,
-                         total_smem.index(1), x_ready2, code_ready, code_free, sums_ptr,
-                         bias_ptr, res_ptr, y_ptr, m0 + WARPGROUP_ROWS, n0, M, N, K, K_CHUNK, CHUNKS, stride_ym,
-                         stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_N, BLOCK_K, ROW_SUM_COLS)),
-            (_builder, (w_desc, w2_desc, w_bufs, w2_bufs, w_ready, code_bufs, affine_bufs, code_ready, code_free,
-                        scale_ptr, lo_ptr, n0, N, K, stride_sn, stride_sg, FMT, GROUP, BLOCK_K)),
-        ], [4, BUILDER_WARPS], [CONSUMER_REGISTERS, BUILDER_REGISTERS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (x_desc, x_bufs, code_bufs, affine_bufs, total_smem.index(0), x_ready, code_ready, code_free,
-                         sums_ptr, bias_ptr, res_ptr, y_ptr, m0, n0, M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
-                         HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_N, BLOCK_K, ROW_SUM_COLS)),
-            (_builder, (w_desc, w2_desc, w_bufs, w2_bufs, w_ready, code_bufs, affine_bufs, code_ready, code_free,
-                        scale_ptr, lo_ptr, n0, N, K, stride_sn, stride_sg, FMT, GROUP, BLOCK_K)),
-        ], [BUILDER_WARPS], [BUILDER_REGISTERS])
+    sum_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], sums_desc.layout)
+    affine_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, BLOCK_N], scale_desc.layout)
+    total_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WARPGROUP_ROWS, BLOCK_M], gl.float32)
+    total_smem = gl.allocate_shared_memory(gl.float32, [2, WARPGROUP_ROWS, BLOCK_M], total_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(free.index(s), count=2)  # both consumer warpgroups have read the slot
+    # The partitions' arguments are written out here: a tuple kept in a variable loses its constexprs.
+    gl.warp_specialize([
+        (_consumer, (x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem.index(0), bias_ptr,
+                     res_ptr, y_ptr, 0, m0, n0, M, N, K, K_CHUNK, CHUNKS, stride_ym,
+                     stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_M, BLOCK_K)),
+        (_consumer, (x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem.index(1), bias_ptr,
+                     res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, K, K_CHUNK, CHUNKS,
+                     stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_M, BLOCK_K)),
+        (_loader, (x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_bufs, sum_bufs,
+                   affine_bufs, ready, free, m0, n0, K, FMT, GROUP, BLOCK_K)),
+    ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
 def quartered(x2: torch.Tensor, block_k: int) -> torch.Tensor:
@@ -261,16 +204,48 @@ def quartered(x2: torch.Tensor, block_k: int) -> torch.Tensor:
     return x2.view(m, k // block_k, block_k // 4, 4).transpose(2, 3).reshape(m, k)
 
 
-def descriptors(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, block_k: int) -> tuple:
-    """TMA descriptors of the quartered x (boxes of one quarter tile) and of the planes as 16-bit words."""
+def tile_sums(sums: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x's row sums per K tile [K / BLOCK_K, M] from its sums per ROW_SUM_COLS columns [M, K / ROW_SUM_COLS], the
+    pieces added in order, as _nibble_chunk adds them; rows padded to 16 bytes, as TMA reads them."""
+    m = sums.shape[0]
+    pieces = sums.view(m, -1, block_k // ROW_SUM_COLS.value)
+    total = pieces[..., 0]
+    for j in range(1, pieces.shape[-1]):
+        total = total + pieces[..., j]
+    out = torch.empty((total.shape[1], triton.cdiv(m, 4) * 4), dtype=torch.float32, device=sums.device)
+    out[:, :m] = total.t()
+    return out[:, :m]
+
+
+def stages(fmt: int, block_k: int) -> int:
+    """Ring slots that fit in shared memory beside the chunks' sum: x quarters and the planes' words per slot."""
+    slot = BLOCK_M * block_k * 2 + (2 if fmt == FULL.value else 1) * BLOCK_N * block_k // 2 + (BLOCK_M + 2 * BLOCK_N) * 4
+    free = 232448 - BLOCK_N * BLOCK_M * 4 - 8192  # an H100's shared memory per CTA; the sum; barriers and scratch
+    return min(4, free // slot)
+
+
+def descriptors(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, sums: torch.Tensor, scale: torch.Tensor,
+                lo: torch.Tensor, block_k: int) -> tuple:
+    """TMA descriptors of the quartered x (boxes of one quarter tile), of the planes as 16-bit words, of x's row
+    sums per K tile (boxes of one tile's BLOCK_M rows) and of the group scales and offsets ([N, groups] stored
+    group-major: boxes of BLOCK_N rows of one group)."""
     q = block_k // 4
-    rows = WARPGROUP_ROWS.value
-    x_desc = TensorDescriptor.from_tensor(x, [rows, q], gl.NVMMASharedLayout.get_default_for([rows, q], gl.bfloat16))
+    x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, q], gl.NVMMASharedLayout.get_default_for([BLOCK_M, q],
+                                                                                               gl.bfloat16))
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, q], gl.int16)
     w_desc, w2_desc = (None if t is None else TensorDescriptor.from_tensor(t.view(torch.int16), [BLOCK_N, q], w_layout)
                        for t in (w, w2))
-    return x_desc, w_desc, w2_desc if w2_desc is not None else w_desc
+    sums_desc = TensorDescriptor.from_tensor(sums, [1, BLOCK_M], ROW_LAYOUT)
+    scale_desc, lo_desc = (TensorDescriptor.from_tensor(t.t(), [1, BLOCK_N], ROW_LAYOUT) for t in (scale, lo))
+    return x_desc, w_desc, w2_desc if w2_desc is not None else w_desc, sums_desc, scale_desc, lo_desc
 
+
+ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # one row of fp32, as is
+
+
+def covers(scale: torch.Tensor, n: int) -> bool:
+    """Whether the kernel reads this weight's affine by TMA: group-major scales and offsets in rows of 16 bytes."""
+    return scale.dtype == torch.float32 and scale.stride(0) == 1 and n % 4 == 0
 
 @functools.cache
 def runs_on(device: torch.device) -> bool:
@@ -278,28 +253,24 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cuda" and not INTERPRETING and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def max_registers(block_m: int) -> int:
-    """Registers per thread at launch: all the CTA's warps (consumers and builders) share the SM's 64K, which
-    setmaxnreg then moves from the builders to the consumers."""
-    threads = 32 * (block_m // 16 + BUILDER_WARPS.value)  # 4 warps per consumer warpgroup
-    return 65536 // threads // 8 * 8
+# Registers per thread at launch: the SM's 64K over the two consumer warpgroups and the loader's (one warp, but
+# registers go by warpgroup), which setmaxnreg then moves from the loader to the consumers.
+MAX_REGISTERS = 65536 // (3 * 128) // 8 * 8
 
 
 def nibble_gemm(x2: torch.Tensor, sums: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, block_k: int,
-                split_k: int, bias: torch.Tensor | None, r2: torch.Tensor | None, block_m: int = 128) -> torch.Tensor:
+                split_k: int, bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ W^T (+ bias, + r2) for a nibble format with bf16 activations and their row sums per
     ROW_SUM_COLS columns, in the K tile and the K split of the decode config (block_k, split_k): the split's chunks
     are walked in order, each from zero, and added in order (as the split's partial sums are)."""
     m, k = x2.shape
     w, w2, scale, lo = tensors
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
-    x_desc, w_desc, w2_desc = descriptors(quartered(x2, block_k), w, w2, block_k)
+    descs = descriptors(quartered(x2, block_k), w, w2, tile_sums(sums, block_k), scale, lo, block_k)
     chunk = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # triton_linear.k_chunk
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _nibble_ws_kernel[grid](
-        x_desc, w_desc, w2_desc, sums, scale, lo, bias, r2, y, m, n, k, chunk, split_k, *lo.stride(), y.stride(0),
-        0 if r2 is None else r2.stride(0), FMT=fmt, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None,
-        IN_PROGRAM=split_k > 1, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, ROW_SUM_COLS=ROW_SUM_COLS.value,
-        X_STAGES=X_STAGES, W_STAGES=2 if fmt == FULL.value else 4, CODE_STAGES=CODE_STAGES,
-        num_warps=4, maxnreg=max_registers(block_m))
+        *descs, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0), FMT=fmt, GROUP=group,
+        HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_K=block_k, STAGES=stages(fmt, block_k), num_warps=4, maxnreg=MAX_REGISTERS)
     return y

@@ -834,7 +834,8 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
             stride_sg, y.stride(0), 0 if r2 is None else r2.stride(0))
     nibble = uses_nibble_kernel(fmt, act, group)
     words = nibble and reads_words(act, cfg)
-    if cfg.warp_specialized and words and sums is not None and gluon_linear.runs_on(x2.device):
+    if (cfg.warp_specialized and words and sums is not None and gluon_linear.runs_on(x2.device)
+            and gluon_linear.covers(scale, n)):
         return gluon_linear.nibble_gemm(x2, sums, fmt, (w, w2, scale, lo), n, group, cfg.block_k, cfg.split_k, bias,
                                         r2)
     if words:  # the planes' bytes as 16-bit words, four nibble codes each
