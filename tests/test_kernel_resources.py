@@ -58,3 +58,16 @@ def test_shape_report_compiles_the_tiles_linear_picks():
     rows = [r for r in rows if r[1] == "w8a16"]
     assert [r[0].split()[0] for r in rows] == ["qkv", "o", "gate/up", "down"]
     assert all(r[3].startswith("32 x 128 x 4, 256") and r[5] == "0" and r[6] == "mma.sync" for r in rows)
+
+
+def test_warp_specialized_gemm_compiles_on_wgmma_without_spills():
+    """The warp-specialized nibble GEMM (kernels/gluon_linear.py) compiles for sm_90 in every nibble format: wgmma,
+    no register spilled by the consumers at the registers setmaxnreg moves to them, within an H100's shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--warp-specialized"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+                                          if line.startswith("| ") and not line.startswith("| mode"))}
+    assert set(rows) == {"w4a16", "upper", "full"}
+    for mode, (_, stages, _, stack, shared, mma) in rows.items():
+        assert int(stages) >= 2 and stack == "0" and int(shared) <= 232448 and mma == "wgmma", mode

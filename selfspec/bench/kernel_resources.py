@@ -7,6 +7,7 @@ whether Triton issues mma.sync or wgmma decides a row's bits: both show here bef
 
 python -m selfspec.bench.kernel_resources --mode full --tiles 16x128x4 32x128x4 64x64x4 [--split 4]
 python -m selfspec.bench.kernel_resources --attention [--warps 4 8] [--max-registers 168 128]  (Llama-3-8B heads)
+python -m selfspec.bench.kernel_resources --warp-specialized  (kernels/gluon_linear.py, per nibble format)
 python -m selfspec.bench.kernel_resources --shape llama-3-8b --modes full w4a16 --m 1 32 160   (the tiles `linear`
     picks for each layer GEMM of the shape at each M, as the model runs them)
 """
@@ -22,8 +23,11 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from selfspec.bench.shapes import SHAPES, layer_gemms
+from selfspec.kernels import gluon_linear as gll
 from selfspec.kernels import triton_linear as tlin
 from selfspec.kernels import triton_quant_attention as tqa
 from selfspec.quant.modes import MODES
@@ -80,6 +84,32 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
     sig.update(dict.fromkeys(consts, "constexpr"))
     return triton.compile(ASTSource(kernel, sig, consts), target=H100,
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128,
+                             in_program: bool = True) -> triton.compiler.CompiledKernel:
+    """The warp-specialized nibble GEMM (kernels/gluon_linear.py) for `mode` (w4a16, upper or full), compiled for
+    sm_90 (no launch, no GPU), as `nibble_gemm` launches it (16-byte aligned tensors)."""
+    fmt = FORMATS[mode]
+    q = block_k // 4
+
+    def desc(dtype: str, shape: list[int], layout: object) -> str:
+        return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
+
+    words = desc("i16", [gll.BLOCK_N, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_N, q], gl.int16))
+    row_m, row_n = (desc("fp32", [1, rows], gll.ROW_LAYOUT) for rows in (gll.BLOCK_M, gll.BLOCK_N))
+    sig = {"x_desc": desc("bf16", [gll.BLOCK_M, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_M, q],
+                                                                                          gl.bfloat16)),
+           "w_desc": words, "w2_desc": words, "sums_desc": row_m, "scale_desc": row_n, "lo_desc": row_n,
+           "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16"}
+    sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
+    consts = dict(FMT=fmt, GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program, BLOCK_M=gll.BLOCK_M,
+                  BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k, STAGES=gll.stages(fmt, block_k))
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    names = gll._nibble_ws_kernel.arg_names
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("bias_ptr", "res_ptr", "y_ptr")}
+    return triton.compile(GluonASTSource(gll._nibble_ws_kernel, sig, consts, attrs), target=H100,
+                          options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
 
 
 def compile_quant_attention(fmt: str, upper: bool, block_r: int, warps: int, dim: int = 128, group: int = 128,
@@ -142,6 +172,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     help="with --shape")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 160, 1024], help="with --shape: rows")
     ap.add_argument("--group", type=int, default=128, help="with --shape: the quantization group")
+    ap.add_argument("--warp-specialized", action="store_true",
+                    help="the warp-specialized nibble GEMM (kernels/gluon_linear.py) per format instead")
     ap.add_argument("--attention", action="store_true",
                     help="the quantized attention's tiles (16 and 32 query rows) per KV format instead")
     ap.add_argument("--warps", type=int, nargs="+", default=[tqa.NUM_WARPS], help="with --attention")
@@ -152,6 +184,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         ap.error("TRITON_INTERPRET=1 is set: interpreted kernels do not compile; unset it")
     if args.attention:
         attention_table(args.warps, args.max_registers or [tqa.MAX_REGISTERS])
+        return
+    if args.warp_specialized:
+        print("warp-specialized nibble GEMM, K tiles of 128, sm_90")
+        print("| mode | stages | registers at launch | stack bytes | shared bytes | MMA |\n|---|---|---|---|---|---|")
+        for mode in ("w4a16", "upper", "full"):
+            r = resources(compile_warp_specialized(mode))
+            print(f"| {mode} | {gll.stages(FORMATS[mode], 128)} | {r.registers} | {r.stack_bytes} | "
+                  f"{r.shared_bytes} | {r.mma} |")
         return
     if args.shape:
         shape_table(args.shape, args.modes, args.m, args.group)

@@ -1,16 +1,21 @@
 """The nibble GEMM for many tokens on Hopper, warp-specialized (Gluon): a loader warp keeps TMA copies in flight
-while two consumer warpgroups build codes, run wgmma and apply the group affine in turn.
+while two consumer warpgroups build codes, run wgmma and apply the group affine.
 
 _nibble_kernel (kernels/triton_linear.py) builds each K tile's bf16 codes in registers, writes them to shared
-memory for wgmma and waits for each tile's product before its affine, so build, MMA and affine take turns, and the
-shared-memory traffic of the codes bounds it. Here, for one [BLOCK_N = 128, BLOCK_M = 128] tile of y^T:
-- the loader warp copies each K tile's x (as four quarter tiles, below) and the planes' 16-bit words into a ring of
-  shared memory;
-- each consumer warpgroup takes 64 weight rows: it reads their words, builds the bf16 codes in registers, in the
-  layout wgmma takes its first operand in (no trip through shared memory), computes d = W x^T for the tile on the
-  tensor cores and applies the tile's group affine in _nibble_chunk's arithmetic
+memory for wgmma and waits for each tile's product before its affine, all in the same warps. Here, for one
+[BLOCK_N = 128, BLOCK_M = 128] tile of y^T = W x^T:
+- the loader warp copies each K tile's x (as four quarter tiles, below), the planes' 16-bit words, x's row sums and
+  the tile's group scale and offset into a ring of shared memory;
+- each consumer warpgroup takes 64 weight rows: it builds their bf16 codes from the words in registers, in the
+  layout wgmma takes its first operand in (no trip through shared memory), one tile ahead, while the tensor cores
+  work on the tile before; then it applies the tile's group affine in _nibble_chunk's arithmetic
       acc += d * s + x_sum * (lo - s * offset)
-  while the other warpgroup's wgmma runs.
+  and adds each of the split's chunks into their sum, kept in shared memory (a third accumulator would spill).
+
+Where its time goes (H100, docs/bench-h100/ws-gemm-*.json): with the affine and the chunks' sums taken out it ran
+at 1.1-1.6x cuBLAS; they cost the rest (1.6-2.6x at 1024 rows), not overlapping the other warpgroup's wgmma.
+Making the warpgroups take turns on the tensor cores, or issuing the next tile's wgmma before a tile's affine
+(two products in flight), measured slower.
 
 The same bits as the decode tiles: _nibble_kernel reads a word's four codes as four dots, over the columns
 k = 4j + t of x for t = 0..3, K tile by K tile, chunk by chunk. Here x comes with each K tile's columns already in
@@ -31,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from selfspec.kernels import ptx
-from selfspec.kernels.launch import INTERPRETING
+from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY
 from selfspec.kernels.triton_small import ROW_SUM_COLS
 
 # The nibble formats, as kernels/triton_linear.py numbers them.
@@ -219,8 +224,9 @@ def tile_sums(sums: torch.Tensor, block_k: int) -> torch.Tensor:
 
 def stages(fmt: int, block_k: int) -> int:
     """Ring slots that fit in shared memory beside the chunks' sum: x quarters and the planes' words per slot."""
-    slot = BLOCK_M * block_k * 2 + (2 if fmt == FULL.value else 1) * BLOCK_N * block_k // 2 + (BLOCK_M + 2 * BLOCK_N) * 4
-    free = 232448 - BLOCK_N * BLOCK_M * 4 - 8192  # an H100's shared memory per CTA; the sum; barriers and scratch
+    planes = 2 if fmt == FULL.value else 1
+    slot = BLOCK_M * block_k * 2 + planes * BLOCK_N * block_k // 2 + (BLOCK_M + 2 * BLOCK_N) * 4
+    free = SHARED_MEMORY - BLOCK_N * BLOCK_M * 4 - 8192  # less the chunks' sum, barriers and scratch
     return min(4, free // slot)
 
 
@@ -270,7 +276,7 @@ def nibble_gemm(x2: torch.Tensor, sums: torch.Tensor, fmt: int, tensors: tuple, 
     chunk = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # triton_linear.k_chunk
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _nibble_ws_kernel[grid](
-        *descs, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0), FMT=fmt, GROUP=group,
-        HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_K=block_k, STAGES=stages(fmt, block_k), num_warps=4, maxnreg=MAX_REGISTERS)
+        *descs, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0), FMT=fmt,
+        GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_K=block_k, STAGES=stages(fmt, block_k), num_warps=4, maxnreg=MAX_REGISTERS)
     return y

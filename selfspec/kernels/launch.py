@@ -20,6 +20,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+SHARED_MEMORY = 232448  # bytes of shared memory a program may use on an H100 or H200
 
 
 @functools.cache

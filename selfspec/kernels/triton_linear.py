@@ -39,7 +39,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from selfspec.kernels import gluon_linear, ptx, register
-from selfspec.kernels.launch import INTERPRETING, launch_options, wait
+from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY, launch_options, wait
 from selfspec.kernels.reference import linear as reference_linear
 from selfspec.kernels.reference import rotate as reference_rotate
 from selfspec.kernels.semaphores import group_counts, last_to_arrive
@@ -665,25 +665,29 @@ def kernel_kind(fmt: int, act: bool, group: int) -> str:
 
 def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, n: int, k: int) -> TileConfig:
     """cfg with the M and N tiles, warps and stages of M's bucket (and, for bf16 weights, its K tile); the split,
-    the swap and so each row's order of adds stay."""
+    the swap and so each row's order of adds stay. Nibble formats with bf16 activations past WARP_SPECIALIZED_ROWS
+    are marked for the warp-specialized kernel, which `_run` takes where it can (else these tiles)."""
     if cfg.swap:  # not measured at many tokens
         return cfg
     for max_m, split_tiles, whole_tiles in MANY_TOKENS[kernel_kind(fmt, act, group)]:
         if m <= max_m:
             tiles = split_tiles if cfg.split_k > 1 else whole_tiles
-            if tiles is None:
-                return cfg
-            fitting = [c for c in (retile(cfg, t, k) for t in (tiles if isinstance(tiles, list) else [tiles]))
-                       if fits_shared(c, fmt, act)]
-            many = fullest_wave(fitting, m, n) if fitting else cfg
-            if not act and fmt >= INT4.value and m >= WARP_SPECIALIZED_ROWS[kernel_kind(fmt, act, group)]:
+            many = cfg
+            if tiles is not None:
+                fitting = [c for c in (retile(cfg, t, k) for t in (tiles if isinstance(tiles, list) else [tiles]))
+                           if fits_shared(c, fmt, act)]
+                many = fullest_wave(fitting, m, n) if fitting else cfg
+            if not act and fmt >= INT4.value and m >= WARP_SPECIALIZED_ROWS:
                 many = replace(many, warp_specialized=True)
             return many
     raise AssertionError("the last bucket takes every M")
 
 
-# Rows from which the nibble GEMM with bf16 activations runs warp-specialized (kernels/gluon_linear.py) where it can.
-WARP_SPECIALIZED_ROWS = {"nibble": 1024, "planes": 1024}
+# Rows from which the nibble GEMM with bf16 activations runs warp-specialized (kernels/gluon_linear.py) where it can:
+# at 160 rows it took 0.67-0.86x the Triton tiles' time on the 8B layers but for w4a16's down (1.08x), at 256 and
+# more 0.59-0.84x (H100, docs/bench-h100/ws-gemm-pipelined.json, column "prev"); below 129 rows its 128-row tiles
+# would be mostly padding.
+WARP_SPECIALIZED_ROWS = 129
 
 
 def retile(cfg: TileConfig, tiles: tuple, k: int) -> TileConfig:
@@ -695,9 +699,6 @@ def retile(cfg: TileConfig, tiles: tuple, k: int) -> TileConfig:
         k, cfg.split_k, cfg.block_k) else cfg.block_k
     return replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
                    in_program=in_program and cfg.split_k > 1)
-
-
-SHARED_MEMORY = 232448  # bytes of shared memory a program may use on an H100 or H200
 
 
 def fits_shared(cfg: TileConfig, fmt: int, act: bool) -> bool:

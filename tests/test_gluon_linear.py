@@ -1,0 +1,51 @@
+"""The host side of the warp-specialized nibble GEMM (kernels/gluon_linear.py): the operand orders it reads and when
+`linear` takes it. The kernel itself runs on Hopper only (Gluon has no interpreter): tests/gpu/test_gpu_kernels.py
+compares its bits with the decode tiles', tests/test_kernel_resources.py compiles it for sm_90."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from selfspec.kernels import gluon_linear, triton_linear  # noqa: E402
+from selfspec.quant.formats import quantize_weight  # noqa: E402
+
+
+def test_quartered_puts_each_k_tiles_columns_in_the_dots_order():
+    """Column t * BLOCK_K / 4 + j of a K tile holds x's column 4j + t: the quarters _nibble_kernel dots in turn."""
+    x = torch.randn(3, 512).bfloat16()
+    q = gluon_linear.quartered(x, 128)
+    for tile in range(4):
+        for t in range(4):
+            for j in (0, 7, 31):
+                assert torch.equal(q[:, tile * 128 + t * 32 + j], x[:, tile * 128 + 4 * j + t])
+    assert q.is_contiguous() and torch.equal(q.sort(dim=1).values, x.sort(dim=1).values)
+
+
+@pytest.mark.parametrize("m", [5, 8])
+def test_tile_sums_add_each_tiles_pieces_in_order_in_rows_tma_can_read(m):
+    sums = torch.randn(m, 16)  # K = 1024 in pieces of 64
+    tiles = gluon_linear.tile_sums(sums, 128)
+    assert tiles.shape == (8, m) and tiles.stride(0) % 4 == 0  # rows of whole 16-byte units
+    assert torch.equal(tiles, (sums[:, 0::2] + sums[:, 1::2]).t())  # one fp32 add a tile, as _nibble_chunk adds
+    four = gluon_linear.tile_sums(sums, 256)  # four pieces: ((p0 + p1) + p2) + p3
+    assert torch.equal(four, (((sums[:, 0::4] + sums[:, 1::4]) + sums[:, 2::4]) + sums[:, 3::4]).t())
+
+
+def test_many_tokens_of_nibble_formats_with_bf16_activations_take_it():
+    fmt = {name: getattr(triton_linear, name).value for name in ("DENSE", "INT8", "INT4", "UPPER", "FULL")}
+    rows = triton_linear.WARP_SPECIALIZED_ROWS
+    for f in ("INT4", "UPPER", "FULL"):
+        assert triton_linear.tile_config(fmt[f], False, 4096, 4096, 128, rows).warp_specialized
+        assert not triton_linear.tile_config(fmt[f], False, 4096, 4096, 128, rows - 1).warp_specialized
+    assert not triton_linear.tile_config(fmt["INT4"], True, 4096, 4096, 128, 1024).warp_specialized  # w4a8
+    for f in ("DENSE", "INT8"):
+        assert not triton_linear.tile_config(fmt[f], False, 4096, 4096, 128 if f != "DENSE" else 0,
+                                             1024).warp_specialized
+
+
+def test_it_needs_hopper_and_group_major_affines():
+    assert not gluon_linear.runs_on(torch.device("cpu"))
+    w = quantize_weight(torch.randn(256, 512) * 0.02, "int4", 128)
+    assert gluon_linear.covers(w.scale, 256) == (w.scale.stride(0) == 1)
+    assert not gluon_linear.covers(w.scale.t().contiguous().t(), 256) or w.scale.stride(0) == 1
+    assert not gluon_linear.covers(w.scale, 254)
