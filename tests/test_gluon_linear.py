@@ -1,17 +1,18 @@
 """The host side of the warp-specialized nibble GEMM (kernels/gluon_linear.py): the operand orders it reads and when
 `linear` takes it. The kernel itself runs on Hopper only (Gluon has no interpreter): tests/gpu/test_gpu_kernels.py
-compares its bits with the decode tiles', tests/test_kernel_resources.py compiles it for sm_90."""
+compares its bits with the decode tiles', tests/test_kernel_resources.py compiles it for sm_90.
+
+The kernels are imported inside the tests: imported while this file is collected, they would be defined compiled,
+and tests/test_triton_kernels.py (which needs them interpreted) would skip itself."""
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from selfspec.kernels import gluon_linear, triton_linear  # noqa: E402
-from selfspec.quant.formats import quantize_weight  # noqa: E402
-
 
 def test_quartered_puts_each_k_tiles_columns_in_the_dots_order():
     """Column t * BLOCK_K / 4 + j of a K tile holds x's column 4j + t: the quarters _nibble_kernel dots in turn."""
+    from selfspec.kernels import gluon_linear
     x = torch.randn(3, 512).bfloat16()
     q = gluon_linear.quartered(x, 128)
     for tile in range(4):
@@ -23,6 +24,7 @@ def test_quartered_puts_each_k_tiles_columns_in_the_dots_order():
 
 @pytest.mark.parametrize("m", [5, 8])
 def test_tile_sums_add_each_tiles_pieces_in_order_in_rows_tma_can_read(m):
+    from selfspec.kernels import gluon_linear
     sums = torch.randn(m, 16)  # K = 1024 in pieces of 64
     tiles = gluon_linear.tile_sums(sums, 128)
     assert tiles.shape == (8, m) and tiles.stride(0) % 4 == 0  # rows of whole 16-byte units
@@ -32,6 +34,7 @@ def test_tile_sums_add_each_tiles_pieces_in_order_in_rows_tma_can_read(m):
 
 
 def test_many_tokens_of_nibble_formats_with_bf16_activations_take_it():
+    from selfspec.kernels import triton_linear
     fmt = {name: getattr(triton_linear, name).value for name in ("DENSE", "INT8", "INT4", "UPPER", "FULL")}
     rows = triton_linear.WARP_SPECIALIZED_ROWS
     for f in ("INT4", "UPPER", "FULL"):
@@ -44,8 +47,13 @@ def test_many_tokens_of_nibble_formats_with_bf16_activations_take_it():
 
 
 def test_it_needs_hopper_and_group_major_affines():
+    from selfspec.kernels import gluon_linear
+    from selfspec.quant.formats import quantize_weight
+
     assert not gluon_linear.runs_on(torch.device("cpu"))
-    w = quantize_weight(torch.randn(256, 512) * 0.02, "int4", 128)
-    assert gluon_linear.covers(w.scale, 256) == (w.scale.stride(0) == 1)
-    assert not gluon_linear.covers(w.scale.t().contiguous().t(), 256) or w.scale.stride(0) == 1
-    assert not gluon_linear.covers(w.scale, 254)
+    for storage in ("int4", "planes"):  # the formats store their affine group-major: what its TMA boxes read
+        assert gluon_linear.covers(quantize_weight(torch.randn(256, 512) * 0.02, storage, 128).scale, 256)
+    assert gluon_linear.covers(torch.randn(4, 256).t(), 256)
+    assert not gluon_linear.covers(torch.randn(256, 4), 256)  # row-major [N, groups]
+    assert not gluon_linear.covers(torch.randn(4, 254).t(), 254)  # rows of 254 floats: not 16-byte multiples
+    assert not gluon_linear.covers(torch.randn(4, 256).t().half(), 256)
