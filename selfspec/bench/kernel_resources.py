@@ -149,6 +149,18 @@ def resources(kernel: triton.compiler.CompiledKernel) -> Resources:
     return Resources(field["REG"], field["STACK"], kernel.metadata.shared, mma)
 
 
+def wgmma_serialized(kernel: triton.compiler.CompiledKernel) -> bool:
+    """Whether ptxas serializes the kernel's wgmma (its C7511 warning: too few registers for the wgmma pipeline, so
+    each wgmma waits for the one before): the kernel's PTX through the bundled ptxas again, which reports it."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "kernel.o")],
+                             capture_output=True, text=True, check=True).stderr
+    return "C7511" in log
+
+
 def parse_tiles(text: str) -> tuple[int, int, int]:
     """'64x128x4' -> (block_m, block_n, warps)."""
     parts = text.split("x")
@@ -187,11 +199,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         return
     if args.warp_specialized:
         print("warp-specialized nibble GEMM, K tiles of 128, sm_90")
-        print("| mode | stages | registers at launch | stack bytes | shared bytes | MMA |\n|---|---|---|---|---|---|")
+        print("| mode | stages | registers at launch | stack bytes | shared bytes | MMA | wgmma serialized |\n"
+              "|---|---|---|---|---|---|---|")
         for mode in ("w4a16", "upper", "full"):
-            r = resources(compile_warp_specialized(mode))
+            kernel = compile_warp_specialized(mode)
+            r = resources(kernel)
             print(f"| {mode} | {gll.stages(FORMATS[mode], 128)} | {r.registers} | {r.stack_bytes} | "
-                  f"{r.shared_bytes} | {r.mma} |")
+                  f"{r.shared_bytes} | {r.mma} | {'yes' if wgmma_serialized(kernel) else 'no'} |")
         return
     if args.shape:
         shape_table(args.shape, args.modes, args.m, args.group)
