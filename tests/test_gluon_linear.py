@@ -41,9 +41,13 @@ def test_many_tokens_of_nibble_formats_with_bf16_activations_take_it():
         assert triton_linear.tile_config(fmt[f], False, 4096, 4096, 128, rows).warp_specialized
         assert not triton_linear.tile_config(fmt[f], False, 4096, 4096, 128, rows - 1).warp_specialized
     assert not triton_linear.tile_config(fmt["INT4"], True, 4096, 4096, 128, 1024).warp_specialized  # w4a8
-    for f in ("DENSE", "INT8"):
-        assert not triton_linear.tile_config(fmt[f], False, 4096, 4096, 128 if f != "DENSE" else 0,
-                                             1024).warp_specialized
+    assert not triton_linear.tile_config(fmt["INT8"], False, 4096, 4096, 128, 1024).warp_specialized  # w8a16
+    # bf16: past 192 rows where K is walked whole (gate/up: one chunk); up to 512 rows where it is split (o: four)
+    dense = triton_linear.DENSE_WARP_SPECIALIZED_ROWS
+    assert triton_linear.tile_config(fmt["DENSE"], False, 28672, 4096, 0, 4096).warp_specialized
+    assert not triton_linear.tile_config(fmt["DENSE"], False, 28672, 4096, 0, dense - 1).warp_specialized
+    assert triton_linear.tile_config(fmt["DENSE"], False, 4096, 4096, 0, 512).warp_specialized
+    assert not triton_linear.tile_config(fmt["DENSE"], False, 4096, 4096, 0, 513).warp_specialized
 
 
 def test_it_needs_hopper_and_group_major_affines():

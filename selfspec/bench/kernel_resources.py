@@ -7,7 +7,7 @@ whether Triton issues mma.sync or wgmma decides a row's bits: both show here bef
 
 python -m selfspec.bench.kernel_resources --mode full --tiles 16x128x4 32x128x4 64x64x4 [--split 4]
 python -m selfspec.bench.kernel_resources --attention [--warps 4 8] [--max-registers 168 128]  (Llama-3-8B heads)
-python -m selfspec.bench.kernel_resources --warp-specialized  (kernels/gluon_linear.py, per nibble format)
+python -m selfspec.bench.kernel_resources --warp-specialized  (kernels/gluon_linear.py: per nibble format, and bf16)
 python -m selfspec.bench.kernel_resources --shape llama-3-8b --modes full w4a16 --m 1 32 160   (the tiles `linear`
     picks for each layer GEMM of the shape at each M, as the model runs them)
 """
@@ -112,6 +112,24 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128,
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
 
 
+def compile_dense_warp_specialized(block_k: int = 64, split_k: int = 2) -> triton.compiler.CompiledKernel:
+    """The warp-specialized bf16 GEMM (kernels/gluon_linear.py) compiled for sm_90, as `dense_gemm` launches it."""
+    block_n = gll.dense_block_n(split_k)
+
+    def desc(shape: list[int]) -> str:
+        return f"tensordesc<bf16[{shape[0]}, {shape[1]}],{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
+
+    sig = {"x_desc": desc([gll.BLOCK_M, block_k]), "w_desc": desc([block_n, block_k]), "bias_ptr": "*bf16",
+           "res_ptr": "*bf16", "y_ptr": "*bf16"}
+    sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
+    consts = dict(HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=split_k > 1, BLOCK_M=gll.BLOCK_M, BLOCK_N=block_n,
+                  BLOCK_K=block_k,
+                  STAGES=min(6, (gll.SHARED_MEMORY - 8192) // ((gll.BLOCK_M + block_n) * block_k * 2)))
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    return triton.compile(GluonASTSource(gll._dense_ws_kernel, sig, consts), target=H100,
+                          options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
+
+
 def compile_quant_attention(fmt: str, upper: bool, block_r: int, warps: int, dim: int = 128, group: int = 128,
                             max_registers: int | None = None) -> triton.compiler.CompiledKernel:
     """The quantized attention's chunk kernel over `fmt` ("int8" or "hier"; the upper plane alone where `upper`)
@@ -185,7 +203,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 160, 1024], help="with --shape: rows")
     ap.add_argument("--group", type=int, default=128, help="with --shape: the quantization group")
     ap.add_argument("--warp-specialized", action="store_true",
-                    help="the warp-specialized nibble GEMM (kernels/gluon_linear.py) per format instead")
+                    help="the warp-specialized GEMMs (kernels/gluon_linear.py) per format instead")
     ap.add_argument("--attention", action="store_true",
                     help="the quantized attention's tiles (16 and 32 query rows) per KV format instead")
     ap.add_argument("--warps", type=int, nargs="+", default=[tqa.NUM_WARPS], help="with --attention")
@@ -198,14 +216,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         attention_table(args.warps, args.max_registers or [tqa.MAX_REGISTERS])
         return
     if args.warp_specialized:
-        print("warp-specialized nibble GEMM, K tiles of 128, sm_90")
+        print("warp-specialized GEMMs (nibbles: K tiles of 128; bf16: of 64), sm_90")
         print("| mode | stages | registers at launch | stack bytes | shared bytes | MMA | wgmma serialized |\n"
               "|---|---|---|---|---|---|---|")
-        for mode in ("w4a16", "upper", "full"):
-            kernel = compile_warp_specialized(mode)
+        kernels = [(mode, gll.stages(FORMATS[mode], 128), compile_warp_specialized(mode))
+                   for mode in ("w4a16", "upper", "full")]
+        kernels += [(f"bf16 split {split}", "-", compile_dense_warp_specialized(64, split)) for split in (1, 4)]
+        for name, stages, kernel in kernels:
             r = resources(kernel)
-            print(f"| {mode} | {gll.stages(FORMATS[mode], 128)} | {r.registers} | {r.stack_bytes} | "
-                  f"{r.shared_bytes} | {r.mma} | {'yes' if wgmma_serialized(kernel) else 'no'} |")
+            print(f"| {name} | {stages} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} | "
+                  f"{'yes' if wgmma_serialized(kernel) else 'no'} |")
         return
     if args.shape:
         shape_table(args.shape, args.modes, args.m, args.group)

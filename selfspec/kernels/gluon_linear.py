@@ -1,5 +1,7 @@
-"""The nibble GEMM for many tokens on Hopper, warp-specialized (Gluon): a loader warp keeps TMA copies in flight
-while two consumer warpgroups build codes, run wgmma and apply the group affine.
+"""GEMMs for many tokens on Hopper, warp-specialized (Gluon): a loader warp keeps TMA copies in flight while two
+consumer warpgroups run wgmma. The nibble formats' (w4a16, `upper`, `full` with bf16 activations) build their codes
+and apply each group's affine in the consumers; the bf16 one (bf16 weights, and prompt tokens' dequantized weights)
+is a plain GEMM in _linear_kernel's order of adds (at the end of the module).
 
 _nibble_kernel (kernels/triton_linear.py) builds each K tile's bf16 codes in registers, writes them to shared
 memory for wgmma and waits for each tile's product before its affine, all in the same warps. Here, for one
@@ -279,4 +281,114 @@ def nibble_gemm(x2: torch.Tensor, sums: torch.Tensor, fmt: int, tensors: tuple, 
         *descs, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0), FMT=fmt,
         GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=block_k, STAGES=stages(fmt, block_k), num_warps=4, maxnreg=MAX_REGISTERS)
+    return y
+
+
+# ---------------------------------------------------------------- bf16 weights (and prompt tokens' dequantized ones)
+
+
+@gluon.jit
+def _dense_loader(x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, K, BLOCK_K: gl.constexpr):
+    """One warp: each K tile of x and W into the ring, as its slots come free."""
+    stages: gl.constexpr = ready.type.shape[0]
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    for i in range(gl.cdiv(K, BLOCK_K)):
+        slot = i % stages
+        mbarrier.wait(free.index(slot), ((i // stages) & 1) ^ 1)  # a new barrier reads as freed once
+        bar = ready.index(slot)
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(x_desc, [m0, i * BLOCK_K], bar, x_bufs.index(slot))
+        tma.async_copy_global_to_shared(w_desc, [n0, i * BLOCK_K], bar, w_bufs.index(slot))
+
+
+@gluon.jit
+def _dense_consumer(x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, K, K_CHUNK, CHUNKS,
+                    stride_ym, stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One warpgroup: rows m0 + row0 .. + WARPGROUP_ROWS of y, BLOCK_N columns from n0. Each chunk of the split in
+    one accumulator, its K tiles in order (each tile's wgmma in flight while the next one's is issued), the chunks
+    added in order: _linear_kernel's bf16 arithmetic."""
+    stages: gl.constexpr = ready.type.shape[0]
+    rows: gl.constexpr = WARPGROUP_ROWS
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 16])
+    total = gl.zeros((rows, BLOCK_N), gl.float32, layout)
+    i = 0
+    for c in range(0, CHUNKS):
+        acc = gl.zeros((rows, BLOCK_N), gl.float32, layout)
+        start = c * K_CHUNK
+        for k0 in range(start, gl.minimum(K, (c + 1) * K_CHUNK), BLOCK_K):
+            slot = i % stages
+            mbarrier.wait(ready.index(slot), (i // stages) & 1)
+            acc = warpgroup_mma(x_bufs.index(slot).slice(row0, rows), w_bufs.index(slot).permute((1, 0)), acc,
+                                use_acc=k0 > start, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))  # the tile before is done: its slot goes back
+            mbarrier.arrive(free.index((i + stages - 1) % stages), pred=k0 > start)
+            i += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(free.index((i + stages - 1) % stages), pred=i > 0)
+        if IN_PROGRAM:
+            total += acc
+        else:
+            total = acc
+    offs_m = m0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    if HAS_BIAS:
+        total += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(gl.float32)[None, :]
+    y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    y = total.to(gl.bfloat16)
+    if HAS_RES:
+        r = gl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=y_mask, other=0)
+        y = (y.to(gl.float32) + r.to(gl.float32)).to(gl.bfloat16)
+    gl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=y_mask)
+
+
+@gluon.jit(do_not_specialize=["M"])  # one binary for every M
+def _dense_ws_kernel(x_desc, w_desc, bias_ptr, res_ptr, y_ptr, M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
+                     HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    m0 = gl.program_id(0) * BLOCK_M
+    n0 = gl.program_id(1) * BLOCK_N
+    x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(free.index(s), count=2)  # both consumer warpgroups have read the slot
+    gl.warp_specialize([
+        (_dense_consumer, (x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, 0, m0, n0, M, N, K, K_CHUNK,
+                           CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_N, BLOCK_K)),
+        (_dense_consumer, (x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, K,
+                           K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_N,
+                           BLOCK_K)),
+        (_dense_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, K, BLOCK_K)),
+    ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
+
+
+def dense_block_n(split_k: int) -> int:
+    """Columns of y per CTA: 256 where K is walked whole (one accumulator a warpgroup), 128 where the split's chunks
+    are summed (a second accumulator)."""
+    return 128 if split_k > 1 else 256
+
+
+def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, split_k: int, bias: torch.Tensor | None,
+               r2: torch.Tensor | None) -> torch.Tensor:
+    """y [M, N] = x2 [M, K] @ w^T (+ bias, + r2) for bf16 w, in the K tile and the K split of the tile config
+    (block_k, split_k): _linear_kernel's bits."""
+    m, k = x2.shape
+    n = w.shape[0]
+    block_n = dense_block_n(split_k)
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
+    x_desc = TensorDescriptor.from_tensor(x2, [BLOCK_M, block_k],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gl.bfloat16))
+    w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k],
+                                          gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16))
+    chunk = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # triton_linear.k_chunk
+    slot = (BLOCK_M + block_n) * block_k * 2
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
+    _dense_ws_kernel[grid](
+        x_desc, w_desc, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0),
+        HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_K=block_k, STAGES=min(6, (SHARED_MEMORY - 8192) // slot), num_warps=4, maxnreg=MAX_REGISTERS)
     return y

@@ -545,7 +545,7 @@ class TileConfig:
     swap: bool = False  # W as the dot's left operand (y^T = W x^T)
     block_m: int = BLOCK_M
     in_program: bool = False  # the split_k K chunks walked by one program (no partials in memory)
-    warp_specialized: bool = False  # on Hopper, given x's row sums: kernels/gluon_linear.py in its own tiles
+    warp_specialized: bool = False  # on Hopper (nibbles: given x's row sums): kernels/gluon_linear.py, its own tiles
 
 
 def uses_nibble_kernel(fmt: int, act: bool, group: int) -> bool:
@@ -679,6 +679,8 @@ def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, n: int
                 many = fullest_wave(fitting, m, n) if fitting else cfg
             if not act and fmt >= INT4.value and m >= WARP_SPECIALIZED_ROWS:
                 many = replace(many, warp_specialized=True)
+            if fmt == DENSE.value and m >= DENSE_WARP_SPECIALIZED_ROWS and (cfg.split_k == 1 or m <= 512):
+                many = replace(many, warp_specialized=True)
             return many
     raise AssertionError("the last bucket takes every M")
 
@@ -688,6 +690,11 @@ def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, n: int
 # more 0.59-0.84x (H100, docs/bench-h100/ws-gemm-pipelined.json, column "prev"); below 129 rows its 128-row tiles
 # would be mostly padding.
 WARP_SPECIALIZED_ROWS = 129
+# bf16 weights (and prompt tokens' dequantized ones) take kernels/gluon_linear.py's bf16 GEMM past 192 rows where
+# K is walked whole (256-wide tiles: gate/up 1.12-1.17x cuBLAS at 256-4096 rows against 1.12-1.29x), and up to 512
+# rows where the split's chunks are summed (128-wide tiles: qkv, o, down 1.18-1.30x at 256 rows against 1.32-1.40x,
+# but 1.31-1.44x at 1024-4096 against 1.14-1.41x); H100, docs/bench-h100/ws-dense.json.
+DENSE_WARP_SPECIALIZED_ROWS = 193
 
 
 def retile(cfg: TileConfig, tiles: tuple, k: int) -> TileConfig:
@@ -835,10 +842,12 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
             stride_sg, y.stride(0), 0 if r2 is None else r2.stride(0))
     nibble = uses_nibble_kernel(fmt, act, group)
     words = nibble and reads_words(act, cfg)
-    if (cfg.warp_specialized and words and sums is not None and gluon_linear.runs_on(x2.device)
-            and gluon_linear.covers(scale, n)):
-        return gluon_linear.nibble_gemm(x2, sums, fmt, (w, w2, scale, lo), n, group, cfg.block_k, cfg.split_k, bias,
-                                        r2)
+    if cfg.warp_specialized and gluon_linear.runs_on(x2.device):
+        if words and sums is not None and gluon_linear.covers(scale, n):
+            return gluon_linear.nibble_gemm(x2, sums, fmt, (w, w2, scale, lo), n, group, cfg.block_k, cfg.split_k,
+                                            bias, r2)
+        if fmt == DENSE.value and w.dtype == torch.bfloat16:
+            return gluon_linear.dense_gemm(x2, w, cfg.block_k, cfg.split_k, bias, r2)
     if words:  # the planes' bytes as 16-bit words, four nibble codes each
         w, w2 = (None if t is None else t.view(torch.int16) for t in (w, w2))
         block = [cfg.block_n, cfg.block_k // 4]
