@@ -36,14 +36,17 @@ def test_tile_sums_add_each_tiles_pieces_in_order_in_rows_tma_can_read(m):
 def test_many_tokens_of_nibble_formats_with_bf16_activations_take_it():
     from selfspec.kernels import triton_linear
     fmt = {name: getattr(triton_linear, name).value for name in ("DENSE", "INT8", "INT4", "UPPER", "FULL")}
-    rows = triton_linear.WARP_SPECIALIZED_ROWS
+    rows = triton_linear.WARP_SPECIALIZED_ROWS["nibble"]
     for f in ("INT4", "UPPER", "FULL"):
         assert triton_linear.tile_config(fmt[f], False, 4096, 4096, 128, rows).warp_specialized
         assert not triton_linear.tile_config(fmt[f], False, 4096, 4096, 128, rows - 1).warp_specialized
     assert not triton_linear.tile_config(fmt["INT4"], True, 4096, 4096, 128, 1024).warp_specialized  # w4a8
     assert not triton_linear.tile_config(fmt["INT8"], False, 4096, 4096, 128, 1024).warp_specialized  # w8a16
+    assert triton_linear.tile_config(fmt["INT8"], True, 4096, 4096, 0, 1024).warp_specialized  # w8a8
+    assert not triton_linear.tile_config(fmt["INT8"], True, 4096, 4096, 0, 192).warp_specialized
+    assert not triton_linear.tile_config(fmt["FULL"], True, 4096, 4096, 128, 1024).warp_specialized  # planes, int8
     # bf16: past 192 rows where K is walked whole (gate/up: one chunk); up to 512 rows where it is split (o: four)
-    dense = triton_linear.DENSE_WARP_SPECIALIZED_ROWS
+    dense = triton_linear.WARP_SPECIALIZED_ROWS["bf16"]
     assert triton_linear.tile_config(fmt["DENSE"], False, 28672, 4096, 0, 4096).warp_specialized
     assert not triton_linear.tile_config(fmt["DENSE"], False, 28672, 4096, 0, dense - 1).warp_specialized
     assert triton_linear.tile_config(fmt["DENSE"], False, 4096, 4096, 0, 512).warp_specialized

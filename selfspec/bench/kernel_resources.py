@@ -130,6 +130,25 @@ def compile_dense_warp_specialized(block_k: int = 64, split_k: int = 2) -> trito
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
 
 
+def compile_int8_warp_specialized(block_k: int = 256, split_k: int = 2) -> triton.compiler.CompiledKernel:
+    """The warp-specialized int8 GEMM (kernels/gluon_linear.py, w8a8) compiled for sm_90, as `int8_gemm` launches
+    it."""
+    box = gll.INT8_BOX.value
+
+    def desc(rows: int) -> str:
+        return f"tensordesc<i8[{rows}, {box}],{gl.NVMMASharedLayout.get_default_for([rows, box], gl.int8)!r}>"
+
+    sig = {"x_desc": desc(gll.BLOCK_M), "w_desc": desc(gll.INT8_BLOCK_N), "xs_ptr": "*fp32", "scale_ptr": "*fp32",
+           "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16"}
+    sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
+    consts = dict(HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=split_k > 1, BLOCK_M=gll.BLOCK_M,
+                  BLOCK_N=gll.INT8_BLOCK_N, BLOCK_K=block_k,
+                  STAGES=min(6, (gll.SHARED_MEMORY - 8192) // ((gll.BLOCK_M + gll.INT8_BLOCK_N) * block_k)))
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    return triton.compile(GluonASTSource(gll._int8_ws_kernel, sig, consts), target=H100,
+                          options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
+
+
 def compile_quant_attention(fmt: str, upper: bool, block_r: int, warps: int, dim: int = 128, group: int = 128,
                             max_registers: int | None = None) -> triton.compiler.CompiledKernel:
     """The quantized attention's chunk kernel over `fmt` ("int8" or "hier"; the upper plane alone where `upper`)
@@ -222,6 +241,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         kernels = [(mode, gll.stages(FORMATS[mode], 128), compile_warp_specialized(mode))
                    for mode in ("w4a16", "upper", "full")]
         kernels += [(f"bf16 split {split}", "-", compile_dense_warp_specialized(64, split)) for split in (1, 4)]
+        kernels += [(f"w8a8 split {split}", "-", compile_int8_warp_specialized(256, split)) for split in (1, 4)]
         for name, stages, kernel in kernels:
             r = resources(kernel)
             print(f"| {name} | {stages} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} | "

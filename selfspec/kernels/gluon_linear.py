@@ -1,7 +1,8 @@
 """GEMMs for many tokens on Hopper, warp-specialized (Gluon): a loader warp keeps TMA copies in flight while two
 consumer warpgroups run wgmma. The nibble formats' (w4a16, `upper`, `full` with bf16 activations) build their codes
 and apply each group's affine in the consumers; the bf16 one (bf16 weights, and prompt tokens' dequantized weights)
-is a plain GEMM in _linear_kernel's order of adds (at the end of the module).
+and the int8 one (w8a8: int8 codes on both sides, exact int32 dots per K tile) are plain GEMMs in _linear_kernel's
+order of adds (at the end of the module).
 
 _nibble_kernel (kernels/triton_linear.py) builds each K tile's bf16 codes in registers, writes them to shared
 memory for wgmma and waits for each tile's product before its affine, all in the same warps. Here, for one
@@ -289,16 +290,20 @@ def nibble_gemm(x2: torch.Tensor, sums: torch.Tensor, fmt: int, tensors: tuple, 
 
 @gluon.jit
 def _dense_loader(x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, K, BLOCK_K: gl.constexpr):
-    """One warp: each K tile of x and W into the ring, as its slots come free."""
+    """One warp: each K tile of x and W into the ring, as its slots come free, in as many boxes as the slot holds
+    pieces of the tile (TMA boxes of a 128-byte swizzle are at most 128 bytes wide)."""
     stages: gl.constexpr = ready.type.shape[0]
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    parts: gl.constexpr = x_bufs.type.shape[0] // stages
+    width: gl.constexpr = BLOCK_K // parts
+    nbytes: gl.constexpr = parts * (x_desc.block_type.nbytes + w_desc.block_type.nbytes)
     for i in range(gl.cdiv(K, BLOCK_K)):
         slot = i % stages
         mbarrier.wait(free.index(slot), ((i // stages) & 1) ^ 1)  # a new barrier reads as freed once
         bar = ready.index(slot)
         mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(x_desc, [m0, i * BLOCK_K], bar, x_bufs.index(slot))
-        tma.async_copy_global_to_shared(w_desc, [n0, i * BLOCK_K], bar, w_bufs.index(slot))
+        for p in gl.static_range(parts):
+            tma.async_copy_global_to_shared(x_desc, [m0, i * BLOCK_K + p * width], bar, x_bufs.index(slot * parts + p))
+            tma.async_copy_global_to_shared(w_desc, [n0, i * BLOCK_K + p * width], bar, w_bufs.index(slot * parts + p))
 
 
 @gluon.jit
@@ -391,4 +396,105 @@ def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, split_k: int, bi
         x_desc, w_desc, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=block_k, STAGES=min(6, (SHARED_MEMORY - 8192) // slot), num_warps=4, maxnreg=MAX_REGISTERS)
+    return y
+
+
+# ---------------------------------------------------------------- int8 codes with int8 activations (w8a8)
+
+
+@gluon.jit
+def _int8_consumer(x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, K,
+                   K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
+                   IN_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One warpgroup: rows m0 + row0 .. + WARPGROUP_ROWS of y, BLOCK_N columns from n0, in _linear_kernel's int8
+    arithmetic: each K tile's exact int32 dot on the int8 tensor cores, added in fp32 in order, chunk by chunk; then
+    the row scale, the channel scale, bias and residual."""
+    stages: gl.constexpr = ready.type.shape[0]
+    parts: gl.constexpr = x_bufs.type.shape[0] // stages
+    rows: gl.constexpr = WARPGROUP_ROWS
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 32])
+    total = gl.zeros((rows, BLOCK_N), gl.float32, layout)
+    i = 0
+    for c in range(0, CHUNKS):
+        acc = gl.zeros((rows, BLOCK_N), gl.float32, layout)
+        for k0 in range(c * K_CHUNK, gl.minimum(K, (c + 1) * K_CHUNK), BLOCK_K):
+            slot = i % stages
+            mbarrier.wait(ready.index(slot), (i // stages) & 1)
+            d = gl.zeros((rows, BLOCK_N), gl.int32, layout)
+            for p in gl.static_range(parts):
+                d = warpgroup_mma(x_bufs.index(slot * parts + p).slice(row0, rows),
+                                  w_bufs.index(slot * parts + p).permute((1, 0)), d, use_acc=p > 0, is_async=True)
+            d = warpgroup_mma_wait(0, deps=(d, ))
+            mbarrier.arrive(free.index(slot))
+            acc += d.to(gl.float32)
+            i += 1
+        if IN_PROGRAM:
+            total += acc
+        else:
+            total = acc
+    offs_m = m0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    total = total * gl.load(xs_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
+    total = total * gl.load(scale_ptr + offs_n, mask=offs_n < N, other=0)[None, :]
+    if HAS_BIAS:
+        total += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(gl.float32)[None, :]
+    y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    y = total.to(gl.bfloat16)
+    if HAS_RES:
+        r = gl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=y_mask, other=0)
+        y = (y.to(gl.float32) + r.to(gl.float32)).to(gl.bfloat16)
+    gl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=y_mask)
+
+
+@gluon.jit(do_not_specialize=["M"])  # one binary for every M
+def _int8_ws_kernel(x_desc, w_desc, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, M, N, K, K_CHUNK, CHUNKS, stride_ym,
+                    stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    m0 = gl.program_id(0) * BLOCK_M
+    n0 = gl.program_id(1) * BLOCK_N
+    parts: gl.constexpr = BLOCK_K // INT8_BOX
+    x_bufs = gl.allocate_shared_memory(gl.int8, [STAGES * parts, BLOCK_M, INT8_BOX], x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.int8, [STAGES * parts, BLOCK_N, INT8_BOX], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(free.index(s), count=2)  # both consumer warpgroups have read the slot
+    gl.warp_specialize([
+        (_int8_consumer, (x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, 0, m0, n0, M, N,
+                          K, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_N,
+                          BLOCK_K)),
+        (_int8_consumer, (x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS,
+                          m0, n0, M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM,
+                          BLOCK_N, BLOCK_K)),
+        (_dense_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, K, BLOCK_K)),
+    ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
+
+
+INT8_BOX = gl.constexpr(128)  # columns of int8 per TMA box: 128 bytes, the widest a 128-byte swizzle takes
+INT8_BLOCK_N = 128
+
+
+def int8_gemm(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_k: int, split_k: int,
+              bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
+    """y [M, N] = (xq [M, K] @ q^T) * xs * scale (+ bias, + r2): int8 activation codes with their row scales, int8
+    weight codes with their channel scales, in the K tile and the K split of the tile config (block_k, split_k):
+    _linear_kernel's bits."""
+    m, k = xq.shape
+    n = q.shape[0]
+    box = INT8_BOX.value
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
+    x_desc = TensorDescriptor.from_tensor(xq, [BLOCK_M, box], gl.NVMMASharedLayout.get_default_for([BLOCK_M, box],
+                                                                                                  gl.int8))
+    w_desc = TensorDescriptor.from_tensor(q, [INT8_BLOCK_N, box],
+                                          gl.NVMMASharedLayout.get_default_for([INT8_BLOCK_N, box], gl.int8))
+    chunk = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # triton_linear.k_chunk
+    slot = (BLOCK_M + INT8_BLOCK_N) * block_k
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, INT8_BLOCK_N))
+    _int8_ws_kernel[grid](
+        x_desc, w_desc, xs, scale, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0),
+        HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M,
+        BLOCK_N=INT8_BLOCK_N, BLOCK_K=block_k, STAGES=min(6, (SHARED_MEMORY - 8192) // slot), num_warps=4,
+        maxnreg=MAX_REGISTERS)
     return y

@@ -545,7 +545,7 @@ class TileConfig:
     swap: bool = False  # W as the dot's left operand (y^T = W x^T)
     block_m: int = BLOCK_M
     in_program: bool = False  # the split_k K chunks walked by one program (no partials in memory)
-    warp_specialized: bool = False  # on Hopper (nibbles: given x's row sums): kernels/gluon_linear.py, its own tiles
+    warp_specialized: bool = False  # on Hopper (nibbles: given x's row sums): kernels/gluon_linear.py, its tiles
 
 
 def uses_nibble_kernel(fmt: int, act: bool, group: int) -> bool:
@@ -665,8 +665,8 @@ def kernel_kind(fmt: int, act: bool, group: int) -> str:
 
 def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, n: int, k: int) -> TileConfig:
     """cfg with the M and N tiles, warps and stages of M's bucket (and, for bf16 weights, its K tile); the split,
-    the swap and so each row's order of adds stay. Nibble formats with bf16 activations past WARP_SPECIALIZED_ROWS
-    are marked for the warp-specialized kernel, which `_run` takes where it can (else these tiles)."""
+    the swap and so each row's order of adds stay. GEMMs `takes_warp_specialized` picks are marked for the
+    warp-specialized kernels, which `_run` takes where it can (else these tiles)."""
     if cfg.swap:  # not measured at many tokens
         return cfg
     for max_m, split_tiles, whole_tiles in MANY_TOKENS[kernel_kind(fmt, act, group)]:
@@ -677,24 +677,34 @@ def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, n: int
                 fitting = [c for c in (retile(cfg, t, k) for t in (tiles if isinstance(tiles, list) else [tiles]))
                            if fits_shared(c, fmt, act)]
                 many = fullest_wave(fitting, m, n) if fitting else cfg
-            if not act and fmt >= INT4.value and m >= WARP_SPECIALIZED_ROWS:
-                many = replace(many, warp_specialized=True)
-            if fmt == DENSE.value and m >= DENSE_WARP_SPECIALIZED_ROWS and (cfg.split_k == 1 or m <= 512):
+            if takes_warp_specialized(fmt, act, group, cfg.split_k, m):
                 many = replace(many, warp_specialized=True)
             return many
     raise AssertionError("the last bucket takes every M")
 
 
-# Rows from which the nibble GEMM with bf16 activations runs warp-specialized (kernels/gluon_linear.py) where it can:
-# at 160 rows it took 0.67-0.86x the Triton tiles' time on the 8B layers but for w4a16's down (1.08x), at 256 and
-# more 0.59-0.84x (H100, docs/bench-h100/ws-gemm-pipelined.json, column "prev"); below 129 rows its 128-row tiles
-# would be mostly padding.
-WARP_SPECIALIZED_ROWS = 129
-# bf16 weights (and prompt tokens' dequantized ones) take kernels/gluon_linear.py's bf16 GEMM past 192 rows where
-# K is walked whole (256-wide tiles: gate/up 1.12-1.17x cuBLAS at 256-4096 rows against 1.12-1.29x), and up to 512
-# rows where the split's chunks are summed (128-wide tiles: qkv, o, down 1.18-1.30x at 256 rows against 1.32-1.40x,
-# but 1.31-1.44x at 1024-4096 against 1.14-1.41x); H100, docs/bench-h100/ws-dense.json.
-DENSE_WARP_SPECIALIZED_ROWS = 193
+# Rows from which a kind of GEMM runs warp-specialized (kernels/gluon_linear.py) where it can, measured on the 8B
+# layers against the Triton tiles (H100, docs/bench-h100/ws-*.json):
+# - nibbles with bf16 activations: at 160 rows 0.67-0.86x their time but for w4a16's down (1.08x), at 256 and more
+#   0.59-0.84x (`ws-gemm-pipelined.json`, column "prev"); below 129 rows its 128-row tiles would be mostly padding;
+# - bf16 weights (and prompt tokens' dequantized ones): where K is walked whole (256-wide tiles: gate/up 1.12-1.17x
+#   cuBLAS at 256-4096 rows against 1.12-1.29x), and up to 512 rows where the split's chunks are summed (128-wide
+#   tiles: qkv, o, down 1.18-1.30x at 256 rows against 1.32-1.40x, but 1.31-1.44x at 1024-4096 against
+#   1.14-1.41x; `ws-dense.json`);
+# - int8 codes with int8 activations (w8a8 on INT8 storage): 0.65-0.95x cuBLAS BF16 at 256-4096 rows against
+#   0.71-1.20x; at 160 rows slower on gate/up and down (`ws-int8.json`).
+WARP_SPECIALIZED_ROWS = {"nibble": 129, "planes": 129, "bf16": 193, "int8-act": 193}
+SPLIT_BF16_MOST_ROWS = 512
+
+
+def takes_warp_specialized(fmt: int, act: bool, group: int, split_k: int, m: int) -> bool:
+    """Whether a GEMM of M rows is marked for kernels/gluon_linear.py (which `_run` takes on Hopper)."""
+    kind = kernel_kind(fmt, act, group)
+    if kind not in WARP_SPECIALIZED_ROWS or m < WARP_SPECIALIZED_ROWS[kind]:
+        return False
+    if kind == "bf16":
+        return split_k == 1 or m <= SPLIT_BF16_MOST_ROWS
+    return kind != "int8-act" or fmt == INT8.value  # both planes with int8 activations: not there
 
 
 def retile(cfg: TileConfig, tiles: tuple, k: int) -> TileConfig:
@@ -848,6 +858,8 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
                                             bias, r2)
         if fmt == DENSE.value and w.dtype == torch.bfloat16:
             return gluon_linear.dense_gemm(x2, w, cfg.block_k, cfg.split_k, bias, r2)
+        if fmt == INT8.value and act:
+            return gluon_linear.int8_gemm(x2, xs, w, scale, cfg.block_k, cfg.split_k, bias, r2)
     if words:  # the planes' bytes as 16-bit words, four nibble codes each
         w, w2 = (None if t is None else t.view(torch.int16) for t in (w, w2))
         block = [cfg.block_n, cfg.block_k // 4]
