@@ -307,6 +307,20 @@ def _dense_loader(x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, K, BLOCK_
 
 
 @gluon.jit
+def _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm, HAS_BIAS: gl.constexpr,
+           HAS_RES: gl.constexpr):
+    """triton_linear._epilogue's last steps: bias, bf16, the residual added to the bf16 product and rounded again."""
+    if HAS_BIAS:
+        total += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(gl.float32)[None, :]
+    y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    y = total.to(gl.bfloat16)
+    if HAS_RES:
+        r = gl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=y_mask, other=0)
+        y = (y.to(gl.float32) + r.to(gl.float32)).to(gl.bfloat16)
+    gl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=y_mask)
+
+
+@gluon.jit
 def _dense_consumer(x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, K, K_CHUNK, CHUNKS,
                     stride_ym, stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
@@ -338,14 +352,7 @@ def _dense_consumer(x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, row0,
             total = acc
     offs_m = m0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    if HAS_BIAS:
-        total += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(gl.float32)[None, :]
-    y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    y = total.to(gl.bfloat16)
-    if HAS_RES:
-        r = gl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=y_mask, other=0)
-        y = (y.to(gl.float32) + r.to(gl.float32)).to(gl.bfloat16)
-    gl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=y_mask)
+    _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm, HAS_BIAS, HAS_RES)
 
 
 @gluon.jit(do_not_specialize=["M"])  # one binary for every M
@@ -437,14 +444,7 @@ def _int8_consumer(x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     total = total * gl.load(xs_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
     total = total * gl.load(scale_ptr + offs_n, mask=offs_n < N, other=0)[None, :]
-    if HAS_BIAS:
-        total += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(gl.float32)[None, :]
-    y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    y = total.to(gl.bfloat16)
-    if HAS_RES:
-        r = gl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=y_mask, other=0)
-        y = (y.to(gl.float32) + r.to(gl.float32)).to(gl.bfloat16)
-    gl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=y_mask)
+    _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm, HAS_BIAS, HAS_RES)
 
 
 @gluon.jit(do_not_specialize=["M"])  # one binary for every M
