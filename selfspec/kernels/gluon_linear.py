@@ -54,6 +54,18 @@ _PLANE_WORDS = gl.constexpr(ptx.PLANE_WORDS)
 
 
 @gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """A ring's barriers: `ready` (a slot's TMA copies have landed) and `free` (both consumer warpgroups have read
+    it)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(free.index(s), count=2)
+    return ready, free
+
+
+@gluon.jit
 def _loader(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs,
             ready, free, m0, n0, K, FMT: gl.constexpr, GROUP: gl.constexpr, BLOCK_K: gl.constexpr):
     """One warp: each K tile's x quarters, words, x's row sums and group affine (scale, lo) into the ring, as its
@@ -187,11 +199,7 @@ def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, b
     affine_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, BLOCK_N], scale_desc.layout)
     total_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WARPGROUP_ROWS, BLOCK_M], gl.float32)
     total_smem = gl.allocate_shared_memory(gl.float32, [2, WARPGROUP_ROWS, BLOCK_M], total_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(free.index(s), count=2)  # both consumer warpgroups have read the slot
+    ready, free = _ring_barriers(STAGES)
     # The partitions' arguments are written out here: a tuple kept in a variable loses its constexprs.
     gl.warp_specialize([
         (_consumer, (x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem.index(0), bias_ptr,
@@ -363,11 +371,7 @@ def _dense_ws_kernel(x_desc, w_desc, bias_ptr, res_ptr, y_ptr, M, N, K, K_CHUNK,
     n0 = gl.program_id(1) * BLOCK_N
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(free.index(s), count=2)  # both consumer warpgroups have read the slot
+    ready, free = _ring_barriers(STAGES)
     gl.warp_specialize([
         (_dense_consumer, (x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, 0, m0, n0, M, N, K, K_CHUNK,
                            CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_N, BLOCK_K)),
@@ -456,11 +460,7 @@ def _int8_ws_kernel(x_desc, w_desc, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr,
     parts: gl.constexpr = BLOCK_K // INT8_BOX
     x_bufs = gl.allocate_shared_memory(gl.int8, [STAGES * parts, BLOCK_M, INT8_BOX], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.int8, [STAGES * parts, BLOCK_N, INT8_BOX], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(free.index(s), count=2)  # both consumer warpgroups have read the slot
+    ready, free = _ring_barriers(STAGES)
     gl.warp_specialize([
         (_int8_consumer, (x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, 0, m0, n0, M, N,
                           K, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_N,
