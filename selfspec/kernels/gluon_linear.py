@@ -48,7 +48,7 @@ BLOCK_N = 128  # weight rows per CTA: two consumer warpgroups of WARPGROUP_ROWS
 BLOCK_M = 128  # rows of x per CTA
 WARPGROUP_ROWS = gl.constexpr(64)
 LOADER_REGISTERS = gl.constexpr(24)
-CONSUMER_REGISTERS = gl.constexpr(240)  # the second consumer warpgroup's; the first (default) gets the same
+CONSUMER_REGISTERS = gl.constexpr(240)  # the second consumer warpgroup's; the first (default) gets what is left
 _WORD_NIBBLES = gl.constexpr(ptx.WORD_NIBBLES)
 _PLANE_WORDS = gl.constexpr(ptx.PLANE_WORDS)
 
