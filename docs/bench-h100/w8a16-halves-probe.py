@@ -1,6 +1,8 @@
 """Is mma.sync m16n8k16 (fed bytes, kWidth 4) two 8-k halves added one after the other? wgmma fed each half as its
 own 16-k step (the other 8 slots zero) against the w8a16 tiles (channel scales 1)."""
-import json, os
+import json
+import os
+
 import torch
 from selfspec.kernels import gluon_linear as gll
 from selfspec.kernels import triton_linear as tl_
@@ -29,7 +31,9 @@ for name, n, k in [("qkv", 6144, 4096), ("o", 4096, 4096), ("down", 4096, 14336)
         cfg = tl_.tile_config(tl_.INT8.value, False, n, k, 0, m)
         row = {"gemm": name, "m": m, "split": cfg.split_k, "outputs": y_tr.numel()}
         for label, order in (("kwidth4_halves", kw4), ("natural_halves", nat)):
-            y = gll.dense_gemm(halves(x[:m], order), halves(codes, order), 64, cfg.split_k, None, None)
+            chunk = tl_.k_chunk(2 * k, cfg.split_k, 64)  # K doubled: each 16-k step in two
+            y = gll.dense_gemm(halves(x[:m], order), halves(codes, order), 64, chunk, cfg.split_k, None, None)
             row[label] = int((y != y_tr).sum())
-        out.append(row); print(json.dumps(row), flush=True)
+        out.append(row)
+        print(json.dumps(row), flush=True)
 json.dump(out, open(os.environ.get("OUT", "/tmp") + "/w8a16-halves-probe.json", "w"), indent=1)

@@ -104,7 +104,7 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128,
            "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16"}
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
     consts = dict(FMT=fmt, GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program, BLOCK_M=gll.BLOCK_M,
-                  BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k, STAGES=gll.stages(fmt, block_k))
+                  BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k, STAGES=gll.nibble_stages(fmt, block_k))
     sig.update(dict.fromkeys(consts, "constexpr"))
     names = gll._nibble_ws_kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("bias_ptr", "res_ptr", "y_ptr")}
@@ -124,7 +124,7 @@ def compile_dense_warp_specialized(block_k: int = 64, split_k: int = 2) -> trito
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
     consts = dict(HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=split_k > 1, BLOCK_M=gll.BLOCK_M, BLOCK_N=block_n,
                   BLOCK_K=block_k,
-                  STAGES=min(6, (gll.SHARED_MEMORY - 8192) // ((gll.BLOCK_M + block_n) * block_k * 2)))
+                  STAGES=gll.dense_stages(block_k, split_k))
     sig.update(dict.fromkeys(consts, "constexpr"))
     return triton.compile(GluonASTSource(gll._dense_ws_kernel, sig, consts), target=H100,
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
@@ -143,7 +143,7 @@ def compile_int8_warp_specialized(block_k: int = 256, split_k: int = 2) -> trito
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
     consts = dict(HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=split_k > 1, BLOCK_M=gll.BLOCK_M,
                   BLOCK_N=gll.INT8_BLOCK_N, BLOCK_K=block_k,
-                  STAGES=min(6, (gll.SHARED_MEMORY - 8192) // ((gll.BLOCK_M + gll.INT8_BLOCK_N) * block_k)))
+                  STAGES=gll.int8_stages(block_k))
     sig.update(dict.fromkeys(consts, "constexpr"))
     return triton.compile(GluonASTSource(gll._int8_ws_kernel, sig, consts), target=H100,
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         print("warp-specialized GEMMs (nibbles: K tiles of 128; bf16: of 64), sm_90")
         print("| mode | stages | registers at launch | stack bytes | shared bytes | MMA | wgmma serialized |\n"
               "|---|---|---|---|---|---|---|")
-        kernels = [(mode, gll.stages(FORMATS[mode], 128), compile_warp_specialized(mode))
+        kernels = [(mode, gll.nibble_stages(FORMATS[mode], 128), compile_warp_specialized(mode))
                    for mode in ("w4a16", "upper", "full")]
         kernels += [(f"bf16 split {split}", "-", compile_dense_warp_specialized(64, split)) for split in (1, 4)]
         kernels += [(f"w8a8 split {split}", "-", compile_int8_warp_specialized(256, split)) for split in (1, 4)]

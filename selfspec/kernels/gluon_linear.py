@@ -233,12 +233,17 @@ def tile_sums(sums: torch.Tensor, block_k: int) -> torch.Tensor:
     return out[:, :m]
 
 
-def stages(fmt: int, block_k: int) -> int:
-    """Ring slots that fit in shared memory beside the chunks' sum: x quarters and the planes' words per slot."""
+def ring_stages(slot: int, beside: int = 0, most: int = 6) -> int:
+    """Ring slots of `slot` bytes that fit in shared memory beside `beside` bytes, barriers and layout scratch."""
+    return min(most, (SHARED_MEMORY - beside - 8192) // slot)
+
+
+def nibble_stages(fmt: int, block_k: int) -> int:
+    """The nibble kernel's ring: x quarters, the planes' words, x's row sums and the affine per slot, beside the
+    chunks' sum; at most 4."""
     planes = 2 if fmt == FULL.value else 1
     slot = BLOCK_M * block_k * 2 + planes * BLOCK_N * block_k // 2 + (BLOCK_M + 2 * BLOCK_N) * 4
-    free = SHARED_MEMORY - BLOCK_N * BLOCK_M * 4 - 8192  # less the chunks' sum, barriers and scratch
-    return min(4, free // slot)
+    return ring_stages(slot, beside=BLOCK_N * BLOCK_M * 4, most=4)
 
 
 def descriptors(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, sums: torch.Tensor, scale: torch.Tensor,
@@ -276,20 +281,20 @@ MAX_REGISTERS = 65536 // (3 * 128) // 8 * 8
 
 
 def nibble_gemm(x2: torch.Tensor, sums: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, block_k: int,
-                split_k: int, bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
+                chunk: int, split_k: int, bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ W^T (+ bias, + r2) for a nibble format with bf16 activations and their row sums per
-    ROW_SUM_COLS columns, in the K tile and the K split of the decode config (block_k, split_k): the split's chunks
-    are walked in order, each from zero, and added in order (as the split's partial sums are)."""
+    ROW_SUM_COLS columns, in the K tile and the K split of the decode config (block_k; split_k chunks of `chunk`
+    columns, triton_linear.k_chunk): the chunks are walked in order, each from zero, and added in order (as the
+    split's partial sums are)."""
     m, k = x2.shape
     w, w2, scale, lo = tensors
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     descs = descriptors(quartered(x2, block_k), w, w2, tile_sums(sums, block_k), scale, lo, block_k)
-    chunk = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # triton_linear.k_chunk
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _nibble_ws_kernel[grid](
         *descs, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0), FMT=fmt,
         GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_K=block_k, STAGES=stages(fmt, block_k), num_warps=4, maxnreg=MAX_REGISTERS)
+        BLOCK_N=BLOCK_N, BLOCK_K=block_k, STAGES=nibble_stages(fmt, block_k), num_warps=4, maxnreg=MAX_REGISTERS)
     return y
 
 
@@ -388,10 +393,15 @@ def dense_block_n(split_k: int) -> int:
     return 128 if split_k > 1 else 256
 
 
-def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, split_k: int, bias: torch.Tensor | None,
+def dense_stages(block_k: int, split_k: int) -> int:
+    """The bf16 kernel's ring: an x tile and a W tile per slot."""
+    return ring_stages((BLOCK_M + dense_block_n(split_k)) * block_k * 2)
+
+
+def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, chunk: int, split_k: int, bias: torch.Tensor | None,
                r2: torch.Tensor | None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ w^T (+ bias, + r2) for bf16 w, in the K tile and the K split of the tile config
-    (block_k, split_k): _linear_kernel's bits."""
+    (block_k; split_k chunks of `chunk` columns): _linear_kernel's bits."""
     m, k = x2.shape
     n = w.shape[0]
     block_n = dense_block_n(split_k)
@@ -400,13 +410,11 @@ def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, split_k: int, bi
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gl.bfloat16))
     w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k],
                                           gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16))
-    chunk = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # triton_linear.k_chunk
-    slot = (BLOCK_M + block_n) * block_k * 2
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
     _dense_ws_kernel[grid](
         x_desc, w_desc, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=block_k, STAGES=min(6, (SHARED_MEMORY - 8192) // slot), num_warps=4, maxnreg=MAX_REGISTERS)
+        BLOCK_K=block_k, STAGES=dense_stages(block_k, split_k), num_warps=4, maxnreg=MAX_REGISTERS)
     return y
 
 
@@ -476,11 +484,16 @@ INT8_BOX = gl.constexpr(128)  # columns of int8 per TMA box: 128 bytes, the wide
 INT8_BLOCK_N = 128
 
 
-def int8_gemm(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_k: int, split_k: int,
-              bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
+def int8_stages(block_k: int) -> int:
+    """The int8 kernel's ring: an x tile and a W tile of int8 codes per slot."""
+    return ring_stages((BLOCK_M + INT8_BLOCK_N) * block_k)
+
+
+def int8_gemm(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_k: int, chunk: int,
+              split_k: int, bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
     """y [M, N] = (xq [M, K] @ q^T) * xs * scale (+ bias, + r2): int8 activation codes with their row scales, int8
-    weight codes with their channel scales, in the K tile and the K split of the tile config (block_k, split_k):
-    _linear_kernel's bits."""
+    weight codes with their channel scales, in the K tile and the K split of the tile config (block_k; split_k
+    chunks of `chunk` columns): _linear_kernel's bits."""
     m, k = xq.shape
     n = q.shape[0]
     box = INT8_BOX.value
@@ -489,12 +502,10 @@ def int8_gemm(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.
                                                                                                   gl.int8))
     w_desc = TensorDescriptor.from_tensor(q, [INT8_BLOCK_N, box],
                                           gl.NVMMASharedLayout.get_default_for([INT8_BLOCK_N, box], gl.int8))
-    chunk = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # triton_linear.k_chunk
-    slot = (BLOCK_M + INT8_BLOCK_N) * block_k
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, INT8_BLOCK_N))
     _int8_ws_kernel[grid](
         x_desc, w_desc, xs, scale, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M,
-        BLOCK_N=INT8_BLOCK_N, BLOCK_K=block_k, STAGES=min(6, (SHARED_MEMORY - 8192) // slot), num_warps=4,
+        BLOCK_N=INT8_BLOCK_N, BLOCK_K=block_k, STAGES=int8_stages(block_k), num_warps=4,
         maxnreg=MAX_REGISTERS)
     return y

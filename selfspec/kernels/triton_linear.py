@@ -836,8 +836,18 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
                              f"[{m}, {k // ROW_SUM_COLS.value}]")
         sums = sums.contiguous()  # the kernel reads row r's sums at r * K / ROW_SUM_COLS
     w, w2, scale, lo = tensors
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     chunk = k_chunk(k, cfg.split_k, cfg.block_k)
+    nibble = uses_nibble_kernel(fmt, act, group)
+    words = nibble and reads_words(act, cfg)
+    if cfg.warp_specialized and gluon_linear.runs_on(x2.device):  # before this path's output and partials
+        if words and sums is not None and gluon_linear.covers(scale, n):
+            return gluon_linear.nibble_gemm(x2, sums, fmt, (w, w2, scale, lo), n, group, cfg.block_k, chunk,
+                                            cfg.split_k, bias, r2)
+        if fmt == DENSE.value and w.dtype == torch.bfloat16:
+            return gluon_linear.dense_gemm(x2, w, cfg.block_k, chunk, cfg.split_k, bias, r2)
+        if fmt == INT8.value and act:
+            return gluon_linear.int8_gemm(x2, xs, w, scale, cfg.block_k, chunk, cfg.split_k, bias, r2)
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     grid_split = 1 if cfg.in_program else cfg.split_k
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), grid_split)
     part = counts = None
@@ -850,16 +860,6 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
     stride_sn, stride_sg = (0, 0) if lo is None else lo.stride()  # scale has lo's layout
     args = (y, part, counts, m, n, k, chunk, cfg.split_k if cfg.in_program else 1, x2.stride(0), stride_sn,
             stride_sg, y.stride(0), 0 if r2 is None else r2.stride(0))
-    nibble = uses_nibble_kernel(fmt, act, group)
-    words = nibble and reads_words(act, cfg)
-    if cfg.warp_specialized and gluon_linear.runs_on(x2.device):
-        if words and sums is not None and gluon_linear.covers(scale, n):
-            return gluon_linear.nibble_gemm(x2, sums, fmt, (w, w2, scale, lo), n, group, cfg.block_k, cfg.split_k,
-                                            bias, r2)
-        if fmt == DENSE.value and w.dtype == torch.bfloat16:
-            return gluon_linear.dense_gemm(x2, w, cfg.block_k, cfg.split_k, bias, r2)
-        if fmt == INT8.value and act:
-            return gluon_linear.int8_gemm(x2, xs, w, scale, cfg.block_k, cfg.split_k, bias, r2)
     if words:  # the planes' bytes as 16-bit words, four nibble codes each
         w, w2 = (None if t is None else t.view(torch.int16) for t in (w, w2))
         block = [cfg.block_n, cfg.block_k // 4]
