@@ -16,8 +16,8 @@ from selfspec.cache import KVCache
 from selfspec.cache.quant_kv import QuantKVCache
 from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
-from selfspec.kernels import (attention, linear, packed_attention, quantized_attention, rms_norm, rms_norm_summed,
-                              rope_and_store, swiglu_summed)
+from selfspec.kernels import (Handover, attention, linear, packed_attention, quantized_attention, quantizes_input,
+                              rms_norm, rms_norm_handover, rope_and_store, swiglu_handover)
 from selfspec.parallel import SOLO, TensorParallel
 from selfspec.quant.formats import DenseWeight, QuantWeight, quantize_weight
 from selfspec.quant.kv import check_kv_format
@@ -89,8 +89,12 @@ class Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor, mode: Mode, residual: torch.Tensor | None = None,
-                sums: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, mode, self.bias, residual, sums)
+                handover: Handover | None = None) -> torch.Tensor:
+        return linear(x, self.weight, mode, self.bias, residual, handover)
+
+    def act_bits(self, mode: Mode) -> int | None:
+        """The bits to which this linear quantizes its input in `mode`, which the op writing it may do for it."""
+        return quantizes_input(self.weight, mode)
 
 
 class RowParallelLinear(Linear):
@@ -103,8 +107,8 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor, mode: Mode, residual: torch.Tensor | None = None,
-                sums: torch.Tensor | None = None) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x, mode, residual if self.tp.rank == 0 else None, sums))
+                handover: Handover | None = None) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x, mode, residual if self.tp.rank == 0 else None, handover))
 
 
 def concat_bias(sd: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
@@ -126,9 +130,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def summed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The norm, and its output's row sums for the linear that reads it (kernels.linear's sums)."""
-        return rms_norm_summed(x, self.weight, self.eps)
+    def handover(self, x: torch.Tensor, reader: Linear, mode: Mode) -> tuple[torch.Tensor, Handover | None]:
+        """The norm, and what it hands the linear that reads it in `mode` (kernels.Handover)."""
+        return rms_norm_handover(x, self.weight, self.eps, reader.act_bits(mode))
 
 
 class Attention(nn.Module):
@@ -145,12 +149,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(sd[p + "k_norm.weight"], cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, layer: int, residual: torch.Tensor,
-                sums: torch.Tensor | None = None) -> torch.Tensor:
-        """residual + attention(x): the output projection adds the residual as it writes its output. sums: x's row
-        sums from the norm (kernels.linear's sums)."""
+                handover: Handover | None = None) -> torch.Tensor:
+        """residual + attention(x): the output projection adds the residual as it writes its output. handover: what
+        the norm computed of x for wqkv (kernels.Handover)."""
         b, t, _ = x.shape
         hd = self.cfg.head_dim
-        q, k, v = (z.view(b, t, -1, hd) for z in self.wqkv(x, fb.mode, sums=sums).split(self.sizes, dim=-1))
+        q, k, v = (z.view(b, t, -1, hd) for z in self.wqkv(x, fb.mode, handover=handover).split(self.sizes, dim=-1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         kv = fb.cache.layer(layer)
@@ -173,12 +177,12 @@ class FeedForward(nn.Module):
         self.down = RowParallelLinear(sd[p + "down_proj.weight"], sd.get(p + "down_proj.bias"), tp)
 
     def forward(self, x: torch.Tensor, mode: Mode, residual: torch.Tensor,
-                sums: torch.Tensor | None = None) -> torch.Tensor:
-        """residual + feed_forward(x), the residual added by the down projection. sums: x's row sums from the norm;
-        swiglu hands its own to the down projection (kernels.linear's sums)."""
-        gate, up = self.gate_up(x, mode, sums=sums).chunk(2, dim=-1)
-        h, h_sums = swiglu_summed(gate, up)
-        return self.down(h, mode, residual, sums=h_sums)
+                handover: Handover | None = None) -> torch.Tensor:
+        """residual + feed_forward(x), the residual added by the down projection. handover: what the norm computed
+        of x for gate_up; swiglu hands the down projection its own (kernels.Handover)."""
+        gate, up = self.gate_up(x, mode, handover=handover).chunk(2, dim=-1)
+        h, h_handover = swiglu_handover(gate, up, self.down.act_bits(mode))
+        return self.down(h, mode, residual, handover=h_handover)
 
 
 class Block(nn.Module):
@@ -191,10 +195,10 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(sd, p + "mlp.", tp)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, layer: int) -> torch.Tensor:
-        h, sums = self.attention_norm.summed(x)
-        x = self.attention(h, fb, layer, residual=x, sums=sums)
-        h, sums = self.ffn_norm.summed(x)
-        return self.feed_forward(h, fb.mode, residual=x, sums=sums)
+        h, handover = self.attention_norm.handover(x, self.attention.wqkv, fb.mode)
+        x = self.attention(h, fb, layer, residual=x, handover=handover)
+        h, handover = self.ffn_norm.handover(x, self.feed_forward.gate_up, fb.mode)
+        return self.feed_forward(h, fb.mode, residual=x, handover=handover)
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:

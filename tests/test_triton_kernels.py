@@ -23,7 +23,7 @@ from triton.runtime import interpreter  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from selfspec.errors import SelfspecError  # noqa: E402
-from selfspec.kernels import reference, reference_op, semaphores, triton_attention  # noqa: E402
+from selfspec.kernels import Handover, reference, reference_op, semaphores, triton_attention  # noqa: E402
 from selfspec.kernels import triton_linear, triton_quant_attention, triton_small  # noqa: E402
 from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
@@ -308,15 +308,43 @@ def row_sums_oracle(y: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("d", [192, 640])  # 640: a masked tail in the power-of-two block
-def test_rms_norm_summed_writes_its_row_sums(d):
+def test_rms_norm_hands_over_its_row_sums(d):
     torch.manual_seed(5)
     x, w = torch.randn(2, 3, d).bfloat16(), torch.randn(d).bfloat16()
-    y, sums = triton_small.rms_norm_summed(x, w, 1e-6)
-    assert torch.equal(y, triton_small.rms_norm(x, w, 1e-6)) and sums.dtype == torch.float32
+    y, given = triton_small.rms_norm_handover(x, w, 1e-6)
+    sums = given.sums
+    assert torch.equal(y, triton_small.rms_norm(x, w, 1e-6)) and sums.dtype == torch.float32 and given.codes is None
     torch.testing.assert_close(sums.double(), row_sums_oracle(y), rtol=1e-5, atol=1e-4)
-    alone_y, alone = triton_small.rms_norm_summed(x[1:2, 2:], w, 1e-6)
-    assert torch.equal(alone_y, y[1:2, 2:]) and torch.equal(alone, sums[5:6])  # a row's sums: the same alone
-    assert triton_small.rms_norm_summed(x[..., :96], w[:96], 1e-6)[1] is None  # 96 is no multiple of 64
+    alone_y, alone = triton_small.rms_norm_handover(x[1:2, 2:], w, 1e-6)
+    assert torch.equal(alone_y, y[1:2, 2:]) and torch.equal(alone.sums, sums[5:6])  # a row's sums: the same alone
+    assert triton_small.rms_norm_handover(x[..., :96], w[:96], 1e-6)[1] is None  # 96 is no multiple of 64
+
+
+def assert_act_quant_codes(y: torch.Tensor, given, bits: int) -> None:
+    """A producer's handed-over codes of its output y [..., K] are act_quant's and the reference's, bit for bit,
+    with the codes' exact sums where K is a multiple of ROW_SUM_COLS."""
+    y2 = y.reshape(-1, y.shape[-1])
+    q, scale = triton_linear.act_quant(y2, bits)
+    ref_q, ref_scale = quantize_per_token(y2, bits)
+    assert given.bits == bits and torch.equal(given.codes, q) and torch.equal(given.codes, ref_q)
+    assert torch.equal(given.scale, scale) and torch.equal(given.scale, ref_scale)
+    if y.shape[-1] % triton_small.ROW_SUM_COLS.value:
+        assert given.sums is None
+    else:
+        assert torch.equal(given.sums.double(), row_sums_oracle(q))
+
+
+@pytest.mark.parametrize("d,bits", [(192, 8), (640, 4), (96, 8)])  # 96: codes without sums
+def test_rms_norm_hands_over_its_codes(d, bits):
+    """With a linear's act_bits the norm hands over its output quantized per token, exactly as act_quant would
+    quantize it (the output itself unchanged), each row the same alone."""
+    torch.manual_seed(6)
+    x, w = torch.randn(2, 3, d).bfloat16() * 3, torch.randn(d).bfloat16()
+    y, given = triton_small.rms_norm_handover(x, w, 1e-6, act_bits=bits)
+    assert torch.equal(y, triton_small.rms_norm(x, w, 1e-6))
+    assert_act_quant_codes(y, given, bits)
+    alone = triton_small.rms_norm_handover(x[1:2, 2:], w, 1e-6, act_bits=bits)[1]
+    assert torch.equal(alone.codes, given.codes[5:6]) and torch.equal(alone.scale, given.scale[5:6])
 
 
 def fused_qkv(b: int, t: int, hq: int, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -391,14 +419,36 @@ def test_swiglu():
     assert torch.equal(triton_small.swiglu(gate[1:2], up[1:2]), y[1:2])
 
 
-def test_swiglu_summed_writes_its_row_sums():
+def test_swiglu_hands_over_its_row_sums():
     torch.manual_seed(7)
     gate_up = torch.randn(3, 2, 2 * 1088).bfloat16() * 3  # 1088 = 17 x 64: a second, mostly masked block
     gate, up = gate_up.chunk(2, dim=-1)
-    y, sums = triton_small.swiglu_summed(gate, up)
+    y, given = triton_small.swiglu_handover(gate, up)
+    sums = given.sums
     assert torch.equal(y, triton_small.swiglu(gate, up)) and sums.shape == (6, 17)
     torch.testing.assert_close(sums.double(), row_sums_oracle(y), rtol=1e-5, atol=1e-4)
-    assert torch.equal(triton_small.swiglu_summed(gate[2:], up[2:])[1], sums[4:])
+    assert torch.equal(triton_small.swiglu_handover(gate[2:], up[2:])[1].sums, sums[4:])
+
+
+@pytest.mark.parametrize("h,bits", [(1088, 8), (1088, 4), (200, 8)])  # 200: codes without sums
+def test_swiglu_hands_over_its_codes(h, bits):
+    """swiglu's whole-row program (its scale needs the row) writes swiglu's bits and act_quant's codes, reading
+    the strided halves of a fused gate/up output, each row the same alone."""
+    torch.manual_seed(7)
+    gate, up = (torch.randn(3, 2, 2 * h).bfloat16() * 3).chunk(2, dim=-1)
+    y, given = triton_small.swiglu_handover(gate, up, act_bits=bits)
+    assert torch.equal(y, triton_small.swiglu(gate, up))
+    assert_act_quant_codes(y, given, bits)
+    alone = triton_small.swiglu_handover(gate[2:, 1:], up[2:, 1:], act_bits=bits)[1]
+    assert torch.equal(alone.codes, given.codes[5:]) and torch.equal(alone.scale, given.scale[5:])
+
+
+def test_swiglu_leaves_the_codes_of_rows_too_wide_to_the_linear(monkeypatch):
+    torch.manual_seed(7)
+    gate, up = torch.randn(2, 256).bfloat16(), torch.randn(2, 256).bfloat16()
+    monkeypatch.setattr(triton_small, "CODES_MAX_COLS", 128)
+    y, given = triton_small.swiglu_handover(gate, up, act_bits=8)
+    assert torch.equal(y, triton_small.swiglu(gate, up)) and given.codes is None and not given.codes_for(8)
 
 
 def test_swiglu_reads_the_halves_of_a_fused_output():
@@ -491,14 +541,15 @@ def test_nibble_linear_takes_its_inputs_row_sums(storage, mode_name, group):
     assert triton_linear.takes_row_sums(fmt, False, group, triton_linear.decode_config(fmt, False, 40, 256, group))
     x = torch.randn(200, 256).bfloat16()
     sums = row_sums_oracle(x).float()
-    y = triton_linear.linear(x, weight, mode, None, sums=sums)
+    y = triton_linear.linear(x, weight, mode, None, handover=Handover(sums=sums))
     assert triton_linear.tile_config(fmt, False, 40, 256, group, 200).block_m > triton_linear.BLOCK_M
     assert rel_err(y, linear_oracle(x, weight, mode, None)) < TOL
     for i in (0, 199):
-        assert torch.equal(triton_linear.linear(x[i:i + 1], weight, mode, None, sums=sums[i:i + 1])[0], y[i])
-    assert torch.equal(triton_linear.linear(x[:9], weight, mode, None, sums=sums[:9]), y[:9])
+        alone = triton_linear.linear(x[i:i + 1], weight, mode, None, handover=Handover(sums=sums[i:i + 1]))
+        assert torch.equal(alone[0], y[i])
+    assert torch.equal(triton_linear.linear(x[:9], weight, mode, None, handover=Handover(sums=sums[:9])), y[:9])
     with pytest.raises(ValueError, match="row sums of shape"):
-        triton_linear.linear(x[:9], weight, mode, None, sums=sums[:8])
+        triton_linear.linear(x[:9], weight, mode, None, handover=Handover(sums=sums[:8]))
 
 
 @pytest.mark.parametrize("mode_name,group", [("w4a8", 128), ("w4a4", 64)])
@@ -517,6 +568,27 @@ def test_int8_activations_take_their_codes_row_sums_from_act_quant(mode_name, gr
     with_dot = triton_linear._launch(xq, xs, weight, fmt, True, None, cfg)
     assert torch.equal(triton_linear._launch(xq, xs, weight, fmt, True, None, cfg, sums=sums), with_dot)
     assert torch.equal(triton_linear.linear(x, weight, mode, None), with_dot)
+
+
+@pytest.mark.parametrize("storage,mode_name,m", [("int8", "w8a8", 5), ("int8", "w8a8", 40), ("int4", "w4a8", 40),
+                                                 ("planes", "w4a4", 5)])
+def test_int8_activations_take_the_producers_codes(storage, mode_name, m):
+    """Handed x's codes by the norm or swiglu that wrote x, an activation-quantized linear skips its act_quant: the
+    same bits, at decode and many-token tiles; codes of other bits are not taken, codes of other rows refused."""
+    torch.manual_seed(16)
+    mode = MODES[mode_name]
+    weight = quantize_weight(torch.randn(40, 256), storage, 64)
+    x = torch.randn(m, 256).bfloat16()
+    codes, scale, sums = triton_linear._act_quant(x, mode.act_bits, sums=True)
+    given = Handover(sums=sums, codes=codes, scale=scale, bits=mode.act_bits)
+    y = triton_linear.linear(x, weight, mode, None)
+    assert rel_err(y, linear_oracle(x, weight, mode, None)) < TOL
+    noise = torch.randn_like(x)  # what the linear reads is the codes: x itself no longer matters
+    assert torch.equal(triton_linear.linear(noise, weight, mode, None, handover=given), y)
+    other_bits = Handover(codes=codes, scale=scale, bits=12 - mode.act_bits)
+    assert torch.equal(triton_linear.linear(x, weight, mode, None, handover=other_bits), y)
+    with pytest.raises(ValueError, match="codes of shape"):
+        triton_linear.linear(x[1:], weight, mode, None, handover=given)
 
 
 @pytest.mark.parametrize("storage,mode_name", [("int4", "w4a16"), ("planes", "full"), ("planes", "upper")])
@@ -543,7 +615,7 @@ def test_linear_ignores_row_sums_where_its_kernel_sums_itself():
         w = torch.randn(40, 256)
         weight = quantize_weight(w.bfloat16() if storage == "dense" else w, storage, 128)
         mode = MODES[mode_name]
-        assert torch.equal(triton_linear.linear(x, weight, mode, None, sums=sums),
+        assert torch.equal(triton_linear.linear(x, weight, mode, None, handover=Handover(sums=sums)),
                            triton_linear.linear(x, weight, mode, None)), mode_name
 
 
@@ -820,11 +892,13 @@ def test_quantized_attention_reads_paged_blocks(fmt, upper, monkeypatch):
 # --- the model on the Triton kernels
 
 
-def test_model_hands_its_producers_row_sums_to_the_nibble_gemms(monkeypatch):
-    """A tiny planes model run on the Triton kernels (interpreted, the op table's "cuda" entries for CPU tensors):
-    each block's norms hand their row sums to q/k/v and gate/up, swiglu to down, and o sums its input itself; the
-    logits are those of the kernels summing x themselves (up to the order of the sums' adds), and a 3-token verify
-    pass gives each position the bits of decoding it alone."""
+@pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("int8", "w8a8"), ("planes", "w4a8")])
+def test_model_hands_its_producers_work_to_the_gemms(monkeypatch, storage, mode_name):
+    """A tiny model run on the Triton kernels (interpreted, the op table's "cuda" entries for CPU tensors): each
+    block's norms hand q/k/v and gate/up, swiglu hands down, what they computed of x for them (kernels.Handover:
+    row sums for the nibble GEMMs with bf16 activations, else x's codes), and o gets nothing; the logits are those
+    of the GEMMs computing it themselves (with sums, up to the order of their adds; with codes, bit for bit), and
+    a 3-token verify pass gives each position the bits of decoding it alone."""
     from conftest import tiny_model
 
     from selfspec import kernels
@@ -832,9 +906,9 @@ def test_model_hands_its_producers_row_sums_to_the_nibble_gemms(monkeypatch):
 
     cfg, sd, _ = tiny_model("llama", seed=4)  # hidden 64, intermediate 128: whole 64-column sums
     model = Transformer(cfg, sd).to(torch.bfloat16)
-    model.quantize("planes", 64)
+    model.quantize(storage, 64)
     tokens = torch.tensor([[5, 17, 42, 7]])
-    mode = MODES["full"]
+    mode = MODES[mode_name]
 
     def logits_per_token(steps: list[int]) -> torch.Tensor:
         cache = model.new_cache(16)
@@ -847,11 +921,11 @@ def test_model_hands_its_producers_row_sums_to_the_nibble_gemms(monkeypatch):
 
     reference_logits = logits_per_token([1, 3])
     took = []
-    keep_sums = True
+    keep = True
 
-    def spy(x, weight, mode, bias, residual=None, sums=None):
-        took.append((weight.shape, sums is not None))
-        return triton_linear.linear(x, weight, mode, bias, residual, sums if keep_sums else None)
+    def spy(x, weight, mode, bias, residual=None, handover=None):
+        took.append((weight.shape, handover))
+        return triton_linear.linear(x, weight, mode, bias, residual, handover if keep else None)
 
     monkeypatch.setattr(kernels, "_TABLE", {**kernels._TABLE, **{
         (op, variant, "cpu"): spy if op == "linear" else fn
@@ -860,8 +934,14 @@ def test_model_hands_its_producers_row_sums_to_the_nibble_gemms(monkeypatch):
     assert torch.equal(triton_logits, logits_per_token([1, 1, 1, 1]))  # verify of 3 tokens: each row as alone
     assert rel_err(triton_logits, reference_logits.double()) < 2e-2
     h = cfg.hidden_dim
-    with_sums = {shape for shape, given in took if given}
-    assert with_sums == {(cfg.dim + 2 * cfg.n_kv_heads * cfg.head_dim, cfg.dim), (2 * h, cfg.dim), (cfg.dim, h)}
-    assert all(not given for shape, given in took if shape == (cfg.dim, cfg.n_heads * cfg.head_dim))
-    keep_sums = False
-    assert rel_err(triton_logits, logits_per_token([1, 3]).double()) < 1e-3
+    given = {shape for shape, handover in took if handover is not None}
+    assert given == {(cfg.dim + 2 * cfg.n_kv_heads * cfg.head_dim, cfg.dim), (2 * h, cfg.dim), (cfg.dim, h)}
+    assert all(handover is None for shape, handover in took if shape == (cfg.dim, cfg.n_heads * cfg.head_dim))
+    codes = mode.act_bits is not None
+    assert all((handover.codes is not None) == codes for _, handover in took if handover is not None)
+    keep = False
+    without = logits_per_token([1, 3])
+    if codes:
+        assert torch.equal(triton_logits, without)
+    else:
+        assert rel_err(triton_logits, without.double()) < 1e-3

@@ -1,8 +1,9 @@
 """Per-layer GEMM time vs M for every mode, on the GPU: our op table vs cuBLAS BF16 (and torch._int_mm, cuBLAS's
 int8 GEMM, for the int8-activation modes), and the bandwidth reached. "(prompt)" rows: the same weights read as
-prompt tokens read them (Mode.prompt: dequantized to bf16, then the bf16 GEMM), past 16 rows. Each GEMM gets its
-input's row sums as the model hands them over (from the norm or swiglu that wrote x, not timed here), which the
-nibble formats with bf16 activations read instead of summing x themselves.
+prompt tokens read them (Mode.prompt: dequantized to bf16, then the bf16 GEMM), past 16 rows. Each GEMM gets what
+the model hands it with its input (kernels.Handover, from the norm or swiglu that wrote x, not timed here): x's row
+sums, which the nibble formats with bf16 activations read instead of summing x themselves, or with int8 activations
+x's codes, which spare the GEMM its act_quant. o's input, written by attention, comes with neither.
 
 python -m selfspec.bench.gemm [--shape llama-3-8b] [--m 1 16 64 256 1024 4096]
 """
@@ -15,31 +16,45 @@ import torch
 
 from selfspec.bench.device import copies_past_l2, copy_bandwidth, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
-from selfspec.kernels import linear
+from selfspec.kernels import Handover, linear
 from selfspec.kernels.reference import row_sums
+from selfspec.quant.act import quantize_per_token
 from selfspec.quant.formats import quantize_weight, storage_supports
-from selfspec.quant.modes import MODES, prompt_mode
+from selfspec.quant.modes import MODES, Mode, prompt_mode
 
 # (storage, mode) pairs measured: each mode from the cheapest storage that runs it, plus the plane views.
 PAIRS = [("dense", "bf16"), ("int8", "w8a16"), ("int8", "w8a8"), ("int4", "w4a16"), ("int4", "w4a8"),
          ("int4", "w4a4"), ("planes", "upper"), ("planes", "full")]
 
 
-def measure(shape: str, ms: list[int], group_size: int = 128) -> list[dict]:
-    """One row per (layer GEMM, storage, mode, M): time under CUDA graphs and GB/s of the weight bytes read.
-    Each timing cycles through enough distinct weights (>= 150 MB) that they stream from HBM, not L2."""
+def handed_over(gemm: str, x: torch.Tensor, mode: Mode) -> Handover | None:
+    """What the model's block hands this GEMM with its input x (model.py): none for o (its input comes from
+    attention); else the norm's or swiglu's row sums, or with int8 activations x's codes (as act_quant makes them)
+    and their sums."""
+    if gemm == "o":
+        return None
+    if mode.act_bits is None:
+        return Handover(sums=row_sums(x))
+    codes, scale = quantize_per_token(x, mode.act_bits)
+    return Handover(sums=row_sums(codes), codes=codes, scale=scale, bits=mode.act_bits)
+
+
+def measure(shape: str, ms: list[int], group_size: int = 128, modes: list[str] | None = None) -> list[dict]:
+    """One row per (layer GEMM, storage, mode, M): time under CUDA graphs and GB/s of the weight bytes read, for
+    `modes` (default: every pair's) and cuBLAS. Each timing cycles through enough distinct weights (>= 150 MB) that
+    they stream from HBM, not L2."""
     rows = []
     for name, n, k in layer_gemms(SHAPES[shape]):
         ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies_past_l2(2 * n * k))]
         xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in ms}
-        sums = {m: row_sums(x) for m, x in xs.items()}
-        for storage, mode_name in PAIRS:
+        for storage, mode_name in (p for p in PAIRS if modes is None or p[1] in modes):
             mode = MODES[mode_name]
             assert storage_supports(storage, mode)
             weights = [quantize_weight(w.bfloat16() if storage == "dense" else w, storage, group_size) for w in ws]
             nbytes = weights[0].nbytes_read(mode)
             for m in ms:
-                t = graph_time_ms([lambda w=w, m=m: linear(xs[m], w, mode, sums=sums[m]) for w in weights])
+                given = handed_over(name, xs[m], mode)
+                t = graph_time_ms([lambda w=w, m=m: linear(xs[m], w, mode, handover=given) for w in weights])
                 rows.append({"gemm": name, "n": n, "k": k, "storage": storage, "mode": mode_name, "m": m,
                              "ms": t, "gb_per_s": nbytes / t / 1e6})
             if storage != "dense" and mode.act_bits is None:  # prompt tokens: dequantized, then the bf16 GEMM
@@ -89,10 +104,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b", choices=list(SHAPES))
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
+    ap.add_argument("--modes", nargs="+", default=None, choices=[m for _, m in PAIRS],
+                    help="only these modes (and cuBLAS); default all")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     copy = copy_bandwidth()
-    rows = measure(args.shape, args.m)
+    rows = measure(args.shape, args.m, modes=args.modes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_gb_per_s": copy, "synthetic": True,

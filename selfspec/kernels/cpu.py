@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from selfspec.cache.paged import gather_blocks
 from selfspec.kernels import register
+from selfspec.kernels.ops import Handover
 from selfspec.kernels.reference import attention as reference_attention
 from selfspec.quant.act import fake_quantize_per_token
 from selfspec.quant.formats import (DenseWeight, Int4Weight, Int8PlanesWeight, Int8Weight, QuantWeight, doubled,
@@ -140,8 +141,8 @@ def weight_block(weight: QuantWeight, mode: Mode, scales: tuple[torch.Tensor, ..
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None,
-           residual: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference linear (kernels/reference.py) on float32 activations, by blocks of output rows (sums: not
+           residual: torch.Tensor | None = None, handover: Handover | None = None) -> torch.Tensor:
+    """The reference linear (kernels/reference.py) on float32 activations, by blocks of output rows (handover: not
     needed)."""
     weight.check(mode)
     dense = isinstance(weight, DenseWeight)

@@ -1,6 +1,7 @@
 """What the model calls: each op looks itself up in the table by the device of its input."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -9,7 +10,7 @@ from selfspec import kernels
 from selfspec.quant.formats import QuantWeight
 from selfspec.quant.modes import Mode
 
-# The width of each row sum that `rms_norm_summed` and `swiglu_summed` write for `linear` (sums [rows, D / 64]).
+# The width of each row sum that `rms_norm_handover` and `swiglu_handover` write for `linear` (sums [rows, D / 64]).
 ROW_SUM_COLS = 64
 
 if TYPE_CHECKING:
@@ -17,15 +18,40 @@ if TYPE_CHECKING:
     from selfspec.model import Packed
 
 
+@dataclass(frozen=True)
+class Handover:
+    """What the op that wrote a linear's input x (a norm, swiglu) computed of each row in its one pass over it, so
+    that the linear does not compute it again:
+    - with bf16 activations, `sums`: x's fp32 sums per ROW_SUM_COLS columns [rows, K / ROW_SUM_COLS], which the
+      nibble GEMMs multiply by their group offsets. They are part of the GEMM's arithmetic: a linear must get them
+      on every call or on none;
+    - for a mode that quantizes activations to `bits`, `codes` (int8 [rows, K]) and `scale` (fp32 [rows, 1]): x
+      quantized per token exactly as the linear would quantize it (quant/act.py), and in `sums` the codes' sums
+      (exact integers) or None. The same values either way, so they may come on some calls and not on others."""
+    sums: torch.Tensor | None = None
+    codes: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    bits: int | None = None
+
+    def codes_for(self, bits: int | None) -> bool:
+        """Whether this carries x's codes at `bits` (a mode's act_bits)."""
+        return bits is not None and self.codes is not None and self.bits == bits
+
+
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T (+ bias), W read as `mode` says; + residual, when given, in the same pass over the output. sums: x's
-    row sums from the op that produced x (`rms_norm_summed`, `swiglu_summed`), which a device's GEMM may use in
-    place of summing x itself. A linear must get them on every call or on none: they are part of its arithmetic."""
+           residual: torch.Tensor | None = None, handover: Handover | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias), W read as `mode` says; + residual, when given, in the same pass over the output. handover:
+    what the op that wrote x computed of it for this linear (`Handover`), which a device's GEMM may use."""
     weight = weight.for_mode(mode)  # a format with a copy per mode (dense+int4) hands over the one `mode` reads
     if weight.rotation is not None:  # stored as W H: (x H)(W H)^T = x W^T, with outliers spread before act quant
-        x, sums = rotate(x, weight.rotation.matrix), None  # the sums were x's, not x H's
-    return kernels.lookup("linear", weight.storage, x.device.type)(x, weight, mode, bias, residual, sums)
+        x, handover = rotate(x, weight.rotation.matrix), None  # it was x's, not x H's
+    return kernels.lookup("linear", weight.storage, x.device.type)(x, weight, mode, bias, residual, handover)
+
+
+def quantizes_input(weight: QuantWeight, mode: Mode) -> int | None:
+    """The bits to which `linear` quantizes x per token in `mode` (None: it does not, or it rotates x first): what
+    the op writing x may quantize for it (`rms_norm_handover`, `swiglu_handover`)."""
+    return None if weight.for_mode(mode).rotation is not None else mode.act_bits
 
 
 def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -37,9 +63,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return kernels.lookup("rms_norm", "", x.device.type)(x, weight, eps)
 
 
-def rms_norm_summed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """rms_norm, and the row sums of its output where the device's GEMMs take them (`linear`'s sums), else None."""
-    return kernels.lookup("rms_norm_summed", "", x.device.type)(x, weight, eps)
+def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      act_bits: int | None = None) -> tuple[torch.Tensor, Handover | None]:
+    """rms_norm, and what it hands the linear that reads its output where the device's GEMMs take it (`Handover`):
+    its row sums, or with act_bits (the linear's `quantizes_input`) its codes. None where the device takes none."""
+    return kernels.lookup("rms_norm_handover", "", x.device.type)(x, weight, eps, act_bits)
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -56,9 +84,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return kernels.lookup("swiglu", "", gate.device.type)(gate, up)
 
 
-def swiglu_summed(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """swiglu, and the row sums of its output where the device's GEMMs take them (`linear`'s sums), else None."""
-    return kernels.lookup("swiglu_summed", "", gate.device.type)(gate, up)
+def swiglu_handover(gate: torch.Tensor, up: torch.Tensor,
+                    act_bits: int | None = None) -> tuple[torch.Tensor, Handover | None]:
+    """swiglu, and what it hands the linear that reads its output (as `rms_norm_handover`)."""
+    return kernels.lookup("swiglu_handover", "", gate.device.type)(gate, up, act_bits)
 
 
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

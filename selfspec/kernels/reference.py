@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from selfspec.cache.paged import gather_blocks
 from selfspec.cache.quant_kv import quantized_below
 from selfspec.kernels import lookup, register
-from selfspec.kernels.ops import ROW_SUM_COLS
+from selfspec.kernels.ops import ROW_SUM_COLS, Handover
 from selfspec.quant.act import fake_quantize_per_token
 from selfspec.quant.formats import STORAGES, QuantWeight
 from selfspec.quant.modes import Mode
@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None,
-           residual: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T (+ bias) in the mode's precision, returned in x's dtype (+ residual, added in that dtype). sums (x's
-    row sums, kernels/ops.py `linear`) are not needed here."""
+           residual: torch.Tensor | None = None, handover: Handover | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) in the mode's precision, returned in x's dtype (+ residual, added in that dtype). handover
+    (kernels/ops.py `Handover`): not needed here."""
     weight.check(mode)
     if mode.name == "fp32":
         dtype = torch.float32
@@ -79,19 +79,19 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def row_sums(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, K] summed per ROW_SUM_COLS columns in fp32 [rows, K / ROW_SUM_COLS]: what `rms_norm_summed` and
-    `swiglu_summed` hand to `linear` (up to the order of the adds)."""
+    """x [rows, K] summed per ROW_SUM_COLS columns in fp32 [rows, K / ROW_SUM_COLS]: what `rms_norm_handover` and
+    `swiglu_handover` hand to `linear` (up to the order of the adds)."""
     return x.float().view(x.shape[0], -1, ROW_SUM_COLS).sum(-1)
 
 
-# The references' GEMMs sum their tiles themselves: no row sums (kernels/ops.py says what they are for).
-@register("rms_norm_summed")
-def rms_norm_summed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, None]:
+# The references' GEMMs sum and quantize x themselves: no handover (kernels/ops.py says what it is for).
+@register("rms_norm_handover")
+def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float, act_bits: int | None = None) -> tuple:
     return rms_norm(x, weight, eps), None
 
 
-@register("swiglu_summed")
-def swiglu_summed(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, None]:
+@register("swiglu_handover")
+def swiglu_handover(gate: torch.Tensor, up: torch.Tensor, act_bits: int | None = None) -> tuple:
     return swiglu(gate, up), None
 
 

@@ -4,7 +4,8 @@ _linear_kernel, specialised at compile time by how it reads W (FMT) and whether 
 - weight-only modes (bf16, w8a16) dequantize the weight tile in registers and run a bf16 tl.dot with fp32
   accumulation;
 - activation-quantized modes on INT8 and both planes quantize x per token (`act_quant`: int8 codes and a row
-  scale), run an int8 tl.dot with int32 accumulation per K tile, and apply the weight's affine per tile:
+  scale, or the same codes from the norm or swiglu that wrote x: kernels/ops.py `Handover`), run an int8 tl.dot
+  with int32 accumulation per K tile, and apply the weight's affine per tile:
       y = sx * sum_tiles(s * dot(xq, q - shift) + (lo + shift * s) * sum(xq))
   where unsigned weight codes are shifted into the signed int8 range and the shift is folded into the offset.
 _nibble_kernel covers the nibble formats (w4a16, upper, full; w4a8 and w4a4 with the same act_quant): it feeds the
@@ -43,7 +44,8 @@ from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY, launch_options,
 from selfspec.kernels.reference import linear as reference_linear
 from selfspec.kernels.reference import rotate as reference_rotate
 from selfspec.kernels.semaphores import group_counts, last_to_arrive
-from selfspec.kernels.triton_small import ROW_SUM_COLS, store_row_sums
+from selfspec.kernels.ops import Handover
+from selfspec.kernels.triton_small import ROW_SUM_COLS, row_codes, row_scale, store_row_sums
 from selfspec.quant.formats import STORAGES, DenseWeight, QuantWeight
 from selfspec.quant.modes import MODES, Mode
 
@@ -60,13 +62,6 @@ ONE_WAVE = 128  # programs: about one per SM of an H100 (132)
 
 
 @triton.jit
-def _round_half_even(v):
-    # Adding 1.5 * 2^23 leaves no fraction bits, so the add rounds to an integer (ties to even, as torch.round)
-    # for |v| < 2^22; Triton does not reassociate float adds, so the pair is not folded away.
-    return (v + 12582912.0) - 12582912.0
-
-
-@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, sums_ptr, K, stride_xm, QMAX: tl.constexpr, BLOCK: tl.constexpr,
                       SUMS: tl.constexpr, PDL: tl.constexpr):
     """One row: scale = max|x| / QMAX, q = round(x / scale) (quant/act.py, exactly); with SUMS the codes' sums
@@ -79,11 +74,11 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, sums_ptr, K, stride_xm, QMAX: tl.cons
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), 1e-8)
+    scale = row_scale(tl.max(amax, axis=0), QMAX)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0).to(tl.float32)
-        q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(x, scale)), -QMAX), QMAX)
+        q = row_codes(x, scale, QMAX)
         tl.store(q_ptr + row * K + offs, q.to(tl.int8), mask=offs < K)
         if SUMS:
             store_row_sums(q, sums_ptr + row * (K // ROW_SUM_COLS), k0 // ROW_SUM_COLS, K // ROW_SUM_COLS)
@@ -761,10 +756,11 @@ def _tensors(weight: QuantWeight, fmt: int) -> tuple:
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None,
-           residual: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference `linear` (any leading dims), on the Triton kernel where it covers the case. sums: x's row sums
-    per ROW_SUM_COLS columns [rows, K / ROW_SUM_COLS] from the kernel that wrote x, which the nibble kernel takes
-    (with bf16 activations, K tiles of whole pieces) in place of summing each K tile of x in every program."""
+           residual: torch.Tensor | None = None, handover: Handover | None = None) -> torch.Tensor:
+    """The reference `linear` (any leading dims), on the Triton kernel where it covers the case. handover (from the
+    kernel that wrote x, kernels/ops.py): x's row sums per ROW_SUM_COLS columns, which the nibble kernel takes (with
+    bf16 activations, K tiles of whole pieces) in place of summing each K tile of x in every program; or x's codes,
+    taken in place of act_quant's."""
     weight.check(mode)
     fmt = kernel_format(weight, mode)
     if fmt is None or x.dtype != torch.bfloat16 or (residual is not None and residual.dtype != torch.bfloat16):
@@ -781,19 +777,24 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
         return prompt_linear(x2, weight, fmt, bias, r2).view(*x.shape[:-1], n)
     group = getattr(weight, "group_size", 0)
     cfg = tile_config(fmt, act, n, k, group, x2.shape[0])
-    x2, xs, sums = kernel_inputs(x2, mode, fmt, group, cfg, sums)
+    x2, xs, sums = kernel_inputs(x2, mode, fmt, group, cfg, handover)
     return _launch(x2, xs, weight, fmt, act, bias, cfg, r2, sums).view(*x.shape[:-1], n)
 
 
 def kernel_inputs(x2: torch.Tensor, mode: Mode, fmt: int, group: int, cfg: TileConfig,
-                  sums: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                  handover: Handover | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """What the kernel reads for activations x2 under cfg: (x2 or its int8 codes, their row scales, the row sums
-    it reads or None): with int8 activations the codes' sums, which act_quant writes beside them; else x2's `sums`
-    from the kernel that wrote x2, where the kernel takes them (`takes_row_sums`)."""
+    it reads or None), where the kernel takes sums (`takes_row_sums`): with int8 activations the codes and their
+    sums from the kernel that wrote x2 (`handover`), else from act_quant; with bf16 ones x2's sums from the kernel
+    that wrote x2."""
     row_sums = takes_row_sums(fmt, mode.act_bits is not None, group, cfg)
-    if mode.act_bits is not None:
-        return _act_quant(x2, mode.act_bits, sums=row_sums)
-    return x2, None, sums if row_sums else None
+    if mode.act_bits is None:
+        return x2, None, handover.sums if handover is not None and row_sums else None
+    if handover is not None and handover.codes_for(mode.act_bits):
+        if handover.codes.shape != x2.shape:
+            raise ValueError(f"codes of shape {tuple(handover.codes.shape)} for x of {tuple(x2.shape)}")
+        return handover.codes, handover.scale, handover.sums if row_sums else None
+    return _act_quant(x2, mode.act_bits, sums=row_sums)
 
 
 def reads_words(act: bool, cfg: TileConfig) -> bool:

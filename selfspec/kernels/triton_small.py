@@ -32,8 +32,27 @@ def store_row_sums(y, sums_ptr, first, count):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, sums_ptr, D, stride_x, eps, BLOCK: tl.constexpr, SUMS: tl.constexpr,
-                     PDL: tl.constexpr):
+def round_half_even(v):
+    # Adding 1.5 * 2^23 leaves no fraction bits, so the add rounds to an integer (ties to even, as torch.round)
+    # for |v| < 2^22; Triton does not reassociate float adds, so the pair is not folded away.
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def row_scale(amax, QMAX: tl.constexpr):
+    """A row's per-token scale from its largest magnitude: max(amax / QMAX, 1e-8) (quant/act.py)."""
+    return tl.maximum(tl.math.div_rn(amax, QMAX), 1e-8)
+
+
+@triton.jit
+def row_codes(v, scale, QMAX: tl.constexpr):
+    """fp32 values -> their codes under a row's scale, round(v / scale) clamped to +-QMAX (still fp32)."""
+    return tl.minimum(tl.maximum(round_half_even(tl.math.div_rn(v, scale)), -QMAX), QMAX)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, sums_ptr, q_ptr, s_ptr, D, stride_x, eps, QMAX: tl.constexpr,
+                     BLOCK: tl.constexpr, SUMS: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
     wait(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -43,7 +62,15 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, sums_ptr, D, stride_x, eps, BLOCK: tl.
     r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     y = (x * r * w).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * D + offs, y, mask=mask)
-    if SUMS:
+    if QUANT:  # the row's codes, as act_quant would make them from y (zeros past D change no max and no sum)
+        yf = y.to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(yf), axis=0), QMAX)
+        q = row_codes(yf, scale, QMAX)
+        tl.store(q_ptr + row * D + offs, q.to(tl.int8), mask=mask)
+        tl.store(s_ptr + row, scale)
+        if SUMS:  # the codes' sums
+            store_row_sums(q, sums_ptr + row * (D // ROW_SUM_COLS), 0, D // ROW_SUM_COLS)
+    elif SUMS:
         store_row_sums(y, sums_ptr + row * (D // ROW_SUM_COLS), 0, D // ROW_SUM_COLS)
 
 
@@ -54,30 +81,50 @@ def _sums_buffer(rows: int, d: int, like: torch.Tensor) -> torch.Tensor | None:
     return torch.empty((rows, d // ROW_SUM_COLS.value), dtype=torch.float32, device=like.device)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-              sums: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _handover_buffers(rows: int, d: int, like: torch.Tensor, act_bits: int | None) -> ops.Handover:
+    """Empty buffers for what a producer of x [rows, d] hands its linear: its row sums, or with act_bits its codes,
+    their scales and the codes' sums."""
+    sums = _sums_buffer(rows, d, like)
+    if act_bits is None:
+        return ops.Handover(sums=sums)
+    return ops.Handover(sums=sums, codes=torch.empty((rows, d), dtype=torch.int8, device=like.device),
+                        scale=torch.empty((rows, 1), dtype=torch.float32, device=like.device), bits=act_bits)
+
+
+def _qmax(act_bits: int | None) -> float:
+    return 2.0 ** (act_bits - 1) - 1 if act_bits else 0.0
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, handover: bool,
+              act_bits: int | None = None) -> tuple[torch.Tensor, ops.Handover | None]:
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(d)
-    row_sums = _sums_buffer(x2.shape[0], d, x) if sums else None
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, row_sums, d, x2.stride(0), eps, BLOCK=block,
-                                    SUMS=row_sums is not None, num_warps=_warps(block), **launch_options())
-    return y.view(x.shape), row_sums
+    out = _handover_buffers(x2.shape[0], d, x, act_bits) if handover else ops.Handover()
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, out.sums, out.codes, out.scale, d, x2.stride(0), eps,
+                                    QMAX=_qmax(act_bits), BLOCK=block, SUMS=out.sums is not None,
+                                    QUANT=out.codes is not None, num_warps=_warps(block), **launch_options())
+    return y.view(x.shape), _given(out)
+
+
+def _given(out: ops.Handover) -> ops.Handover | None:
+    return None if out.sums is None and out.codes is None else out
 
 
 @register("rms_norm", "", "cuda")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms_norm(x, weight, eps, sums=False)[0]
+    return _rms_norm(x, weight, eps, handover=False)[0]
 
 
-@register("rms_norm_summed", "", "cuda")
-def rms_norm_summed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """rms_norm, and its output's fp32 row sums per ROW_SUM_COLS columns [rows, D / ROW_SUM_COLS] (None where D is not
-    a multiple of that)."""
-    return _rms_norm(x, weight, eps, sums=True)
+@register("rms_norm_handover", "", "cuda")
+def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      act_bits: int | None = None) -> tuple[torch.Tensor, ops.Handover | None]:
+    """rms_norm, and (kernels/ops.py `Handover`) its output's fp32 row sums per ROW_SUM_COLS columns, or with act_bits
+    its per-token codes, scales and the codes' sums (sums None where D is not a multiple of ROW_SUM_COLS)."""
+    return _rms_norm(x, weight, eps, handover=True, act_bits=act_bits)
 
 
 @triton.jit
@@ -154,42 +201,79 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
 
 
 @triton.jit
+def _swiglu_values(g_ptr, u_ptr, offs, mask, dtype: tl.constexpr):
+    g = tl.load(g_ptr + offs, mask=mask, other=0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0).to(tl.float32)
+    silu = (g / (1 + tl.exp(-g))).to(dtype)  # F.silu rounds to the input dtype before the product
+    return (silu.to(tl.float32) * u).to(dtype)
+
+
+@triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, y_ptr, sums_ptr, H, stride_g, stride_u, BLOCK: tl.constexpr, SUMS: tl.constexpr,
                    PDL: tl.constexpr):
     wait(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
-    g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0).to(tl.float32)
-    dtype = y_ptr.dtype.element_ty
-    silu = (g / (1 + tl.exp(-g))).to(dtype)  # F.silu rounds to the input dtype before the product
-    y = (silu.to(tl.float32) * u).to(dtype)
+    y = _swiglu_values(g_ptr + row * stride_g, u_ptr + row * stride_u, offs, mask, y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * H + offs, y, mask=mask)
     if SUMS:
         store_row_sums(y, sums_ptr + row * (H // ROW_SUM_COLS), tl.program_id(1) * (BLOCK // ROW_SUM_COLS),
-                        H // ROW_SUM_COLS)
+                       H // ROW_SUM_COLS)
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor, sums: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+@triton.jit
+def _swiglu_codes_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, sums_ptr, H, stride_g, stride_u, QMAX: tl.constexpr,
+                         BLOCK: tl.constexpr, SUMS: tl.constexpr, PDL: tl.constexpr):
+    """swiglu of one whole row (its scale needs every value) and its per-token codes."""
+    wait(PDL)
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    y = _swiglu_values(g_ptr + row * stride_g, u_ptr + row * stride_u, offs, mask, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * H + offs, y, mask=mask)
+    yf = y.to(tl.float32)  # zeros past H: no max, no sum
+    scale = row_scale(tl.max(tl.abs(yf), axis=0), QMAX)
+    q = row_codes(yf, scale, QMAX)
+    tl.store(q_ptr + row * H + offs, q.to(tl.int8), mask=mask)
+    tl.store(s_ptr + row, scale)
+    if SUMS:
+        store_row_sums(q, sums_ptr + row * (H // ROW_SUM_COLS), 0, H // ROW_SUM_COLS)
+
+
+# The widest row whose codes swiglu writes (one program holds it whole); wider rows leave them to the linear.
+CODES_MAX_COLS = 32768
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, handover: bool,
+            act_bits: int | None = None) -> tuple[torch.Tensor, ops.Handover | None]:
     h = gate.shape[-1]
     g2, u2 = (z.reshape(-1, h) for z in (gate, up))
     g2, u2 = (z if z.stride(-1) == 1 else z.contiguous() for z in (g2, u2))
     y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
-    row_sums = _sums_buffer(g2.shape[0], h, gate) if sums else None
-    _swiglu_kernel[(g2.shape[0], triton.cdiv(h, 1024))](g2, u2, y, row_sums, h, g2.stride(0), u2.stride(0),
-                                                        BLOCK=1024, SUMS=row_sums is not None, num_warps=4,
-                                                        **launch_options())
-    return y.view(gate.shape), row_sums
+    if act_bits is not None and h > CODES_MAX_COLS:
+        act_bits = None
+    out = _handover_buffers(g2.shape[0], h, gate, act_bits) if handover else ops.Handover()
+    if out.codes is not None:
+        block = triton.next_power_of_2(h)
+        _swiglu_codes_kernel[(g2.shape[0],)](g2, u2, y, out.codes, out.scale, out.sums, h, g2.stride(0),
+                                             u2.stride(0), QMAX=_qmax(act_bits), BLOCK=block,
+                                             SUMS=out.sums is not None, num_warps=_warps(block), **launch_options())
+    else:
+        _swiglu_kernel[(g2.shape[0], triton.cdiv(h, 1024))](g2, u2, y, out.sums, h, g2.stride(0), u2.stride(0),
+                                                            BLOCK=1024, SUMS=out.sums is not None, num_warps=4,
+                                                            **launch_options())
+    return y.view(gate.shape), _given(out)
 
 
 @register("swiglu", "", "cuda")
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up [..., H]: rows may be strided (the two halves of one fused gate/up output), not copied."""
-    return _swiglu(gate, up, sums=False)[0]
+    return _swiglu(gate, up, handover=False)[0]
 
 
-@register("swiglu_summed", "", "cuda")
-def swiglu_summed(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """swiglu, and its output's row sums per ROW_SUM_COLS columns (None where H is not a multiple of that)."""
-    return _swiglu(gate, up, sums=True)
+@register("swiglu_handover", "", "cuda")
+def swiglu_handover(gate: torch.Tensor, up: torch.Tensor,
+                    act_bits: int | None = None) -> tuple[torch.Tensor, ops.Handover | None]:
+    """swiglu, and what it hands its linear (as `rms_norm_handover`)."""
+    return _swiglu(gate, up, handover=True, act_bits=act_bits)

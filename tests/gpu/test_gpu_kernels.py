@@ -13,7 +13,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from selfspec.errors import SelfspecError  # noqa: E402
-from selfspec.kernels import lookup, reference_op, semaphores, triton_attention  # noqa: E402
+from selfspec.kernels import Handover, lookup, reference_op, semaphores, triton_attention  # noqa: E402
 from selfspec.kernels import triton_linear, triton_small  # noqa: E402
 from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, DenseWeight, quantize_weight, storage_supports  # noqa: E402
@@ -34,9 +34,10 @@ M_SPLITS = (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)
 
 def test_the_op_table_dispatches_cuda_to_triton():
     for op, variant, fn in [("attention", "", triton_attention.attention), ("rms_norm", "", triton_small.rms_norm),
-                            ("rms_norm_summed", "", triton_small.rms_norm_summed),
+                            ("rms_norm_handover", "", triton_small.rms_norm_handover),
                             ("rope_and_store", "", triton_small.rope_and_store),
-                            ("swiglu", "", triton_small.swiglu), ("swiglu_summed", "", triton_small.swiglu_summed)]:
+                            ("swiglu", "", triton_small.swiglu),
+                            ("swiglu_handover", "", triton_small.swiglu_handover)]:
         assert lookup(op, variant, DEV) is fn
     for storage in STORAGES:
         assert lookup("linear", storage, DEV) is triton_linear.linear
@@ -71,24 +72,24 @@ MANY_ROWS = (17, 64, 65, 256, 257, 1024, 8192)  # the many-token buckets' edges,
 
 @pytest.mark.parametrize("storage,mode_name", PAIRS)
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 1024)])  # K split (4 tiles for bf16), K whole
-@pytest.mark.parametrize("row_sums", [False, True])  # x's row sums handed over, as the model's norms and swiglu do
-def test_linear_many_tokens_keeps_each_rows_bits(storage, mode_name, n, k, row_sums):
+@pytest.mark.parametrize("handover", [False, True])  # what the model's norms and swiglu hand their linears
+def test_linear_many_tokens_keeps_each_rows_bits(storage, mode_name, n, k, handover):
     """Every M bucket's tiles give each row the bits it gets alone (M = 1) and among 16 (the decode tiles)."""
     torch.manual_seed(3)
     mode = MODES[mode_name]
     w = torch.randn(n, k, device=DEV) * 0.02
     weight = quantize_weight(w.bfloat16() if storage == "dense" else w, storage, 128)
     fmt = triton_linear.kernel_format(weight, mode)
-    if row_sums and (mode.act_bits is not None or not triton_linear.takes_row_sums(
-            fmt, False, 128, triton_linear.decode_config(fmt, False, n, k, 128))):
-        pytest.skip("the caller's row sums are for bf16 activations into the nibble kernel")
+    if handover and mode.act_bits is None and not triton_linear.takes_row_sums(
+            fmt, False, 128, triton_linear.decode_config(fmt, False, n, k, 128)):
+        pytest.skip("row sums are for bf16 activations into the nibble kernel, codes for int8 activations")
     x = torch.randn(MANY_ROWS[-1], k, device=DEV).bfloat16()
-    sums = None
-    if row_sums:  # normed rows and their sums, as a block's norm hands them to its linear
-        x, sums = triton_small.rms_norm_summed(x, torch.ones(k, device=DEV).bfloat16(), 1e-6)
+    given = None
+    if handover:  # normed rows and their sums or codes, as a block's norm hands them to its linear
+        x, given = triton_small.rms_norm_handover(x, torch.ones(k, device=DEV).bfloat16(), 1e-6, mode.act_bits)
 
     def linear(rows: slice) -> torch.Tensor:
-        return triton_linear.linear(x[rows], weight, mode, None, sums=None if sums is None else sums[rows])
+        return triton_linear.linear(x[rows], weight, mode, None, handover=given_rows(given, rows))
 
     y16 = linear(slice(0, 16))
     rows = [0, 15, 16, 63, 64, 255, 256, 1023, 8191]
@@ -167,6 +168,29 @@ def test_linear_head():
     y = triton_linear.linear(x, weight, MODES["bf16"], None)
     assert rel_err(y, linear_oracle(x, weight, MODES["bf16"], None)) < TOL
     assert torch.equal(triton_linear.linear(x[:1], weight, MODES["bf16"], None), y[:1])
+
+
+def given_rows(given: Handover | None, rows: slice) -> Handover | None:
+    """The part of a producer's handover that belongs to x[rows]."""
+    if given is None:
+        return None
+    return Handover(*(None if t is None else t[rows] for t in (given.sums, given.codes, given.scale)), given.bits)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m", [1, 300])
+def test_producers_hand_over_act_quants_codes(bits, m):
+    """The norm (4096) and swiglu (14336, the halves of a fused gate/up output) hand over act_quant's codes, scales
+    and the codes' sums bit for bit, their own outputs unchanged."""
+    torch.manual_seed(5)
+    x, w = torch.randn(m, 4096, device=DEV).bfloat16() * 3, torch.randn(4096, device=DEV).bfloat16()
+    gate, up = (torch.randn(m, 2 * 14336, device=DEV).bfloat16() * 3).chunk(2, dim=-1)
+    for y, given in (triton_small.rms_norm_handover(x, w, 1e-6, bits), triton_small.swiglu_handover(gate, up, bits)):
+        q, s, sums = triton_linear._act_quant(y, bits, sums=True)
+        assert given.bits == bits and torch.equal(given.codes, q) and torch.equal(given.scale, s)
+        assert torch.equal(given.sums, sums)
+    assert torch.equal(triton_small.rms_norm_handover(x, w, 1e-6, bits)[0], triton_small.rms_norm(x, w, 1e-6))
+    assert torch.equal(triton_small.swiglu_handover(gate, up, bits)[0], triton_small.swiglu(gate, up))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -374,3 +398,36 @@ def test_rotation_of_gpu_weights_lives_on_the_gpu():
     x = torch.randn(3, 256, device=DEV).bfloat16()
     mode = MODES["w4a16"]
     assert rel_err(triton_linear.linear(x, qw, mode, None), linear_oracle(x, qw, mode, None)) < TOL
+
+
+@pytest.mark.parametrize("storage,mode_name", [("int8", "w8a8"), ("planes", "w4a8"), ("planes", "full")])
+def test_model_handovers_keep_the_logits(monkeypatch, storage, mode_name):
+    """A tiny model on the GPU: with its norms and swiglu handing q/k/v, gate/up and down their codes (int8
+    activations) the logits are those of each linear quantizing x itself, bit for bit; with row sums, those of the
+    nibble kernels summing x themselves up to the order of the adds."""
+    from conftest import tiny_model
+
+    from selfspec import kernels
+    from selfspec.model import Transformer
+
+    cfg, sd, _ = tiny_model("llama", seed=4, hidden_size=256, intermediate_size=512)
+    model = Transformer(cfg, {k: v.bfloat16() for k, v in sd.items()})
+    model.quantize(storage, 64)
+    model = model.cuda()
+    tokens = torch.randint(3, cfg.vocab_size, (2, 9), device=DEV)
+    mode = MODES[mode_name]
+
+    def logits() -> torch.Tensor:
+        cache = model.new_cache(32, batch=2)
+        return torch.cat([model(tokens[:, :5], torch.arange(5, device=DEV), cache, mode),
+                          model(tokens[:, 5:], torch.arange(5, 9, device=DEV), cache, mode)], dim=1)
+
+    given = logits()
+    fn = kernels._TABLE[("linear", storage, DEV)]
+    monkeypatch.setitem(kernels._TABLE, ("linear", storage, DEV),
+                        lambda x, w, mode, bias, residual=None, handover=None: fn(x, w, mode, bias, residual))
+    alone = logits()
+    if mode.act_bits is not None:
+        assert torch.equal(given, alone)
+    else:
+        assert rel_err(given, alone.double()) < 1e-3
