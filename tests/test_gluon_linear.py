@@ -64,3 +64,4 @@ def test_it_needs_hopper_and_group_major_affines():
     assert not gluon_linear.covers(torch.randn(256, 4), 256)  # row-major [N, groups]
     assert not gluon_linear.covers(torch.randn(4, 254).t(), 254)  # rows of 254 floats: not 16-byte multiples
     assert not gluon_linear.covers(torch.randn(4, 256).t().half(), 256)
+

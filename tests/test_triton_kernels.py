@@ -246,6 +246,55 @@ def test_in_program_attention_is_the_split_path_bitwise(t, start, bs):
     assert torch.equal(out, triton_attention.attention(q, k, v, rows_table(2), pos, tiles=IN_PROGRAM))  # == contiguous
 
 
+def o_input_sums_oracle(out: torch.Tensor) -> torch.Tensor:
+    """The output projection's input rows (each token's heads side by side) summed per ROW_SUM_COLS columns."""
+    b, h, t, d = out.shape
+    return row_sums_oracle(out.transpose(1, 2).reshape(b * t, h * d))
+
+
+@pytest.mark.parametrize("t,start", [(1, 300), (9, 250), (40, 0)])
+def test_attention_hands_over_the_output_projections_row_sums(t, start):
+    """With head_dim a multiple of ROW_SUM_COLS, attention writes the row sums of the output projection's input;
+    the split and in-program paths give them the same bits (a fixed tree per piece), a row alone too."""
+    torch.manual_seed(t)
+    k, v = kv_cache(2, 2, 640, 64)
+    k_pool, v_pool, table = scatter_to_pool(k, v, 16, torch.Generator().manual_seed(t))
+    q = torch.randn(2, 4, t, 64).bfloat16()
+    pos = torch.stack((torch.arange(start, start + t), torch.arange(start + 3, start + 3 + t)))
+    out, given = triton_attention.attention_handover(q, k_pool, v_pool, table, pos)
+    assert torch.equal(out, triton_attention.attention(q, k_pool, v_pool, table, pos))
+    assert given.sums.shape == (2 * t, 4) and given.codes is None
+    torch.testing.assert_close(given.sums.double(), o_input_sums_oracle(out), rtol=1e-5, atol=1e-4)
+    for tiles in (SPLIT, IN_PROGRAM):
+        assert torch.equal(triton_attention._attention(q, k_pool, v_pool, table, pos, False, tiles, sums=True)[1],
+                           given.sums), tiles
+    alone = triton_attention.attention_handover(q[1:], k_pool, v_pool, table[1:], pos[1:])[1]
+    assert torch.equal(alone.sums, given.sums[t:])
+    assert triton_attention.attention_handover(q[..., :32], k_pool[..., :32], v_pool[..., :32], table, pos)[1] is None
+
+
+def test_packed_attention_hands_over_the_packed_tokens_row_sums():
+    """Packed rows (padded for one call, then unpadded) hand over each packed token's sums: those of its row run
+    alone."""
+    from selfspec.model import Packed
+
+    torch.manual_seed(3)
+    k, v = kv_cache(3, 2, 256, 64)
+    k_pool, v_pool, table = scatter_to_pool(k, v, 16, torch.Generator().manual_seed(3))
+    lengths, keys = [5, 2, 7], [40, 9, 200]
+    pos = torch.tensor([[p for n, key in zip(lengths, keys) for p in range(key - n, key)]])
+    q = torch.randn(1, 4, sum(lengths), 64).bfloat16()
+    packed = Packed.of(lengths, keys)
+    out, given = triton_attention.packed_attention_handover(q, k_pool, v_pool, table, pos, packed)
+    assert given.sums.shape == (sum(lengths), 4)
+    first = 0
+    for row, n in enumerate(lengths):
+        part = slice(first, first + n)
+        alone = triton_attention.attention_handover(q[:, :, part], k_pool, v_pool, table[row:row + 1], pos[:, part])
+        assert torch.equal(out[:, :, part], alone[0]) and torch.equal(given.sums[part], alone[1].sums), row
+        first += n
+
+
 def test_attention_prefill_equals_the_prompt_cut_into_pieces_bitwise():
     """A prompt of 300 queries in one in-program call gives each query the bits it gets when the prompt is
     prefilled in pieces of fewer queries by either path, the cache holding the earlier keys, each piece's table cut
@@ -449,6 +498,21 @@ def test_swiglu_leaves_the_codes_of_rows_too_wide_to_the_linear(monkeypatch):
     monkeypatch.setattr(triton_small, "CODES_MAX_COLS", 128)
     y, given = triton_small.swiglu_handover(gate, up, act_bits=8)
     assert torch.equal(y, triton_small.swiglu(gate, up)) and given.codes is None and not given.codes_for(8)
+
+
+@pytest.mark.parametrize("live,split", [(3, 3), (9, 16)])  # every chunk; a split running past K (SmolLM2's o)
+def test_sum_chunks_adds_the_chunks_in_order_as_the_consumers_do(live, split):
+    """The chunks' fp32 sums added in order from zero (the split's chunks past K as zeros), then bias, the bf16
+    rounding and the residual: the consumers' own epilogue."""
+    torch.manual_seed(0)
+    part = torch.randn(live, 5, 40) * 100
+    bias, r = torch.randn(40).bfloat16(), torch.randn(5, 40).bfloat16()
+    total = torch.zeros(5, 40)
+    for s in range(split):
+        total = total + (part[s] if s < live else 0.0)
+    want = ((total + bias.float()).bfloat16().float() + r.float()).bfloat16()
+    assert torch.equal(triton_small.sum_chunks(part, split, bias, r), want)
+    assert torch.equal(triton_small.sum_chunks(part, split, None, None), total.bfloat16())
 
 
 def test_swiglu_reads_the_halves_of_a_fused_output():
@@ -896,7 +960,8 @@ def test_quantized_attention_reads_paged_blocks(fmt, upper, monkeypatch):
 def test_model_hands_its_producers_work_to_the_gemms(monkeypatch, storage, mode_name):
     """A tiny model run on the Triton kernels (interpreted, the op table's "cuda" entries for CPU tensors): each
     block's norms hand q/k/v and gate/up, swiglu hands down, what they computed of x for them (kernels.Handover:
-    row sums for the nibble GEMMs with bf16 activations, else x's codes), and o gets nothing; the logits are those
+    row sums for the nibble GEMMs with bf16 activations, else x's codes), attention hands o its row sums (never
+    codes: a token's scale needs all its heads); the logits are those
     of the GEMMs computing it themselves (with sums, up to the order of their adds; with codes, bit for bit), and
     a 3-token verify pass gives each position the bits of decoding it alone."""
     from conftest import tiny_model
@@ -904,7 +969,9 @@ def test_model_hands_its_producers_work_to_the_gemms(monkeypatch, storage, mode_
     from selfspec import kernels
     from selfspec.model import Transformer
 
-    cfg, sd, _ = tiny_model("llama", seed=4)  # hidden 64, intermediate 128: whole 64-column sums
+    # head_dim 64, hidden 128, intermediate 192: whole 64-column sums everywhere, each linear its own shape
+    cfg, sd, _ = tiny_model("llama", seed=4, hidden_size=128, intermediate_size=192, num_attention_heads=2,
+                            num_key_value_heads=1)
     model = Transformer(cfg, sd).to(torch.bfloat16)
     model.quantize(storage, 64)
     tokens = torch.tensor([[5, 17, 42, 7]])
@@ -933,12 +1000,12 @@ def test_model_hands_its_producers_work_to_the_gemms(monkeypatch, storage, mode_
     triton_logits = logits_per_token([1, 3])
     assert torch.equal(triton_logits, logits_per_token([1, 1, 1, 1]))  # verify of 3 tokens: each row as alone
     assert rel_err(triton_logits, reference_logits.double()) < 2e-2
-    h = cfg.hidden_dim
+    h, o = cfg.hidden_dim, (cfg.dim, cfg.n_heads * cfg.head_dim)
     given = {shape for shape, handover in took if handover is not None}
-    assert given == {(cfg.dim + 2 * cfg.n_kv_heads * cfg.head_dim, cfg.dim), (2 * h, cfg.dim), (cfg.dim, h)}
-    assert all(handover is None for shape, handover in took if shape == (cfg.dim, cfg.n_heads * cfg.head_dim))
+    assert given == {(cfg.dim + 2 * cfg.n_kv_heads * cfg.head_dim, cfg.dim), (2 * h, cfg.dim), (cfg.dim, h), o}
     codes = mode.act_bits is not None
-    assert all((handover.codes is not None) == codes for _, handover in took if handover is not None)
+    assert all((handover.codes is not None) == codes for shape, handover in took if handover and shape != o)
+    assert all(handover.codes is None and handover.sums is not None for shape, handover in took if shape == o)
     keep = False
     without = logits_per_token([1, 3])
     if codes:

@@ -1,9 +1,9 @@
 """Per-layer GEMM time vs M for every mode, on the GPU: our op table vs cuBLAS BF16 (and torch._int_mm, cuBLAS's
 int8 GEMM, for the int8-activation modes), and the bandwidth reached. "(prompt)" rows: the same weights read as
 prompt tokens read them (Mode.prompt: dequantized to bf16, then the bf16 GEMM), past 16 rows. Each GEMM gets what
-the model hands it with its input (kernels.Handover, from the norm or swiglu that wrote x, not timed here): x's row
-sums, which the nibble formats with bf16 activations read instead of summing x themselves, or with int8 activations
-x's codes, which spare the GEMM its act_quant. o's input, written by attention, comes with neither.
+the model hands it with its input (kernels.Handover, from the norm, swiglu or attention that wrote x, not timed
+here): x's row sums, which the nibble formats with bf16 activations read instead of summing x themselves, or with
+int8 activations x's codes, which spare the GEMM its act_quant (not o's: attention writes no codes).
 
 python -m selfspec.bench.gemm [--shape llama-3-8b] [--m 1 16 64 256 1024 4096]
 """
@@ -28,13 +28,13 @@ PAIRS = [("dense", "bf16"), ("int8", "w8a16"), ("int8", "w8a8"), ("int4", "w4a16
 
 
 def handed_over(gemm: str, x: torch.Tensor, mode: Mode) -> Handover | None:
-    """What the model's block hands this GEMM with its input x (model.py): none for o (its input comes from
-    attention); else the norm's or swiglu's row sums, or with int8 activations x's codes (as act_quant makes them)
-    and their sums."""
-    if gemm == "o":
-        return None
+    """What the model's block hands this GEMM with its input x (model.py): x's row sums (from the norm, swiglu or
+    attention that wrote x), or with int8 activations x's codes (as act_quant makes them) and their sums, which
+    attention does not write (a token's scale needs all its heads): o quantizes its input itself."""
     if mode.act_bits is None:
         return Handover(sums=row_sums(x))
+    if gemm == "o":
+        return None
     codes, scale = quantize_per_token(x, mode.act_bits)
     return Handover(sums=row_sums(codes), codes=codes, scale=scale, bits=mode.act_bits)
 

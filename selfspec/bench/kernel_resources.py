@@ -86,10 +86,11 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
-def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128,
-                             in_program: bool = True) -> triton.compiler.CompiledKernel:
+def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in_program: bool = True,
+                             partial: bool = False) -> triton.compiler.CompiledKernel:
     """The warp-specialized nibble GEMM (kernels/gluon_linear.py) for `mode` (w4a16, upper or full), compiled for
-    sm_90 (no launch, no GPU), as `nibble_gemm` launches it (16-byte aligned tensors)."""
+    sm_90 (no launch, no GPU), as `nibble_gemm` launches it (16-byte aligned tensors); `partial`: one K chunk per
+    CTA, its fp32 sum stored (`chunks_apart`)."""
     fmt = FORMATS[mode]
     q = block_k // 4
 
@@ -101,10 +102,12 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128,
     sig = {"x_desc": desc("bf16", [gll.BLOCK_M, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_M, q],
                                                                                           gl.bfloat16)),
            "w_desc": words, "w2_desc": words, "sums_desc": row_m, "scale_desc": row_n, "lo_desc": row_n,
-           "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16"}
+           "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*fp32" if partial else "*bf16"}
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
-    consts = dict(FMT=fmt, GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program, BLOCK_M=gll.BLOCK_M,
-                  BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k, STAGES=gll.nibble_stages(fmt, block_k))
+    consts = dict(CHUNKS=1) if partial else {}  # a launch's 1 is specialized as a constant
+    consts |= dict(FMT=fmt, GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program and not partial,
+                   PARTIAL=partial,
+                   BLOCK_M=gll.BLOCK_M, BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k, STAGES=gll.nibble_stages(fmt, block_k))
     sig.update(dict.fromkeys(consts, "constexpr"))
     names = gll._nibble_ws_kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("bias_ptr", "res_ptr", "y_ptr")}
@@ -240,6 +243,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
               "|---|---|---|---|---|---|---|")
         kernels = [(mode, gll.nibble_stages(FORMATS[mode], 128), compile_warp_specialized(mode))
                    for mode in ("w4a16", "upper", "full")]
+        kernels.append(("full chunks apart", gll.nibble_stages(FORMATS["full"], 128),
+                        compile_warp_specialized("full", partial=True)))
         kernels += [(f"bf16 split {split}", "-", compile_dense_warp_specialized(64, split)) for split in (1, 4)]
         kernels += [(f"w8a8 split {split}", "-", compile_int8_warp_specialized(256, split)) for split in (1, 4)]
         for name, stages, kernel in kernels:

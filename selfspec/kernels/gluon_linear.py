@@ -40,7 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from selfspec.kernels import ptx
 from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY
-from selfspec.kernels.triton_small import ROW_SUM_COLS
+from selfspec.kernels.triton_small import ROW_SUM_COLS, sum_chunks
 
 # The nibble formats, as kernels/triton_linear.py numbers them.
 INT4, UPPER, FULL = gl.constexpr(2), gl.constexpr(3), gl.constexpr(4)
@@ -67,17 +67,19 @@ def _ring_barriers(STAGES: gl.constexpr):
 
 @gluon.jit
 def _loader(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs,
-            ready, free, m0, n0, K, FMT: gl.constexpr, GROUP: gl.constexpr, BLOCK_K: gl.constexpr):
+            ready, free, m0, n0, k_begin, k_end, FMT: gl.constexpr, GROUP: gl.constexpr, BLOCK_K: gl.constexpr):
     """One warp: each K tile's x quarters, words, x's row sums and group affine (scale, lo) into the ring, as its
-    slots come free."""
+    slots come free, for the K tiles from k_begin to k_end."""
     stages: gl.constexpr = ready.type.shape[0]
     q: gl.constexpr = BLOCK_K // 4
     planes: gl.constexpr = 2 if FMT == FULL else 1
     nbytes: gl.constexpr = (4 * x_desc.block_type.nbytes + planes * w_desc.block_type.nbytes
                             + sums_desc.block_type.nbytes + 2 * scale_desc.block_type.nbytes)
-    for i in range(gl.cdiv(K, BLOCK_K)):
-        slot = i % stages
-        mbarrier.wait(free.index(slot), ((i // stages) & 1) ^ 1)  # a new barrier reads as freed once
+    first = k_begin // BLOCK_K
+    for j in range(gl.cdiv(k_end - k_begin, BLOCK_K)):
+        i = first + j
+        slot = j % stages
+        mbarrier.wait(free.index(slot), ((j // stages) & 1) ^ 1)  # a new barrier reads as freed once
         bar = ready.index(slot)
         mbarrier.expect(bar, nbytes)
         for t in gl.static_range(4):
@@ -115,10 +117,11 @@ def _row(buf, start, length: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def _consumer(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem,
-              bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
+              bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm,
               FMT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
-    """One warpgroup: y^T rows n0 + row0 .. + WARPGROUP_ROWS of the tile (weight rows), BLOCK_M columns from m0.
+              PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One warpgroup: y^T rows n0 + row0 .. + WARPGROUP_ROWS of the tile (weight rows), BLOCK_M columns from m0,
+    over the CHUNKS chunks of K from k_begin (to k_end); with PARTIAL, the fp32 sum of that one chunk, stored as is.
     While a tile's wgmma runs, the next tile's codes are built (one tile ahead)."""
     stages: gl.constexpr = ready.type.shape[0]
     rows: gl.constexpr = WARPGROUP_ROWS
@@ -132,13 +135,14 @@ def _consumer(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total
     offset: gl.constexpr = -128.0 if FMT == FULL else 128.0
     if IN_PROGRAM:  # the chunks' sum waits in shared memory: a third accumulator in registers would spill
         total_smem.store(gl.zeros((rows, BLOCK_M), gl.float32, acc_layout))
-    tiles = gl.cdiv(K, BLOCK_K)
+    tiles = gl.cdiv(k_end - k_begin, BLOCK_K)
     mbarrier.wait(ready.index(0), 0)
     codes = _tile_codes(w_bufs, w2_bufs, 0, row0, codes_layout, FMT)
     i = 0
+    acc = gl.zeros((rows, BLOCK_M), gl.float32, acc_layout)  # defined past the loop (one chunk: the total)
     for c in range(0, CHUNKS):
         acc = gl.zeros((rows, BLOCK_M), gl.float32, acc_layout)
-        for k0 in range(c * K_CHUNK, gl.minimum(K, (c + 1) * K_CHUNK), BLOCK_K):
+        for k0 in range(k_begin + c * K_CHUNK, gl.minimum(k_end, k_begin + (c + 1) * K_CHUNK), BLOCK_K):
             slot = i % stages
             d = gl.zeros((rows, BLOCK_M), gl.float32, acc_layout)
             for t in gl.static_range(4):
@@ -169,25 +173,32 @@ def _consumer(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total
         total = total_smem.load(acc_layout)
     else:
         total = acc
-    if HAS_BIAS:
-        total += gl.load(bias_ptr + offs_n, mask=n_mask, other=0).to(gl.float32)[:, None]
     y_mask = n_mask[:, None] & m_mask[None, :]
-    y = total.to(gl.bfloat16)
-    if HAS_RES:
-        r = gl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=y_mask, other=0)
-        y = (y.to(gl.float32) + r.to(gl.float32)).to(gl.bfloat16)
-    gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], y, mask=y_mask)
+    if PARTIAL:  # this chunk's sum, for sum_chunks to add in order
+        gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], total, mask=y_mask)
+    else:
+        if HAS_BIAS:
+            total += gl.load(bias_ptr + offs_n, mask=n_mask, other=0).to(gl.float32)[:, None]
+        y = total.to(gl.bfloat16)
+        if HAS_RES:
+            r = gl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=y_mask, other=0)
+            y = (y.to(gl.float32) + r.to(gl.float32)).to(gl.bfloat16)
+        gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], y, mask=y_mask)
 
 
 @gluon.jit(do_not_specialize=["M"])  # one binary for every M
 def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, bias_ptr, res_ptr, y_ptr,
                       M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
                       FMT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
-                      IN_PROGRAM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                      IN_PROGRAM: gl.constexpr, PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     # M tiles vary fastest, so the programs sharing one N tile of W run together and hit it in L2.
     m0 = gl.program_id(0) * BLOCK_M
     n0 = gl.program_id(1) * BLOCK_N
+    k_begin = gl.program_id(2) * CHUNKS * K_CHUNK  # with PARTIAL, chunk program_id(2); else all of K
+    k_end = gl.minimum(K, k_begin + CHUNKS * K_CHUNK)
+    if PARTIAL:
+        y_ptr += gl.program_id(2) * M * stride_ym
     q: gl.constexpr = BLOCK_K // 4
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, BLOCK_M, q], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, q], w_desc.layout)
@@ -203,13 +214,13 @@ def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, b
     # The partitions' arguments are written out here: a tuple kept in a variable loses its constexprs.
     gl.warp_specialize([
         (_consumer, (x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem.index(0), bias_ptr,
-                     res_ptr, y_ptr, 0, m0, n0, M, N, K, K_CHUNK, CHUNKS, stride_ym,
-                     stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_M, BLOCK_K)),
+                     res_ptr, y_ptr, 0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym,
+                     stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)),
         (_consumer, (x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem.index(1), bias_ptr,
-                     res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, K, K_CHUNK, CHUNKS,
-                     stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_M, BLOCK_K)),
+                     res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS,
+                     stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)),
         (_loader, (x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_bufs, sum_bufs,
-                   affine_bufs, ready, free, m0, n0, K, FMT, GROUP, BLOCK_K)),
+                   affine_bufs, ready, free, m0, n0, k_begin, k_end, FMT, GROUP, BLOCK_K)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
@@ -288,14 +299,28 @@ def nibble_gemm(x2: torch.Tensor, sums: torch.Tensor, fmt: int, tensors: tuple, 
     split's partial sums are)."""
     m, k = x2.shape
     w, w2, scale, lo = tensors
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     descs = descriptors(quartered(x2, block_k), w, w2, tile_sums(sums, block_k), scale, lo, block_k)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _nibble_ws_kernel[grid](
-        *descs, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0), FMT=fmt,
-        GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_K=block_k, STAGES=nibble_stages(fmt, block_k), num_warps=4, maxnreg=MAX_REGISTERS)
+    flags = dict(FMT=fmt, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=BLOCK_M,
+                 BLOCK_N=BLOCK_N, BLOCK_K=block_k, STAGES=nibble_stages(fmt, block_k), num_warps=4,
+                 maxnreg=MAX_REGISTERS)
+    if chunks_apart(grid, split_k, x2.device):
+        live = triton.cdiv(k, chunk)  # the split's chunks that hold columns (the decode split may run past K)
+        part = torch.empty((live, m, n), dtype=torch.float32, device=x2.device)
+        _nibble_ws_kernel[(*grid, live)](*descs, None, None, part, m, n, k, chunk, 1, n, 0, IN_PROGRAM=False,
+                                         PARTIAL=True, **{**flags, "HAS_BIAS": False, "HAS_RES": False})
+        return sum_chunks(part, split_k, bias, r2)
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
+    _nibble_ws_kernel[grid](*descs, bias, r2, y, m, n, k, chunk, split_k, y.stride(0),
+                            0 if r2 is None else r2.stride(0), IN_PROGRAM=split_k > 1, PARTIAL=False, **flags)
     return y
+
+
+def chunks_apart(grid: tuple[int, int], split_k: int, device: torch.device) -> bool:
+    """Whether a nibble GEMM's K chunks go to CTAs of their own (their fp32 sums through memory, added in order by
+    sum_chunks) instead of one CTA walking them all: where its tiles would fill no more than half the SMs, so that
+    the split fills them (down and o at up to 256 rows on an H100)."""
+    return split_k > 1 and 2 * grid[0] * grid[1] <= torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # ---------------------------------------------------------------- bf16 weights (and prompt tokens' dequantized ones)

@@ -100,6 +100,21 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     return kernels.lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt)
 
 
+def attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                       q_pos: torch.Tensor, prompt: bool = False) -> tuple[torch.Tensor, Handover | None]:
+    """`attention`, and what it hands the output projection (`Handover`: the row sums of its input, the tokens'
+    heads side by side) where the device's GEMMs take it, else None."""
+    return kernels.lookup("attention_handover", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt)
+
+
+def packed_attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                              q_pos: torch.Tensor, packed: Packed,
+                              prompt: bool = False) -> tuple[torch.Tensor, Handover | None]:
+    """`packed_attention`, and what it hands the output projection (as `attention_handover`)."""
+    return kernels.lookup("packed_attention_handover", "", q.device.type)(q, k_pool, v_pool, table, q_pos, packed,
+                                                                           prompt)
+
+
 def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                      q_pos: torch.Tensor, packed: Packed, prompt: bool = False) -> torch.Tensor:
     """`attention` of the rows of a packed pass (model.Packed): q [1, Hq, N, D] at positions q_pos [1, N], row b's

@@ -108,6 +108,20 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
 
 
+@register("attention_handover")
+def attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                       q_pos: torch.Tensor, prompt: bool = False) -> tuple:
+    """The device's `attention`, handing over nothing (kernels/ops.py)."""
+    return lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt), None
+
+
+@register("packed_attention_handover")
+def packed_attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                              q_pos: torch.Tensor, packed: Packed, prompt: bool = False) -> tuple:
+    """The device's `packed_attention`, handing over nothing (kernels/ops.py)."""
+    return lookup("packed_attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, packed, prompt), None
+
+
 @register("packed_attention")
 def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                      q_pos: torch.Tensor, packed: Packed, prompt: bool = False) -> torch.Tensor:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -40,7 +41,12 @@ from selfspec.cache.paged import KEY_TILE, check_block_size
 from selfspec.errors import SelfspecError
 from selfspec.kernels import register
 from selfspec.kernels.launch import launch_options, wait
+from selfspec.kernels.ops import Handover
 from selfspec.kernels.reference import attention as reference_attention
+from selfspec.kernels.triton_small import ROW_SUM_COLS, piece_sums
+
+if TYPE_CHECKING:
+    from selfspec.model import Packed
 
 # Keys per step of the online softmax: fixed, so every query sums its keys in the same order. H100, 8B heads, 8
 # warps (docs/bench-h100/attention-key-tiles.json): 128 keys took 9.0 us at batch 1 and 1k keys against 11.1 for
@@ -133,6 +139,17 @@ def _merge(m, l, acc, m_c, l_c, acc_c):
     return m_new, l, acc
 
 
+@triton.jit
+def _store_head_sums(out, sums_ptr, token, h, live, H, D: tl.constexpr):
+    """The row sums of the output projection's input (its rows: tokens, each all heads' outputs side by side) per
+    ROW_SUM_COLS columns, for the rows of `out` [rows, BLOCK_D] (bf16: token `token`, head `h`, where `live`):
+    sums [tokens, H * D / ROW_SUM_COLS], head h's at columns h * D / ROW_SUM_COLS on."""
+    per_head: tl.constexpr = D // ROW_SUM_COLS
+    sums = piece_sums(out.to(tl.float32))  # a fixed tree: the split and in-program paths give the same bits
+    i = tl.arange(0, sums.shape[1])[None, :]
+    tl.store(sums_ptr + (token * H + h)[:, None] * per_head + i, sums, mask=live[:, None] & (i < per_head))
+
+
 @triton.jit(do_not_specialize=["T", "S"])  # one binary for every number of queries and keys
 def _attention_chunk_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, S, BS, W, HKV, N_REP, N_CHUNKS, qk_scale,
@@ -163,8 +180,9 @@ def _attention_chunk_kernel(
 
 @triton.jit(do_not_specialize=["T", "S"])
 def _attention_merge_kernel(
-    pos_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, T, S, H, N_CHUNKS, stride_ob, stride_oh, stride_ot,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
+    pos_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, sums_ptr, T, S, H, N_CHUNKS, stride_ob, stride_oh, stride_ot,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, SUMS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait(PDL)
     pid_t = tl.program_id(0)
@@ -184,19 +202,20 @@ def _attention_merge_kernel(
         l_c = tl.load(l_ptr + row, mask=used, other=0)
         acc_c = tl.load(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=used[:, None], other=0)
         m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c)
-    out = acc / l[:, None]
+    out = (acc / l[:, None]).to(tl.bfloat16)
     o_mask = (offs_t < T)[:, None] & (offs_d < D)[None, :]
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_t[:, None] * stride_ot + offs_d[None, :],
-             out.to(tl.bfloat16), mask=o_mask)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_t[:, None] * stride_ot + offs_d[None, :], out, mask=o_mask)
+    if SUMS:
+        _store_head_sums(out, sums_ptr, b * T + offs_t, h, offs_t < T, H, D)
 
 
 @triton.jit(do_not_specialize=["T", "S"])
 def _attention_in_program_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, T, S, BS, W, HKV, N_REP, qk_scale,
+    q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, sums_ptr, T, S, BS, W, HKV, N_REP, qk_scale,
     stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_ot,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    TILE_IN_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, SUMS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait(PDL)
     pid_r = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the last tiles read the most keys, so start first
@@ -222,9 +241,11 @@ def _attention_in_program_kernel(
         l_c = tl.where(used, l_c, 0.0)
         acc_c = tl.where(used[:, None], acc_c, 0.0)
         m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c)
-    out = acc / l[:, None]
-    tl.store(o_ptr + b * stride_ob + h[:, None] * stride_oh + t[:, None] * stride_ot + offs_d[None, :],
-             out.to(tl.bfloat16), mask=live[:, None] & (offs_d < D)[None, :])
+    out = (acc / l[:, None]).to(tl.bfloat16)
+    tl.store(o_ptr + b * stride_ob + h[:, None] * stride_oh + t[:, None] * stride_ot + offs_d[None, :], out,
+             mask=live[:, None] & (offs_d < D)[None, :])
+    if SUMS:
+        _store_head_sums(out, sums_ptr, b * T + t, h, live, HKV * N_REP, D)
 
 
 @register("attention", "", "cuda")
@@ -233,8 +254,37 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     """q [B, Hq, T, D] at positions q_pos [B, T]; pools [N, Hkv, bs, D], block table [B, W] (kernels/ops.py):
     the reference attention, reading the keys in place. tiles: PROMPT_TILES for prompt tokens, else
     PREFILL_TILES from PREFILL_MIN_T queries on, else DECODE_TILES (read at each call, so a script may set them)."""
+    return _attention(q, k_pool, v_pool, table, q_pos, prompt, tiles)[0]
+
+
+@register("attention_handover", "", "cuda")
+def attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                       q_pos: torch.Tensor, prompt: bool = False) -> tuple[torch.Tensor, Handover | None]:
+    """`attention`, and the output projection's input row sums (kernels/ops.py `Handover`; its rows: the tokens,
+    each all heads' outputs side by side) where D is a multiple of ROW_SUM_COLS."""
+    out, sums = _attention(q, k_pool, v_pool, table, q_pos, prompt, None, sums=True)
+    return out, None if sums is None else Handover(sums=sums)
+
+
+@register("packed_attention_handover", "", "cuda")
+def packed_attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                              q_pos: torch.Tensor, packed: Packed,
+                              prompt: bool = False) -> tuple[torch.Tensor, Handover | None]:
+    """kernels/ops.py `packed_attention` (its rows padded to [B, T] for one call, as the reference does), and the
+    output projection's input row sums of the packed tokens."""
+    rows = packed.pad(q.transpose(1, 2)).transpose(1, 2)
+    out, given = attention_handover(rows, k_pool, v_pool, table, packed.pad(q_pos), prompt)
+    out = packed.unpad(out.transpose(1, 2)).transpose(1, 2)
+    if given is None:
+        return out, None
+    return out, Handover(sums=packed.unpad(given.sums.view(rows.shape[0], rows.shape[2], -1))[0])
+
+
+def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+               q_pos: torch.Tensor, prompt: bool, tiles: Tiles | None,
+               sums: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16:
-        return reference_attention(q, k_pool, v_pool, table, q_pos)  # bf16 only: other dtypes take the reference
+        return reference_attention(q, k_pool, v_pool, table, q_pos), None  # bf16 only: others take the reference
     b, h, t, d = q.shape
     tiles = tiles or (PROMPT_TILES if prompt else PREFILL_TILES if t >= PREFILL_MIN_T else DECODE_TILES)
     if tiles.block_t < 16 or tiles.block_t & (tiles.block_t - 1):
@@ -249,6 +299,9 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     hkv = k_pool.shape[1]
     block_d = triton.next_power_of_2(d)
     out = torch.empty((b, h, t, d), dtype=q.dtype, device=q.device)
+    row_sums = None
+    if sums and d % ROW_SUM_COLS.value == 0:
+        row_sums = torch.empty((b * t, h * d // ROW_SUM_COLS.value), dtype=torch.float32, device=q.device)
     args = (t, s, bs, w, hkv, h // hkv)
     strides = (math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3])
     consts = dict(D=d, BLOCK_D=block_d, BLOCK_T=tiles.block_t, BLOCK_S=BLOCK_S, CHUNK=CHUNK,
@@ -257,8 +310,9 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     n_tiles = triton.cdiv(t * (h // hkv), tiles.block_t)
     if tiles.in_program:
         _attention_in_program_kernel[(n_tiles, b * hkv)](
-            q, k_pool, v_pool, table, pos, out, *args, *strides, *out.stride()[:3], **consts)
-        return out
+            q, k_pool, v_pool, table, pos, out, row_sums, *args, *strides, *out.stride()[:3],
+            SUMS=row_sums is not None, **consts)
+        return out, row_sums
     n_chunks = triton.cdiv(s, CHUNK)
     m = torch.empty((b * h, n_chunks, t), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
@@ -266,7 +320,8 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     _attention_chunk_kernel[(n_tiles, b * hkv, n_chunks)](
         q, k_pool, v_pool, table, pos, m, l, acc, *args, n_chunks, *strides, **consts)
     _attention_merge_kernel[(triton.cdiv(t, MERGE_BLOCK_T), b * h)](
-        pos, m, l, acc, out, t, s, h, n_chunks, *out.stride()[:3],
-        D=d, BLOCK_D=block_d, BLOCK_T=MERGE_BLOCK_T, CHUNK=CHUNK, num_warps=4, **launch_options(),
+        pos, m, l, acc, out, row_sums, t, s, h, n_chunks, *out.stride()[:3],
+        D=d, BLOCK_D=block_d, BLOCK_T=MERGE_BLOCK_T, CHUNK=CHUNK, SUMS=row_sums is not None, num_warps=4,
+        **launch_options(),
     )
-    return out
+    return out, row_sums

@@ -1,5 +1,5 @@
-"""Triton row-wise ops: rms_norm, rope_and_store (rotate-half RoPE + KV store), swiglu. One program per row or
-token (or elementwise): a row's output never depends on how many rows there are."""
+"""Triton row-wise ops: rms_norm, rope_and_store (rotate-half RoPE + KV store), swiglu, the sum of a GEMM's K
+chunks. One program per row or token (or elementwise): a row's output never depends on how many rows there are."""
 from __future__ import annotations
 
 import torch
@@ -14,6 +14,7 @@ from selfspec.kernels.reference import rope_and_store as reference_rope_and_stor
 # The producers of a GEMM's input (rms_norm, swiglu) can also write its row sums per this many columns, which the
 # nibble GEMMs need for their group offsets (triton_linear): summed once per row here, not once per N tile there.
 ROW_SUM_COLS = tl.constexpr(ops.ROW_SUM_COLS)
+_PIECE_HALVINGS = tl.constexpr(ops.ROW_SUM_COLS.bit_length() - 1)
 
 
 def _warps(block: int) -> int:
@@ -48,6 +49,17 @@ def row_scale(amax, QMAX: tl.constexpr):
 def row_codes(v, scale, QMAX: tl.constexpr):
     """fp32 values -> their codes under a row's scale, round(v / scale) clamped to +-QMAX (still fp32)."""
     return tl.minimum(tl.maximum(round_half_even(tl.math.div_rn(v, scale)), -QMAX), QMAX)
+
+
+@triton.jit
+def piece_sums(v):
+    """v [R, C] fp32 -> [R, C / ROW_SUM_COLS]: each ROW_SUM_COLS-column piece summed as a fixed tree (adjacent
+    columns, then adjacent pairs, ...), whatever the layout v is held in: kernels laid out differently get the same
+    bits from the same values."""
+    for _ in tl.static_range(_PIECE_HALVINGS):
+        a, b = tl.split(tl.reshape(v, [v.shape[0], v.shape[1] // 2, 2]))
+        v = a + b
+    return v
 
 
 @triton.jit
@@ -277,3 +289,38 @@ def swiglu_handover(gate: torch.Tensor, up: torch.Tensor,
                     act_bits: int | None = None) -> tuple[torch.Tensor, ops.Handover | None]:
     """swiglu, and what it hands its linear (as `rms_norm_handover`)."""
     return _swiglu(gate, up, handover=True, act_bits=act_bits)
+
+
+@triton.jit
+def _sum_chunks_kernel(part_ptr, bias_ptr, res_ptr, y_ptr, M, N, stride_rm, SPLIT: tl.constexpr, LIVE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    """y = (0 + part[0] + part[1] + ...) (+ bias) rounded to bf16 (+ res): the warp-specialized nibble GEMM's chunk
+    sum and store (kernels/gluon_linear.py), the split's chunks past K (past LIVE) adding their zeros as its
+    consumers' do."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):  # in chunk order, as the consumers add them
+        if s < LIVE:
+            total += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0)
+        else:
+            total += 0.0
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + offs % N, mask=mask, other=0).to(tl.float32)
+    y = total.to(tl.bfloat16)
+    if HAS_RES:
+        r = tl.load(res_ptr + (offs // N) * stride_rm + offs % N, mask=mask, other=0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
+    tl.store(y_ptr + offs, y, mask=mask)
+
+
+def sum_chunks(part: torch.Tensor, split: int, bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 sums part [live, M, N] of the first `live` of a split's chunks (the rest hold no columns), added in
+    order, + bias, rounded, + r2 -> y [M, N] bf16."""
+    live, m, n = part.shape
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=part.device)
+    block = 1024
+    _sum_chunks_kernel[(triton.cdiv(m * n, block),)](part, bias, r2, y, m, n, 0 if r2 is None else r2.stride(0),
+                                                     SPLIT=split, LIVE=live, HAS_BIAS=bias is not None,
+                                                     HAS_RES=r2 is not None, BLOCK=block, num_warps=4)
+    return y

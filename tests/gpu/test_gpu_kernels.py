@@ -431,3 +431,30 @@ def test_model_handovers_keep_the_logits(monkeypatch, storage, mode_name):
         assert torch.equal(given, alone)
     else:
         assert rel_err(given, alone.double()) < 1e-3
+
+
+@pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("planes", "upper"), ("int4", "w4a16")])
+@pytest.mark.parametrize("m", [130, 160, 256])
+@pytest.mark.parametrize("n,k,group", [(4096, 14336, 128), (576, 576, 64)])  # 8B down; SmolLM2 o: 9 of 16 chunks
+def test_nibble_chunks_apart_keep_each_rows_bits(storage, mode_name, m, n, k, group):
+    """Where a nibble GEMM's tiles fill half the SMs or fewer (down at up to 256 rows), its K chunks run in CTAs of
+    their own and their sums are added in order afterwards (the split's chunks past K as zeros): each row gets the
+    decode tiles' bits, bias and residual included."""
+    from selfspec.kernels import gluon_linear
+
+    torch.manual_seed(6)
+    mode = MODES[mode_name]
+    weight = quantize_weight(torch.randn(n, k, device=DEV) * 0.02, storage, group)
+    fmt = triton_linear.kernel_format(weight, mode)
+    cfg = triton_linear.tile_config(fmt, False, n, k, group, m)
+    assert cfg.warp_specialized and gluon_linear.chunks_apart(((m + 127) // 128, (n + 127) // 128), cfg.split_k, DEV)
+    x, given = triton_small.rms_norm_handover(torch.randn(m, k, device=DEV).bfloat16(),
+                                              torch.ones(k, device=DEV).bfloat16(), 1e-6)
+    bias, r = torch.randn(n, device=DEV).bfloat16(), torch.randn(m, n, device=DEV).bfloat16()
+    y = triton_linear.linear(x, weight, mode, bias, r, given)
+    y16 = triton_linear.linear(x[:16], weight, mode, bias, r[:16], given_rows(given, slice(0, 16)))
+    assert torch.equal(y[:16], y16)
+    for i in (0, 17, m - 1):
+        rows = slice(i, i + 1)
+        assert torch.equal(triton_linear.linear(x[rows], weight, mode, bias, r[rows], given_rows(given, rows)),
+                           y[rows]), f"row {i}"
