@@ -1,6 +1,7 @@
-"""The host side of the warp-specialized nibble GEMM (kernels/gluon_linear.py): the operand orders it reads and when
-`linear` takes it. The kernel itself runs on Hopper only (Gluon has no interpreter): tests/gpu/test_gpu_kernels.py
-compares its bits with the decode tiles', tests/test_kernel_resources.py compiles it for sm_90.
+"""The host side of the warp-specialized nibble GEMM (kernels/gluon_linear.py): when `linear` takes it (the operand
+orders it reads: tests/test_triton_kernels.py, which interprets their kernel). The kernel itself runs on Hopper only
+(Gluon has no interpreter): tests/gpu/test_gpu_kernels.py compares its bits with the decode tiles',
+tests/test_kernel_resources.py compiles it for sm_90.
 
 The kernels are imported inside the tests: imported while this file is collected, they would be defined compiled,
 and tests/test_triton_kernels.py (which needs them interpreted) would skip itself."""
@@ -8,29 +9,6 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-
-
-def test_quartered_puts_each_k_tiles_columns_in_the_dots_order():
-    """Column t * BLOCK_K / 4 + j of a K tile holds x's column 4j + t: the quarters _nibble_kernel dots in turn."""
-    from selfspec.kernels import gluon_linear
-    x = torch.randn(3, 512).bfloat16()
-    q = gluon_linear.quartered(x, 128)
-    for tile in range(4):
-        for t in range(4):
-            for j in (0, 7, 31):
-                assert torch.equal(q[:, tile * 128 + t * 32 + j], x[:, tile * 128 + 4 * j + t])
-    assert q.is_contiguous() and torch.equal(q.sort(dim=1).values, x.sort(dim=1).values)
-
-
-@pytest.mark.parametrize("m", [5, 8])
-def test_tile_sums_add_each_tiles_pieces_in_order_in_rows_tma_can_read(m):
-    from selfspec.kernels import gluon_linear
-    sums = torch.randn(m, 16)  # K = 1024 in pieces of 64
-    tiles = gluon_linear.tile_sums(sums, 128)
-    assert tiles.shape == (8, m) and tiles.stride(0) % 4 == 0  # rows of whole 16-byte units
-    assert torch.equal(tiles, (sums[:, 0::2] + sums[:, 1::2]).t())  # one fp32 add a tile, as _nibble_chunk adds
-    four = gluon_linear.tile_sums(sums, 256)  # four pieces: ((p0 + p1) + p2) + p3
-    assert torch.equal(four, (((sums[:, 0::4] + sums[:, 1::4]) + sums[:, 2::4]) + sums[:, 3::4]).t())
 
 
 def test_many_tokens_of_nibble_formats_with_bf16_activations_take_it():

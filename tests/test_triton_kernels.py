@@ -500,6 +500,28 @@ def test_swiglu_leaves_the_codes_of_rows_too_wide_to_the_linear(monkeypatch):
     assert torch.equal(y, triton_small.swiglu(gate, up)) and given.codes is None and not given.codes_for(8)
 
 
+@pytest.mark.parametrize("m", [5, 8])
+def test_nibble_inputs_quarter_each_k_tile_and_sum_its_pieces_in_order(m):
+    """The warp-specialized nibble GEMM's inputs (kernels/gluon_linear.py), in one launch: column t * BLOCK_K / 4 + j
+    of a K tile holds x's column 4j + t (the quarters the decode tiles dot in turn), and x's sums per tile add its
+    64-column pieces in order (((p0 + p1) + p2) + p3), in rows TMA can read (whole 16-byte units)."""
+    from selfspec.kernels import gluon_linear
+    torch.manual_seed(m)
+    x = torch.randn(m, 1024).bfloat16()
+    sums = torch.randn(m, 16)  # pieces of 64
+    q, tiles = gluon_linear.nibble_inputs(x, sums, 128)
+    for tile in range(8):
+        for t in range(4):
+            for j in (0, 7, 31):
+                assert torch.equal(q[:, tile * 128 + t * 32 + j], x[:, tile * 128 + 4 * j + t])
+    assert q.is_contiguous() and torch.equal(q.sort(dim=1).values, x.sort(dim=1).values)
+    assert tiles.shape == (8, m) and tiles.stride(0) % 4 == 0
+    assert torch.equal(tiles, (sums[:, 0::2] + sums[:, 1::2]).t())  # one fp32 add a tile, as _nibble_chunk adds
+    q4, four = gluon_linear.nibble_inputs(x, sums, 256)
+    assert torch.equal(four, (((sums[:, 0::4] + sums[:, 1::4]) + sums[:, 2::4]) + sums[:, 3::4]).t())
+    assert torch.equal(q4[:, 256 + 64 + 5], x[:, 256 + 4 * 5 + 1])
+
+
 @pytest.mark.parametrize("live,split", [(3, 3), (9, 16)])  # every chunk; a split running past K (SmolLM2's o)
 def test_sum_chunks_adds_the_chunks_in_order_as_the_consumers_do(live, split):
     """The chunks' fp32 sums added in order from zero (the split's chunks past K as zeros), then bias, the bf16

@@ -22,7 +22,7 @@ Making the warpgroups take turns on the tensor cores, or issuing the next tile's
 
 The same bits as the decode tiles: _nibble_kernel reads a word's four codes as four dots, over the columns
 k = 4j + t of x for t = 0..3, K tile by K tile, chunk by chunk. Here x comes with each K tile's columns already in
-that order (`quartered`: column t * BLOCK_K / 4 + j of a tile holds its column 4j + t), so the quarters are four TMA
+that order (`nibble_inputs`: column t * BLOCK_K / 4 + j of a tile holds its column 4j + t), so the quarters are four TMA
 boxes and the four dots the same wgmma instructions in the same order; each output's products and adds are the
 decode tiles' (the GPU tests compare every row's bits). The K tile, the chunks of the decode config's split and the
 order of every add are the decode config's; only the tiles differ.
@@ -33,6 +33,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -224,24 +225,41 @@ def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, b
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
-def quartered(x2: torch.Tensor, block_k: int) -> torch.Tensor:
-    """x2 [M, K] with each K tile's columns in the order the nibble kernels' dots take them: column t * BLOCK_K / 4
-    + j of a tile holds its column 4j + t."""
+@triton.jit
+def _nibble_inputs_kernel(x_ptr, sums_ptr, xq_ptr, ts_ptr, K, stride_ts, BLOCK_K: tl.constexpr,
+                          PIECES: tl.constexpr, TILES: tl.constexpr):
+    """TILES K tiles of one row of x: their columns quartered (column t * BLOCK_K / 4 + j of a tile holds its column
+    4j + t), and the row's sum per tile, its PIECES ROW_SUM_COLS-column sums added in order."""
+    row = tl.program_id(0)
+    q: tl.constexpr = BLOCK_K // 4
+    tile = tl.program_id(1) * TILES + tl.arange(0, TILES)
+    live = tile < K // BLOCK_K
+    k0 = (tile * BLOCK_K)[:, None, None]
+    t = tl.arange(0, 4)[None, :, None]
+    j = tl.arange(0, q)[None, None, :]
+    v = tl.load(x_ptr + row * K + k0 + 4 * j + t, mask=live[:, None, None])
+    tl.store(xq_ptr + row * K + k0 + t * q + j, v, mask=live[:, None, None])
+    first = sums_ptr + row * (K // ROW_SUM_COLS) + tile * PIECES
+    total = tl.load(first, mask=live)
+    for p in tl.static_range(1, PIECES):
+        total = total + tl.load(first + p, mask=live)
+    tl.store(ts_ptr + tile * stride_ts + row, total, mask=live)
+
+
+def nibble_inputs(x2: torch.Tensor, sums: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the nibble kernel reads of x2 [M, K] (contiguous) and its row sums per ROW_SUM_COLS columns, in one
+    launch: x2 with each K tile's columns in the order the decode tiles' dots take them (column t * BLOCK_K / 4 + j
+    of a tile holds its column 4j + t), and x's sums per K tile [K / BLOCK_K, M], the pieces added in order as
+    _nibble_chunk adds them, in rows padded to 16 bytes as TMA reads them."""
     m, k = x2.shape
-    return x2.view(m, k // block_k, block_k // 4, 4).transpose(2, 3).reshape(m, k)
-
-
-def tile_sums(sums: torch.Tensor, block_k: int) -> torch.Tensor:
-    """x's row sums per K tile [K / BLOCK_K, M] from its sums per ROW_SUM_COLS columns [M, K / ROW_SUM_COLS], the
-    pieces added in order, as _nibble_chunk adds them; rows padded to 16 bytes, as TMA reads them."""
-    m = sums.shape[0]
-    pieces = sums.view(m, -1, block_k // ROW_SUM_COLS.value)
-    total = pieces[..., 0]
-    for j in range(1, pieces.shape[-1]):
-        total = total + pieces[..., j]
-    out = torch.empty((total.shape[1], triton.cdiv(m, 4) * 4), dtype=torch.float32, device=sums.device)
-    out[:, :m] = total.t()
-    return out[:, :m]
+    tiles = k // block_k
+    xq = torch.empty_like(x2)
+    out = torch.empty((tiles, triton.cdiv(m, 4) * 4), dtype=torch.float32, device=x2.device)
+    per_program = 8
+    _nibble_inputs_kernel[(m, triton.cdiv(tiles, per_program))](
+        x2, sums, xq, out, k, out.stride(0), BLOCK_K=block_k, PIECES=block_k // ROW_SUM_COLS.value,
+        TILES=per_program, num_warps=4)
+    return xq, out[:, :m]
 
 
 def ring_stages(slot: int, beside: int = 0, most: int = 6) -> int:
@@ -257,7 +275,7 @@ def nibble_stages(fmt: int, block_k: int) -> int:
     return ring_stages(slot, beside=BLOCK_N * BLOCK_M * 4, most=4)
 
 
-def descriptors(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, sums: torch.Tensor, scale: torch.Tensor,
+def descriptors(x: torch.Tensor, sums: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, scale: torch.Tensor,
                 lo: torch.Tensor, block_k: int) -> tuple:
     """TMA descriptors of the quartered x (boxes of one quarter tile), of the planes as 16-bit words, of x's row
     sums per K tile (boxes of one tile's BLOCK_M rows) and of the group scales and offsets ([N, groups] stored
@@ -299,7 +317,7 @@ def nibble_gemm(x2: torch.Tensor, sums: torch.Tensor, fmt: int, tensors: tuple, 
     split's partial sums are)."""
     m, k = x2.shape
     w, w2, scale, lo = tensors
-    descs = descriptors(quartered(x2, block_k), w, w2, tile_sums(sums, block_k), scale, lo, block_k)
+    descs = descriptors(*nibble_inputs(x2, sums, block_k), w, w2, scale, lo, block_k)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     flags = dict(FMT=fmt, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=BLOCK_M,
                  BLOCK_N=BLOCK_N, BLOCK_K=block_k, STAGES=nibble_stages(fmt, block_k), num_warps=4,
