@@ -45,7 +45,7 @@ from selfspec.kernels.reference import linear as reference_linear
 from selfspec.kernels.reference import rotate as reference_rotate
 from selfspec.kernels.semaphores import group_counts, last_to_arrive
 from selfspec.kernels.ops import Handover
-from selfspec.kernels.triton_small import ROW_SUM_COLS, row_codes, row_scale, store_row_sums
+from selfspec.kernels.triton_small import ROW_SUM_COLS, qmax, row_codes, row_scale, store_row_sums
 from selfspec.quant.formats import STORAGES, DenseWeight, QuantWeight
 from selfspec.quant.modes import MODES, Mode
 
@@ -100,7 +100,7 @@ def _act_quant(x: torch.Tensor, bits: int, sums: bool) -> tuple[torch.Tensor, to
     row_sums = None
     if sums and k % ROW_SUM_COLS.value == 0 and block >= ROW_SUM_COLS.value:
         row_sums = torch.empty((m, k // ROW_SUM_COLS.value), dtype=torch.float32, device=x.device)
-    _act_quant_kernel[(m,)](x, q, scale, row_sums, k, x.stride(0), QMAX=2.0 ** (bits - 1) - 1, BLOCK=block,
+    _act_quant_kernel[(m,)](x, q, scale, row_sums, k, x.stride(0), QMAX=qmax(bits), BLOCK=block,
                             SUMS=row_sums is not None, **launch_options())
     return q, scale, row_sums
 

@@ -103,7 +103,8 @@ def _handover_buffers(rows: int, d: int, like: torch.Tensor, act_bits: int | Non
                         scale=torch.empty((rows, 1), dtype=torch.float32, device=like.device), bits=act_bits)
 
 
-def _qmax(act_bits: int | None) -> float:
+def qmax(act_bits: int | None) -> float:
+    """The largest code of act_bits-bit activations (0 for none: a constexpr the kernels do not read then)."""
     return 2.0 ** (act_bits - 1) - 1 if act_bits else 0.0
 
 
@@ -117,12 +118,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, handover: bool,
     block = triton.next_power_of_2(d)
     out = _handover_buffers(x2.shape[0], d, x, act_bits) if handover else ops.Handover()
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, out.sums, out.codes, out.scale, d, x2.stride(0), eps,
-                                    QMAX=_qmax(act_bits), BLOCK=block, SUMS=out.sums is not None,
+                                    QMAX=qmax(act_bits), BLOCK=block, SUMS=out.sums is not None,
                                     QUANT=out.codes is not None, num_warps=_warps(block), **launch_options())
     return y.view(x.shape), _given(out)
 
 
 def _given(out: ops.Handover) -> ops.Handover | None:
+    """The handover, or None where it carries nothing."""
     return None if out.sums is None and out.codes is None else out
 
 
@@ -269,7 +271,7 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, handover: bool,
     if out.codes is not None:
         block = triton.next_power_of_2(h)
         _swiglu_codes_kernel[(g2.shape[0],)](g2, u2, y, out.codes, out.scale, out.sums, h, g2.stride(0),
-                                             u2.stride(0), QMAX=_qmax(act_bits), BLOCK=block,
+                                             u2.stride(0), QMAX=qmax(act_bits), BLOCK=block,
                                              SUMS=out.sums is not None, num_warps=_warps(block), **launch_options())
     else:
         _swiglu_kernel[(g2.shape[0], triton.cdiv(h, 1024))](g2, u2, y, out.sums, h, g2.stride(0), u2.stride(0),
