@@ -67,6 +67,14 @@ class Packed:
         """[B, T, ...] -> [1, N, ...]"""
         return x.flatten(0, 1)[self.where][None]
 
+    def pad_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, H, N, ...] -> [B, H, T, ...] (attention's queries and outputs)"""
+        return self.pad(x.transpose(1, 2)).transpose(1, 2)
+
+    def unpad_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, T, ...] -> [1, H, N, ...]"""
+        return self.unpad(x.transpose(1, 2)).transpose(1, 2)
+
 
 @dataclass(frozen=True)
 class ForwardBatch:

@@ -133,5 +133,4 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
     fn = kernels.lookup("quantized_attention", "", q.device.type)
     if packed is None:
         return fn(q, kv, q_pos, upper)
-    out = fn(packed.pad(q.transpose(1, 2)).transpose(1, 2), kv, packed.pad(q_pos), upper)
-    return packed.unpad(out.transpose(1, 2)).transpose(1, 2)
+    return packed.unpad_heads(fn(packed.pad_heads(q), kv, packed.pad(q_pos), upper))

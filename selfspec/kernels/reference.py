@@ -127,9 +127,8 @@ def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      q_pos: torch.Tensor, packed: Packed, prompt: bool = False) -> torch.Tensor:
     """The rows padded to [B, T] for the device's `attention` (one call; padding repeats a row's last query, and
     its output is dropped)."""
-    rows = packed.pad(q.transpose(1, 2)).transpose(1, 2)
-    out = lookup("attention", "", q.device.type)(rows, k_pool, v_pool, table, packed.pad(q_pos), prompt)
-    return packed.unpad(out.transpose(1, 2)).transpose(1, 2)
+    out = lookup("attention", "", q.device.type)(packed.pad_heads(q), k_pool, v_pool, table, packed.pad(q_pos), prompt)
+    return packed.unpad_heads(out)
 
 
 @register("quantized_attention")

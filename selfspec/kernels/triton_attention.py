@@ -272,12 +272,11 @@ def packed_attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
                               prompt: bool = False) -> tuple[torch.Tensor, Handover | None]:
     """kernels/ops.py `packed_attention` (its rows padded to [B, T] for one call, as the reference does), and the
     output projection's input row sums of the packed tokens."""
-    rows = packed.pad(q.transpose(1, 2)).transpose(1, 2)
+    rows = packed.pad_heads(q)
     out, given = attention_handover(rows, k_pool, v_pool, table, packed.pad(q_pos), prompt)
-    out = packed.unpad(out.transpose(1, 2)).transpose(1, 2)
     if given is None:
-        return out, None
-    return out, Handover(sums=packed.unpad(given.sums.view(rows.shape[0], rows.shape[2], -1))[0])
+        return packed.unpad_heads(out), None
+    return packed.unpad_heads(out), Handover(sums=packed.unpad(given.sums.view(rows.shape[0], rows.shape[2], -1))[0])
 
 
 def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
