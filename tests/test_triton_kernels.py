@@ -271,6 +271,7 @@ def test_attention_hands_over_the_output_projections_row_sums(t, start):
     alone = triton_attention.attention_handover(q[1:], k_pool, v_pool, table[1:], pos[1:])[1]
     assert torch.equal(alone.sums, given.sums[t:])
     assert triton_attention.attention_handover(q[..., :32], k_pool[..., :32], v_pool[..., :32], table, pos)[1] is None
+    assert triton_attention.attention_handover(q, k_pool, v_pool, table, pos, prompt=True)[1] is None  # unread
 
 
 def test_packed_attention_hands_over_the_packed_tokens_row_sums():

@@ -338,7 +338,12 @@ def chunks_apart(grid: tuple[int, int], split_k: int, device: torch.device) -> b
     """Whether a nibble GEMM's K chunks go to CTAs of their own (their fp32 sums through memory, added in order by
     sum_chunks) instead of one CTA walking them all: where its tiles would fill no more than half the SMs, so that
     the split fills them (down and o at up to 256 rows on an H100)."""
-    return split_k > 1 and 2 * grid[0] * grid[1] <= torch.cuda.get_device_properties(device).multi_processor_count
+    return split_k > 1 and 2 * grid[0] * grid[1] <= _sm_count(device)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # ---------------------------------------------------------------- bf16 weights (and prompt tokens' dequantized ones)

@@ -261,8 +261,9 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
 def attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                        q_pos: torch.Tensor, prompt: bool = False) -> tuple[torch.Tensor, Handover | None]:
     """`attention`, and the output projection's input row sums (kernels/ops.py `Handover`; its rows: the tokens,
-    each all heads' outputs side by side) where D is a multiple of ROW_SUM_COLS."""
-    out, sums = _attention(q, k_pool, v_pool, table, q_pos, prompt, None, sums=True)
+    each all heads' outputs side by side) where D is a multiple of ROW_SUM_COLS; none for prompt tokens, whose
+    output projection reads no sums (integer weights run dequantized: triton_linear.prompt_linear)."""
+    out, sums = _attention(q, k_pool, v_pool, table, q_pos, prompt, None, sums=not prompt)
     return out, None if sums is None else Handover(sums=sums)
 
 
