@@ -324,6 +324,18 @@ def test_prompt_attention_equals_the_prompt_cut_into_pieces():
         assert torch.equal(piece, whole[:, :, lo:hi]), f"queries {lo}..{hi - 1}"
 
 
+def test_attention_dispatcher_takes_verify_tiles_for_batched_verify_passes():
+    """Speed only (every tiling gives the same bits, tests/gpu): 32-row 4-warp tiles where a batch's verify pass
+    has more rows per kv head than a 16-row tile holds; 16-row tiles for decode steps and for small batches."""
+    tiles = triton_attention._tiles
+    assert tiles(32, 8, 5, 4, prompt=False) == triton_attention.VERIFY_TILES
+    assert tiles(8, 8, 9, 4, prompt=False) == triton_attention.VERIFY_TILES
+    assert tiles(32, 8, 1, 4, prompt=False) == triton_attention.DECODE_TILES  # 4 rows: one 16-row tile
+    assert tiles(1, 8, 5, 4, prompt=False) == triton_attention.DECODE_TILES  # 8 kv heads: too few programs
+    assert tiles(1, 8, 300, 4, prompt=False) == triton_attention.PREFILL_TILES
+    assert tiles(32, 8, 5, 4, prompt=True) == triton_attention.PROMPT_TILES
+
+
 @pytest.mark.parametrize("in_program", [False, True])
 def test_attention_tile_heights_run_and_agree(in_program):
     """Taller tiles compute the same attention. The interpreter cannot show tensor-core rounding: tests/gpu compares
@@ -331,8 +343,8 @@ def test_attention_tile_heights_run_and_agree(in_program):
     q, k, v, k_pool, v_pool, table, pos = paged_prompt(20, 260, 16, seed=7)
     base = triton_attention.attention(q, k_pool, v_pool, table, pos,
                                       tiles=triton_attention.Tiles(in_program=in_program))
-    for block_t in (16, 32, 64):
-        tiles = triton_attention.Tiles(block_t, in_program)
+    for block_t, warps in ((16, 8), (32, 4), (32, 8), (64, 8)):
+        tiles = triton_attention.Tiles(block_t, in_program, warps)
         out = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=tiles)
         assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL, tiles
         torch.testing.assert_close(out, base)

@@ -18,7 +18,8 @@ Both give a query the same bits: its chunk states are computed by the same code 
 by the same code in the same order.
 
 Invariance across the number of queries, the batch and the path: a query's scores, running max and sums only
-ever involve its own row, and its tile is fixed by its own place in the query-major order; a key tile past its
+ever involve its own row (the sums are dots with ones, so no layout's reduction tree enters: the tile height and
+the warps may follow the batch, `_tiles`); a key tile past its
 position is fully masked for it, which leaves its state bit-for-bit unchanged (the max stays, exp2(0) = 1
 rescales, p = 0 adds exact zeros); the chunks are fixed and merged in order, and a chunk past its position is
 not merged for it. So it gets the same result alone, among other queries, or in a prompt cut into pieces.
@@ -61,9 +62,16 @@ class Tiles:
     """How a call is cut into programs. Every choice computes the same arithmetic in the same order per query."""
     block_t: int = 16  # (query, head) rows per program: a power of two >= 16 (a tensor-core tile)
     in_program: bool = False  # one program walks all chunks, else chunks split over programs + the merge kernel
+    warps: int = 8  # per program (the row sums are dots, so the layout the warps make has no bearing on the bits)
 
 
 DECODE_TILES = Tiles()  # decode and verify: few queries, so the keys are split to fill the GPU
+# Verify passes of a batch: more (query, head) rows per kv head than one 16-row tile holds (5 tokens x 4 heads =
+# 20), over enough kv heads to fill the GPU. One 32-row tile reads each key chunk once; 4 warps halve the rows'
+# exchange. H100, 8B heads, 1k keys (docs/bench-h100/attention-verify-tiles.log): batch 32 x 5 queries 80.5 us
+# against 103.0 for DECODE_TILES, batch 8 27.8 vs 30.4; batch 1 (8 kv heads) 13.6 vs 10.9, so it keeps 16 rows.
+VERIFY_TILES = Tiles(32, warps=4)
+VERIFY_MIN_HEADS = 64  # batch x kv heads from which verify passes take VERIFY_TILES
 # Many queries fill the GPU by themselves: no partials through memory. 32 rows: the tallest tile that keeps the
 # 16-row tiles' bits (mma.sync; 64 and 128 rows take wgmma, which changed 5-163 outputs); H100, 8B heads, causal
 # B=1 x 2048: 643 us against 1116 for 16 rows in-program and 837 for 16-row split tiles
@@ -121,11 +129,20 @@ def _chunk_softmax(q, pos, k_head, v_head, table_row, start, end, BS, qk_scale, 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         # A row that reaches no key of the chunk keeps m = -inf: exp2(-inf - -inf) would be NaN.
         alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m_i - m_new))
-        p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp2(scores - m_new[:, None]))
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
+        p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp2(scores - m_new[:, None])).to(tl.bfloat16)
+        l_i = l_i * alpha + _row_sums(p)
+        acc = tl.dot(p, v, acc * alpha[:, None])
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def _row_sums(p):
+    """Each row's sum of p [BLOCK_T, BLOCK_S] (bf16, the weights the dot with v takes) as a tensor-core dot with
+    ones: its order of adds is the instruction's, whatever the warps and the tile height (tl.sum's tree follows
+    the layout, so it would tie the bits to them); every column of the product holds the sum, max picks one."""
+    ones = tl.full((p.shape[1], 16), 1.0, tl.float32).to(tl.bfloat16)  # (the interpreter has no bf16 constants)
+    return tl.max(tl.dot(p, ones), axis=1)
 
 
 @triton.jit
@@ -253,7 +270,8 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
               q_pos: torch.Tensor, prompt: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
     """q [B, Hq, T, D] at positions q_pos [B, T]; pools [N, Hkv, bs, D], block table [B, W] (kernels/ops.py):
     the reference attention, reading the keys in place. tiles: PROMPT_TILES for prompt tokens, else
-    PREFILL_TILES from PREFILL_MIN_T queries on, else DECODE_TILES (read at each call, so a script may set them)."""
+    PREFILL_TILES from PREFILL_MIN_T queries on, else VERIFY_TILES or DECODE_TILES (`_tiles`; read at each call, so
+    a script may set them)."""
     return _attention(q, k_pool, v_pool, table, q_pos, prompt, tiles)[0]
 
 
@@ -280,13 +298,25 @@ def packed_attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     return packed.unpad_heads(out), Handover(sums=packed.unpad(given.sums.view(rows.shape[0], rows.shape[2], -1))[0])
 
 
+def _tiles(b: int, hkv: int, t: int, n_rep: int, prompt: bool) -> Tiles:
+    """The dispatcher's tiles for b rows of t queries over hkv kv heads (speed only: all give the same bits, but
+    PROMPT_TILES, prompt tokens' own arithmetic)."""
+    if prompt:
+        return PROMPT_TILES
+    if t >= PREFILL_MIN_T:
+        return PREFILL_TILES
+    if t * n_rep > DECODE_TILES.block_t and b * hkv >= VERIFY_MIN_HEADS:
+        return VERIFY_TILES
+    return DECODE_TILES
+
+
 def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                q_pos: torch.Tensor, prompt: bool, tiles: Tiles | None,
                sums: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16:
         return reference_attention(q, k_pool, v_pool, table, q_pos), None  # bf16 only: others take the reference
     b, h, t, d = q.shape
-    tiles = tiles or (PROMPT_TILES if prompt else PREFILL_TILES if t >= PREFILL_MIN_T else DECODE_TILES)
+    tiles = tiles or _tiles(b, k_pool.shape[1], t, h // k_pool.shape[1], prompt)
     if tiles.block_t < 16 or tiles.block_t & (tiles.block_t - 1):
         raise SelfspecError(f"attention tiles need a power of two >= 16 rows (a tensor-core tile), got {tiles.block_t}")
     bs, w = k_pool.shape[2], table.shape[1]
@@ -298,14 +328,15 @@ def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
     table, pos = table.contiguous(), q_pos.contiguous()
     hkv = k_pool.shape[1]
     block_d = triton.next_power_of_2(d)
-    out = torch.empty((b, h, t, d), dtype=q.dtype, device=q.device)
+    # Written token-major: the output projection's input [B, T, H * D] is then a view, not a copy.
+    out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     row_sums = None
     if sums and d % ROW_SUM_COLS.value == 0:
         row_sums = torch.empty((b * t, h * d // ROW_SUM_COLS.value), dtype=torch.float32, device=q.device)
     args = (t, s, bs, w, hkv, h // hkv)
     strides = (math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3])
     consts = dict(D=d, BLOCK_D=block_d, BLOCK_T=tiles.block_t, BLOCK_S=BLOCK_S, CHUNK=CHUNK,
-                  TILE_IN_BLOCK=bs % BLOCK_S == 0, num_warps=8, num_stages=2,
+                  TILE_IN_BLOCK=bs % BLOCK_S == 0, num_warps=tiles.warps, num_stages=2,
                   **launch_options())
     n_tiles = triton.cdiv(t * (h // hkv), tiles.block_t)
     if tiles.in_program:

@@ -333,8 +333,8 @@ def test_prompt_attention_equals_the_prompt_cut_into_pieces_bitwise():
         assert torch.equal(alone, whole[1:, :, i:i + 1]), f"query {i} alone"
 
 
-@pytest.mark.parametrize("which", ["DECODE_TILES", "PREFILL_TILES"])
-@pytest.mark.parametrize("t,start", [(9, 1492), (1024, 0)])
+@pytest.mark.parametrize("which", ["DECODE_TILES", "VERIFY_TILES", "PREFILL_TILES"])
+@pytest.mark.parametrize("t,start", [(5, 1020), (9, 1492), (1024, 0)])
 def test_chosen_attention_tiles_keep_the_16_row_bits(which, t, start):
     """Taller tiles may take other tensor-core instructions (wgmma): the tiles the dispatcher uses must still give
     every query the bits of 16-row split tiles, or decode and prefill would disagree."""
@@ -342,6 +342,18 @@ def test_chosen_attention_tiles_keep_the_16_row_bits(which, t, start):
     tiles = getattr(triton_attention, which)
     out = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=tiles)
     assert torch.equal(out, triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=SPLIT_16)), tiles
+
+
+@pytest.mark.parametrize("t", [1, 5, 9])
+def test_attention_warps_and_tile_heights_keep_the_bits(t):
+    """The row sums are tensor-core dots, so 4 or 8 warps on 16- or 32-row tiles give every query the same bits
+    (tl.sum's tree followed the layout: 4 warps changed an output at 5 queries)."""
+    q, k, v, k_pool, v_pool, table, pos = paged_8b_prompt(t, 1020, seed=t + 40)
+    base = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=SPLIT_16)
+    for block_t in (16, 32):
+        for warps in (4, 8):
+            tiles = triton_attention.Tiles(block_t, warps=warps)
+            assert torch.equal(triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=tiles), base), tiles
 
 
 def test_rms_norm():
