@@ -47,6 +47,7 @@ from selfspec.kernels.triton_small import ROW_SUM_COLS, sum_chunks
 INT4, UPPER, FULL = gl.constexpr(2), gl.constexpr(3), gl.constexpr(4)
 BLOCK_N = 128  # weight rows per CTA: two consumer warpgroups of WARPGROUP_ROWS
 BLOCK_M = 128  # rows of x per CTA
+NARROW = gl.constexpr(32)  # the fewest columns of x a CTA's product takes (M's last tile: 32, 64 or BLOCK_M)
 WARPGROUP_ROWS = gl.constexpr(64)
 LOADER_REGISTERS = gl.constexpr(24)
 CONSUMER_REGISTERS = gl.constexpr(240)  # the second consumer warpgroup's; the first (default) gets what is left
@@ -121,34 +122,60 @@ def _consumer(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total
               bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm,
               FMT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
               PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
-    """One warpgroup: y^T rows n0 + row0 .. + WARPGROUP_ROWS of the tile (weight rows), BLOCK_M columns from m0,
-    over the CHUNKS chunks of K from k_begin (to k_end); with PARTIAL, the fp32 sum of that one chunk, stored as is.
-    While a tile's wgmma runs, the next tile's codes are built (one tile ahead)."""
+    """One warpgroup: y^T rows n0 + row0 .. + WARPGROUP_ROWS of the tile (weight rows), the BLOCK_M columns from m0,
+    as wide a product as the columns x has there: the last tile of M = 160 holds 32, so its wgmma take 32 columns
+    instead of 128 (the x tile's other rows are TMA's zeros). Each output's products and adds are the same at any
+    width (tests/gpu compares the bits)."""
+    live = M - m0
+    if live <= NARROW:
+        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, bias_ptr, res_ptr, y_ptr,
+                 row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES,
+                 IN_PROGRAM, PARTIAL, NARROW, BLOCK_K)
+    elif live <= 2 * NARROW:
+        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, bias_ptr, res_ptr, y_ptr,
+                 row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES,
+                 IN_PROGRAM, PARTIAL, 2 * NARROW, BLOCK_K)
+    else:
+        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, bias_ptr, res_ptr, y_ptr,
+                 row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES,
+                 IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)
+
+
+@gluon.jit
+def _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem,
+             bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm,
+             FMT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
+             PARTIAL: gl.constexpr, WIDTH: gl.constexpr, BLOCK_K: gl.constexpr):
+    """_consumer's product, WIDTH columns from m0, over the CHUNKS chunks of K from k_begin (to k_end); with
+    PARTIAL, the fp32 sum of that one chunk, stored as is. While a tile's wgmma runs, the next tile's codes are
+    built (one tile ahead)."""
     stages: gl.constexpr = ready.type.shape[0]
     rows: gl.constexpr = WARPGROUP_ROWS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_M, 16])
+                                                         instr_shape=[16, WIDTH, 16])
     codes_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     offs_n = n0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, acc_layout))
-    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
+    offs_m = m0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, acc_layout))
     n_mask = offs_n < N
     m_mask = offs_m < M
     offset: gl.constexpr = -128.0 if FMT == FULL else 128.0
+    total_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([rows, WIDTH], gl.float32)
+    total_smem = total_smem._reinterpret(gl.float32, [rows, WIDTH], total_layout)  # scratch: any width fits
     if IN_PROGRAM:  # the chunks' sum waits in shared memory: a third accumulator in registers would spill
-        total_smem.store(gl.zeros((rows, BLOCK_M), gl.float32, acc_layout))
+        total_smem.store(gl.zeros((rows, WIDTH), gl.float32, acc_layout))
     tiles = gl.cdiv(k_end - k_begin, BLOCK_K)
     mbarrier.wait(ready.index(0), 0)
     codes = _tile_codes(w_bufs, w2_bufs, 0, row0, codes_layout, FMT)
     i = 0
-    acc = gl.zeros((rows, BLOCK_M), gl.float32, acc_layout)  # defined past the loop (one chunk: the total)
+    acc = gl.zeros((rows, WIDTH), gl.float32, acc_layout)  # defined past the loop (one chunk: the total)
     for c in range(0, CHUNKS):
-        acc = gl.zeros((rows, BLOCK_M), gl.float32, acc_layout)
+        acc = gl.zeros((rows, WIDTH), gl.float32, acc_layout)
         for k0 in range(k_begin + c * K_CHUNK, gl.minimum(k_end, k_begin + (c + 1) * K_CHUNK), BLOCK_K):
             slot = i % stages
-            d = gl.zeros((rows, BLOCK_M), gl.float32, acc_layout)
+            d = gl.zeros((rows, WIDTH), gl.float32, acc_layout)
             for t in gl.static_range(4):
-                d = warpgroup_mma(codes[t], x_bufs.index(4 * slot + t).permute((1, 0)), d, use_acc=t > 0,
-                                  is_async=True)
+                d = warpgroup_mma(codes[t], x_bufs.index(4 * slot + t).slice(0, WIDTH).permute((1, 0)), d,
+                                  use_acc=t > 0, is_async=True)
             # While the tensor cores work: the next tile's codes.
             if i + 1 < tiles:
                 mbarrier.wait(ready.index((i + 1) % stages), ((i + 1) // stages) & 1)
@@ -156,7 +183,7 @@ def _consumer(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total
             else:
                 following = codes
             d = warpgroup_mma_wait(0, deps=(d, ))
-            x_sum = _row(sum_bufs.index(slot), 0, BLOCK_M, gl.SliceLayout(0, acc_layout))
+            x_sum = _row(sum_bufs.index(slot), 0, WIDTH, gl.SliceLayout(0, acc_layout))
             s = _row(affine_bufs.index(2 * slot), row0, rows, gl.SliceLayout(1, acc_layout))
             lo = _row(affine_bufs.index(2 * slot + 1), row0, rows, gl.SliceLayout(1, acc_layout))
             if FMT == UPPER:  # triton_linear._group_affine

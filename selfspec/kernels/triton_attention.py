@@ -72,6 +72,11 @@ DECODE_TILES = Tiles()  # decode and verify: few queries, so the keys are split 
 # against 103.0 for DECODE_TILES, batch 8 27.8 vs 30.4; batch 1 (8 kv heads) 13.6 vs 10.9, so it keeps 16 rows.
 VERIFY_TILES = Tiles(32, warps=4)
 VERIFY_MIN_HEADS = 64  # batch x kv heads from which verify passes take VERIFY_TILES
+# From batch 32 (8 kv heads) those tiles fill the GPU without splitting the keys: no partials, no merge kernel.
+# H100, 5 queries (attention-verify-in-program.log): 77.3 vs 82.1 us at 1k keys, 247 vs 270 at 4k, batch 64 144.7
+# vs 152.4; batch 16 loses (63.5 vs 46.4).
+WIDE_VERIFY_TILES = Tiles(32, in_program=True, warps=4)
+WIDE_VERIFY_MIN_HEADS = 256
 # Many queries fill the GPU by themselves: no partials through memory. 32 rows: the tallest tile that keeps the
 # 16-row tiles' bits (mma.sync; 64 and 128 rows take wgmma, which changed 5-163 outputs); H100, 8B heads, causal
 # B=1 x 2048: 643 us against 1116 for 16 rows in-program and 837 for 16-row split tiles
@@ -270,8 +275,8 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
               q_pos: torch.Tensor, prompt: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
     """q [B, Hq, T, D] at positions q_pos [B, T]; pools [N, Hkv, bs, D], block table [B, W] (kernels/ops.py):
     the reference attention, reading the keys in place. tiles: PROMPT_TILES for prompt tokens, else
-    PREFILL_TILES from PREFILL_MIN_T queries on, else VERIFY_TILES or DECODE_TILES (`_tiles`; read at each call, so
-    a script may set them)."""
+    PREFILL_TILES from PREFILL_MIN_T queries on, else (WIDE_)VERIFY_TILES or DECODE_TILES (`_tiles`; read at each
+    call, so a script may set them)."""
     return _attention(q, k_pool, v_pool, table, q_pos, prompt, tiles)[0]
 
 
@@ -306,7 +311,7 @@ def _tiles(b: int, hkv: int, t: int, n_rep: int, prompt: bool) -> Tiles:
     if t >= PREFILL_MIN_T:
         return PREFILL_TILES
     if t * n_rep > DECODE_TILES.block_t and b * hkv >= VERIFY_MIN_HEADS:
-        return VERIFY_TILES
+        return WIDE_VERIFY_TILES if b * hkv >= WIDE_VERIFY_MIN_HEADS else VERIFY_TILES
     return DECODE_TILES
 
 

@@ -333,7 +333,7 @@ def test_prompt_attention_equals_the_prompt_cut_into_pieces_bitwise():
         assert torch.equal(alone, whole[1:, :, i:i + 1]), f"query {i} alone"
 
 
-@pytest.mark.parametrize("which", ["DECODE_TILES", "VERIFY_TILES", "PREFILL_TILES"])
+@pytest.mark.parametrize("which", ["DECODE_TILES", "VERIFY_TILES", "WIDE_VERIFY_TILES", "PREFILL_TILES"])
 @pytest.mark.parametrize("t,start", [(5, 1020), (9, 1492), (1024, 0)])
 def test_chosen_attention_tiles_keep_the_16_row_bits(which, t, start):
     """Taller tiles may take other tensor-core instructions (wgmma): the tiles the dispatcher uses must still give
