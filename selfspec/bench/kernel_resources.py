@@ -106,7 +106,7 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
     consts = dict(CHUNKS=1) if partial else {}  # a launch's 1 is specialized as a constant
     consts |= dict(FMT=fmt, GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program and not partial,
-                   PARTIAL=partial,
+                   PARTIAL=partial, NARROWS=True,
                    BLOCK_M=gll.BLOCK_M, BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k, STAGES=gll.nibble_stages(fmt, block_k))
     sig.update(dict.fromkeys(consts, "constexpr"))
     names = gll._nibble_ws_kernel.arg_names

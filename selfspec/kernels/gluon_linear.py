@@ -121,13 +121,17 @@ def _row(buf, start, length: gl.constexpr, layout: gl.constexpr):
 def _consumer(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem,
               bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm,
               FMT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
-              PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
-    """One warpgroup: y^T rows n0 + row0 .. + WARPGROUP_ROWS of the tile (weight rows), the BLOCK_M columns from m0,
-    as wide a product as the columns x has there: the last tile of M = 160 holds 32, so its wgmma take 32 columns
-    instead of 128 (the x tile's other rows are TMA's zeros). Each output's products and adds are the same at any
-    width (tests/gpu compares the bits)."""
+              PARTIAL: gl.constexpr, NARROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One warpgroup: y^T rows n0 + row0 .. + WARPGROUP_ROWS of the tile (weight rows), the BLOCK_M columns from m0;
+    with NARROWS, as wide a product as the columns x has there: the last tile of M = 288 holds 32, so its wgmma take
+    32 columns instead of 128 (the x tile's other rows are TMA's zeros). Each output's products and adds are the
+    same at any width (tests/gpu compares the bits)."""
     live = M - m0
-    if live <= NARROW:
+    if not NARROWS:
+        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, bias_ptr, res_ptr, y_ptr,
+                 row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES,
+                 IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)
+    elif live <= NARROW:
         _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, bias_ptr, res_ptr, y_ptr,
                  row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES,
                  IN_PROGRAM, PARTIAL, NARROW, BLOCK_K)
@@ -218,7 +222,7 @@ def _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_
 def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, bias_ptr, res_ptr, y_ptr,
                       M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
                       FMT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
-                      IN_PROGRAM: gl.constexpr, PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                      IN_PROGRAM: gl.constexpr, PARTIAL: gl.constexpr, NARROWS: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     # M tiles vary fastest, so the programs sharing one N tile of W run together and hit it in L2.
     m0 = gl.program_id(0) * BLOCK_M
@@ -243,10 +247,11 @@ def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, b
     gl.warp_specialize([
         (_consumer, (x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem.index(0), bias_ptr,
                      res_ptr, y_ptr, 0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym,
-                     stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)),
+                     stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROWS, BLOCK_M, BLOCK_K)),
         (_consumer, (x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem.index(1), bias_ptr,
                      res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS,
-                     stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)),
+                     stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROWS, BLOCK_M,
+                     BLOCK_K)),
         (_loader, (x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_bufs, sum_bufs,
                    affine_bufs, ready, free, m0, n0, k_begin, k_end, FMT, GROUP, BLOCK_K)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
@@ -353,12 +358,19 @@ def nibble_gemm(x2: torch.Tensor, sums: torch.Tensor, fmt: int, tensors: tuple, 
         live = triton.cdiv(k, chunk)  # the split's chunks that hold columns (the decode split may run past K)
         part = torch.empty((live, m, n), dtype=torch.float32, device=x2.device)
         _nibble_ws_kernel[(*grid, live)](*descs, None, None, part, m, n, k, chunk, 1, n, 0, IN_PROGRAM=False,
-                                         PARTIAL=True, **{**flags, "HAS_BIAS": False, "HAS_RES": False})
+                                         PARTIAL=True, NARROWS=True, **{**flags, "HAS_BIAS": False, "HAS_RES": False})
         return sum_chunks(part, split_k, bias, r2)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     _nibble_ws_kernel[grid](*descs, bias, r2, y, m, n, k, chunk, split_k, y.stride(0),
-                            0 if r2 is None else r2.stride(0), IN_PROGRAM=split_k > 1, PARTIAL=False, **flags)
+                            0 if r2 is None else r2.stride(0), IN_PROGRAM=split_k > 1, PARTIAL=False,
+                            NARROWS=grid[0] >= NARROW_FROM_TILES, **flags)
     return y
+
+
+# M tiles from which a CTA whose tile holds few rows takes narrower wgmma (chunks apart: always). H100, 8B layers
+# (docs/bench-h100/ab-gemm-narrow.json): at 288 rows (3 tiles) qkv 0.82-0.84x, gate/up 0.88-0.91x; at 130-192
+# rows (2 tiles) `full` qkv and gate/up 1.02-1.08x slower, o and down (chunks apart) 0.93-0.98x.
+NARROW_FROM_TILES = 3
 
 
 def chunks_apart(grid: tuple[int, int], split_k: int, device: torch.device) -> bool:

@@ -67,7 +67,8 @@ def test_linear(storage, mode_name, n, k):
     assert torch.equal(triton_linear.linear(x, weight, mode, bias, r), y + r)  # the residual add in the epilogue
 
 
-MANY_ROWS = (17, 64, 65, 256, 257, 1024, 8192)  # the many-token buckets' edges, up to 8192 rows
+# The many-token buckets' edges, up to 8192 rows; 257 and 300: a last M tile of 1 and 44 rows (narrow wgmma)
+MANY_ROWS = (17, 64, 65, 256, 257, 300, 1024, 8192)
 
 
 @pytest.mark.parametrize("storage,mode_name", PAIRS)
@@ -446,7 +447,7 @@ def test_model_handovers_keep_the_logits(monkeypatch, storage, mode_name):
 
 
 @pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("planes", "upper"), ("int4", "w4a16")])
-@pytest.mark.parametrize("m", [130, 160, 256])
+@pytest.mark.parametrize("m", [130, 160, 192, 256])  # last M tile: 32-wide wgmma (2, 32 rows), 64-wide, whole
 @pytest.mark.parametrize("n,k,group", [(4096, 14336, 128), (576, 576, 64)])  # 8B down; SmolLM2 o: 9 of 16 chunks
 def test_nibble_chunks_apart_keep_each_rows_bits(storage, mode_name, m, n, k, group):
     """Where a nibble GEMM's tiles fill half the SMs or fewer (down at up to 256 rows), its K chunks run in CTAs of
