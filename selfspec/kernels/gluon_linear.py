@@ -363,14 +363,17 @@ def nibble_gemm(x2: torch.Tensor, sums: torch.Tensor, fmt: int, tensors: tuple, 
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     _nibble_ws_kernel[grid](*descs, bias, r2, y, m, n, k, chunk, split_k, y.stride(0),
                             0 if r2 is None else r2.stride(0), IN_PROGRAM=split_k > 1, PARTIAL=False,
-                            NARROWS=grid[0] >= NARROW_FROM_TILES, **flags)
+                            NARROWS=narrows(grid, x2.device), **flags)
     return y
 
 
-# M tiles from which a CTA whose tile holds few rows takes narrower wgmma (chunks apart: always). H100, 8B layers
-# (docs/bench-h100/ab-gemm-narrow.json): at 288 rows (3 tiles) qkv 0.82-0.84x, gate/up 0.88-0.91x; at 130-192
-# rows (2 tiles) `full` qkv and gate/up 1.02-1.08x slower, o and down (chunks apart) 0.93-0.98x.
-NARROW_FROM_TILES = 3
+def narrows(grid: tuple[int, int], device: torch.device) -> bool:
+    """Whether a CTA whose M tile holds few rows takes narrower wgmma: where the CTAs (one per SM: shared memory)
+    are more than one wave, so that one finishing early lets a waiting one start; within one wave the full tiles
+    set the time, and narrowed `full` qkv ran 1.02-1.08x slower at 130-192 rows. H100, 8B layers
+    (docs/bench-h100/ab-gemm-narrow*.json): qkv 0.82-0.84x and gate/up 0.88-0.91x at 288 rows, gate/up 0.97x at
+    160; with the chunks apart (always narrowed) o and down 0.93-0.98x at 130-192."""
+    return grid[0] * grid[1] > _sm_count(device)
 
 
 def chunks_apart(grid: tuple[int, int], split_k: int, device: torch.device) -> bool:

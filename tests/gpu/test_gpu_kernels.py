@@ -67,7 +67,8 @@ def test_linear(storage, mode_name, n, k):
     assert torch.equal(triton_linear.linear(x, weight, mode, bias, r), y + r)  # the residual add in the epilogue
 
 
-# The many-token buckets' edges, up to 8192 rows; 257 and 300: a last M tile of 1 and 44 rows (narrow wgmma)
+# The many-token buckets' edges, up to 8192 rows; 257 and 300: a last M tile of 1 and 44 rows (narrow wgmma for
+# the N = 14336 weight, whose CTAs pass one wave)
 MANY_ROWS = (17, 64, 65, 256, 257, 300, 1024, 8192)
 
 
