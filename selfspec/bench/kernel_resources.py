@@ -115,21 +115,19 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
 
 
-def compile_dense_warp_specialized(block_k: int = 64, split_k: int = 2,
-                                   partial: bool = False) -> triton.compiler.CompiledKernel:
-    """The warp-specialized bf16 GEMM (kernels/gluon_linear.py) compiled for sm_90, as `dense_gemm` launches it;
-    `partial`: one K chunk per CTA, its fp32 sum stored (`chunks_apart`)."""
+def compile_dense_warp_specialized(block_k: int = 64, split_k: int = 2) -> triton.compiler.CompiledKernel:
+    """The warp-specialized bf16 GEMM (kernels/gluon_linear.py) compiled for sm_90, as `dense_gemm` launches it."""
     block_n = gll.dense_block_n(split_k)
 
     def desc(shape: list[int]) -> str:
         return f"tensordesc<bf16[{shape[0]}, {shape[1]}],{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
 
     sig = {"x_desc": desc([gll.BLOCK_M, block_k]), "w_desc": desc([block_n, block_k]), "bias_ptr": "*bf16",
-           "res_ptr": "*bf16", "y_ptr": "*fp32" if partial else "*bf16"}
+           "res_ptr": "*bf16", "y_ptr": "*bf16"}
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
-    consts = dict(CHUNKS=1) if partial else {}  # a launch's 1 is specialized as a constant
-    consts |= dict(HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=split_k > 1 and not partial, PARTIAL=partial,
-                   BLOCK_M=gll.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=gll.dense_stages(block_k, split_k))
+    consts = dict(HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=split_k > 1, BLOCK_M=gll.BLOCK_M, BLOCK_N=block_n,
+                  BLOCK_K=block_k,
+                  STAGES=gll.dense_stages(block_k, split_k))
     sig.update(dict.fromkeys(consts, "constexpr"))
     return triton.compile(GluonASTSource(gll._dense_ws_kernel, sig, consts), target=H100,
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
@@ -248,7 +246,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         kernels.append(("full chunks apart", gll.nibble_stages(FORMATS["full"], 128),
                         compile_warp_specialized("full", partial=True)))
         kernels += [(f"bf16 split {split}", "-", compile_dense_warp_specialized(64, split)) for split in (1, 4)]
-        kernels.append(("bf16 chunks apart", "-", compile_dense_warp_specialized(64, 4, partial=True)))
         kernels += [(f"w8a8 split {split}", "-", compile_int8_warp_specialized(256, split)) for split in (1, 4)]
         for name, stages, kernel in kernels:
             r = resources(kernel)

@@ -377,9 +377,9 @@ def narrows(grid: tuple[int, int], device: torch.device) -> bool:
 
 
 def chunks_apart(grid: tuple[int, int], split_k: int, device: torch.device) -> bool:
-    """Whether a nibble or bf16 GEMM's K chunks go to CTAs of their own (their fp32 sums through memory, added in
-    order by sum_chunks) instead of one CTA walking them all: where its tiles would fill no more than half the SMs,
-    so that the split fills them (down and o at up to 256 rows on an H100)."""
+    """Whether a nibble GEMM's K chunks go to CTAs of their own (their fp32 sums through memory, added in order by
+    sum_chunks) instead of one CTA walking them all: where its tiles would fill no more than half the SMs, so that
+    the split fills them (down and o at up to 256 rows on an H100)."""
     return split_k > 1 and 2 * grid[0] * grid[1] <= _sm_count(device)
 
 
@@ -392,22 +392,21 @@ def _sm_count(device: torch.device) -> int:
 
 
 @gluon.jit
-def _dense_loader(x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, k_begin, k_end, BLOCK_K: gl.constexpr):
-    """One warp: each K tile of x and W from k_begin to k_end into the ring, as its slots come free, in as many
-    boxes as the slot holds pieces of the tile (TMA boxes of a 128-byte swizzle are at most 128 bytes wide)."""
+def _dense_loader(x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, K, BLOCK_K: gl.constexpr):
+    """One warp: each K tile of x and W into the ring, as its slots come free, in as many boxes as the slot holds
+    pieces of the tile (TMA boxes of a 128-byte swizzle are at most 128 bytes wide)."""
     stages: gl.constexpr = ready.type.shape[0]
     parts: gl.constexpr = x_bufs.type.shape[0] // stages
     width: gl.constexpr = BLOCK_K // parts
     nbytes: gl.constexpr = parts * (x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-    for i in range(gl.cdiv(k_end - k_begin, BLOCK_K)):
-        k0 = k_begin + i * BLOCK_K
+    for i in range(gl.cdiv(K, BLOCK_K)):
         slot = i % stages
         mbarrier.wait(free.index(slot), ((i // stages) & 1) ^ 1)  # a new barrier reads as freed once
         bar = ready.index(slot)
         mbarrier.expect(bar, nbytes)
         for p in gl.static_range(parts):
-            tma.async_copy_global_to_shared(x_desc, [m0, k0 + p * width], bar, x_bufs.index(slot * parts + p))
-            tma.async_copy_global_to_shared(w_desc, [n0, k0 + p * width], bar, w_bufs.index(slot * parts + p))
+            tma.async_copy_global_to_shared(x_desc, [m0, i * BLOCK_K + p * width], bar, x_bufs.index(slot * parts + p))
+            tma.async_copy_global_to_shared(w_desc, [n0, i * BLOCK_K + p * width], bar, w_bufs.index(slot * parts + p))
 
 
 @gluon.jit
@@ -425,13 +424,12 @@ def _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, str
 
 
 @gluon.jit
-def _dense_consumer(x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end,
-                    K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
-                    IN_PROGRAM: gl.constexpr, PARTIAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-    """One warpgroup: rows m0 + row0 .. + WARPGROUP_ROWS of y, BLOCK_N columns from n0, over the CHUNKS chunks of K
-    from k_begin (to k_end). Each chunk of the split in one accumulator, its K tiles in order (each tile's wgmma in
-    flight while the next one's is issued), the chunks added in order: _linear_kernel's bf16 arithmetic; with
-    PARTIAL, the fp32 sum of that one chunk, stored as is (sum_chunks adds them)."""
+def _dense_consumer(x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, K, K_CHUNK, CHUNKS,
+                    stride_ym, stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One warpgroup: rows m0 + row0 .. + WARPGROUP_ROWS of y, BLOCK_N columns from n0. Each chunk of the split in
+    one accumulator, its K tiles in order (each tile's wgmma in flight while the next one's is issued), the chunks
+    added in order: _linear_kernel's bf16 arithmetic."""
     stages: gl.constexpr = ready.type.shape[0]
     rows: gl.constexpr = WARPGROUP_ROWS
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -440,8 +438,8 @@ def _dense_consumer(x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, row0,
     i = 0
     for c in range(0, CHUNKS):
         acc = gl.zeros((rows, BLOCK_N), gl.float32, layout)
-        start = k_begin + c * K_CHUNK
-        for k0 in range(start, gl.minimum(k_end, start + K_CHUNK), BLOCK_K):
+        start = c * K_CHUNK
+        for k0 in range(start, gl.minimum(K, (c + 1) * K_CHUNK), BLOCK_K):
             slot = i % stages
             mbarrier.wait(ready.index(slot), (i // stages) & 1)
             acc = warpgroup_mma(x_bufs.index(slot).slice(row0, rows), w_bufs.index(slot).permute((1, 0)), acc,
@@ -457,34 +455,25 @@ def _dense_consumer(x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, row0,
             total = acc
     offs_m = m0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    if PARTIAL:
-        y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        gl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], total, mask=y_mask)
-    else:
-        _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm, HAS_BIAS, HAS_RES)
+    _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm, HAS_BIAS, HAS_RES)
 
 
 @gluon.jit(do_not_specialize=["M"])  # one binary for every M
 def _dense_ws_kernel(x_desc, w_desc, bias_ptr, res_ptr, y_ptr, M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
-                     HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr, PARTIAL: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                     HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     m0 = gl.program_id(0) * BLOCK_M
     n0 = gl.program_id(1) * BLOCK_N
-    k_begin = gl.program_id(2) * CHUNKS * K_CHUNK  # with PARTIAL, chunk program_id(2); else all of K
-    k_end = gl.minimum(K, k_begin + CHUNKS * K_CHUNK)
-    if PARTIAL:
-        y_ptr += gl.program_id(2) * M * stride_ym
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     ready, free = _ring_barriers(STAGES)
     gl.warp_specialize([
-        (_dense_consumer, (x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, 0, m0, n0, M, N, k_begin, k_end,
-                           K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, BLOCK_N,
+        (_dense_consumer, (x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, 0, m0, n0, M, N, K, K_CHUNK,
+                           CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_N, BLOCK_K)),
+        (_dense_consumer, (x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, K,
+                           K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_N,
                            BLOCK_K)),
-        (_dense_consumer, (x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N,
-                           k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM,
-                           PARTIAL, BLOCK_N, BLOCK_K)),
-        (_dense_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, k_begin, k_end, BLOCK_K)),
+        (_dense_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, K, BLOCK_K)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
@@ -506,23 +495,16 @@ def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, chunk: int, spli
     m, k = x2.shape
     n = w.shape[0]
     block_n = dense_block_n(split_k)
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     x_desc = TensorDescriptor.from_tensor(x2, [BLOCK_M, block_k],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gl.bfloat16))
     w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k],
                                           gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16))
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
-    flags = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=dense_stages(block_k, split_k),
-                 num_warps=4, maxnreg=MAX_REGISTERS)
-    if chunks_apart(grid, split_k, x2.device):  # as nibble_gemm's: o and down at up to 256 rows
-        live = triton.cdiv(k, chunk)
-        part = torch.empty((live, m, n), dtype=torch.float32, device=x2.device)
-        _dense_ws_kernel[(*grid, live)](x_desc, w_desc, None, None, part, m, n, k, chunk, 1, n, 0, HAS_BIAS=False,
-                                        HAS_RES=False, IN_PROGRAM=False, PARTIAL=True, **flags)
-        return sum_chunks(part, split_k, bias, r2)
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     _dense_ws_kernel[grid](
         x_desc, w_desc, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0),
-        HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, PARTIAL=False, **flags)
+        HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_K=block_k, STAGES=dense_stages(block_k, split_k), num_warps=4, maxnreg=MAX_REGISTERS)
     return y
 
 
@@ -584,7 +566,7 @@ def _int8_ws_kernel(x_desc, w_desc, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr,
         (_int8_consumer, (x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS,
                           m0, n0, M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM,
                           BLOCK_N, BLOCK_K)),
-        (_dense_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, 0, K, BLOCK_K)),
+        (_dense_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, K, BLOCK_K)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 

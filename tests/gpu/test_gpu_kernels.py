@@ -447,8 +447,7 @@ def test_model_handovers_keep_the_logits(monkeypatch, storage, mode_name):
         assert rel_err(given, alone.double()) < 1e-3
 
 
-@pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("planes", "upper"), ("int4", "w4a16"),
-                                               ("dense", "bf16")])
+@pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("planes", "upper"), ("int4", "w4a16")])
 @pytest.mark.parametrize("m", [130, 160, 192, 256])  # last M tile: 32-wide wgmma (2, 32 rows), 64-wide, whole
 @pytest.mark.parametrize("n,k,group", [(4096, 14336, 128), (576, 576, 64)])  # 8B down; SmolLM2 o: 9 of 16 chunks
 def test_nibble_chunks_apart_keep_each_rows_bits(storage, mode_name, m, n, k, group):
@@ -473,23 +472,3 @@ def test_nibble_chunks_apart_keep_each_rows_bits(storage, mode_name, m, n, k, gr
         rows = slice(i, i + 1)
         assert torch.equal(triton_linear.linear(x[rows], weight, mode, bias, r[rows], given_rows(given, rows)),
                            y[rows]), f"row {i}"
-
-
-@pytest.mark.parametrize("m", [200, 256])
-@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336)])  # 8B o and down
-def test_bf16_chunks_apart_keep_each_rows_bits(m, n, k):
-    """The bf16 GEMM's K chunks in CTAs of their own where its tiles fill half the SMs or fewer (o and down at up to
-    256 rows): each row gets the decode tiles' bits, bias and residual included."""
-    from selfspec.kernels import gluon_linear
-
-    torch.manual_seed(7)
-    weight = quantize_weight((torch.randn(n, k, device=DEV) * 0.02).bfloat16(), "dense", 128)
-    cfg = triton_linear.tile_config(triton_linear.DENSE.value, False, n, k, 0, m)
-    grid = ((m + 127) // 128, n // gluon_linear.dense_block_n(cfg.split_k))
-    assert cfg.warp_specialized and gluon_linear.chunks_apart(grid, cfg.split_k, DEV)
-    x = torch.randn(m, k, device=DEV).bfloat16()
-    bias, r = torch.randn(n, device=DEV).bfloat16(), torch.randn(m, n, device=DEV).bfloat16()
-    y = triton_linear.linear(x, weight, MODES["bf16"], bias, r)
-    assert torch.equal(y[:16], triton_linear.linear(x[:16], weight, MODES["bf16"], bias, r[:16]))
-    for i in (0, 17, m - 1):
-        assert torch.equal(triton_linear.linear(x[i:i + 1], weight, MODES["bf16"], bias, r[i:i + 1]), y[i:i + 1])
