@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from selfspec.kernels import ptx
-from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY
+from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY, launch_options, wait
 from selfspec.kernels.triton_small import ROW_SUM_COLS, sum_chunks
 
 # The nibble formats, as kernels/triton_linear.py numbers them.
@@ -259,9 +259,10 @@ def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, b
 
 @triton.jit
 def _nibble_inputs_kernel(x_ptr, sums_ptr, xq_ptr, ts_ptr, K, stride_ts, BLOCK_K: tl.constexpr,
-                          PIECES: tl.constexpr, TILES: tl.constexpr):
+                          PIECES: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
     """TILES K tiles of one row of x: their columns quartered (column t * BLOCK_K / 4 + j of a tile holds its column
     4j + t), and the row's sum per tile, its PIECES ROW_SUM_COLS-column sums added in order."""
+    wait(PDL)
     row = tl.program_id(0)
     q: tl.constexpr = BLOCK_K // 4
     tile = tl.program_id(1) * TILES + tl.arange(0, TILES)
@@ -290,7 +291,7 @@ def nibble_inputs(x2: torch.Tensor, sums: torch.Tensor, block_k: int) -> tuple[t
     per_program = 8
     _nibble_inputs_kernel[(m, triton.cdiv(tiles, per_program))](
         x2, sums, xq, out, k, out.stride(0), BLOCK_K=block_k, PIECES=block_k // ROW_SUM_COLS.value,
-        TILES=per_program, num_warps=4)
+        TILES=per_program, num_warps=4, **launch_options())
     return xq, out[:, :m]
 
 

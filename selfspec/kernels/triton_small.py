@@ -295,10 +295,11 @@ def swiglu_handover(gate: torch.Tensor, up: torch.Tensor,
 
 @triton.jit
 def _sum_chunks_kernel(part_ptr, bias_ptr, res_ptr, y_ptr, M, N, stride_rm, SPLIT: tl.constexpr, LIVE: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y = (0 + part[0] + part[1] + ...) (+ bias) rounded to bf16 (+ res): the warp-specialized nibble GEMM's chunk
     sum and store (kernels/gluon_linear.py), the split's chunks past K (past LIVE) adding their zeros as its
     consumers' do."""
+    wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     total = tl.zeros([BLOCK], dtype=tl.float32)
@@ -324,5 +325,6 @@ def sum_chunks(part: torch.Tensor, split: int, bias: torch.Tensor | None, r2: to
     block = 1024
     _sum_chunks_kernel[(triton.cdiv(m * n, block),)](part, bias, r2, y, m, n, 0 if r2 is None else r2.stride(0),
                                                      SPLIT=split, LIVE=live, HAS_BIAS=bias is not None,
-                                                     HAS_RES=r2 is not None, BLOCK=block, num_warps=4)
+                                                     HAS_RES=r2 is not None, BLOCK=block, num_warps=4,
+                                                     **launch_options())
     return y
