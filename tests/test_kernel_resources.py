@@ -70,8 +70,8 @@ def test_warp_specialized_gemms_compile_on_wgmma_without_spills():
                          capture_output=True, text=True, check=True).stdout
     rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
                                           if line.startswith("| ") and not line.startswith("| mode"))}
-    assert set(rows) == {"w4a16", "upper", "full", "full chunks apart", "bf16 split 1", "bf16 split 4", "w8a8 split 1",
-                         "w8a8 split 4"}
+    assert set(rows) == {"w4a16", "upper", "full", "full chunks apart", "bf16 split 1", "bf16 split 4",
+                         "bf16 split 4, 64 columns", "w8a8 split 1", "w8a8 split 4"}
     for mode, (_, stages, _, stack, shared, mma, serialized) in rows.items():
         assert (stages == "-" or int(stages) >= 2) and stack == "0" and int(shared) <= 232448 and mma == "wgmma", mode
         assert serialized == "no", mode

@@ -115,9 +115,10 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
 
 
-def compile_dense_warp_specialized(block_k: int = 64, split_k: int = 2) -> triton.compiler.CompiledKernel:
+def compile_dense_warp_specialized(block_k: int = 64, split_k: int = 2,
+                                   block_n: int | None = None) -> triton.compiler.CompiledKernel:
     """The warp-specialized bf16 GEMM (kernels/gluon_linear.py) compiled for sm_90, as `dense_gemm` launches it."""
-    block_n = gll.dense_block_n(split_k)
+    block_n = block_n or gll.dense_block_n(split_k)
 
     def desc(shape: list[int]) -> str:
         return f"tensordesc<bf16[{shape[0]}, {shape[1]}],{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
@@ -127,7 +128,7 @@ def compile_dense_warp_specialized(block_k: int = 64, split_k: int = 2) -> trito
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
     consts = dict(HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=split_k > 1, BLOCK_M=gll.BLOCK_M, BLOCK_N=block_n,
                   BLOCK_K=block_k,
-                  STAGES=gll.dense_stages(block_k, split_k))
+                  STAGES=gll.dense_stages(block_k, block_n))
     sig.update(dict.fromkeys(consts, "constexpr"))
     return triton.compile(GluonASTSource(gll._dense_ws_kernel, sig, consts), target=H100,
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         kernels.append(("full chunks apart", gll.nibble_stages(FORMATS["full"], 128),
                         compile_warp_specialized("full", partial=True)))
         kernels += [(f"bf16 split {split}", "-", compile_dense_warp_specialized(64, split)) for split in (1, 4)]
+        kernels.append(("bf16 split 4, 64 columns", "-", compile_dense_warp_specialized(64, 4, block_n=64)))
         kernels += [(f"w8a8 split {split}", "-", compile_int8_warp_specialized(256, split)) for split in (1, 4)]
         for name, stages, kernel in kernels:
             r = resources(kernel)

@@ -478,15 +478,20 @@ def _dense_ws_kernel(x_desc, w_desc, bias_ptr, res_ptr, y_ptr, M, N, K, K_CHUNK,
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
-def dense_block_n(split_k: int) -> int:
+def dense_block_n(split_k: int, m: int = 0, n: int = 0, device: torch.device | None = None) -> int:
     """Columns of y per CTA: 256 where K is walked whole (one accumulator a warpgroup), 128 where the split's chunks
-    are summed (a second accumulator)."""
-    return 128 if split_k > 1 else 256
+    are summed (a second accumulator), 64 where 128 would fill no more than half the SMs (o and down at up to 256
+    rows: twice the CTAs; the wgmma's width leaves each output's adds as they are)."""
+    if split_k == 1:
+        return 256
+    if device is not None and 2 * triton.cdiv(m, BLOCK_M) * triton.cdiv(n, 128) <= _sm_count(device):
+        return 64
+    return 128
 
 
-def dense_stages(block_k: int, split_k: int) -> int:
+def dense_stages(block_k: int, block_n: int) -> int:
     """The bf16 kernel's ring: an x tile and a W tile per slot."""
-    return ring_stages((BLOCK_M + dense_block_n(split_k)) * block_k * 2)
+    return ring_stages((BLOCK_M + block_n) * block_k * 2)
 
 
 def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, chunk: int, split_k: int, bias: torch.Tensor | None,
@@ -495,7 +500,7 @@ def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, chunk: int, spli
     (block_k; split_k chunks of `chunk` columns): _linear_kernel's bits."""
     m, k = x2.shape
     n = w.shape[0]
-    block_n = dense_block_n(split_k)
+    block_n = dense_block_n(split_k, m, n, x2.device)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     x_desc = TensorDescriptor.from_tensor(x2, [BLOCK_M, block_k],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gl.bfloat16))
@@ -505,7 +510,7 @@ def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, chunk: int, spli
     _dense_ws_kernel[grid](
         x_desc, w_desc, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=block_k, STAGES=dense_stages(block_k, split_k), num_warps=4, maxnreg=MAX_REGISTERS)
+        BLOCK_K=block_k, STAGES=dense_stages(block_k, block_n), num_warps=4, maxnreg=MAX_REGISTERS)
     return y
 
 
