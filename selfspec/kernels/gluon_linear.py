@@ -480,11 +480,13 @@ def _dense_ws_kernel(x_desc, w_desc, bias_ptr, res_ptr, y_ptr, M, N, K, K_CHUNK,
 
 def dense_block_n(split_k: int, m: int = 0, n: int = 0, device: torch.device | None = None) -> int:
     """Columns of y per CTA: 256 where K is walked whole (one accumulator a warpgroup), 128 where the split's chunks
-    are summed (a second accumulator), 64 where 128 would fill no more than half the SMs (o and down at up to 256
-    rows: twice the CTAs; the wgmma's width leaves each output's adds as they are)."""
+    are summed (a second accumulator), 64 where 128 would fill no more than half the SMs and M fills whole tiles
+    (twice the CTAs; the wgmma's width leaves each output's adds as they are). H100, 8B layers
+    (docs/bench-h100/ab-gemm-dense-64.json): o 0.83x and down 0.88x their time at 256 rows; at 200 rows (a last M
+    tile partly past M) 1.10x and 1.35x slower, so those keep 128."""
     if split_k == 1:
         return 256
-    if device is not None and 2 * triton.cdiv(m, BLOCK_M) * triton.cdiv(n, 128) <= _sm_count(device):
+    if device is not None and m % BLOCK_M == 0 and 2 * (m // BLOCK_M) * triton.cdiv(n, 128) <= _sm_count(device):
         return 64
     return 128
 
