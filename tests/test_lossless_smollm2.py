@@ -1,13 +1,14 @@
 """Invariant 1 on the real default model (SmolLM2-135M): greedy speculative == greedy AR of the verify mode,
-token for token, for qspec and planes on the first 10 built-in prompts, each prompt checked at every gamma 1..6.
+token for token, for qspec and planes on the first 10 built-in prompts, every gamma 1..6, each on the prompts
+whose two gammas (as tests/gpu/test_lossless_gpu.py deals them: 1 + i % 6 and 1 + (i + 3) % 6) include it.
 
 Sized for CI's 2-core CPU: the model is read once per session (conftest: smollm2), on one torch thread (two
 spin-wait for each other when another job shares the CPU), the AR reference is generated once per prompt and reused
 by the six gammas, prompts are raw text (short prefills; the chat template would add ~25 tokens to each of the 70
 prefills per recipe), and NEW_TOKENS = 6 gives every gamma at least one full round of gamma drafts verified in one
 pass (the first token comes from the prefill), most prompts several rounds, with accepts and rejects. Ten prompts,
-not all 20: even so sized, the 20 took 11 minutes on the shared CI-sized CPU (1,100-1,700 forwards per recipe); both
-recipes still reject some drafts at every gamma on these ten.
+not all 20, and two gammas a prompt, not six: every prompt at every gamma took 4.6 of CI's 17 minutes (the 20 took
+11 minutes on the shared CI-sized CPU); each gamma still sees its drafts both accepted and rejected.
 """
 import pytest
 
@@ -33,11 +34,16 @@ def llm_and_refs(request, smollm2):
     return llm, refs
 
 
+def prompts_at(gamma: int) -> list[int]:
+    """The prompts checked at `gamma`: each prompt i at 1 + i % 6 and 1 + (i + 3) % 6."""
+    return [i for i in range(len(PROMPTS)) if gamma in (1 + i % 6, 1 + (i + 3) % 6)]
+
+
 @pytest.mark.parametrize("gamma", GAMMAS)
 def test_greedy_speculative_equals_ar(llm_and_refs, gamma):
     llm, refs = llm_and_refs
     mismatches, accepted, proposed = [], 0, 0
-    for prompt, ref in zip(PROMPTS, refs):
+    for prompt, ref in ((PROMPTS[i], refs[i]) for i in prompts_at(gamma)):
         out = llm.generate(prompt, params(), gamma=gamma)
         assert out.stats.draft_proposed >= gamma  # at least one full round of gamma drafts was verified
         accepted += out.stats.draft_accepted
