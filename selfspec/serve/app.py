@@ -133,35 +133,36 @@ def openai_app(runner: Runner, prompts: PromptSide, model_name: str, metrics: Se
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def answer(req: CompletionRequest | ChatCompletionRequest, raw: Request, prompt_ids: list[int],
+                     request_id: str, default_max_tokens: int, events: Callable[..., AsyncIterator[str]],
+                     choice: Callable[[str, str | None], BaseModel], response: type[BaseModel]) -> Response:
+        """Both routes' answer: the request submitted, then a stream of `events`, or the whole text as one
+        `choice` (text, finish reason) of a `response`."""
+        outputs = await submit(runner, prompts, request_id, prompt_ids, req, default_max_tokens)
+        if req.stream:
+            return event_stream(runner, request_id, events(req, model_name, request_id, len(prompt_ids),
+                                                           watch(outputs, raw)))
+        text, final, n_tokens = await collect(runner, request_id, watch(outputs, raw))
+        return JSONResponse(response(id=request_id, model=model_name, choices=[choice(text, final.finish_reason)],
+                                     usage=usage(final, len(prompt_ids), n_tokens)).model_dump())
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         check_model(req.model)
         # tokenizers run in a worker thread: a long prompt must not hold up every other client on the event loop
         prompt_ids = check_token_ids(prompts, await asyncio.to_thread(prompts.encode, req.prompt))
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs = await submit(runner, prompts, request_id, prompt_ids, req, COMPLETION_DEFAULT_MAX_TOKENS)
-        if req.stream:
-            return event_stream(runner, request_id, completion_events(req, model_name, request_id, len(prompt_ids),
-                                                                       watch(outputs, raw)))
-        text, final, n_tokens = await collect(runner, request_id, watch(outputs, raw))
-        return JSONResponse(CompletionResponse(
-            id=request_id, model=model_name, choices=[CompletionChoice(text=text, finish_reason=final.finish_reason)],
-            usage=usage(final, len(prompt_ids), n_tokens)).model_dump())
+        return await answer(req, raw, prompt_ids, f"cmpl-{uuid.uuid4().hex}", COMPLETION_DEFAULT_MAX_TOKENS,
+                            completion_events, lambda text, why: CompletionChoice(text=text, finish_reason=why),
+                            CompletionResponse)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         check_model(req.model)
         prompt_ids = await asyncio.to_thread(chat_prompt_ids, prompts, req)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = await submit(runner, prompts, request_id, prompt_ids, req, CHAT_DEFAULT_MAX_TOKENS)
-        if req.stream:
-            return event_stream(runner, request_id, chat_events(req, model_name, request_id, len(prompt_ids),
-                                                                 watch(outputs, raw)))
-        text, final, n_tokens = await collect(runner, request_id, watch(outputs, raw))
-        return JSONResponse(ChatCompletionResponse(
-            id=request_id, model=model_name,
-            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=final.finish_reason)],
-            usage=usage(final, len(prompt_ids), n_tokens)).model_dump())
+        return await answer(req, raw, prompt_ids, f"chatcmpl-{uuid.uuid4().hex}", CHAT_DEFAULT_MAX_TOKENS,
+                            chat_events,
+                            lambda text, why: ChatChoice(message=AssistantMessage(content=text), finish_reason=why),
+                            ChatCompletionResponse)
 
     return app
 
