@@ -63,6 +63,19 @@ def piece_sums(v):
 
 
 @triton.jit
+def store_row_codes(y, q_ptr, s_ptr, sums_ptr, row, D, offs, mask, QMAX: tl.constexpr, SUMS: tl.constexpr):
+    """A whole row's per-token codes and scale, as act_quant makes them from y (zeros past D change no max and no
+    sum), and with SUMS the codes' sums: what a producer hands an int8-activation linear."""
+    yf = y.to(tl.float32)
+    scale = row_scale(tl.max(tl.abs(yf), axis=0), QMAX)
+    q = row_codes(yf, scale, QMAX)
+    tl.store(q_ptr + row * D + offs, q.to(tl.int8), mask=mask)
+    tl.store(s_ptr + row, scale)
+    if SUMS:
+        store_row_sums(q, sums_ptr + row * (D // ROW_SUM_COLS), 0, D // ROW_SUM_COLS)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, sums_ptr, q_ptr, s_ptr, D, stride_x, eps, QMAX: tl.constexpr,
                      BLOCK: tl.constexpr, SUMS: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
     wait(PDL)
@@ -74,14 +87,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, sums_ptr, q_ptr, s_ptr, D, stride_x, e
     r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     y = (x * r * w).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * D + offs, y, mask=mask)
-    if QUANT:  # the row's codes, as act_quant would make them from y (zeros past D change no max and no sum)
-        yf = y.to(tl.float32)
-        scale = row_scale(tl.max(tl.abs(yf), axis=0), QMAX)
-        q = row_codes(yf, scale, QMAX)
-        tl.store(q_ptr + row * D + offs, q.to(tl.int8), mask=mask)
-        tl.store(s_ptr + row, scale)
-        if SUMS:  # the codes' sums
-            store_row_sums(q, sums_ptr + row * (D // ROW_SUM_COLS), 0, D // ROW_SUM_COLS)
+    if QUANT:
+        store_row_codes(y, q_ptr, s_ptr, sums_ptr, row, D, offs, mask, QMAX, SUMS)
     elif SUMS:
         store_row_sums(y, sums_ptr + row * (D // ROW_SUM_COLS), 0, D // ROW_SUM_COLS)
 
@@ -246,13 +253,7 @@ def _swiglu_codes_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, sums_ptr, H, stride_
     mask = offs < H
     y = _swiglu_values(g_ptr + row * stride_g, u_ptr + row * stride_u, offs, mask, y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * H + offs, y, mask=mask)
-    yf = y.to(tl.float32)  # zeros past H: no max, no sum
-    scale = row_scale(tl.max(tl.abs(yf), axis=0), QMAX)
-    q = row_codes(yf, scale, QMAX)
-    tl.store(q_ptr + row * H + offs, q.to(tl.int8), mask=mask)
-    tl.store(s_ptr + row, scale)
-    if SUMS:
-        store_row_sums(q, sums_ptr + row * (H // ROW_SUM_COLS), 0, H // ROW_SUM_COLS)
+    store_row_codes(y, q_ptr, s_ptr, sums_ptr, row, H, offs, mask, QMAX, SUMS)
 
 
 # The widest row whose codes swiglu writes (one program holds it whole); wider rows leave them to the linear.
