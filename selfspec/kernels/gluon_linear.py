@@ -381,7 +381,13 @@ def chunks_apart(grid: tuple[int, int], split_k: int, device: torch.device) -> b
     """Whether a nibble GEMM's K chunks go to CTAs of their own (their fp32 sums through memory, added in order by
     sum_chunks) instead of one CTA walking them all: where its tiles would fill no more than half the SMs, so that
     the split fills them (down and o at up to 256 rows on an H100)."""
-    return split_k > 1 and 2 * grid[0] * grid[1] <= _sm_count(device)
+    return split_k > 1 and half_wave_or_less(grid, device)
+
+
+def half_wave_or_less(grid: tuple[int, int], device: torch.device) -> bool:
+    """Whether a grid of one CTA an SM fills no more than half the SMs (nibble chunks apart, bf16 64-column
+    tiles)."""
+    return 2 * grid[0] * grid[1] <= _sm_count(device)
 
 
 @functools.cache
@@ -486,7 +492,7 @@ def dense_block_n(split_k: int, m: int = 0, n: int = 0, device: torch.device | N
     tile partly past M) 1.10x and 1.35x slower, so those keep 128."""
     if split_k == 1:
         return 256
-    if device is not None and m % BLOCK_M == 0 and 2 * (m // BLOCK_M) * triton.cdiv(n, 128) <= _sm_count(device):
+    if device is not None and m % BLOCK_M == 0 and half_wave_or_less((m // BLOCK_M, triton.cdiv(n, 128)), device):
         return 64
     return 128
 
