@@ -68,8 +68,8 @@ class Tiles:
 DECODE_TILES = Tiles()  # decode and verify: few queries, so the keys are split to fill the GPU
 # Verify passes of a batch: more (query, head) rows per kv head than one 16-row tile holds (5 tokens x 4 heads =
 # 20), over enough kv heads to fill the GPU. One 32-row tile reads each key chunk once; 4 warps halve the rows'
-# exchange. H100, 8B heads, 1k keys (docs/bench-h100/attention-verify-tiles.log): batch 32 x 5 queries 80.5 us
-# against 103.0 for DECODE_TILES, batch 8 27.8 vs 30.4; batch 1 (8 kv heads) 13.6 vs 10.9, so it keeps 16 rows.
+# exchange. H100, 8B heads, 1k keys (docs/bench-h100/attention-verify-tiles.log): batch 32 x 5 queries 81.5 us
+# against 105.4 for DECODE_TILES, batch 8 27.8 vs 31.4; batch 1 (8 kv heads) 14.0 vs 11.5, so it keeps 16 rows.
 VERIFY_TILES = Tiles(32, warps=4)
 VERIFY_MIN_HEADS = 64  # batch x kv heads from which verify passes take VERIFY_TILES
 # From batch 32 (8 kv heads) those tiles fill the GPU without splitting the keys: no partials, no merge kernel.
