@@ -58,7 +58,7 @@ FULL = tl.constexpr(4)  # both planes: q8 = 16 * upper + lower
 
 BLOCK_M = 16  # decode's M tile (M <= 16); the smallest tl.dot tile
 MAX_TILES_PER_PROGRAM = 16  # _nibble_kernel keeps a row sum and an offset per K tile of its range in registers
-ONE_WAVE = 128  # programs: about one per SM of an H100 (132)
+SMS = 132  # streaming multiprocessors of an H100 SXM (and an H200): programs per wave at one per SM
 
 
 @triton.jit
@@ -566,27 +566,27 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
     graphs, weights streamed from HBM): INT8 codes stream best in K tiles of 256, both planes with int8
     activations in tiles of one group (<= 128) as the dot's left operand (swapped). Nibbles (_nibble_kernel) with
     bf16 activations, never more than MAX_TILES_PER_PROGRAM K tiles per program: one nibble plane in N tiles of 256
-    and K in as few pieces as that allows where this still gives a wave of programs (gate/up and down of 8B
-    models; docs/bench-h100/tune-group-major-scales.json); else N tiles of 128 and K split into chunks of about 8
-    K tiles, or into more pieces (up to 16) while that leaves under 256 programs; with int8 activations:
+    and K in as few pieces as that allows where this gives more than a wave of programs (gate/up of 8B models;
+    docs/bench-h100/tune-group-major-scales.json); else K split into chunks of about 8 K tiles, or into more pieces
+    (up to 16) while that leaves under 256 programs of 128 columns, over N tiles of 128, or of 64 for both planes
+    (an 8B model's down 0.87x the time of 256-wide tiles for one plane, `full`'s gate/up and down 0.93-0.95x that
+    of 128-wide ones: docs/bench-h100/tune-decode-2026-11-26.json); with int8 activations:
     N tiles of 64 and as many K pieces (a power of two) as keep the programs within 512."""
     if uses_nibble_kernel(fmt, act, group):
         block_k = min(group, 128)
         k_tiles = triton.cdiv(k, block_k)
         if act:
-            block_n, n_tiles = 64, triton.cdiv(n, 64)
-            split_k = 1 << max(0, (512 // n_tiles).bit_length() - 1)  # the power of two <= 512 / n_tiles
-            split_k = max(1, min(k_tiles, 16, split_k))
-        else:
-            fewest = 1 << (triton.cdiv(k_tiles, MAX_TILES_PER_PROGRAM) - 1).bit_length()  # pieces, a power of two
-            if fmt != FULL.value and triton.cdiv(n, 256) * fewest >= ONE_WAVE:
-                return TileConfig(256, block_k, fewest)  # long programs over wide tiles still fill the GPU
-            block_n, n_tiles = 128, triton.cdiv(n, 128)
-            split_k = 1 << max(0, (k_tiles // 8).bit_length() - 1)  # the power of two <= k_tiles / 8
-            while split_k < k_tiles and (k_tiles > split_k * MAX_TILES_PER_PROGRAM
-                                         or (n_tiles * split_k < 256 and split_k < 16)):
-                split_k *= 2
-        return TileConfig(block_n, block_k, split_k)
+            split_k = 1 << max(0, (512 // triton.cdiv(n, 64)).bit_length() - 1)  # the power of two <= 512 / N tiles
+            return TileConfig(64, block_k, max(1, min(k_tiles, 16, split_k)))
+        fewest = 1 << (triton.cdiv(k_tiles, MAX_TILES_PER_PROGRAM) - 1).bit_length()  # pieces, a power of two
+        if fmt != FULL.value and triton.cdiv(n, 256) * fewest > SMS:
+            return TileConfig(256, block_k, fewest)  # long programs over wide tiles fill more than a wave
+        n_tiles = triton.cdiv(n, 128)  # the split counts programs of 128 columns whatever the N tile
+        split_k = 1 << max(0, (k_tiles // 8).bit_length() - 1)  # the power of two <= k_tiles / 8
+        while split_k < k_tiles and (k_tiles > split_k * MAX_TILES_PER_PROGRAM
+                                     or (n_tiles * split_k < 256 and split_k < 16)):
+            split_k *= 2
+        return TileConfig(64 if fmt == FULL.value else 128, block_k, split_k)
     int4_act = act and fmt >= INT4.value
     block_n = 64 if int4_act or n > 32768 else 32
     if fmt >= INT4.value:
@@ -719,9 +719,6 @@ def fits_shared(cfg: TileConfig, fmt: int, act: bool) -> bool:
     MANY_TOKENS offers, compiled for sm_90."""
     x_bytes, w_bytes = 1 if act else 2, 2 if fmt == DENSE.value else 1
     return cfg.num_stages * (cfg.block_m * x_bytes + cfg.block_n * w_bytes) * cfg.block_k <= SHARED_MEMORY
-
-
-SMS = 132  # streaming multiprocessors of an H100 SXM (and an H200): programs per wave at one per SM
 
 
 def fullest_wave(configs: list[TileConfig], m: int, n: int) -> TileConfig:
