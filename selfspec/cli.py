@@ -53,6 +53,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache format, in place of the recipe's: bf16, int8, or hier (a draft reads its upper "
                         "plane)")
     p.add_argument("--kv-group", type=int, default=None, help="tokens per KV quantization group (default 128)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="a draft mode's head reads only the N most frequent tokens (fewer bytes a draft step; "
+                        "the verify pass keeps every token, so the output is unchanged)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model across N processes (one GPU each with --device cuda; gloo on the CPU)")
 
@@ -156,7 +159,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     check_prompt(prompt)
     llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device,
                         fixed_gamma=args.fixed_gamma, draft_model=args.draft_model, kv=args.kv,
-                        kv_group=args.kv_group, tensor_parallel=args.tensor_parallel)
+                        kv_group=args.kv_group, tensor_parallel=args.tensor_parallel, draft_vocab=args.draft_vocab)
     try:
         out = None
         for text, _, out in llm.stream(prompt, params, chat=args.chat):
@@ -167,7 +170,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     r = llm.recipe
     drafts = r.draft is not None and llm.gamma > 0  # else the run is autoregressive: no draft, no gamma
     info = {"model": llm.description, "recipe": r.name, "storage": r.storage, "draft": r.draft if drafts else None,
-            "verify": r.verify, "gamma": llm.gamma if drafts else 0, "kv": r.kv}
+            "verify": r.verify, "gamma": llm.gamma if drafts else 0, "kv": r.kv,
+            "draft_vocab": r.draft_vocab if drafts else 0}
     if r.draft_model is not None:
         info["draft_model"] = llm.drafter.memory()  # what drafting adds: weights and KV bytes
     if args.tensor_parallel > 1:
@@ -177,6 +181,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     else:
         print()
         skip = f" skipping layers {','.join(map(str, r.skip_layers))}" if r.skip_layers else ""
+        skip += f" over {r.draft_vocab} tokens" if r.draft_vocab else ""
         how = f"draft {r.draft}{skip}, verify {r.verify}, gamma {llm.gamma}" if drafts else \
             f"verify {r.verify}, autoregressive"
         kv = "" if r.kv == "bf16" else f", {r.kv} KV (group {r.kv_group})"

@@ -299,6 +299,9 @@ class Transformer(nn.Module):
         self.register_buffer("cos", (emb.cos() * scale).float(), persistent=False)
         self.register_buffer("sin", (emb.sin() * scale).float(), persistent=False)
         self.kv_format, self.kv_group = "bf16", 128  # the KV cache new_cache builds (set_kv_format)
+        # The head's rows of the draft vocabulary and their token ids (set_draft_vocab): what a draft_vocab mode reads.
+        self.draft_head: DenseWeight | None = None
+        self.register_buffer("draft_ids", torch.empty(0, dtype=torch.long), persistent=False)
 
     def _apply(self, fn, *args, **kwargs):
         # .to()/.cuda() move parameters and buffers one by one, which would give the tied head its own copy.
@@ -330,6 +333,18 @@ class Transformer(nn.Module):
         groups of group_size tokens (cache/quant_kv.py)."""
         check_kv_format(fmt, group_size)
         self.kv_format, self.kv_group = fmt, group_size
+
+    def set_draft_vocab(self, ids: list[int]) -> None:
+        """Let modes with `draft_vocab` compute the logits of these tokens only: their head rows, copied (a copy of
+        len(ids) / vocab of the head: `weight_bytes` counts it)."""
+        vocab = self.lm_head.weight.shape[0]
+        if self.tp.size > 1:
+            raise SelfspecError("a draft vocabulary would need a slice of each rank's vocabulary rows; under tensor "
+                                "parallelism drop --draft-vocab")
+        if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= vocab:
+            raise SelfspecError(f"a draft vocabulary holds distinct token ids in 0..{vocab - 1}, got {len(ids)} ids")
+        self.draft_ids = torch.tensor(sorted(ids), device=self.device)
+        self.draft_head = DenseWeight(self.lm_head.weight[self.draft_ids].clone())
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache | QuantKVCache:
         c = self.cfg
@@ -380,7 +395,15 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor, mode: Mode) -> torch.Tensor:
         """Float32 logits over the whole vocabulary: under tensor parallelism each rank's vocabulary slice, gathered
-        in rank order, so every rank picks the same token."""
+        in rank order, so every rank picks the same token. A draft_vocab mode computes the draft vocabulary's and
+        gives the other tokens -inf."""
+        if mode.draft_vocab:
+            if self.draft_head is None:
+                raise SelfspecError(f"mode '{mode.name}' reads the draft vocabulary, which this model was not given "
+                                    "(Transformer.set_draft_vocab)")
+            part = linear(hidden, self.draft_head, self.head_mode(mode), None).float()
+            out = part.new_full((*part.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
+            return out.index_copy_(-1, self.draft_ids, part)
         return self.tp.gather_last(linear(hidden, self.lm_head, self.head_mode(mode), None).float())
 
     def head_mode(self, mode: Mode) -> Mode:

@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -59,11 +60,11 @@ def predict(traces: list[Path], gammas: list[int], costs: tuple[float, float, fl
     return "\n".join(out)
 
 
-def draft_mode(recipe: str, draft: str | None) -> Mode | None:
+def draft_mode(recipe: str, draft: str | None, draft_vocab: int = 0) -> Mode | None:
     """The mode a recipe's replayed draft steps run in on one model: None for a lookup (it pays none) and for a
     draft model (its steps are another model's: not replayable here)."""
     modes = draft_modes(draft) if draft and recipe != "draft-model" else []
-    return MODES[modes[0]] if modes else None
+    return replace(MODES[modes[0]], draft_vocab=bool(draft_vocab)) if modes else None
 
 
 def unreplayable(t: Trace) -> str | None:
@@ -136,10 +137,16 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> 
     for recipe, recipe_traces in by_recipe.items():
         r = PRESETS[recipe]
         gm = GraphedModel(synthetic_model(shape, r.storage, rotate=r.rotate), max_len=context + 512)
+        vocabs = {t.draft_vocab for t in recipe_traces} - {0}
+        if len(vocabs) > 1:
+            raise SelfspecError(f"traces of recipe {recipe} with draft vocabularies of {sorted(vocabs)} tokens: "
+                                "replay one size a run")
+        if vocabs:  # synthetic weights: which tokens' rows the draft head holds does not change its cost
+            gm.model.set_draft_vocab(list(range(vocabs.pop())))
         ar_ms = ar_ms_per_step(gm, r.verify, 1, context)
-        mode = draft_mode(recipe, r.draft)
-        draft_ms = pass_ms(gm, mode.name, 1, 1, context) if mode else 0.0
         for t in recipe_traces:
+            mode = draft_mode(recipe, t.draft, t.draft_vocab)
+            draft_ms = pass_ms(gm, mode, 1, 1, context) if mode else 0.0
             for task, rounds in t.tasks.items():
                 for k in [g for g in gammas if g <= t.gamma]:  # a round cannot draft past its recording
                     cut = [x.cut(k) for x in rounds]
@@ -148,9 +155,9 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> 
                     tokens = round(sum(x.width + 1 for x in cut) / len(cut))
                     verify_ms = pass_ms(gm, r.verify, branches, tokens, context)
                     predicted = 1000 * expected_tokens(rounds, k) / (steps * draft_ms + verify_ms)
-                    measured = replayed_speed(gm, MODES[r.verify], draft_mode(recipe, t.draft), rounds, k,
-                                              context, 256)["tokens_per_s"]
-                    row = {"shape": shape, "synthetic": True, "recipe": recipe, "draft": t.draft, "verify": r.verify,
+                    measured = replayed_speed(gm, MODES[r.verify], mode, rounds, k, context, 256)["tokens_per_s"]
+                    row = {"shape": shape, "synthetic": True, "recipe": recipe, "draft": t.draft,
+                           "draft_vocab": t.draft_vocab, "verify": r.verify,
                            "trace": t.label(task), "gamma": k,
                            "acceptance_rate": sum(x.accepted for x in cut) / max(1, sum(x.proposed for x in cut)),
                            "mean_acceptance_length": expected_tokens(rounds, k),

@@ -17,7 +17,7 @@ from selfspec.bench.shapes import SHAPES
 from selfspec.bench.synthetic import synthetic_model
 from selfspec.engine.graphs import GraphedModel
 from selfspec.parallel import SOLO, TensorParallel, check_tensor_parallel
-from selfspec.quant.modes import MODES
+from selfspec.quant.modes import MODES, Mode
 
 # Each stored format and the modes measured from it.
 STORAGE_MODES = {"dense": ["bf16"], "int8": ["w8a16", "w8a8"], "int4": ["w4a16", "w4a8", "w4a4"],
@@ -52,13 +52,15 @@ def ar_ms_per_step(gm: GraphedModel, mode_name: str, batch: int, context: int, s
     return time_ms(run, warmup=1, reps=5) / steps
 
 
-def pass_ms(gm: GraphedModel, mode_name: str, batch: int, tokens: int, context: int) -> float:
-    """Milliseconds of one forward of `tokens` new tokens per row (a draft, verify or AR pass)."""
+def pass_ms(gm: GraphedModel, mode: Mode | str, batch: int, tokens: int, context: int) -> float:
+    """Milliseconds of one forward of `tokens` new tokens per row (a draft, verify or AR pass) in a mode or the
+    mode of that name."""
+    mode = MODES[mode] if isinstance(mode, str) else mode
     cache = filled_cache(gm, batch, context, gm.max_len)
     dev = gm.device
     tok = torch.randint(0, gm.cfg.vocab_size, (batch, tokens), device=dev)
     pos = context + torch.arange(tokens, device=dev).expand(batch, tokens)
-    return time_ms(lambda: gm(tok, pos, cache, MODES[mode_name]), warmup=3, reps=20)
+    return time_ms(lambda: gm(tok, pos, cache, mode), warmup=3, reps=20)
 
 
 def weight_bytes_read(model, mode_name: str) -> int:

@@ -83,6 +83,7 @@ class Trace:
     source: str = ""
     tasks: dict[str, list[Round]] = field(default_factory=dict)
     draft_model: str | None = None  # recipe draft-model: the model that drafts (its steps are that model's)
+    draft_vocab: int = 0  # the draft's head read this many most frequent tokens (0: all)
 
     def rounds(self, task: str | None = None) -> list[Round]:
         """One task's rounds, or every task's in turn."""
@@ -94,10 +95,12 @@ class Trace:
     def label(self, task: str | None = None) -> str:
         t = f"T={self.temperature:g}" if self.temperature else "greedy"
         draft = f"{self.draft_model} {self.draft}" if self.draft_model else self.draft
+        draft += f" over {self.draft_vocab} tokens" if self.draft_vocab else ""
         return f"{self.model}/{task or '+'.join(self.tasks)} ({draft}, {t}, gamma {self.gamma})"
 
     def to_json(self) -> dict:
-        head = {k: v for k, v in asdict(self).items() if k != "tasks" and (k != "draft_model" or v)}
+        optional = ("draft_model", "draft_vocab")  # written where set
+        head = {k: v for k, v in asdict(self).items() if k != "tasks" and (k not in optional or v)}
         return {"version": VERSION, **head, "fields": list(FIELDS),
                 "tasks": {task: [[getattr(r, f) for f in FIELDS] for r in rs] for task, rs in self.tasks.items()}}
 
@@ -114,7 +117,8 @@ def from_json(d: dict) -> Trace:
         raise SelfspecError(f"trace version {version} is not one this selfspec reads (1 or {VERSION}); "
                             "record it again with python -m selfspec.bench.traces")
     head = {k: d[k] for k in ("model", "recipe", "draft", "verify", "gamma")}
-    extra = {k: d[k] for k in ("temperature", "max_new_tokens", "prompts", "source", "draft_model") if k in d}
+    extra = {k: d[k] for k in ("temperature", "max_new_tokens", "prompts", "source", "draft_model", "draft_vocab")
+             if k in d}
     if version == 1:
         g = d["gamma"]
         tasks = {task: [Round("draft", g, g, 1, g + 1, n) for n in acc] for task, acc in d["tasks"].items()}
@@ -218,7 +222,7 @@ def record_trace(llm, name: str, prompts: dict[str, list], gamma: int, max_new_t
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "the CPU"
     trace = Trace(name, llm.recipe.name, llm.recipe.draft, llm.recipe.verify, gamma, temperature, max_new_tokens,
                   max(map(len, prompts.values())), f"recorded by selfspec.bench.traces on {where}",
-                  draft_model=llm.recipe.draft_model)
+                  draft_model=llm.recipe.draft_model, draft_vocab=llm.recipe.draft_vocab)
     for task, texts in prompts.items():
         rs = trace.tasks[task] = record(llm, texts, gamma, max_new_tokens, temperature)
         log(f"{trace.label(task)}: {len(rs)} rounds, mean acceptance length "
@@ -227,12 +231,14 @@ def record_trace(llm, name: str, prompts: dict[str, list], gamma: int, max_new_t
 
 
 def trace_path(out: Path, name: str, recipe: str, draft: str | None, temperature: float, gamma: int,
-               default_draft: str | None, draft_model: str | None = None) -> Path:
-    """<model>.<recipe>[.<draft model>][.<draft>][.t<T>][.g<gamma>].json: the plain name where draft, temperature
-    and gamma are the defaults."""
+               default_draft: str | None, draft_model: str | None = None, draft_vocab: int = 0) -> Path:
+    """<model>.<recipe>[.<draft model>][.<draft>][.v<draft vocabulary>][.t<T>][.g<gamma>].json: the plain name where
+    draft, draft vocabulary, temperature and gamma are the defaults."""
     parts = [name, recipe] + ([Path(draft_model).name] if draft_model else [])
     if draft != default_draft:
         parts.append(draft.replace(":", "-"))
+    if draft_vocab:
+        parts.append(f"v{draft_vocab}")
     if temperature:
         parts.append(f"t{temperature:g}")
     return out / (".".join(parts) + ("" if gamma == DEFAULT_GAMMA else f".g{gamma}") + ".json")
@@ -339,6 +345,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--recipe", default="planes")
     ap.add_argument("--draft", default=None, help="the recipe's drafter overridden (e.g. ngram:2-4)")
     ap.add_argument("--draft-model", default=None, help="recipe draft-model: the model that drafts")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="the draft's head reads the N most frequent tokens")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     ap.add_argument("--prompts", type=int, default=4, help="prompts per task (the first ones)")
     ap.add_argument("--gamma", type=int, default=DEFAULT_GAMMA)
@@ -352,7 +359,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     args = ap.parse_args(argv)
     name = args.name or args.model
     llm = selfspec.load(args.model, args.recipe, draft=args.draft, gamma=args.gamma, device=args.device,
-                        draft_model=args.draft_model)
+                        draft_model=args.draft_model, draft_vocab=args.draft_vocab)
     if args.prompts_file is None:
         prompts = task_prompts(args.tasks, args.prompts)
     else:
@@ -360,7 +367,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     trace = record_trace(llm, name, prompts, args.gamma, args.max_new_tokens, args.temperature)
     default_draft = llm.recipe.verify if llm.recipe.draft_model else PRESETS[llm.recipe.name].draft
     path = trace_path(args.out, name, llm.recipe.name, llm.recipe.draft, args.temperature, args.gamma, default_draft,
-                      llm.recipe.draft_model)
+                      llm.recipe.draft_model, llm.recipe.draft_vocab)
     trace.save(path)
     print(f"wrote {path}")
 

@@ -19,6 +19,7 @@ from selfspec.quant.modes import get_mode
 from selfspec.quant.smooth import activation_maxima, calibration_tokens, smooth_
 from selfspec.speculative.decode import decode
 from selfspec.speculative.draft_model import DraftModel, check_same_vocabulary
+from selfspec.speculative.draft_vocab import frequent_tokens
 from selfspec.speculative.drafters import HybridDrafter, SelfDraft, make_drafter
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.recipes import Recipe, resolve_recipe
@@ -58,7 +59,20 @@ class LLM:
             self.description += f"; {drafter.describe()}"
         # The draft steps of a chain in a draft mode (None: no draft steps, or another model's)
         self.draft_mode = self.drafter.mode if isinstance(self.drafter, (SelfDraft, HybridDrafter)) else None
+        self.eos_ids = set(model.cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        if recipe.draft_vocab and self.draft_mode is None:
+            raise SelfspecError(f"--draft-vocab shrinks the head of a draft mode's steps; recipe '{recipe.name}' "
+                                f"drafts with '{recipe.draft}', which runs none: drop --draft-vocab")
         if self.draft_mode is not None:
+            if recipe.draft_vocab:  # the draft's head reads the most frequent tokens' rows only
+                model.set_draft_vocab(frequent_tokens(tokenizer, model.lm_head.weight.shape[0], recipe.draft_vocab,
+                                                      self.eos_ids))
+                self.draft_mode = replace(self.draft_mode, draft_vocab=True)
+                head = model.draft_head.weight
+                self.description += (f"; draft head: {recipe.draft_vocab} tokens "
+                                     f"(+{head.numel() * head.element_size() / 2**20:.1f} MiB)")
             if recipe.skip_layers:  # layer-skip: the draft mode skips them
                 self.draft_mode = replace(self.draft_mode, skip_layers=frozenset(recipe.skip_layers))
             if recipe.kv == "hier":  # the draft reads the KV's upper plane
@@ -69,9 +83,6 @@ class LLM:
         # fixed_gamma: draft gamma tokens every round.
         self.fixed_gamma = fixed_gamma
         self.policy = GammaPolicy(gamma if self.drafter is not None else 0)
-        self.eos_ids = set(model.cfg.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            self.eos_ids.add(tokenizer.eos_token_id)
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, self.model.cfg.max_seq_len, prompt, chat)
@@ -261,14 +272,16 @@ def build_draft_model(cfg, tokenizer, name: str, draft: tuple, recipe: Recipe, g
 def load(model: str | None = None, recipe: str | None = None, draft: str | None = None, verify: str | None = None,
          gamma: int = 4, group_size: int = 128, device: str = "cpu", fixed_gamma: bool = False,
          draft_model: str | None = None, kv: str | None = None, kv_group: int | None = None,
-         tensor_parallel: int = 1) -> LLM:
+         tensor_parallel: int = 1, draft_vocab: int | None = None) -> LLM:
     """Load a named model, HF directory or .gguf file under a recipe (default: `planes`). `gamma` caps the drafted
     tokens per round, each round's picked by a measured-cost policy; with `fixed_gamma`, every round drafts gamma.
     Recipe draft-model drafts with `draft_model` (a name or path, same tokenizer), in mode `draft`. `kv`, `kv_group`:
-    the KV cache format and its group, in place of the recipe's (quant/kv.py). `tensor_parallel` N > 1: the model
+    the KV cache format and its group, in place of the recipe's (quant/kv.py). `draft_vocab` N: a self-draft's head
+    reads the N most frequent tokens only (speculative/draft_vocab.py; 0: all). `tensor_parallel` N > 1: the model
     split across N processes (one GPU each on CUDA), this one rank 0 (parallel/launch.py); close() ends them."""
     args = dict(model=model, recipe=recipe, draft=draft, verify=verify, gamma=gamma, group_size=group_size,
-                device=device, fixed_gamma=fixed_gamma, draft_model=draft_model, kv=kv, kv_group=kv_group)
+                device=device, fixed_gamma=fixed_gamma, draft_model=draft_model, kv=kv, kv_group=kv_group,
+                draft_vocab=draft_vocab)
     if tensor_parallel == 1:
         return load_rank(**args)
     from selfspec.parallel.launch import start
@@ -279,7 +292,8 @@ def load(model: str | None = None, recipe: str | None = None, draft: str | None 
 def load_rank(model: str | None = None, recipe: str | None = None, draft: str | None = None,
               verify: str | None = None, gamma: int = 4, group_size: int = 128, device: str = "cpu",
               fixed_gamma: bool = False, draft_model: str | None = None, kv: str | None = None,
-              kv_group: int | None = None, join: Callable[[ModelConfig, Recipe], TensorParallel] | None = None) -> LLM:
+              kv_group: int | None = None, draft_vocab: int | None = None,
+              join: Callable[[ModelConfig, Recipe], TensorParallel] | None = None) -> LLM:
     """`load` in one process: the whole model, or with `join` one tensor-parallel rank's shard. `join(cfg, recipe)`
     runs once both are known, before anything is built: it refuses what tensor parallelism cannot split, then joins
     the group (parallel/launch.py)."""
@@ -293,7 +307,8 @@ def load_rank(model: str | None = None, recipe: str | None = None, draft: str | 
     if threads is not None:
         torch.set_num_threads(threads)
     rec = resolve_recipe(recipe, draft, verify, draft_model)
-    rec = replace(rec, kv=kv or rec.kv, kv_group=rec.kv_group if kv_group is None else kv_group)
+    rec = replace(rec, kv=kv or rec.kv, kv_group=rec.kv_group if kv_group is None else kv_group,
+                  draft_vocab=rec.draft_vocab if draft_vocab is None else draft_vocab)
     check_kv_format(rec.kv, rec.kv_group)
     cfg, sd, tok, desc = resolve(model)
     if rec.layer_skip:

@@ -20,6 +20,9 @@ class Mode:
     prompt: bool = False
     # Reads only the upper INT4 plane of a hierarchical KV cache (a draft; verify reads both planes).
     kv_upper: bool = False
+    # The head reads only the model's draft vocabulary (a draft; speculative/draft_vocab.py): the other tokens'
+    # logits are -inf.
+    draft_vocab: bool = False
 
     @property
     def dense(self) -> bool:

@@ -83,7 +83,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
     llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device,
                         draft_model=args.draft_model, kv=args.kv, kv_group=args.kv_group,
-                        tensor_parallel=args.tensor_parallel)
+                        tensor_parallel=args.tensor_parallel, draft_vocab=args.draft_vocab)
     kwargs = dict(max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
                   max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, prefill_wait=args.prefill_wait,
                   max_gamma=args.gamma, decode_steps=args.decode_steps)

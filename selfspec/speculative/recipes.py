@@ -26,6 +26,7 @@ class Recipe:
     smooth_alpha: float | None = None  # SmoothQuant the weights with this migration strength (quant/smooth.py)
     kv: str = "bf16"  # KV cache format (quant/kv.py): bf16, int8, or hier (a draft mode reads its upper plane)
     kv_group: int = 128  # tokens per KV quantization group (G); the most recent G to 2G stay full precision
+    draft_vocab: int = 0  # the self-draft's head reads this many most frequent tokens (speculative/draft_vocab.py)
 
     @property
     def speculative(self) -> bool:

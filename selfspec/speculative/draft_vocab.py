@@ -1,0 +1,65 @@
+"""The draft vocabulary: the tokens a self-draft may propose, the most frequent ones.
+
+A draft step ends in the vocabulary head, a GEMM over every token's row (Llama-3-8B: 128k rows, 1 GB of bf16 read
+per step, a tenth of an `upper` draft step). Drafts are judged by the verify pass, which keeps the whole vocabulary,
+so a draft may propose from fewer tokens and stay lossless: it loses only where the verify mode's next token lies
+outside them. With the draft vocabulary, a draft mode's head reads the rows of those tokens alone
+(`Transformer.set_draft_vocab`, `Mode.draft_vocab`); the other tokens' logits are -inf, so greedy drafts are the
+argmax over the vocabulary and sampled drafts are drawn from a distribution that gives the others zero (rejection
+sampling stays exact: it needs only the q the drafts were drawn from).
+
+Which tokens: counted in reference text of the data packages installed with selfspec (GSM8K's questions and
+worked answers, HumanEval's prompts and solutions, the second half of each file), most frequent first; tokens the
+text never shows follow in id order (a BPE vocabulary numbers its merges roughly by frequency); end-of-sequence
+tokens always belong.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter
+from typing import Iterable
+
+from selfspec.errors import SelfspecError
+
+# (dataset, fields of a row whose text is counted)
+SOURCES = (("gsm8k", ("question", "answer")), ("humaneval", ("prompt", "canonical_solution")))
+
+
+def reference_texts() -> list[str]:
+    """The counted fields of the rows in the second half of each SOURCES file, in file order (benchmarks and
+    traces take their prompts from the start)."""
+    from selfspec.bench.serve import DATASETS
+    from selfspec.eval.data import package_file
+
+    texts = []
+    for name, fields in SOURCES:
+        path = package_file(*DATASETS[name])
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        texts += [r[k] for r in rows[len(rows) // 2:] for k in fields]
+    return texts
+
+
+def token_counts(tokenizer, texts: Iterable[str]) -> Counter:
+    if tokenizer is None:
+        raise SelfspecError("the draft vocabulary is counted on text and this model came without a tokenizer; "
+                            "load one with its tokenizer (an HF directory with tokenizer.json, or a GGUF)")
+    counts: Counter = Counter()
+    for text in texts:
+        counts.update(tokenizer.encode(text, add_special_tokens=False))
+    return counts
+
+
+def draft_vocabulary(counts: Counter, vocab_size: int, size: int, always: Iterable[int] = ()) -> list[int]:
+    """The `size` token ids a draft may propose: `always` (end-of-sequence tokens), then the most counted, then the
+    uncounted in id order."""
+    if not 0 < size <= vocab_size:
+        raise SelfspecError(f"a draft vocabulary of {size} tokens: pick 1 to the model's {vocab_size}")
+    ranked = sorted(range(vocab_size), key=lambda t: (-counts[t], t))
+    return list(dict.fromkeys([t for t in always if 0 <= t < vocab_size] + ranked))[:size]
+
+
+def frequent_tokens(tokenizer, vocab_size: int, size: int, always: Iterable[int] = ()) -> list[int]:
+    """`draft_vocabulary` counted on the reference texts."""
+    return draft_vocabulary(token_counts(tokenizer, reference_texts()), vocab_size, size, always)
