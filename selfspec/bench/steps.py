@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import torch
 
@@ -71,14 +72,17 @@ def weight_bytes_read(model, mode_name: str) -> int:
 
 
 def measure(shape: str, batches: list[int], context: int, verify_tokens: list[int], storages: list[str],
-            tp: TensorParallel = SOLO) -> list[dict]:
+            draft_vocab: int = 0, tp: TensorParallel = SOLO) -> list[dict]:
     """Every row on this process's GPU; under tensor parallelism (`tp`), of this rank's shard (every rank runs the
-    same passes: they meet in each pass's collectives)."""
+    same passes: they meet in each pass's collectives). With `draft_vocab` N, also each mode's 1-token pass at the
+    first batch size with its head over N tokens (mode "MODE vN"), as a draft step with a draft vocabulary runs."""
     rows = []
     log = print if tp.rank == 0 else lambda *a, **k: None
     for storage in storages:
         modes = STORAGE_MODES[storage]
         model = synthetic_model(shape, storage, tp=tp)
+        if draft_vocab:  # synthetic weights: which tokens' rows the draft head holds does not change its cost
+            model.set_draft_vocab(list(range(draft_vocab)))
         gm = GraphedModel(model, max_len=context + 64)
         for mode in modes:
             for b in batches:
@@ -90,6 +94,10 @@ def measure(shape: str, batches: list[int], context: int, verify_tokens: list[in
                 for t in verify_tokens:
                     rows.append({"kind": "pass", "storage": storage, "mode": mode, "batch": b, "tokens": t,
                                  "ms": pass_ms(gm, mode, b, t, context)})
+            if draft_vocab:
+                rows.append({"kind": "pass", "storage": storage, "mode": f"{mode} v{draft_vocab}", "batch": batches[0],
+                             "tokens": 1, "ms": pass_ms(gm, replace(MODES[mode], draft_vocab=True), batches[0], 1,
+                                                        context)})
         del gm, model
         torch.cuda.empty_cache()
     return rows
@@ -103,11 +111,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--verify-tokens", type=int, nargs="+", default=[1, 2, 3, 5, 9])
     ap.add_argument("--storages", nargs="+", default=list(STORAGE_MODES), choices=list(STORAGE_MODES),
                     help="stored formats to measure (each its modes)")
+    ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="also time each mode's 1-token pass with its head over N tokens (a draft vocabulary)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="split the model across N GPUs")
     args = ap.parse_args(argv)
     n = args.tensor_parallel
-    measured = (args.shape, args.batch, args.context, args.verify_tokens, args.storages)
+    measured = (args.shape, args.batch, args.context, args.verify_tokens, args.storages, args.draft_vocab)
     if n == 1:
         rows = measure(*measured)
     else:

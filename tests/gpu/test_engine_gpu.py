@@ -64,9 +64,10 @@ def test_tiny_model_batched_greedy_equals_solo(recipe):
 
 
 @pytest.mark.skipif(not os.environ.get("SELFSPEC_GPU_MODEL"), reason="set SELFSPEC_GPU_MODEL to SmolLM2's .gguf")
-@pytest.mark.parametrize("recipe", ["planes", "qspec", "ngram"])
-def test_smollm2_batched_greedy_equals_solo(recipe):
-    llm = selfspec.load(os.environ["SELFSPEC_GPU_MODEL"], recipe, device="cuda")
+@pytest.mark.parametrize("recipe,vocab", [("planes", None), ("qspec", None), ("ngram", None), ("planes", 4096)])
+def test_smollm2_batched_greedy_equals_solo(recipe, vocab):
+    """With vocab: the draft's head over the 4096 most frequent tokens (a draft vocabulary)."""
+    llm = selfspec.load(os.environ["SELFSPEC_GPU_MODEL"], recipe, device="cuda", draft_vocab=vocab)
     prompts = [llm.encode(PROMPTS[i % len(PROMPTS)], chat=True) for i in range(40)]
     check_batched_equals_solo(llm, prompts, [16 + 3 * i % 33 for i in range(40)])
 
