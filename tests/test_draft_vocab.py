@@ -111,7 +111,7 @@ def test_smollm2_with_a_draft_vocabulary_equals_ar(smollm2_resolved):
     llm = build(cfg, {k: t.clone() for k, t in sd.items()}, tok, recipe, description=desc)
     assert llm.draft_mode.draft_vocab and llm.model.draft_ids.numel() == 4096
     assert set(llm.eos_ids) <= set(llm.model.draft_ids.tolist())
-    assert "draft head: 4096 tokens (+9.0 MiB)" in llm.description
+    assert "draft head: 4096 tokens counted on gsm8k, humaneval" in llm.description and "(+9.0 MiB)" in llm.description
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     prompt = llm.encode("List three prime numbers and say why each one is prime.", chat=True)
     out = llm.generate(prompt, params, gamma=4)

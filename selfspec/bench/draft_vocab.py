@@ -8,8 +8,8 @@ python -m selfspec.bench.draft_vocab [--model smollm2-135m] [--sizes 4096 8192 1
 3. Per continuation position: does the draft's argmax, over the whole vocabulary and over each draft vocabulary
    (speculative/draft_vocab.py), equal the verify mode's token (the per-token acceptance of a greedy draft); and
    the share of the continuation's tokens inside each draft vocabulary.
-The draft vocabulary is counted on the second half of the GSM8K and HumanEval files; the prompts are the first
-ones of each task (bench/traces.py), so no prompt's text was counted.
+The draft vocabulary is counted on the second half of each source (speculative/draft_vocab.py); the prompts are
+the first ones of each task (bench/traces.py), so no prompt's text was counted.
 """
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def draft_argmaxes(llm: LLM, ids: list[int], start: int, vocabs: list[torch.Tens
 def study(llm: LLM, prompts: dict[str, list], sizes: list[int], max_new_tokens: int) -> dict:
     model = llm.model
     vocab = model.lm_head.weight.shape[0]
-    counts = token_counts(llm.tokenizer, reference_texts())
+    texts, sources = reference_texts()
+    counts = token_counts(llm.tokenizer, texts)
     vocabs = [None] + [torch.tensor(draft_vocabulary(counts, vocab, s, llm.eos_ids), device=model.device)
                        for s in sizes]
     labels = ["all"] + [str(s) for s in sizes]
@@ -64,7 +65,7 @@ def study(llm: LLM, prompts: dict[str, list], sizes: list[int], max_new_tokens: 
         print(f"{task}: {positions} positions; " + ", ".join(
             f"{label}: {rows[task][label]['acceptance']:.3f} ({rows[task][label]['coverage']:.3f} covered)"
             for label in labels), flush=True)
-    return {"model": llm.description, "vocab": vocab, "sizes": sizes, "tasks": rows}
+    return {"model": llm.description, "vocab": vocab, "sizes": sizes, "counted": sources, "tasks": rows}
 
 
 def markdown(result: dict) -> str:

@@ -67,11 +67,12 @@ class LLM:
                                 f"drafts with '{recipe.draft}', which runs none: drop --draft-vocab")
         if self.draft_mode is not None:
             if recipe.draft_vocab:  # the draft's head reads the most frequent tokens' rows only
-                model.set_draft_vocab(frequent_tokens(tokenizer, model.lm_head.weight.shape[0], recipe.draft_vocab,
-                                                      self.eos_ids))
+                ids, sources = frequent_tokens(tokenizer, model.lm_head.weight.shape[0], recipe.draft_vocab,
+                                               self.eos_ids)
+                model.set_draft_vocab(ids)
                 self.draft_mode = replace(self.draft_mode, draft_vocab=True)
                 head = model.draft_head.weight
-                self.description += (f"; draft head: {recipe.draft_vocab} tokens "
+                self.description += (f"; draft head: {recipe.draft_vocab} tokens counted on {', '.join(sources)} "
                                      f"(+{head.numel() * head.element_size() / 2**20:.1f} MiB)")
             if recipe.skip_layers:  # layer-skip: the draft mode skips them
                 self.draft_mode = replace(self.draft_mode, skip_layers=frozenset(recipe.skip_layers))

