@@ -336,15 +336,21 @@ class Transformer(nn.Module):
 
     def set_draft_vocab(self, ids: list[int]) -> None:
         """Let modes with `draft_vocab` compute the logits of these tokens only: their head rows, copied (a copy of
-        len(ids) / vocab of the head: `weight_bytes` counts it)."""
+        len(ids) / vocab of the head: `weight_bytes` counts it). As many ids as before are written in place (graphs
+        captured on the old ones read the new)."""
         vocab = self.lm_head.weight.shape[0]
         if self.tp.size > 1:
             raise SelfspecError("a draft vocabulary would need a slice of each rank's vocabulary rows; under tensor "
                                 "parallelism drop --draft-vocab")
         if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= vocab:
             raise SelfspecError(f"a draft vocabulary holds distinct token ids in 0..{vocab - 1}, got {len(ids)} ids")
-        self.draft_ids = torch.tensor(sorted(ids), device=self.device)
-        self.draft_head = DenseWeight(self.lm_head.weight[self.draft_ids].clone())
+        ids = torch.tensor(sorted(ids), device=self.device)
+        if self.draft_head is not None and len(ids) == len(self.draft_ids):
+            self.draft_ids.copy_(ids)
+            torch.index_select(self.lm_head.weight, 0, ids, out=self.draft_head.weight)
+            return
+        self.draft_ids = ids
+        self.draft_head = DenseWeight(self.lm_head.weight[ids].clone())
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache | QuantKVCache:
         c = self.cfg

@@ -15,7 +15,7 @@ from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
 from selfspec.quant.modes import MODES
-from selfspec.speculative.draft_vocab import draft_vocabulary
+from selfspec.speculative.draft_vocab import DraftVocabulary, draft_vocabulary
 from selfspec.speculative.recipes import resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
 
@@ -32,6 +32,13 @@ def test_draft_vocabulary_ranks_always_then_counts_then_ids():
     for size in (0, 257):
         with pytest.raises(SelfspecError, match="draft vocabulary of"):
             draft_vocabulary(counts, 256, size)
+
+
+def test_a_prompts_tokens_join_the_always_ones_in_place_of_the_least_counted():
+    v = DraftVocabulary(ranking=[9, 3, 7, 1, 0, 2, 4, 5, 6, 8], always=1, size=5, sources=["x"])
+    assert v.ids() == [9, 3, 7, 1, 0]
+    assert v.ids([5, 7, 5, 42]) == [9, 5, 7, 3, 1]  # 42 is past the vocabulary
+    assert v.ids(range(10)) == [9, 0, 1, 2, 3]
 
 
 def test_draft_logits_are_the_heads_rows_of_the_vocabulary_and_minus_inf_elsewhere():
@@ -51,6 +58,10 @@ def test_draft_logits_are_the_heads_rows_of_the_vocabulary_and_minus_inf_elsewhe
     assert torch.isneginf(part[..., ~inside]).all()
     assert inside[part.argmax(-1)].all()
     assert model.draft_head.weight.data_ptr() != model.embed.data_ptr()  # a copy of the rows, the tied table intact
+    rows, where = model.draft_head.weight.data_ptr(), model.draft_ids.data_ptr()
+    model.set_draft_vocab(list(range(40)))  # as many ids: rewritten in place (a captured graph reads the new ones)
+    assert (model.draft_head.weight.data_ptr(), model.draft_ids.data_ptr()) == (rows, where)
+    assert torch.equal(model.draft_head.weight, model.lm_head.weight[:40])
 
 
 def test_draft_vocabulary_errors():
@@ -117,6 +128,7 @@ def test_smollm2_with_a_draft_vocabulary_equals_ar(smollm2_resolved):
     out = llm.generate(prompt, params, gamma=4)
     assert out.token_ids == llm.generate(prompt, params, gamma=0).token_ids
     assert out.stats.draft_accepted > 0
+    assert set(prompt) <= set(llm.model.draft_ids.tolist())  # solo decoding: the prompt's tokens join them
 
 
 def test_a_draft_vocabulary_needs_draft_steps(smollm2_resolved):

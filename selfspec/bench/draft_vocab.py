@@ -6,8 +6,9 @@ python -m selfspec.bench.draft_vocab [--model smollm2-135m] [--sizes 4096 8192 1
 2. One pass of the draft mode (`upper`) over prompt + continuation: the draft reads its own KV (as
    bench/upper_acceptance.py; a real round reads the verify pass's KV for what was committed before it).
 3. Per continuation position: does the draft's argmax, over the whole vocabulary and over each draft vocabulary
-   (speculative/draft_vocab.py), equal the verify mode's token (the per-token acceptance of a greedy draft); and
-   the share of the continuation's tokens inside each draft vocabulary.
+   (speculative/draft_vocab.py: the counted tokens alone, and with the prompt's own, as solo decoding takes them),
+   equal the verify mode's token (the per-token acceptance of a greedy draft); and the share of the continuation's
+   tokens inside each draft vocabulary.
 The draft vocabulary is counted on the second half of each source (speculative/draft_vocab.py); the prompts are
 the first ones of each task (bench/traces.py), so no prompt's text was counted.
 """
@@ -22,54 +23,61 @@ import torch
 from selfspec.bench.traces import TASKS, prompt_ids, task_prompts
 from selfspec.engine.llm import LLM, load
 from selfspec.quant.modes import MODES
-from selfspec.speculative.draft_vocab import draft_vocabulary, reference_texts, token_counts
+from selfspec.speculative.draft_vocab import DraftVocabulary, draft_vocabulary, reference_texts, token_counts
 from selfspec.speculative.sampling import SamplingParams
 
 
 @torch.inference_mode()
-def draft_argmaxes(llm: LLM, ids: list[int], start: int, vocabs: list[torch.Tensor | None]) -> list[torch.Tensor]:
+def draft_argmaxes(llm: LLM, ids: list[int], start: int, vocabs: list[list[int] | None]) -> list[torch.Tensor]:
     """The `upper` draft's argmax at positions start-1 .. len(ids)-2 (each predicting the next token), over the
     whole vocabulary (None) or over each vocabulary's ids."""
     model = llm.model
     cache = model.new_cache(len(ids))
     tokens = torch.tensor([ids], device=model.device)
     logits = model(tokens, torch.arange(len(ids), device=model.device), cache, MODES["upper"])[0, start - 1:-1]
-    return [logits.argmax(-1) if v is None else v[logits[:, v].argmax(-1)] for v in vocabs]
+    out = []
+    for v in vocabs:
+        v = None if v is None else torch.tensor(v, device=model.device)
+        out.append(logits.argmax(-1) if v is None else v[logits[:, v].argmax(-1)])
+    return out
 
 
 def study(llm: LLM, prompts: dict[str, list], sizes: list[int], max_new_tokens: int) -> dict:
+    """Per task: per-token acceptance and coverage over the whole vocabulary, each size's counted tokens, and each
+    size's tokens for the prompt (its own tokens joining the counted ones, as solo decoding takes them)."""
     model = llm.model
     vocab = model.lm_head.weight.shape[0]
     texts, sources = reference_texts()
-    counts = token_counts(llm.tokenizer, texts)
-    vocabs = [None] + [torch.tensor(draft_vocabulary(counts, vocab, s, llm.eos_ids), device=model.device)
-                       for s in sizes]
-    labels = ["all"] + [str(s) for s in sizes]
+    always = [t for t in llm.eos_ids if 0 <= t < vocab]
+    ranking = draft_vocabulary(token_counts(llm.tokenizer, texts), vocab, vocab, always)
+    sets = [DraftVocabulary(ranking, len(always), s, sources) for s in sizes]
+    labels = ["all"] + [str(s) for s in sizes] + [f"{s}+prompt" for s in sizes]
     rows = {}
     for task, texts in prompts.items():
-        agree = [0] * len(vocabs)
-        covered = [0] * len(vocabs)
-        positions = 0
+        agree, covered, positions = [0] * len(labels), [0] * len(labels), 0
         for text in texts:
             prompt = prompt_ids(llm, text)
             params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
             cont = llm.generate(prompt, params, gamma=0).token_ids
+            vocabs = [None] + [v.ids() for v in sets] + [v.ids(prompt) for v in sets]
             drafts = draft_argmaxes(llm, prompt + cont, len(prompt), vocabs)
             target = torch.tensor(cont, device=model.device)
             positions += len(cont)
             for i, (d, v) in enumerate(zip(drafts, vocabs)):
                 agree[i] += int((d == target).sum())
-                covered[i] += len(cont) if v is None else int(torch.isin(target, v).sum())
+                inside = torch.isin(target, torch.tensor(v, device=d.device)) if v is not None else target >= 0
+                covered[i] += int(inside.sum())
         rows[task] = {label: {"acceptance": a / positions, "coverage": c / positions}
                       for label, a, c in zip(labels, agree, covered)}
         print(f"{task}: {positions} positions; " + ", ".join(
             f"{label}: {rows[task][label]['acceptance']:.3f} ({rows[task][label]['coverage']:.3f} covered)"
             for label in labels), flush=True)
-    return {"model": llm.description, "vocab": vocab, "sizes": sizes, "counted": sources, "tasks": rows}
+    return {"model": llm.description, "vocab": vocab, "sizes": sizes, "labels": labels, "counted": sources,
+            "tasks": rows}
 
 
 def markdown(result: dict) -> str:
-    labels = ["all"] + [str(s) for s in result["sizes"]]
+    labels = result["labels"]
     lines = ["| task | " + " | ".join(f"{x} tokens" if x != "all" else f"all {result['vocab']}" for x in labels) + " |",
              "|---" * (len(labels) + 1) + "|"]
     for task, row in result["tasks"].items():

@@ -179,7 +179,9 @@ def record(llm, prompts: list, gamma: int, max_new_tokens: int, temperature: flo
         params = SamplingParams(temperature=temperature, seed=seed + i if temperature else None,
                                 max_new_tokens=max_new_tokens, ignore_eos=True)
         stats, emitted = GenerationStats(), -1  # the prefill's token is not a round's
-        for tokens in decode(log, prompt_ids(llm, prompt), llm.verify_mode, draft, gamma, params, stats):
+        ids = prompt_ids(llm, prompt)
+        llm.fit_draft_vocab(ids)
+        for tokens in decode(log, ids, llm.verify_mode, draft, gamma, params, stats):
             if emitted >= 0:
                 rounds.append(round_of(log.calls, len(tokens) - 1))
             log.calls.clear()

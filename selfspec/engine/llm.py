@@ -19,7 +19,7 @@ from selfspec.quant.modes import get_mode
 from selfspec.quant.smooth import activation_maxima, calibration_tokens, smooth_
 from selfspec.speculative.decode import decode
 from selfspec.speculative.draft_model import DraftModel, check_same_vocabulary
-from selfspec.speculative.draft_vocab import frequent_tokens
+from selfspec.speculative.draft_vocab import DraftVocabulary, frequent_tokens
 from selfspec.speculative.drafters import HybridDrafter, SelfDraft, make_drafter
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.recipes import Recipe, resolve_recipe
@@ -59,6 +59,7 @@ class LLM:
             self.description += f"; {drafter.describe()}"
         # The draft steps of a chain in a draft mode (None: no draft steps, or another model's)
         self.draft_mode = self.drafter.mode if isinstance(self.drafter, (SelfDraft, HybridDrafter)) else None
+        self.draft_vocab: DraftVocabulary | None = None  # recipe.draft_vocab: the tokens the draft's head reads
         self.eos_ids = set(model.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
@@ -67,12 +68,13 @@ class LLM:
                                 f"drafts with '{recipe.draft}', which runs none: drop --draft-vocab")
         if self.draft_mode is not None:
             if recipe.draft_vocab:  # the draft's head reads the most frequent tokens' rows only
-                ids, sources = frequent_tokens(tokenizer, model.lm_head.weight.shape[0], recipe.draft_vocab,
-                                               self.eos_ids)
-                model.set_draft_vocab(ids)
+                self.draft_vocab = frequent_tokens(tokenizer, model.lm_head.weight.shape[0], recipe.draft_vocab,
+                                                   self.eos_ids)
+                model.set_draft_vocab(self.draft_vocab.ids())
                 self.draft_mode = replace(self.draft_mode, draft_vocab=True)
                 head = model.draft_head.weight
-                self.description += (f"; draft head: {recipe.draft_vocab} tokens counted on {', '.join(sources)} "
+                self.description += (f"; draft head: {recipe.draft_vocab} tokens counted on "
+                                     f"{', '.join(self.draft_vocab.sources)} "
                                      f"(+{head.numel() * head.element_size() / 2**20:.1f} MiB)")
             if recipe.skip_layers:  # layer-skip: the draft mode skips them
                 self.draft_mode = replace(self.draft_mode, skip_layers=frozenset(recipe.skip_layers))
@@ -84,6 +86,12 @@ class LLM:
         # fixed_gamma: draft gamma tokens every round.
         self.fixed_gamma = fixed_gamma
         self.policy = GammaPolicy(gamma if self.drafter is not None else 0)
+
+    def fit_draft_vocab(self, prompt: list[int]) -> None:
+        """With a draft vocabulary, its tokens for this prompt's decoding: the prompt's own join the counted ones
+        (solo decoding: the engine's batch keeps the counted ones alone)."""
+        if self.draft_vocab is not None:
+            self.model.set_draft_vocab(self.draft_vocab.ids(prompt))
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, self.model.cfg.max_seq_len, prompt, chat)
@@ -101,6 +109,7 @@ class LLM:
         out = Generation("", [], "length", GenerationStats(prompt_tokens=len(ids)))
         t0 = time.perf_counter()
         draft = self.drafter if gamma > 0 else None
+        self.fit_draft_vocab(ids)
         for chunk in decode(self.runner, ids, self.verify_mode, draft, gamma, params, out.stats, policy=policy):
             new_text, chunk, finished = self.append_tokens(out, chunk, params)
             out.stats.total_s = time.perf_counter() - t0

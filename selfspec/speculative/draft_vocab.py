@@ -12,7 +12,9 @@ Which tokens: counted in text of the data packages, most frequent first: GSM8K's
 HumanEval's prompts and solutions (installed with selfspec), and where installed (the `bench` and `eval` extras)
 MT-Bench's questions and Paul Graham's essays, the prose a chat model writes; the second half of each (benchmarks
 and traces take their prompts from the start). Tokens the text never shows follow in id order (a BPE vocabulary
-numbers its merges roughly by frequency); end-of-sequence tokens always belong.
+numbers its merges roughly by frequency); end-of-sequence tokens always belong. In solo decoding (`generate`, the
+Python API, recorded traces) the prompt's own tokens join them for its request, in place of the least frequent:
+the rows are rewritten in place, so CUDA graphs stay valid; the serving engine keeps the counted tokens alone.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import gzip
 import importlib.util
 import json
 from collections import Counter
+from dataclasses import dataclass
 from typing import Iterable
 
 from selfspec.errors import SelfspecError
@@ -72,7 +75,28 @@ def draft_vocabulary(counts: Counter, vocab_size: int, size: int, always: Iterab
     return list(dict.fromkeys([t for t in always if 0 <= t < vocab_size] + ranked))[:size]
 
 
-def frequent_tokens(tokenizer, vocab_size: int, size: int, always: Iterable[int] = ()) -> tuple[list[int], list[str]]:
-    """`draft_vocabulary` counted on the reference texts, and the names of the sources counted."""
+@dataclass(frozen=True)
+class DraftVocabulary:
+    """Every token id in the order a draft vocabulary takes them (`always` first, then by count), its size, and the
+    sources counted. A prompt's own tokens come right after the always ones: an answer repeats words of its prompt
+    (a function's name, a quoted name) that no reference text need hold."""
+    ranking: list[int]
+    always: int
+    size: int
+    sources: list[str]
+
+    def ids(self, prompt: Iterable[int] = ()) -> list[int]:
+        """The `size` tokens: the always ones, the prompt's (first occurrences first), then the most counted."""
+        vocab = len(self.ranking)
+        head, rest = self.ranking[:self.always], self.ranking[self.always:]
+        return list(dict.fromkeys(head + [t for t in prompt if 0 <= t < vocab] + rest))[:self.size]
+
+
+def frequent_tokens(tokenizer, vocab_size: int, size: int, always: Iterable[int] = ()) -> DraftVocabulary:
+    """The draft vocabulary of `size` tokens counted on the reference texts."""
+    if not 0 < size <= vocab_size:
+        raise SelfspecError(f"a draft vocabulary of {size} tokens: pick 1 to the model's {vocab_size}")
     texts, names = reference_texts()
-    return draft_vocabulary(token_counts(tokenizer, texts), vocab_size, size, always), names
+    always = list(dict.fromkeys(t for t in always if 0 <= t < vocab_size))
+    return DraftVocabulary(draft_vocabulary(token_counts(tokenizer, texts), vocab_size, vocab_size, always),
+                           len(always), size, names)
