@@ -201,12 +201,13 @@ GPU_BENCHES = {
     "tune": ("tune_linear", "search the linear kernel's tile configs"),
     "lookup": ("lookup", "host cost of the n-gram lookup drafter per round (batch x history length)"),
     "trees": ("trees", "accepted drafts per round of chain vs tree drafters on a real model (CPU or GPU)"),
+    "draft_vocab": ("draft_vocab", "acceptance of a draft over the N most frequent tokens (CPU or GPU)"),
     "resources": ("kernel_resources", "registers, spills, MMA of linear and quantized-attention tiles (sm_90, no GPU)"),
     "long_context": ("long_context", "quantized KV cache at 4k-128k context: attention time, KV memory, step times"),
     "quant_attention": ("quant_attention", "quantized KV attention vs bf16 at 16k-128k, decode and verify queries"),
     "ab": ("ab", "a benchmark (steps, gemm) from an old source tree and from this one in turn: each row's new / old"),
 }
-CPU_BENCHES = ("trace", "lookup", "trees", "resources", "spec")  # spec: --tables --device cpu
+CPU_BENCHES = ("trace", "lookup", "trees", "draft_vocab", "resources", "spec")  # spec: --tables --device cpu
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -223,8 +224,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.bench not in CPU_BENCHES and not wants_help and not torch.cuda.is_available():
         why = "this torch build has no CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
         raise SelfspecError(f"`selfspec bench {args.bench}` needs a CUDA GPU ({why}); "
-                            "`selfspec bench serve`, `trace`, `lookup`, `trees` and `spec --tables --device cpu` "
-                            "run on the CPU")
+                            "`selfspec bench serve`, `trace`, `lookup`, `trees`, `draft_vocab` and `spec --tables "
+                            "--device cpu` run on the CPU")
     module = importlib.import_module(f"selfspec.bench.{GPU_BENCHES[args.bench][0]}")
     module.main(args.args, prog=f"selfspec bench {args.bench}")
 
