@@ -842,6 +842,17 @@ def test_nibble_tiles_past_256_rows_are_wgmma_tiles_even_from_wide_decode_tiles(
     assert (many.block_m, many.block_n, many.split_k, many.block_k) == (64, 128, decode.split_k, decode.block_k)
 
 
+def test_one_plane_decode_tiles_widen_where_the_rows_fill_more_than_a_wave():
+    """An 8B down of one nibble plane: 128-wide N tiles at up to 16 rows (256-wide ones were one wave of 128
+    programs), 256-wide from 17 rows (two M tiles: 256 programs); the same K split at every M, so the same bits."""
+    fmt = triton_linear.UPPER.value
+    few = triton_linear.tile_config(fmt, False, 4096, 14336, 128, 16)
+    more = triton_linear.tile_config(fmt, False, 4096, 14336, 128, 32)
+    assert (few.block_n, more.block_n) == (128, 256) and few.split_k == more.split_k == 8
+    qkv = triton_linear.tile_config(fmt, False, 6144, 4096, 128, 32)  # short K pieces: stays 128-wide
+    assert qkv.block_n == 128
+
+
 @pytest.mark.parametrize("storage,mode_name", [("int8", "w8a16"), ("int4", "w4a16"), ("planes", "upper"),
                                                ("planes", "full")])
 def test_prompt_tokens_run_the_bf16_gemm_on_the_dequantized_weight(storage, mode_name):

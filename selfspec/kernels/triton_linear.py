@@ -578,8 +578,8 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
         if act:
             split_k = 1 << max(0, (512 // triton.cdiv(n, 64)).bit_length() - 1)  # the power of two <= 512 / N tiles
             return TileConfig(64, block_k, max(1, min(k_tiles, 16, split_k)))
-        fewest = 1 << (triton.cdiv(k_tiles, MAX_TILES_PER_PROGRAM) - 1).bit_length()  # pieces, a power of two
-        if fmt != FULL.value and triton.cdiv(n, 256) * fewest > SMS:
+        fewest = fewest_pieces(k_tiles)
+        if fmt != FULL.value and wide_fills(1, n, fewest):
             return TileConfig(256, block_k, fewest)  # long programs over wide tiles fill more than a wave
         n_tiles = triton.cdiv(n, 128)  # the split counts programs of 128 columns whatever the N tile
         split_k = 1 << max(0, (k_tiles // 8).bit_length() - 1)  # the power of two <= k_tiles / 8
@@ -649,6 +649,18 @@ MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
 }
 
 
+def fewest_pieces(k_tiles: int) -> int:
+    """The fewest K pieces (a power of two) of at most MAX_TILES_PER_PROGRAM K tiles each."""
+    return 1 << (triton.cdiv(k_tiles, MAX_TILES_PER_PROGRAM) - 1).bit_length()
+
+
+def wide_fills(m: int, n: int, split_k: int) -> bool:
+    """Whether 256-wide N tiles of one nibble plane, over M rows in 16-row tiles and split_k K pieces, make more
+    than a wave of programs: then they beat 128-wide ones (an 8B model's down: 0.87x at 1 row in 128-wide tiles,
+    whose 128 programs were one wave; at 32 rows the 256-wide ones, 256 programs, are the faster)."""
+    return triton.cdiv(m, BLOCK_M) * triton.cdiv(n, 256) * split_k > SMS
+
+
 def kernel_kind(fmt: int, act: bool, group: int) -> str:
     """Which row of MANY_TOKENS a GEMM takes."""
     if uses_nibble_kernel(fmt, act, group):
@@ -668,6 +680,9 @@ def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, n: int
         if m <= max_m:
             tiles = split_tiles if cfg.split_k > 1 else whole_tiles
             many = cfg
+            if tiles is None and kernel_kind(fmt, act, group) == "nibble" and cfg.split_k == fewest_pieces(
+                    triton.cdiv(k, cfg.block_k)) and wide_fills(m, n, cfg.split_k):
+                many = replace(cfg, block_n=256)  # the decode tiles, as wide as this M fills (same bits)
             if tiles is not None:
                 fitting = [c for c in (retile(cfg, t, k) for t in (tiles if isinstance(tiles, list) else [tiles]))
                            if fits_shared(c, fmt, act)]
