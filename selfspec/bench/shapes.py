@@ -19,6 +19,10 @@ SHAPES: dict[str, ModelConfig] = {
     "qwen2.5-7b": ModelConfig(arch="qwen2", dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128,
                               hidden_dim=18944, vocab_size=152064, norm_eps=1e-6, rope_theta=1e6,
                               max_seq_len=8192, qkv_bias=True),
+    # A small model with a large vocabulary: its tied head is 233M of 1.5B parameters (the trace models' shape).
+    "qwen2.5-1.5b": ModelConfig(arch="qwen2", dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128,
+                                hidden_dim=8960, vocab_size=151936, norm_eps=1e-6, rope_theta=1e6,
+                                max_seq_len=8192, qkv_bias=True, tie_embeddings=True),
 }
 
 
