@@ -15,7 +15,7 @@ from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.model import Transformer
 from selfspec.quant.modes import MODES
-from selfspec.speculative.draft_vocab import DraftVocabulary, draft_vocabulary
+from selfspec.speculative.draft_vocab import DraftVocabulary, ranked_vocabulary
 from selfspec.speculative.recipes import resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
 
@@ -27,11 +27,11 @@ N_NEW = 20
 
 def test_draft_vocabulary_ranks_always_then_counts_then_ids():
     counts = Counter({7: 5, 3: 9, 200: 1, 9: 5})
-    assert draft_vocabulary(counts, 256, 6, always=[255]) == [255, 3, 7, 9, 200, 0]
-    assert draft_vocabulary(counts, 256, 2, always=[3, 999]) == [3, 7]  # an id past the vocabulary is no token
+    assert ranked_vocabulary(counts, 256, 6, always=[255]).ids() == [255, 3, 7, 9, 200, 0]
+    assert ranked_vocabulary(counts, 256, 2, always=[3, 999]).ids() == [3, 7]  # an id past the vocabulary is no token
     for size in (0, 257):
         with pytest.raises(SelfspecError, match="draft vocabulary of"):
-            draft_vocabulary(counts, 256, size)
+            ranked_vocabulary(counts, 256, size)
 
 
 def test_a_prompts_tokens_join_the_always_ones_in_place_of_the_least_counted():

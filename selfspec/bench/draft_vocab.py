@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,23 +24,19 @@ import torch
 from selfspec.bench.traces import TASKS, prompt_ids, task_prompts
 from selfspec.engine.llm import LLM, load
 from selfspec.quant.modes import MODES
-from selfspec.speculative.draft_vocab import DraftVocabulary, draft_vocabulary, reference_texts, token_counts
+from selfspec.speculative.draft_vocab import frequent_tokens
 from selfspec.speculative.sampling import SamplingParams
 
 
 @torch.inference_mode()
-def draft_argmaxes(llm: LLM, ids: list[int], start: int, vocabs: list[list[int] | None]) -> list[torch.Tensor]:
+def draft_argmaxes(llm: LLM, ids: list[int], start: int, vocabs: list[torch.Tensor | None]) -> list[torch.Tensor]:
     """The `upper` draft's argmax at positions start-1 .. len(ids)-2 (each predicting the next token), over the
     whole vocabulary (None) or over each vocabulary's ids."""
     model = llm.model
     cache = model.new_cache(len(ids))
     tokens = torch.tensor([ids], device=model.device)
     logits = model(tokens, torch.arange(len(ids), device=model.device), cache, MODES["upper"])[0, start - 1:-1]
-    out = []
-    for v in vocabs:
-        v = None if v is None else torch.tensor(v, device=model.device)
-        out.append(logits.argmax(-1) if v is None else v[logits[:, v].argmax(-1)])
-    return out
+    return [logits.argmax(-1) if v is None else v[logits[:, v].argmax(-1)] for v in vocabs]
 
 
 def study(llm: LLM, prompts: dict[str, list], sizes: list[int], max_new_tokens: int) -> dict:
@@ -47,10 +44,8 @@ def study(llm: LLM, prompts: dict[str, list], sizes: list[int], max_new_tokens: 
     size's tokens for the prompt (its own tokens joining the counted ones, as solo decoding takes them)."""
     model = llm.model
     vocab = model.lm_head.weight.shape[0]
-    texts, sources = reference_texts()
-    always = [t for t in llm.eos_ids if 0 <= t < vocab]
-    ranking = draft_vocabulary(token_counts(llm.tokenizer, texts), vocab, vocab, always)
-    sets = [DraftVocabulary(ranking, len(always), s, sources) for s in sizes]
+    counted = frequent_tokens(llm.tokenizer, vocab, vocab, llm.eos_ids)  # counted once, cut to each size below
+    sets = [replace(counted, size=s) for s in sizes]
     labels = ["all"] + [str(s) for s in sizes] + [f"{s}+prompt" for s in sizes]
     rows = {}
     for task, texts in prompts.items():
@@ -59,20 +54,19 @@ def study(llm: LLM, prompts: dict[str, list], sizes: list[int], max_new_tokens: 
             prompt = prompt_ids(llm, text)
             params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
             cont = llm.generate(prompt, params, gamma=0).token_ids
-            vocabs = [None] + [v.ids() for v in sets] + [v.ids(prompt) for v in sets]
+            vocabs = [None] + [torch.tensor(v.ids(p), device=model.device) for p in ((), prompt) for v in sets]
             drafts = draft_argmaxes(llm, prompt + cont, len(prompt), vocabs)
             target = torch.tensor(cont, device=model.device)
             positions += len(cont)
             for i, (d, v) in enumerate(zip(drafts, vocabs)):
                 agree[i] += int((d == target).sum())
-                inside = torch.isin(target, torch.tensor(v, device=d.device)) if v is not None else target >= 0
-                covered[i] += int(inside.sum())
+                covered[i] += int((torch.isin(target, v) if v is not None else target >= 0).sum())
         rows[task] = {label: {"acceptance": a / positions, "coverage": c / positions}
                       for label, a, c in zip(labels, agree, covered)}
         print(f"{task}: {positions} positions; " + ", ".join(
             f"{label}: {rows[task][label]['acceptance']:.3f} ({rows[task][label]['coverage']:.3f} covered)"
             for label in labels), flush=True)
-    return {"model": llm.description, "vocab": vocab, "sizes": sizes, "labels": labels, "counted": sources,
+    return {"model": llm.description, "vocab": vocab, "sizes": sizes, "labels": labels, "counted": counted.sources,
             "tasks": rows}
 
 

@@ -109,7 +109,8 @@ class LLM:
         out = Generation("", [], "length", GenerationStats(prompt_tokens=len(ids)))
         t0 = time.perf_counter()
         draft = self.drafter if gamma > 0 else None
-        self.fit_draft_vocab(ids)
+        if draft is not None:
+            self.fit_draft_vocab(ids)
         for chunk in decode(self.runner, ids, self.verify_mode, draft, gamma, params, out.stats, policy=policy):
             new_text, chunk, finished = self.append_tokens(out, chunk, params)
             out.stats.total_s = time.perf_counter() - t0

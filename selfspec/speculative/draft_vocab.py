@@ -66,15 +66,6 @@ def token_counts(tokenizer, texts: Iterable[str]) -> Counter:
     return counts
 
 
-def draft_vocabulary(counts: Counter, vocab_size: int, size: int, always: Iterable[int] = ()) -> list[int]:
-    """The `size` token ids a draft may propose: `always` (end-of-sequence tokens), then the most counted, then the
-    uncounted in id order."""
-    if not 0 < size <= vocab_size:
-        raise SelfspecError(f"a draft vocabulary of {size} tokens: pick 1 to the model's {vocab_size}")
-    ranked = sorted(range(vocab_size), key=lambda t: (-counts[t], t))
-    return list(dict.fromkeys([t for t in always if 0 <= t < vocab_size] + ranked))[:size]
-
-
 @dataclass(frozen=True)
 class DraftVocabulary:
     """Every token id in the order a draft vocabulary takes them (`always` first, then by count), its size, and the
@@ -92,11 +83,18 @@ class DraftVocabulary:
         return list(dict.fromkeys(head + [t for t in prompt if 0 <= t < vocab] + rest))[:self.size]
 
 
-def frequent_tokens(tokenizer, vocab_size: int, size: int, always: Iterable[int] = ()) -> DraftVocabulary:
-    """The draft vocabulary of `size` tokens counted on the reference texts."""
+def ranked_vocabulary(counts: Counter, vocab_size: int, size: int, always: Iterable[int] = (),
+                      sources: Iterable[str] = ()) -> DraftVocabulary:
+    """The draft vocabulary of `size` tokens: `always` (end-of-sequence tokens), then the most counted, then the
+    uncounted in id order."""
     if not 0 < size <= vocab_size:
         raise SelfspecError(f"a draft vocabulary of {size} tokens: pick 1 to the model's {vocab_size}")
-    texts, names = reference_texts()
     always = list(dict.fromkeys(t for t in always if 0 <= t < vocab_size))
-    return DraftVocabulary(draft_vocabulary(token_counts(tokenizer, texts), vocab_size, vocab_size, always),
-                           len(always), size, names)
+    ranked = sorted(range(vocab_size), key=lambda t: (-counts[t], t))
+    return DraftVocabulary(list(dict.fromkeys(always + ranked)), len(always), size, list(sources))
+
+
+def frequent_tokens(tokenizer, vocab_size: int, size: int, always: Iterable[int] = ()) -> DraftVocabulary:
+    """The draft vocabulary of `size` tokens counted on the reference texts."""
+    texts, names = reference_texts()
+    return ranked_vocabulary(token_counts(tokenizer, texts), vocab_size, size, always, names)
