@@ -1,5 +1,5 @@
 """`selfspec serve --replicas 2` on a real local Ray cluster (2 CPUs, SmolLM2 on the CPU), through the official
-openai client: 64 concurrent greedy requests all succeed and equal the library's solo output, /metrics sums the
+openai client: 24 concurrent greedy requests all succeed and equal the library's solo output, /metrics sums the
 replicas, and killing a replica mid-run loses no request that it had not started (only requests it was decoding
 may fail, each with a clear error)."""
 from __future__ import annotations
@@ -21,8 +21,8 @@ from selfspec.cli import build_parser
 from selfspec.serve.replicas import REPLICA_LOST, start
 
 MODEL = "smollm2-135m"
-MAX_BATCH = 8  # per replica: with 64 requests, most wait at the front when one replica is killed
-N_REQUESTS = 64
+MAX_BATCH = 4  # per replica: with 24 requests, most wait at the front when one replica is killed
+N_REQUESTS = 24
 OPENINGS = ["The capital of France is", "Once upon a time", "def fib(n):", "The three states of matter are",
             "Photosynthesis is", "To reverse a string in JavaScript,", "The best way to make pancakes is",
             "SELECT COUNT(*) FROM"]
@@ -62,16 +62,16 @@ def metric(url: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def test_64_concurrent_requests_equal_the_library(url, llm):
+def test_concurrent_requests_equal_the_library(url, llm):
     prompts = [OPENINGS[i % len(OPENINGS)] for i in range(N_REQUESTS)]
     tokens_before = metric(url, "generation_tokens_total")
 
     def complete(prompt: str) -> openai.types.Completion:
-        return client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        return client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
 
     with ThreadPoolExecutor(N_REQUESTS) as pool:
         answers = list(pool.map(complete, prompts))
-    expected = {p: llm.generate(p, selfspec.SamplingParams(max_new_tokens=8)).text for p in OPENINGS}
+    expected = {p: llm.generate(p, selfspec.SamplingParams(max_new_tokens=6)).text for p in OPENINGS}
     assert [a.choices[0].text for a in answers] == [expected[p] for p in prompts]
     generated = sum(a.usage.completion_tokens for a in answers)
     assert metric(url, "generation_tokens_total") - tokens_before == generated  # both replicas' tokens, summed
@@ -91,7 +91,7 @@ def test_killing_a_replica_loses_no_request_it_had_not_started(url):
         """("done", finish reason) or ("failed", message); `started[i]` is set once a replica admitted it."""
         try:
             stream = client(url).chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=8,
+                model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=6,
                 temperature=0, stream=True)
             finish = None
             for chunk in stream:  # the first chunk (the role) is sent once a replica admitted the request
@@ -116,5 +116,5 @@ def test_killing_a_replica_loses_no_request_it_had_not_started(url):
     failed = [(i, message) for i, (status, message) in enumerate(results) if status == "failed"]
     assert all(started[i].is_set() for i, _ in failed), "a request that had not started was lost"
     assert all(REPLICA_LOST in message for _, message in failed), failed
-    assert 0 < len(failed) <= MAX_BATCH  # what the killed replica was decoding (7 of 9 started in one run)
+    assert 0 < len(failed) <= MAX_BATCH  # at most what the killed replica was decoding
     assert all(finish in ("stop", "length") for status, finish in results if status == "done")
