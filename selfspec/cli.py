@@ -43,7 +43,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"draft mode, one of: {', '.join(MODES)}; or ngram[:MIN-MAX] (prompt lookup of the last "
                         "MAX..MIN tokens, default 3..1); or hybrid (lookup where it matches, else an upper "
                         "chain); or a tree of B candidates verified in one pass: ngram-tree[:B], tree:MODE[:B], "
-                        "hybrid-tree[:B]")
+                        "hybrid-tree[:B]; or recycle-tree[:N] (a tree of N tokens from the verify passes' own "
+                        "rankings, no draft step)")
     p.add_argument("--verify", default=None, metavar="MODE", help="verify mode (the output's precision)")
     add_draft_model_arg(p)
     p.add_argument("--gamma", type=int, default=4, help="most drafted tokens per round (0: autoregressive)")

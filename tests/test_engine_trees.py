@@ -63,7 +63,7 @@ def serve(engine: Engine, requests: list[tuple[list[int], SamplingParams, int | 
     return {k: (tokens.get(k, []), reasons[k]) for k in reasons}
 
 
-@pytest.mark.parametrize("name", ["ngram-tree:4", "hybrid-tree", "tree:upper:3"])
+@pytest.mark.parametrize("name", ["ngram-tree:4", "hybrid-tree", "tree:upper:3", "recycle-tree:6"])
 def test_engine_trees_greedy_equal_ar_as_requests_join(llm, name, monkeypatch):
     """Eight requests (repetitive texts, random ones of 9 tokens), joining over five steps, fixed
     gammas and the policy's: each request's tokens are its AR output; branches were accepted; the pool ends empty."""
@@ -84,7 +84,7 @@ def test_engine_trees_greedy_equal_ar_as_requests_join(llm, name, monkeypatch):
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens
     assert_idle(engine)
     assert max(trees) > 1  # a round over several sequences' trees: one verify pass for all their branches
-    if name != "ngram-tree:4":  # ... whose draft steps ran together
+    if name not in ("ngram-tree:4", "recycle-tree:6"):  # ... whose draft steps ran together
         assert max(rows for rows, mode in passes.seen if mode == llm.drafter.mode) > llm.drafter.branches
 
 

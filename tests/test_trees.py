@@ -52,7 +52,7 @@ def run(model, prompt, verify, drafter, gamma, n, cache=None) -> tuple[list[int]
 
 
 @pytest.mark.parametrize("name", ["ngram-tree:2", "ngram-tree:4", "tree:upper:2", "tree:upper:4", "hybrid-tree:2",
-                                  "hybrid-tree:3"])
+                                  "hybrid-tree:3", "recycle-tree:6"])
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 def test_greedy_tree_equals_ar(llm, name, gamma):
     drafter, verify = make_drafter(name), llm.verify_mode
@@ -232,7 +232,7 @@ def first_candidates(llm, name: str, prefix: list[int]) -> set[int]:
     return set(logits.topk(llm.drafter.branches).indices.tolist())  # the draft mode's top B
 
 
-@pytest.mark.parametrize("name", ["ngram-tree:3", "tree:upper:3", "hybrid-tree:3"])
+@pytest.mark.parametrize("name", ["ngram-tree:3", "tree:upper:3", "hybrid-tree:3", "recycle-tree:6"])
 def test_tree_sampling_matches_verify_distribution(sampling_model, name):
     """Temperature 1, 1000 seeds: tokens 0, 1 and 2 follow the verify distribution (chi-square), and token 1 is an
     accepted candidate with probability sum p(c) over the candidates (not 1 - prod(1 - p(c)), as it would be had
@@ -245,7 +245,7 @@ def test_tree_sampling_matches_verify_distribution(sampling_model, name):
     check_against_verify(rows, prompt, p0, p1, p2)
     t0, acc = rows[:, 0].tolist(), rows[:, 3].bool()
     assert 0.1 * n < int(acc.sum()) < 0.95 * n
-    if name.startswith("hybrid"):  # its chain branch is sampled: candidates known only in the run
+    if name.startswith(("hybrid", "recycle")):  # candidates known only in the run (sampled, or ranked by it)
         return
     firsts = {a: first_candidates(llm, name, prompt + [a]) for a in range(VOCAB)}
     assert all(len(f) == 3 for f in firsts.values())

@@ -222,6 +222,11 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
                    view([(0, len(branches)) for branches in proposed]), verify)
     targets = logits.argmax(-1).tolist()
     ends = list(accumulate(map(len, proposed)))
+    if hasattr(draft, "observe"):  # a drafter that recycles the pass's ranking of every position it ran
+        ranked, inputs = logits.topk(draft.width, -1).indices.tolist(), toks.tolist()
+        for row, branches, end in zip(rows, proposed, ends):
+            for i, b in enumerate(branches, end - len(branches)):
+                draft.observe(row, inputs[i][:len(b) + 1], ranked[i][:len(b) + 1])
     chosen = []
     for tree, row, branches, end in zip(trees, rows, proposed, ends):
         start = end - len(branches)

@@ -13,6 +13,8 @@ run together):
 - `SelfDraftTree(mode, branches)`: the draft mode's top-B first tokens, each continued greedily (B rows at once);
 - `HybridTree(branches)`: n-gram branches when the lookup matches, plus the `upper` self-draft chain as the last
   branch; the self-draft tree when nothing matches.
+- `RecycleTree(branches)`: the lookup's continuation where it matches, and a tree grown from the next tokens the
+  verify passes ranked (recycling.py): no model step.
 
 `HybridDrafter` (recipe `hybrid`) is a chain drafter: each row's lookup where it matches, the `upper` self-draft chain
 where lookups keep missing (a round with no chain pays no draft step).
@@ -33,17 +35,18 @@ import torch
 
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import Mode, get_mode
+from selfspec.speculative.recycling import DEFAULT_WIDTH, SuccessorTable, grow
 from selfspec.speculative.sampling import sample, to_probs
 
 if TYPE_CHECKING:
     from selfspec.speculative.decode import Row
 
 LOOKUP_NAME = re.compile(r"(ngram|hybrid)(?::(\d+)-(\d+))?")  # hybrid: a lookup, else the upper chain
-TREE_NAME = re.compile(r"(ngram-tree|hybrid-tree|tree:([\w-]+?))(?::(\d+))?")
+TREE_NAME = re.compile(r"(ngram-tree|hybrid-tree|recycle-tree|tree:([\w-]+?))(?::(\d+))?")
 DEFAULT_NGRAM = (1, 3)  # (min_n, max_n)
 DEFAULT_BRANCHES = 4
 HYBRID_DRAFT = "upper"  # the hybrids' self-draft mode: the cheap half of the planes storage
-TREE_NAMES = "ngram-tree[:B], tree:MODE[:B] (e.g. tree:upper:4) or hybrid-tree[:B]"
+TREE_NAMES = "ngram-tree[:B], tree:MODE[:B] (e.g. tree:upper:4), hybrid-tree[:B] or recycle-tree[:B]"
 RowsView = Callable[[list[tuple[int, int]]], object]  # spans[i]: rows start..stop-1 of tree i -> one batch view
 
 
@@ -327,6 +330,42 @@ class HybridTree(TreeDrafter):
         return out
 
 
+class RecycledHistory(TokenHistory):
+    """A row's text, indexed for lookups, and its successor table (recycling.py), which the text fills first."""
+
+    def __init__(self, tokens: list[int], min_n: int, max_n: int, width: int):
+        self.table = SuccessorTable(width)
+        super().__init__(tokens, min_n, max_n)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.table.read(tokens, self.tokens[-1] if self.tokens else None)
+        super().extend(tokens)
+
+
+@dataclass(frozen=True)
+class RecycleTree(TreeDrafter):
+    """A tree of at most `branches` tokens (so at most that many branches): the lookup's continuation where it
+    matches, the rest grown from the successor table, best first. The verify pass hands back its ranking
+    (`observe`). 15 tokens: with the pending token, a 16-token pass, the most a graphed pass runs."""
+    branches: int = 15
+    width: int = DEFAULT_WIDTH
+    lookup: NgramDrafter = field(default_factory=NgramDrafter)
+
+    def history(self, tokens: list[int]) -> RecycledHistory:
+        return RecycledHistory(tokens, self.lookup.min_n, self.lookup.max_n, self.width)
+
+    def propose_tree(self, model, cache, row: Row, k: int) -> list[list[int]]:
+        found = row.history.lookup(k)
+        lookups = [found] if found else []
+        left = self.branches - len(lookups)
+        nodes = self.branches - len(found)
+        grown = grow(row.history.table.next, row.pending, k, left, nodes) if nodes > 0 else []
+        return lookups + [b for b in grown if not any(f[:len(b)] == b for f in lookups)]
+
+    def observe(self, row: Row, inputs: list[int], ranked: list[list[int]]) -> None:
+        row.history.table.observe(inputs, ranked)
+
+
 def subset(view: RowsView, picked: list[int], n: int) -> RowsView:
     """`view` over the trees `picked` (ascending) of n: the others give no rows."""
     def of(spans: list[tuple[int, int]]):
@@ -378,6 +417,8 @@ def make_tree(m: re.Match) -> Drafter | TreeDrafter:
         raise SelfspecError(f"a tree drafter needs at least 1 branch, got {branches}; write {TREE_NAMES}")
     if kind == "hybrid-tree":
         return HybridTree(branches)
+    if kind == "recycle-tree":
+        return RecycleTree(int(m.group(3) or RecycleTree.branches))
     if mode is not None:
         return SelfDraft(get_mode(mode)) if branches == 1 else SelfDraftTree(get_mode(mode), branches)
     return NgramDrafter() if branches == 1 else NgramTree(branches)

@@ -1,0 +1,106 @@
+"""Recycled drafts (speculative/recycling.py, RecycleTree): the successor table (text fills unknown tokens only, a
+verify pass's ranking overwrites), `grow` (best first, within its node, leaf and depth budgets), the verify pass
+hands every row's ranking of the positions it ran to the drafter, and RecycleTree's names. Greedy == AR and
+sampling follow the verify distribution: test_trees.py and test_engine_trees.py, with the other tree drafters."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from selfspec.engine.llm import build
+from selfspec.engine.stats import GenerationStats
+from selfspec.model import prefill
+from selfspec.quant.modes import prompt_mode
+from selfspec.speculative.decode import decode
+from selfspec.speculative.drafters import NgramDrafter, RecycleTree, TreeDrafter, make_drafter
+from selfspec.speculative.recipes import resolve_recipe
+from selfspec.speculative.recycling import SuccessorTable, grow
+from selfspec.speculative.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_text_fills_only_tokens_no_pass_ranked():
+    table = SuccessorTable(width=3)
+    table.read([1, 2, 3, 1, 4])
+    assert table.next == {1: (2,), 2: (3,), 3: (1,)}  # the first successor in the text stays
+    table.observe([1, 5], [[7, 8, 9, 10], [6, 2, 1, 0]])
+    assert table.next[1] == (7, 8, 9) and table.next[5] == (6, 2, 1)  # cut to the width
+    table.read([1, 2, 5, 3], prev=4)
+    assert table.next[1] == (7, 8, 9) and table.next[4] == (1,) and table.next[5] == (6, 2, 1)
+
+
+def test_grow_takes_the_most_likely_nodes_first():
+    nxt = {0: (1, 2), 1: (3, 4), 2: (5,), 3: (6,), 4: (7,), 6: (8,)}
+    priors = (0.5, 0.25)
+    # masses: 1 .5, 2 .25, 3 .25, 4 .125, 5 .125, 6 .125, 7 .0625, 8 .0625
+    assert grow(nxt, 0, depth=4, leaves=4, nodes=1, priors=priors) == [[1]]
+    assert grow(nxt, 0, depth=4, leaves=4, nodes=3, priors=priors) == [[2], [1, 3]]  # ties: the first found first
+    tree = grow(nxt, 0, depth=4, leaves=4, nodes=8, priors=priors)
+    assert sorted(tree) == [[1, 3, 6, 8], [1, 4, 7], [2, 5]]
+    assert grow(nxt, 0, depth=2, leaves=4, nodes=8, priors=priors) == [[1, 3], [1, 4], [2, 5]]
+    assert grow(nxt, 0, depth=4, leaves=1, nodes=8, priors=priors) == [[1, 3, 6, 8]]  # one leaf: the best chain
+    assert grow(nxt, 9, depth=4, leaves=4, nodes=8) == []  # no successor known
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_grow_keeps_its_budgets_and_its_paths_exist(seed):
+    rng = random.Random(seed)
+    nxt = {t: tuple(rng.sample(range(30), rng.randint(1, 5))) for t in range(30)}
+    depth, leaves, nodes = rng.randint(1, 6), rng.randint(1, 6), rng.randint(1, 20)
+    tree = grow(nxt, rng.randrange(30), depth, leaves, nodes)
+    trie = {tuple(b[:i + 1]) for b in tree for i in range(len(b))}
+    assert 0 < len(tree) <= leaves and len(trie) <= nodes and all(len(b) <= depth for b in tree)
+    assert len(set(map(tuple, tree))) == len(tree)
+    assert not any(a != b and b[:len(a)] == a for a in tree for b in tree)  # leaves only: no branch is a prefix
+    for b in tree:  # each step is a known successor of the token before it
+        assert all(b[i + 1] in nxt[b[i]] for i in range(len(b) - 1))
+
+
+class Observer(TreeDrafter):
+    """Fixed branches; records what the verify pass hands back."""
+    width = 3
+
+    def __init__(self, branches: list[list[int]]):
+        self.fixed, self.branches, self.seen = branches, len(branches), []
+
+    def propose_tree(self, model, cache, row, k: int) -> list[list[int]]:
+        return [b[:k] for b in self.fixed]
+
+    def observe(self, row, inputs: list[int], ranked: list[list[int]]) -> None:
+        self.seen.append((inputs, ranked))
+
+
+def test_the_verify_pass_hands_back_its_ranking_of_every_real_position():
+    cfg, sd, _ = tiny_model("llama", seed=1)
+    llm = build(cfg, sd, None, resolve_recipe("hybrid"), group_size=32)
+    prompt, branches = [5, 9, 200, 17, 3], [[4, 8, 15], [16], [23, 42]]
+    drafter = Observer(branches)
+    rounds = decode(llm.model, prompt, llm.verify_mode, drafter, 3, SamplingParams(max_new_tokens=8, ignore_eos=True),
+                    GenerationStats())
+    (pending,) = next(rounds)
+    next(rounds)
+    assert [inputs for inputs, _ in drafter.seen] == [[pending] + b for b in branches]  # no padding
+    for b, (inputs, ranked) in zip(branches, drafter.seen):  # each row's top-3 at its inputs, as a chain pass gives
+        cache = llm.model.new_cache(16)
+        prefill(llm.model, prompt, cache, prompt_mode(llm.verify_mode))
+        logits = llm.model(torch.tensor([inputs]), len(prompt) + torch.arange(len(inputs)), cache, llm.verify_mode)[0]
+        assert ranked == logits.topk(3, -1).indices.tolist()
+
+
+def test_recycle_tree_names_and_its_lookup_branch():
+    assert make_drafter("recycle-tree") == RecycleTree(15)
+    assert make_drafter("recycle-tree:8") == RecycleTree(8)
+    drafter = RecycleTree(6, lookup=NgramDrafter(2, 2))
+    history = drafter.history([1, 2, 3, 4, 1, 2])
+    history.table.observe([2], [[9, 3]])
+
+    class Row:
+        pending = 2
+    Row.history = history
+    branches = drafter.propose_tree(None, None, Row, 3)
+    assert branches[0] == [3, 4, 1]  # the lookup's continuation of (1, 2) first
+    assert [9] == branches[1][:1] and all(b[:1] != [3] or b == branches[0] for b in branches)
