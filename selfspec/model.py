@@ -77,10 +77,53 @@ class Packed:
 
 
 @dataclass(frozen=True)
+class TreeLayout:
+    """Token trees in one pass, each node run once: the pass's tokens [1, N] are the trees' nodes (a sequence's
+    pending token, then its drafts), so every op but attention runs on the N nodes only. Attention runs on the
+    branches as rows [R, T], each a chain over its own cache row, as forked chains: a node's KV is stored in every
+    row that holds it, so a branch's verify is the chain verify of that branch, bit for bit (the per-token ops are
+    batch invariant). rows [R, T]: the node at each branch position (past a branch's end, its last node again:
+    stored at its own slot again, output dropped); first [N]: each node's entry r * T + t in the first row holding
+    it (a node past the trees', padding: entry 0)."""
+    rows: torch.Tensor
+    first: torch.Tensor
+
+    @classmethod
+    def of(cls, trees: list[tuple[int, int, list[list[int]]]], device: torch.device | str = "cpu"
+           ) -> tuple[TreeLayout, list[int], list[int]]:
+        """trees: (pending token, its position, branches) per sequence, a branch's tokens following the pending
+        one; a sequence's rows are its branches in order (one row if it has none). Returns the layout, the nodes'
+        tokens and positions."""
+        tokens, pos, rows = [], [], []
+        for pending, length, branches in trees:
+            root, index = len(tokens), {}
+            tokens.append(pending)
+            pos.append(length)
+            for branch in branches or [[]]:
+                row = [root]
+                for d in range(len(branch)):
+                    node = index.setdefault(tuple(branch[:d + 1]), len(tokens))
+                    if node == len(tokens):
+                        tokens.append(branch[d])
+                        pos.append(length + d + 1)
+                    row.append(node)
+                rows.append(row)
+        width = max(map(len, rows))
+        rows = [r + [r[-1]] * (width - len(r)) for r in rows]
+        first = {}
+        for i, row in enumerate(rows):
+            for t, node in enumerate(row):
+                first.setdefault(node, i * width + t)
+        layout = cls(torch.tensor(rows, device=device), torch.tensor([first[n] for n in range(len(tokens))],
+                                                                      device=device))
+        return layout, tokens, pos
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     """What every layer of one forward pass reads, built once per pass: the mode, the tokens' positions [B, T]
-    (packed: [1, N]), their rope angles [B, T, D] and cache slots [B, T], the cache (or its batch view) and, for a
-    packed pass, how its tokens split into rows."""
+    (packed: [1, N]; a tree pass: its branch rows'), their rope angles [B, T, D] and cache slots [B, T], the cache
+    (or its batch view) and, for a packed pass, how its tokens split into rows; for a tree pass, its layout."""
     mode: Mode
     pos: torch.Tensor
     cos: torch.Tensor
@@ -88,6 +131,7 @@ class ForwardBatch:
     slots: torch.Tensor
     cache: KVCache
     packed: Packed | None = None
+    tree: TreeLayout | None = None
 
 
 class Linear(nn.Module):
@@ -160,9 +204,12 @@ class Attention(nn.Module):
                 handover: Handover | None = None) -> torch.Tensor:
         """residual + attention(x): the output projection adds the residual as it writes its output. handover: what
         the norm computed of x for wqkv (kernels.Handover)."""
-        b, t, _ = x.shape
         hd = self.cfg.head_dim
-        q, k, v = (z.view(b, t, -1, hd) for z in self.wqkv(x, fb.mode, handover=handover).split(self.sizes, dim=-1))
+        qkv = self.wqkv(x, fb.mode, handover=handover)
+        if fb.tree is not None:  # the nodes laid out as branch rows
+            qkv = qkv[0][fb.tree.rows]
+        b, t, _ = qkv.shape
+        q, k, v = (z.view(b, t, -1, hd) for z in qkv.split(self.sizes, dim=-1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         kv = fb.cache.layer(layer)
@@ -174,7 +221,10 @@ class Attention(nn.Module):
             out, given = attention_handover(q, kv.k, kv.v, kv.table, fb.pos, fb.mode.prompt)
         else:
             out, given = packed_attention_handover(q, kv.k, kv.v, kv.table, fb.pos, fb.packed, fb.mode.prompt)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1), fb.mode, residual, given)
+        out = out.transpose(1, 2).reshape(b, t, -1)
+        if fb.tree is not None:  # back to the nodes
+            out, given = out.flatten(0, 1)[fb.tree.first][None], given and given.rows(fb.tree.first)
+        return self.wo(out, fb.mode, residual, given)
 
 
 class FeedForward(nn.Module):
@@ -361,13 +411,15 @@ class Transformer(nn.Module):
                             self.kv_format, self.kv_group)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode,
-                logits_at: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
+                logits_at: torch.Tensor | None = None, packed: Packed | None = None,
+                tree: TreeLayout | None = None) -> torch.Tensor:
         """tokens [B, T] at positions pos [B, T] (each row its own; [T] when all rows share them)
         -> logits [B, T, vocab] (float32). With logits_at [R] (indices into the B * T tokens, row-major), the
         logits of those tokens only, [R, vocab]: a prefill needs its last position, and the head (a GEMM over the
         whole vocabulary) then runs on R rows instead of B * T. With `packed`, tokens and pos [1, N] hold the
-        rows `packed` describes, and cache has one row per packed row."""
-        hidden = self.hidden(tokens, pos, cache, mode, packed)
+        rows `packed` describes, and cache has one row per packed row. With `tree`, tokens and pos [1, N] are the
+        nodes of token trees (TreeLayout), and cache has a row per branch."""
+        hidden = self.hidden(tokens, pos, cache, mode, packed, tree)
         if logits_at is None:
             return self.logits(hidden, mode)
         if not len(logits_at):  # nothing asked (a prefill chunk that completes no prompt): no head pass
@@ -375,14 +427,16 @@ class Transformer(nn.Module):
         return self.logits(hidden.reshape(-1, hidden.shape[-1])[logits_at], mode)
 
     def hidden(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, mode: Mode,
-               packed: Packed | None = None) -> torch.Tensor:
+               packed: Packed | None = None, tree: TreeLayout | None = None) -> torch.Tensor:
         """The final-norm hidden states [B, T, dim]; writes the KV of every position into `cache` (at the layers
         the mode does not skip)."""
         x = self.embed_tokens(tokens)
         pos = pos.expand(tokens.shape)
+        if tree is not None:  # attention's rows: the branches
+            pos = pos[0][tree.rows]
         # A packed token's slot depends on its row's block table: found in the rows' layout.
         slots = cache.slots(pos) if packed is None else packed.unpad(cache.slots(packed.pad(pos)))
-        fb = ForwardBatch(mode, pos, self.cos[pos], self.sin[pos], slots, cache, packed)
+        fb = ForwardBatch(mode, pos, self.cos[pos], self.sin[pos], slots, cache, packed, tree)
         for i, layer in enumerate(self.layers):
             # A skipped layer writes no KV: only a draft skips, and its verify pass rewrites every layer's KV.
             if i not in mode.skip_layers:

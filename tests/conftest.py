@@ -169,15 +169,16 @@ def check_mixed_batch_equals_solo(llm, prompts: list[list[int]], policy: GammaPo
 
 
 class RecordedPasses:
-    """The model, recording each pass's token shape (rows, tokens per row); the decoding loop takes it for the
-    model."""
+    """The model, recording each pass's token shape (rows, tokens per row; a tree pass: its branch rows'); the
+    decoding loop takes it for the model."""
 
     def __init__(self, model):
         self.model, self.shapes = model, []
         self.device, self.cfg, self.new_cache = model.device, model.cfg, model.new_cache
 
     def __call__(self, tokens, *args, **kwargs):
-        self.shapes.append(tuple(tokens.shape))
+        tree = kwargs.get("tree")
+        self.shapes.append(tuple((tokens if tree is None else tree.rows).shape))
         return self.model(tokens, *args, **kwargs)
 
 

@@ -14,7 +14,8 @@ from conftest import RecordedPasses, tiny_model
 from selfspec.engine.llm import build
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
-from selfspec.quant.modes import get_mode
+from selfspec.model import TreeLayout, prefill
+from selfspec.quant.modes import get_mode, prompt_mode
 from selfspec.speculative.decode import decode
 from selfspec.speculative.drafters import (HybridDrafter, HybridTree, NgramDrafter, NgramTree, SelfDraft, SelfDraftTree,
                                            TokenHistory, TreeDrafter, make_drafter)
@@ -292,3 +293,26 @@ def test_bench_trees_compares_drafters_against_ar(capsys):
             or line.startswith("| upper |")]
     assert len(rows) == 2 and all(r[5] == "yes" for r in rows)
     assert float(rows[1][3]) > 1  # the upper chain emits more than one token per verify pass here
+
+
+def test_a_tree_pass_gives_each_branch_its_chain_logits_bitwise(llm):
+    """model.TreeLayout: the shared nodes run once, yet each branch row gets the logits a pass of its chain alone
+    gives, bit for bit, and the same KV in its cache row."""
+    model, verify, prompt = llm.model, llm.verify_mode, REPETITIVE[1]
+    branches = [[7, 8, 9], [7, 8], [7, 30, 31], [40]]
+    caches = []
+    for _ in range(2):
+        cache = model.new_cache(32, len(branches))
+        prefill(model, prompt, cache.rows(0, 1), prompt_mode(verify))
+        cache.copy_positions(0, 0, len(prompt))
+        caches.append(cache)
+    layout, nodes, pos = TreeLayout.of([(5, len(prompt), branches)])
+    assert len(nodes) == 1 + 6  # the pending token and 7, 8, 9, 30, 31, 40
+    tree = model(torch.tensor([nodes]), torch.tensor([pos]), caches[0], verify, tree=layout)[0][layout.rows]
+    chains = torch.tensor([[5] + b + [0] * (3 - len(b)) for b in branches])
+    forked = model(chains, len(prompt) + torch.arange(4), caches[1], verify)
+    for b, branch in enumerate(branches):
+        n = len(branch) + 1
+        assert torch.equal(tree[b, :n], forked[b, :n]), b
+        end = len(prompt) + n
+        assert torch.equal(caches[0].k[:, b, :, :end], caches[1].k[:, b, :, :end]), b

@@ -33,6 +33,11 @@ class Handover:
     scale: torch.Tensor | None = None
     bits: int | None = None
 
+    def rows(self, index: torch.Tensor) -> Handover:
+        """What it carries of the rows `index` (a tree pass's nodes, model.TreeLayout)."""
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return Handover(pick(self.sums), pick(self.codes), pick(self.scale), self.bits)
+
     def codes_for(self, bits: int | None) -> bool:
         """Whether this carries x's codes at `bits` (a mode's act_bits)."""
         return bits is not None and self.codes is not None and self.bits == bits

@@ -20,7 +20,7 @@ import torch
 from selfspec.cache import KVCache
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
-from selfspec.model import Runner, Transformer, prefill
+from selfspec.model import Runner, Transformer, TreeLayout, prefill
 from selfspec.quant.modes import Mode, prompt_mode
 from selfspec.speculative.drafters import Drafter, RowsView, TokenHistory, TreeDrafter, as_drafter
 from selfspec.speculative.policy import GammaPolicy
@@ -203,30 +203,31 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
     rows (a solo KVCache of a row per branch, or the engine's PagedTree), each holding the sequence's committed KV,
     and `view(spans)` is one batch view of rows spans[i] of each trees[i]. The drafter proposes every sequence's
     branches (its draft steps batched over the sequences); branch b of sequence i is verified in row b of trees[i]
-    as a chain, every branch of every sequence in one batched verify pass (shared prefixes are recomputed: at small
-    batch the extra rows are nearly free on a GPU). The batch-invariant kernels make each row's verify the chain
-    verify bit for bit, so the winning row's KV is already AR's, and only the positions it commits are copied to the
-    other rows: no tree-attention mask and no re-run. Greedy: the longest accepted branch wins (ties: the first).
-    Sampling: multi-candidate rejection sampling down the branches (verify.py). Rows are updated only once the verify
-    pass succeeded."""
+    as a chain, every branch of every sequence in one verify pass (model.TreeLayout: each node once through every op
+    but attention, which runs the branches as rows, over their own KV). The batch-invariant kernels make each row's
+    verify the chain verify bit for bit, so the winning row's KV is already AR's, and only the positions it commits
+    are copied to the other rows: no tree-attention mask and no re-run. Greedy: the longest accepted branch wins
+    (ties: the first). Sampling: multi-candidate rejection sampling down the branches (verify.py). Rows are updated
+    only once the verify pass succeeded."""
     dev = model.device
     t0 = time.perf_counter()
     proposed = draft.propose_trees(model, trees, rows, k, view) if k else [[] for _ in rows]
     width = max((len(b) for branches in proposed for b in branches), default=0)
     proposed = [branches or [[]] for branches in proposed]  # nothing proposed: a plain step on row 0
     t1 = time.perf_counter()
-    toks = torch.tensor([[row.pending] + b + [0] * (width - len(b)) for row, branches in zip(rows, proposed)
-                         for b in branches], device=dev)
-    lengths = torch.tensor([row.length for row, branches in zip(rows, proposed) for _ in branches], device=dev)
-    logits = model(toks, lengths[:, None] + torch.arange(width + 1, device=dev),
-                   view([(0, len(branches)) for branches in proposed]), verify)
-    targets = logits.argmax(-1).tolist()
+    layout, nodes, node_pos = TreeLayout.of([(row.pending, row.length, branches)
+                                             for row, branches in zip(rows, proposed)], dev)
+    logits = model(torch.tensor([nodes], device=dev), torch.tensor([node_pos], device=dev),
+                   view([(0, len(branches)) for branches in proposed]), verify, tree=layout)[0]  # [nodes, vocab]
+    at = layout.rows.tolist()  # each branch row's nodes
+    best_next = logits.argmax(-1).tolist()
+    targets = [[best_next[i] for i in r] for r in at]  # greedy rows' verify tokens: one pass and one copy
     ends = list(accumulate(map(len, proposed)))
-    if hasattr(draft, "observe"):  # a drafter that recycles the pass's ranking of every position it ran
-        ranked, inputs = logits.topk(draft.width, -1).indices.tolist(), toks.tolist()
+    if hasattr(draft, "observe"):  # a drafter that recycles the pass's ranking of every node it ran
+        ranked = logits.topk(draft.width, -1).indices.tolist()
         for row, branches, end in zip(rows, proposed, ends):
-            for i, b in enumerate(branches, end - len(branches)):
-                draft.observe(row, inputs[i][:len(b) + 1], ranked[i][:len(b) + 1])
+            for r, b in zip(at[end - len(branches):end], branches):
+                draft.observe(row, [nodes[i] for i in r[:len(b) + 1]], [ranked[i] for i in r[:len(b) + 1]])
     chosen = []
     for tree, row, branches, end in zip(trees, rows, proposed, ends):
         start = end - len(branches)
@@ -235,7 +236,8 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
             best = max(range(len(branches)), key=lambda i: (results[i][0], -i))
             n, nxt = results[best]
         else:
-            best, n, nxt = accept_tree_sampling(branches, to_probs(logits[start:end], row.params), row.gen)
+            best, n, nxt = accept_tree_sampling(branches, to_probs(logits[layout.rows[start:end]], row.params),
+                                                row.gen)
         tree.copy_positions(best, row.length, row.length + n + 1)  # the pending token and the accepted drafts
         chosen.append((branches[best], n, nxt))
     t2 = time.perf_counter()
