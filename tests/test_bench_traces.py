@@ -48,8 +48,11 @@ def test_format_round_trip(tmp_path):
     back = load(tmp_path / "t.json")
     assert back == t and back.accepted("a") == [2, 3, 1, 0]
     d = json.loads((tmp_path / "t.json").read_text())
-    assert d["version"] == 2 and d["fields"][0] == "kind"
-    d["tasks"]["a"][0][-1] = 9  # accepted past the proposal
+    assert d["version"] == 3 and d["fields"][0] == "kind"
+    v2 = {**d, "version": 2, "fields": d["fields"][:-1],
+          "tasks": {k: [r[:-1] for r in rs] for k, rs in d["tasks"].items()}}
+    assert from_json(v2) == t  # no nodes: each round's proposed, as these rounds were built
+    d["tasks"]["a"][0][d["fields"].index("accepted")] = 9  # accepted past the proposal
     with pytest.raises(SelfspecError, match="malformed trace round"):
         from_json(d)
     with pytest.raises(SelfspecError, match="trace version 7"):
@@ -115,6 +118,9 @@ def test_recording_logs_what_each_round_paid(tiny):
     tree = record(tiny("hybrid", "hybrid-tree"), prompts, 3, 8)
     assert all(r.draft_steps == 3 and r.verified == r.branches * 4 for r in tree)
     assert any(r.kind == "tree" for r in tree)
+    recycled = record(tiny("ngram", "recycle-tree:6"), prompts, 3, 8)  # at most 6 distinct drafts, no step
+    assert all(r.draft_steps == 0 and r.nodes <= min(6, r.proposed) for r in recycled)
+    assert any(r.kind == "tree" for r in recycled)
     # Sampled recordings differ from greedy ones but hold the same kinds of rounds.
     sampled = record(tiny("planes"), prompts, 3, 8, temperature=1.0)
     assert {r.kind for r in sampled} == {"draft"} and sum(r.accepted for r in sampled) >= 0
@@ -147,12 +153,13 @@ def test_predicted_speedup_from_step_costs(tmp_path):
 
 
 def test_replay_pays_recorded_steps_and_verifies_recorded_tokens(tiny):
-    """Each replayed round: its draft steps as [1, 1] draft passes, then one verify pass of its recorded shape; a
-    lookup round pays no draft step. Accepted counts are the recorded ones."""
+    """Each replayed round: its draft steps as [1, 1] draft passes, then one verify pass of its recorded shape (rows,
+    tokens per row, distinct drafts); a lookup round pays no draft step. Accepted counts are the recorded ones."""
     llm = tiny("hybrid")
     chain = [Round("lookup", 3, 0, 1, 4, 2), Round("none", 0, 0, 1, 1, 0), Round("draft", 4, 4, 1, 5, 1),
              Round("lookup", 1, 0, 1, 2, 1)]
-    tree = [Round("tree", 8, 4, 2, 10, 3), Round("lookup", 4, 0, 1, 5, 4), Round("tree", 6, 0, 3, 9, 0)]
+    tree = [Round("tree", 8, 4, 2, 10, 3), Round("lookup", 4, 0, 1, 5, 4), Round("tree", 6, 0, 3, 9, 0),
+            Round("tree", 8, 0, 2, 10, 2, nodes=5)]  # its branches share 3 tokens: 5 nodes run
     for rounds in (chain, tree):
         log = PassLog(llm.runner)
         drafter = replay(rounds, MODES["upper"])
@@ -161,7 +168,8 @@ def test_replay_pays_recorded_steps_and_verifies_recorded_tokens(tiny):
         # the cursor cycling through the trace: rounds 1.., then 0.
         calls = log.calls[-sum(r.draft_steps + 1 for r in rounds):]
         timed = rounds[1:] + rounds[:1]
-        expected = [c for r in timed for c in [(1, 1)] * r.draft_steps + [(r.branches, r.verified // r.branches)]]
+        expected = [c for r in timed
+                    for c in [(1, 1, 0)] * r.draft_steps + [(r.branches, r.verified // r.branches, r.nodes)]]
         assert calls == expected
         assert out["accepted"] == sum(r.accepted for r in rounds) and out["rounds"] == len(rounds)
     with pytest.raises(SelfspecError, match="no draft mode"):

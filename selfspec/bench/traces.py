@@ -5,7 +5,7 @@ python -m selfspec.bench.traces --model smollm2-135m --recipe ngram [--tasks mtb
     [--prompts 4] [--max-new-tokens 64] [--gamma 5] [--temperature 0] [--draft ngram:2-4]
     -> selfspec/bench/traces/smollm2-135m.ngram.json
 
-A trace (JSON, "version": 2) holds per task one row per round, `FIELDS`:
+A trace (JSON, "version": 3) holds per task one row per round, `FIELDS`:
   kind         draft (k draft steps in a draft mode or of a draft model), lookup (n-gram lookup: no draft step),
                tree (several candidate branches verified in one pass), none (nothing proposed: a plain step)
   proposed     draft tokens the verify pass checked (a lookup proposes 0..k; a tree: every branch's)
@@ -13,9 +13,11 @@ A trace (JSON, "version": 2) holds per task one row per round, `FIELDS`:
   branches     rows of the verify pass (1 for a chain, B for a tree)
   verified     tokens the verify pass ran: branches x (longest proposal + the pending token)
   accepted     drafts accepted (the round commits accepted + 1 tokens)
+  nodes        distinct draft tokens (a tree's branches share their prefixes; a chain: proposed)
 Recorded at gamma G: replayed at k <= G (Table 3 records each gamma instead), a round is cut to k drafts (greedy
 drafts and lookups are deterministic: the first k of G are what drafting k would propose) and accepts
-min(accepted, k). Version 1 traces (a list of accepted counts per task, self-draft chains) still load. A trace of
+min(accepted, k). Version 2 traces (no nodes: every branch's tokens counted apart) and version 1 traces (a list of
+accepted counts per task, self-draft chains) still load. A trace of
 recipe draft-model names its drafter (`draft_model`): its draft steps are another model's, so it is not replayed on
 one model (bench/spec.py skips it).
 """
@@ -40,8 +42,8 @@ from selfspec.speculative.recipes import PRESETS
 from selfspec.speculative.sampling import SamplingParams
 
 TRACE_DIR = Path(__file__).parent / "traces"
-VERSION = 2
-FIELDS = ("kind", "proposed", "draft_steps", "branches", "verified", "accepted")
+VERSION = 3
+FIELDS = ("kind", "proposed", "draft_steps", "branches", "verified", "accepted", "nodes")
 KINDS = ("draft", "lookup", "tree", "none")
 TASKS = ("mtbench", "humaneval", "gsm8k", "essay")  # essay: summarise / answer from a Paul Graham essay
 DEFAULT_GAMMA = 5
@@ -55,6 +57,11 @@ class Round:
     branches: int
     verified: int
     accepted: int
+    nodes: int | None = None  # None: proposed (every branch's tokens distinct)
+
+    def __post_init__(self) -> None:
+        if self.nodes is None:
+            object.__setattr__(self, "nodes", self.proposed)
 
     @property
     def width(self) -> int:
@@ -67,7 +74,8 @@ class Round:
             return self
         width = min(self.width, k)
         return replace(self, proposed=self.proposed * width // self.width, draft_steps=min(self.draft_steps, k),
-                       verified=self.branches * (width + 1), accepted=min(self.accepted, k))
+                       verified=self.branches * (width + 1), accepted=min(self.accepted, k),
+                       nodes=max(width, self.nodes * width // self.width))
 
 
 @dataclass
@@ -110,11 +118,11 @@ class Trace:
 
 
 def from_json(d: dict) -> Trace:
-    """A trace from its JSON: version 2 (rounds as FIELDS rows), or version 1 (no version: accepted counts of
-    self-draft chains at `gamma`, each round drafting gamma tokens)."""
+    """A trace from its JSON: version 3 (rounds as FIELDS rows), 2 (no nodes: each round's proposed), or 1 (no
+    version: accepted counts of self-draft chains at `gamma`, each round drafting gamma tokens)."""
     version = d.get("version", 1)
-    if version not in (1, VERSION):
-        raise SelfspecError(f"trace version {version} is not one this selfspec reads (1 or {VERSION}); "
+    if version not in (1, 2, VERSION):
+        raise SelfspecError(f"trace version {version} is not one this selfspec reads (1 to {VERSION}); "
                             "record it again with python -m selfspec.bench.traces")
     head = {k: d[k] for k in ("model", "recipe", "draft", "verify", "gamma")}
     extra = {k: d[k] for k in ("temperature", "max_new_tokens", "prompts", "source", "draft_model", "draft_vocab")
@@ -123,7 +131,7 @@ def from_json(d: dict) -> Trace:
         g = d["gamma"]
         tasks = {task: [Round("draft", g, g, 1, g + 1, n) for n in acc] for task, acc in d["tasks"].items()}
     else:
-        idx = [d["fields"].index(f) for f in FIELDS]
+        idx = [d["fields"].index(f) for f in FIELDS if f in d["fields"]]
         tasks = {task: [Round(*(row[i] for i in idx)) for row in rows] for task, rows in d["tasks"].items()}
     for rs in tasks.values():
         for r in rs:
@@ -142,8 +150,8 @@ def load(path: Path) -> Trace:
 
 
 class PassLog:
-    """A model (eager or graphed) that logs the shape [rows, tokens] of each decode pass (a draft model's packed
-    catch-up of the committed context is not a draft step, and is not logged)."""
+    """A model (eager or graphed) that logs each decode pass as (rows, tokens per row, distinct draft tokens) (a
+    draft model's packed catch-up of the committed context is not a draft step, and is not logged)."""
 
     def __init__(self, model, calls: list | None = None) -> None:
         self.model = model
@@ -153,17 +161,22 @@ class PassLog:
         return getattr(self.model, name)
 
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode, *args, **kw) -> torch.Tensor:
-        if kw.get("packed") is None:
-            self.calls.append(tuple(tokens.shape))
+        tree = kw.get("tree")
+        if tree is not None:  # its nodes: each sequence's pending token, then its distinct drafts
+            rows, width = tree.rows.shape
+            self.calls.append((rows, width, tokens.shape[1] - 1))
+        elif kw.get("packed") is None:
+            rows, width = tokens.shape
+            self.calls.append((rows, width, rows * (width - 1)))
         return self.model(tokens, pos, cache, mode, *args, **kw)
 
 
 def round_of(calls: list[tuple[int, int]], accepted: int) -> Round:
     """A round from the passes it ran (the last one verifies) and the drafts it accepted."""
-    branches, tokens = calls[-1]
+    branches, tokens, nodes = calls[-1]
     proposed, steps = branches * (tokens - 1), len(calls) - 1
     kind = "none" if proposed == 0 else "tree" if branches > 1 else "draft" if steps else "lookup"
-    return Round(kind, proposed, steps, branches, branches * tokens, accepted)
+    return Round(kind, proposed, steps, branches, branches * tokens, accepted, nodes)
 
 
 def record(llm, prompts: list, gamma: int, max_new_tokens: int, temperature: float = 0.0,
@@ -313,11 +326,18 @@ class TreeReplay(Replay, TreeDrafter):
         self.branches = max(r.branches for r in rounds)
 
     def propose_tree(self, model, cache, row, k: int) -> list[list[int]]:
+        """The round's shape: its branches, the first as long as the longest, the others forking at the root with
+        the rest of its distinct tokens (at least one each)."""
         r = self.next_round(k)
         if r.proposed == 0:
             return []
         tokens = self.drafts(model, cache.rows(0, 1), row, r)
-        return [tokens] + [[row.pending] * (r.width - 1) + [b] for b in range(1, r.branches)]
+        left, out = r.nodes - r.width - (r.branches - 1), [tokens]
+        for b in range(1, r.branches):
+            n = 1 + min(max(left, 0), r.width - 1)
+            left -= n - 1
+            out.append([(row.pending + b) % model.cfg.vocab_size] * n)
+        return out
 
 
 def replay(rounds: list[Round], mode: Mode | None) -> ChainReplay | TreeReplay:

@@ -27,7 +27,7 @@ import torch
 from selfspec.cache import KVCache
 from selfspec.cache.paged import PagedBatchView, PagedKVCache
 from selfspec.cache.paged_quant import PagedQuantBatchView, PagedQuantKVCache
-from selfspec.model import Packed, Transformer
+from selfspec.model import Packed, Transformer, TreeLayout
 from selfspec.quant.modes import Mode
 
 MAX_GRAPHED_TOKENS = 16  # decode steps: AR (1), draft (1), verify (gamma + 1)
@@ -81,6 +81,31 @@ class _Graph:
         pad_into(self.pos, pos.expand(tokens.shape))
         self.graph.replay()
         return self.logits[:tokens.shape[0]]
+
+
+class _TreeGraph:
+    """One captured tree pass (model.TreeLayout): static node tokens and positions [1, nodes], static layout rows
+    [rows, width] and first [nodes]. Called with fewer nodes, the rest are padding (token 0, read by no row, logits
+    cut off); with fewer rows (the engine's bucket), padding rows read node 0 into the view's trash rows."""
+
+    def __init__(self, model: Transformer, cache, mode: Mode, shape: tuple[int, int, int], pool) -> None:
+        rows, width, nodes = shape
+        dev = model.device
+        self.tokens = torch.zeros(1, nodes, dtype=torch.long, device=dev)
+        self.pos = torch.zeros_like(self.tokens)
+        self.tree = TreeLayout(torch.zeros(rows, width, dtype=torch.long, device=dev),
+                               torch.zeros(nodes, dtype=torch.long, device=dev))
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = model(self.tokens, self.pos, cache, mode, tree=self.tree)
+
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, tree: TreeLayout) -> torch.Tensor:
+        pad_into(self.tokens, tokens)
+        pad_into(self.pos, pos)
+        pad_into(self.tree.rows, tree.rows)
+        pad_into(self.tree.first, tree.first)
+        self.graph.replay()
+        return self.logits[:, :tokens.shape[1]]
 
 
 class _PromptGraph:
@@ -146,21 +171,27 @@ class _Graphed:
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode,
-                 logits_at: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
+                 logits_at: torch.Tensor | None = None, packed: Packed | None = None,
+                 tree: TreeLayout | None = None) -> torch.Tensor:
         # A prefill runs eagerly; so does a tensor-parallel pass until capturing its collectives is proven on GPUs.
-        eager = (logits_at is not None or packed is not None or mode.prompt or tokens.shape[1] > MAX_GRAPHED_TOKENS
+        width = tokens.shape[1] if tree is None else tree.rows.shape[1]
+        eager = (logits_at is not None or packed is not None or mode.prompt or width > MAX_GRAPHED_TOKENS
                  or self.model.tp.size > 1)
         if eager:
-            return self.model(tokens, pos, cache, mode, logits_at, packed)
-        static, rows = self._static(cache, tokens.shape[0])
-        key = (id(static), mode, rows, tokens.shape[1])  # the mode itself: its skipped layers too
+            return self.model(tokens, pos, cache, mode, logits_at, packed, tree)
+        rows = tokens.shape[0] if tree is None else tree.rows.shape[0]
+        static, rows = self._static(cache, rows)
+        # The mode itself: its skipped layers too. A tree pass: its nodes padded to a power of two (>= 16).
+        shape = (rows, width) if tree is None else (rows, width, max(MAX_GRAPHED_TOKENS, bucket(tokens.shape[1])))
+        key = (id(static), mode, shape)
         graph = self._graphs.get(key)
         if graph is not None:
-            return graph(tokens, pos)
-        logits = self.model(tokens, pos, cache, mode)  # first time: eager (compiles kernels), then capture
+            return graph(tokens, pos) if tree is None else graph(tokens, pos, tree)
+        logits = self.model(tokens, pos, cache, mode, tree=tree)  # first time: eager (compiles kernels), then capture
         torch.cuda.synchronize()
         self._pool = self._pool or torch.cuda.graph_pool_handle()
-        self._graphs[key] = _Graph(self.model, static, mode, (rows, tokens.shape[1]), self._pool)
+        kind = _Graph if tree is None else _TreeGraph
+        self._graphs[key] = kind(self.model, static, mode, shape, self._pool)
         return logits
 
 
