@@ -11,8 +11,8 @@ import torch
 from conftest import tiny_model
 from selfspec.bench import tables
 from selfspec.bench.spec import decode_speed, predict, predicted_speedup, replayable_traces, unreplayable
-from selfspec.bench.traces import TASKS, TRACE_DIR, PassLog, Round, Trace, from_json, load, record, record_trace, \
-    replay, trace_path
+from selfspec.bench.traces import (FIELDS, TASKS, TRACE_DIR, PassLog, Round, Trace, from_json, load, record,
+                                   record_trace, replay, trace_path)
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES
@@ -74,7 +74,7 @@ def test_old_traces_load():
 @pytest.mark.parametrize("path", sorted(TRACE_DIR.glob("*.json")), ids=lambda p: p.name)
 def test_committed_trace_is_well_formed(path):
     """Every committed trace loads, each round's fields agree with its kind and its verify pass, no round drafts
-    past the trace's gamma, and a recorded (v2) trace commits the tokens it was recorded for on every task."""
+    past the trace's gamma, and a recorded (v2, v3) trace commits the tokens it was recorded for on every task."""
     raw, t = json.loads(path.read_text()), load(path)
     assert t.tasks and set(t.tasks) <= set(TASKS) and all(t.tasks.values())
     for task, rounds in t.tasks.items():
@@ -83,11 +83,11 @@ def test_committed_trace_is_well_formed(path):
             assert 0 <= r.accepted <= r.width <= t.gamma and 0 <= r.draft_steps <= r.width
             assert r.kind == ("none" if r.proposed == 0 else "tree" if r.branches > 1
                               else "draft" if r.draft_steps else "lookup"), r
-        if raw.get("version") == 2:
+            assert r.width <= r.nodes <= r.proposed if r.proposed else r.nodes == 0, r
+        if raw.get("version", 1) > 1:
             committed = sum(r.accepted + 1 for r in rounds)  # per prompt: max_new_tokens, up to gamma past it
             assert t.prompts * t.max_new_tokens <= committed <= t.prompts * (t.max_new_tokens + t.gamma), task
-    assert raw.get("version", 1) == 1 or raw["fields"] == ["kind", "proposed", "draft_steps", "branches", "verified",
-                                                         "accepted"]
+    assert raw.get("version", 1) == 1 or raw["fields"] == list(FIELDS)[:len(raw["fields"])]
     assert (unreplayable(t) is None) == (path in replayable_traces()) == (t.recipe != "draft-model")
 
 

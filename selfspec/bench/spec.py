@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.bench.traces import TASKS, TRACE_DIR, Round, Trace, load, replay
+from selfspec.bench.traces import TASKS, TRACE_DIR, Round, Trace, TreeReplay, load, replay
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES, Mode
@@ -115,7 +115,9 @@ def replayed_speed(model, verify: Mode, draft: Mode | None, rounds: list[Round],
     """decode_speed of rounds replayed at gamma k, draft steps in mode `draft` (the replay's draft steps and
     verified tokens added)."""
     drafter = replay(rounds, draft)
-    out = decode_speed(model, verify, drafter, k, context, new_tokens)
+    # Tree rounds vary in shape (rows, tokens, nodes): the untimed run goes through them all, capturing their graphs.
+    warm = new_tokens if isinstance(drafter, TreeReplay) else 32
+    out = decode_speed(model, verify, drafter, k, context, new_tokens, warm)
     return {**out, "draft_steps": drafter.steps, "verified_tokens": drafter.verified}
 
 

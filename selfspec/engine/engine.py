@@ -660,8 +660,9 @@ class Engine:
         try:
             for s in seqs:
                 trees.append(PagedTree(self.cache, s.id, self.tree.branches))
+            # Forked rows, not packed nodes: the passes warm_up captures (a graph per node count is not warmed yet).
             return tree_rounds(self.runner, trees, [s.row for s in seqs], k, self.tree, self.llm.verify_mode,
-                               lambda spans: tree_view(trees, spans), self.accept)
+                               lambda spans: tree_view(trees, spans), self.accept, packed=False)
         finally:
             for t in trees:
                 t.release()

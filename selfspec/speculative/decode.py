@@ -197,16 +197,17 @@ def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verif
 
 @torch.inference_mode()
 def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: TreeDrafter, verify: Mode,
-                view: RowsView, accept: GreedyAcceptance = accept_greedy
+                view: RowsView, accept: GreedyAcceptance = accept_greedy, packed: bool = True
                 ) -> RoundResult:
     """One round of a tree drafter over a batch of sequences, as forked chains: trees[i] holds rows[i]'s branch
     rows (a solo KVCache of a row per branch, or the engine's PagedTree), each holding the sequence's committed KV,
     and `view(spans)` is one batch view of rows spans[i] of each trees[i]. The drafter proposes every sequence's
     branches (its draft steps batched over the sequences); branch b of sequence i is verified in row b of trees[i]
-    as a chain, every branch of every sequence in one verify pass (model.TreeLayout: each node once through every op
-    but attention, which runs the branches as rows, over their own KV). The batch-invariant kernels make each row's
-    verify the chain verify bit for bit, so the winning row's KV is already AR's, and only the positions it commits
-    are copied to the other rows: no tree-attention mask and no re-run. Greedy: the longest accepted branch wins
+    as a chain, every branch of every sequence in one verify pass: `packed`, each node once through every op but
+    attention, which runs the branches as rows over their own KV (model.TreeLayout); else each row its own tokens.
+    The batch-invariant kernels make each row's verify the chain verify bit for bit, so the winning row's KV is
+    already AR's, and only the positions it commits are copied to the other rows: no tree-attention mask and no
+    re-run. Greedy: the longest accepted branch wins
     (ties: the first). Sampling: multi-candidate rejection sampling down the branches (verify.py). Rows are updated
     only once the verify pass succeeded."""
     dev = model.device
@@ -215,12 +216,20 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
     width = max((len(b) for branches in proposed for b in branches), default=0)
     proposed = [branches or [[]] for branches in proposed]  # nothing proposed: a plain step on row 0
     t1 = time.perf_counter()
-    layout, nodes, node_pos = TreeLayout.of([(row.pending, row.length, branches)
-                                             for row, branches in zip(rows, proposed)], dev)
-    logits = model(torch.tensor([nodes], device=dev), torch.tensor([node_pos], device=dev),
-                   view([(0, len(branches)) for branches in proposed]), verify, tree=layout)[0]  # [nodes, vocab]
-    at = layout.rows.tolist()  # each branch row's nodes
-    best_next = logits.argmax(-1).tolist()
+    if packed:  # each node once (model.TreeLayout)
+        layout, nodes, node_pos = TreeLayout.of([(row.pending, row.length, branches)
+                                                 for row, branches in zip(rows, proposed)], dev)
+        logits = model(torch.tensor([nodes], device=dev), torch.tensor([node_pos], device=dev),
+                       view([(0, len(branches)) for branches in proposed]), verify, tree=layout)[0]
+        at = layout.rows.tolist()  # each branch row's nodes
+    else:  # each branch row runs its own tokens
+        toks = [[row.pending] + b + [0] * (width - len(b)) for row, branches in zip(rows, proposed) for b in branches]
+        lengths = torch.tensor([row.length for row, branches in zip(rows, proposed) for _ in branches], device=dev)
+        logits = model(torch.tensor(toks, device=dev), lengths[:, None] + torch.arange(width + 1, device=dev),
+                       view([(0, len(branches)) for branches in proposed]), verify).flatten(0, 1)
+        nodes, at = [t for r in toks for t in r], [list(range(i * (width + 1), (i + 1) * (width + 1)))
+                                                   for i in range(len(toks))]
+    best_next = logits.argmax(-1).tolist()  # logits [nodes, vocab]; at[r]: row r's nodes
     targets = [[best_next[i] for i in r] for r in at]  # greedy rows' verify tokens: one pass and one copy
     ends = list(accumulate(map(len, proposed)))
     if hasattr(draft, "observe"):  # a drafter that recycles the pass's ranking of every node it ran
@@ -236,8 +245,8 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
             best = max(range(len(branches)), key=lambda i: (results[i][0], -i))
             n, nxt = results[best]
         else:
-            best, n, nxt = accept_tree_sampling(branches, to_probs(logits[layout.rows[start:end]], row.params),
-                                                row.gen)
+            best, n, nxt = accept_tree_sampling(branches, to_probs(logits[torch.tensor(at[start:end], device=dev)],
+                                                                   row.params), row.gen)
         tree.copy_positions(best, row.length, row.length + n + 1)  # the pending token and the accepted drafts
         chosen.append((branches[best], n, nxt))
     t2 = time.perf_counter()
