@@ -36,11 +36,12 @@ def test_record_on_the_graphed_runner(recipe):
 def test_replay_on_the_graphed_runner_pays_the_recorded_passes():
     llm = selfspec.load(None, "hybrid", device="cuda")
     rounds = [Round("tree", 8, 4, 2, 10, 3), Round("lookup", 4, 0, 1, 5, 4), Round("none", 0, 0, 1, 1, 0),
-              Round("draft", 4, 4, 1, 5, 2)]
+              Round("draft", 4, 4, 1, 5, 2), Round("tree", 8, 0, 2, 10, 2, nodes=5)]
     log = PassLog(llm.runner)
     out = decode_speed(log, llm.verify_mode, replay(rounds, MODES["upper"]), 4, 16,
                        sum(r.accepted + 1 for r in rounds), warm_tokens=1)
     timed = rounds[1:] + rounds[:1]  # the untimed run replayed round 0
-    expected = [c for r in timed for c in [(1, 1)] * r.draft_steps + [(r.branches, r.verified // r.branches)]]
+    expected = [c for r in timed
+                for c in [(1, 1, 0)] * r.draft_steps + [(r.branches, r.verified // r.branches, r.nodes)]]
     assert log.calls[-len(expected):] == expected
     assert out["accepted"] == sum(r.accepted for r in rounds)
