@@ -17,7 +17,7 @@ from selfspec.quant.modes import prompt_mode
 from selfspec.speculative.decode import decode
 from selfspec.speculative.drafters import NgramDrafter, RecycleTree, TreeDrafter, make_drafter
 from selfspec.speculative.recipes import resolve_recipe
-from selfspec.speculative.recycling import SuccessorTable, grow
+from selfspec.speculative.recycling import SuccessorTable, grow, text_successors
 from selfspec.speculative.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,3 +104,17 @@ def test_recycle_tree_names_and_its_lookup_branch():
     branches = drafter.propose_tree(None, None, Row, 3)
     assert branches[0] == [3, 4, 1]  # the lookup's continuation of (1, 2) first
     assert [9] == branches[1][:1] and all(b[:1] != [3] or b == branches[0] for b in branches)
+
+
+def test_text_successors_rank_by_count_and_seed_the_tree():
+    base = text_successors([[1, 2, 1, 3, 1, 2], [1, 2, 4]], width=2)
+    assert base == {1: (2, 3), 2: (1, 4), 3: (1,)}  # 1 -> 2 three times, -> 3 once
+
+    class Row:
+        pending = 2
+    Row.history = RecycleTree(4).history([7, 2])  # 2 was never ranked, nor followed by anything in the text
+    assert RecycleTree(4).propose_tree(None, None, Row, 3) == []
+    seeded = RecycleTree(4, base=base).propose_tree(None, None, Row, 3)
+    assert seeded and seeded[0][:2] == [1, 2]  # the text's most frequent successors, best first
+    Row.history.table.observe([2], [[9]])  # a verify pass's ranking comes first
+    assert RecycleTree(4, base=base).propose_tree(None, None, Row, 3)[0][0] == 9

@@ -19,10 +19,11 @@ from selfspec.quant.modes import get_mode
 from selfspec.quant.smooth import activation_maxima, calibration_tokens, smooth_
 from selfspec.speculative.decode import decode
 from selfspec.speculative.draft_model import DraftModel, check_same_vocabulary
-from selfspec.speculative.draft_vocab import DraftVocabulary, frequent_tokens
-from selfspec.speculative.drafters import HybridDrafter, SelfDraft, make_drafter
+from selfspec.speculative.draft_vocab import DraftVocabulary, frequent_tokens, reference_texts
+from selfspec.speculative.drafters import HybridDrafter, RecycleTree, SelfDraft, make_drafter
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.recipes import Recipe, resolve_recipe
+from selfspec.speculative.recycling import text_successors
 from selfspec.speculative.sampling import SamplingParams
 
 MAX_GAMMA = 32
@@ -34,6 +35,17 @@ class Generation:
     token_ids: list[int]  # up to EOS (left out) or the token that completes a stop string (the text ends before it)
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def seed_successors(tokenizer, width: int) -> dict[int, tuple[int, ...]]:
+    """A recycled tree's table to start from: each token's most frequent next tokens in the reference texts (the
+    draft vocabulary's, speculative/draft_vocab.py), before any verify pass has ranked it; none where the data
+    packages are not installed (the table then starts from the prompt's text alone)."""
+    try:
+        texts, _ = reference_texts()
+    except SelfspecError:
+        return {}
+    return text_successors([tokenizer.encode(t, add_special_tokens=False) for t in texts], width)
 
 
 class LLM:
@@ -63,6 +75,9 @@ class LLM:
         self.eos_ids = set(model.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
+        if isinstance(self.drafter, RecycleTree) and tokenizer is not None:
+            self.drafter = replace(self.drafter, base=seed_successors(tokenizer, self.drafter.width))
+            self.description += f"; recycled tree seeded with {len(self.drafter.base)} tokens' successors in text"
         if recipe.draft_vocab and self.draft_mode is None:
             raise SelfspecError(f"--draft-vocab shrinks the head of a draft mode's steps; recipe '{recipe.name}' "
                                 f"drafts with '{recipe.draft}', which runs none: drop --draft-vocab")

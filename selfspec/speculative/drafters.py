@@ -28,8 +28,9 @@ draws from p with d removed: the output still follows the verify distribution ex
 from __future__ import annotations
 
 import re
+from collections import ChainMap
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 import torch
 
@@ -350,6 +351,7 @@ class RecycleTree(TreeDrafter):
     branches: int = 15
     width: int = DEFAULT_WIDTH
     lookup: NgramDrafter = field(default_factory=NgramDrafter)
+    base: Mapping[int, tuple[int, ...]] = field(default_factory=dict, compare=False)  # text_successors, where known
 
     def history(self, tokens: list[int]) -> RecycledHistory:
         return RecycledHistory(tokens, self.lookup.min_n, self.lookup.max_n, self.width)
@@ -359,7 +361,8 @@ class RecycleTree(TreeDrafter):
         lookups = [found] if found else []
         left = self.branches - len(lookups)
         nodes = self.branches - len(found)
-        grown = grow(row.history.table.next, row.pending, k, left, nodes) if nodes > 0 else []
+        table = ChainMap(row.history.table.next, self.base)
+        grown = grow(table, row.pending, k, left, nodes) if nodes > 0 else []
         return lookups + [b for b in grown if not any(f[:len(b)] == b for f in lookups)]
 
     def observe(self, row: Row, inputs: list[int], ranked: list[list[int]]) -> None:

@@ -13,6 +13,8 @@ leaves (the branches a forked-chain verify pass runs as rows), each branch at mo
 from __future__ import annotations
 
 import heapq
+from collections import Counter, defaultdict
+from typing import Iterable
 
 # P(the verify's next token is the successor of rank r), the weights `grow` ranks nodes by: a guess that falls
 # like next-token top-k accuracy, not fitted yet; past the list, the last value.
@@ -39,6 +41,15 @@ class SuccessorTable:
         """A verify pass ran `inputs` and ranked the next token after each (best first)."""
         for t, nxt in zip(inputs, ranked):
             self.next[t] = tuple(nxt[: self.width])
+
+
+def text_successors(texts: Iterable[list[int]], width: int = DEFAULT_WIDTH) -> dict[int, tuple[int, ...]]:
+    """token -> its most frequent next tokens in these token rows (a table to start from, before any pass ranks)."""
+    counts: dict[int, Counter] = defaultdict(Counter)
+    for ids in texts:
+        for a, b in zip(ids, ids[1:]):
+            counts[a][b] += 1
+    return {a: tuple(t for t, _ in c.most_common(width)) for a, c in counts.items()}
 
 
 def grow(successors: dict[int, tuple[int, ...]], root: int, depth: int, leaves: int, nodes: int,
