@@ -13,8 +13,8 @@ run together):
 - `SelfDraftTree(mode, branches)`: the draft mode's top-B first tokens, each continued greedily (B rows at once);
 - `HybridTree(branches)`: n-gram branches when the lookup matches, plus the `upper` self-draft chain as the last
   branch; the self-draft tree when nothing matches.
-- `RecycleTree(branches)`: the lookup's continuation where it matches, and a tree grown from the next tokens the
-  verify passes ranked (recycling.py): no model step.
+- `RecycleTree(branches)`: a tree of that many tokens: the lookup's continuation where it matches, the rest grown
+  from the next tokens the verify passes ranked (recycling.py): no model step.
 
 `HybridDrafter` (recipe `hybrid`) is a chain drafter: each row's lookup where it matches, the `upper` self-draft chain
 where lookups keep missing (a round with no chain pays no draft step).
@@ -47,7 +47,7 @@ TREE_NAME = re.compile(r"(ngram-tree|hybrid-tree|recycle-tree|tree:([\w-]+?))(?:
 DEFAULT_NGRAM = (1, 3)  # (min_n, max_n)
 DEFAULT_BRANCHES = 4
 HYBRID_DRAFT = "upper"  # the hybrids' self-draft mode: the cheap half of the planes storage
-TREE_NAMES = "ngram-tree[:B], tree:MODE[:B] (e.g. tree:upper:4), hybrid-tree[:B] or recycle-tree[:B]"
+TREE_NAMES = "ngram-tree[:B], tree:MODE[:B] (e.g. tree:upper:4), hybrid-tree[:B] or recycle-tree[:N]"
 RowsView = Callable[[list[tuple[int, int]]], object]  # spans[i]: rows start..stop-1 of tree i -> one batch view
 
 

@@ -3,9 +3,9 @@ is thrown away. Kept instead, as a table token -> the verify mode's top-w next t
 that ran the token decides), it proposes trees for free: from the pending token, follow the table.
 
 This is Token Recycling's idea (Luo et al., 2024): candidates the model itself ranked, in contexts close to the
-current one, drafted with no model step. The table starts from the text (a token's successor in the prompt), and
-every verify pass overwrites the entries of the tokens it ran, rejected branches included (their ranks are the
-model's too).
+current one, drafted with no model step. The table starts from text (`text_successors` of reference texts, given
+as the drafter's base, then each token's successor in the prompt), and every verify pass overwrites the entries of
+the tokens it ran, rejected branches included (their ranks are the model's too).
 
 `grow` shapes a round's tree: best first by the product of each step's rank prior, within a budget of nodes and of
 leaves (the branches a forked-chain verify pass runs as rows), each branch at most k deep.
