@@ -6,7 +6,7 @@ each linear reads its one stored weight the way the mode says.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -87,13 +87,15 @@ class TreeLayout:
     it (a node past the trees', padding: entry 0)."""
     rows: torch.Tensor
     first: torch.Tensor
+    host_rows: list[list[int]] = field(default_factory=list, compare=False)  # as the host built them: no copy back
+    host_tokens: list[int] = field(default_factory=list, compare=False)
 
     @classmethod
     def of(cls, trees: list[tuple[int, int, list[list[int]]]], device: torch.device | str = "cpu"
-           ) -> tuple[TreeLayout, list[int], list[int]]:
+           ) -> tuple[TreeLayout, torch.Tensor, torch.Tensor]:
         """trees: (pending token, its position, branches) per sequence, a branch's tokens following the pending
         one; a sequence's rows are its branches in order (one row if it has none). Returns the layout, the nodes'
-        tokens and positions."""
+        tokens [N] and positions [N]."""
         tokens, pos, rows = [], [], []
         for pending, length, branches in trees:
             root, index = len(tokens), {}
@@ -114,9 +116,12 @@ class TreeLayout:
         for i, row in enumerate(rows):
             for t, node in enumerate(row):
                 first.setdefault(node, i * width + t)
-        layout = cls(torch.tensor(rows, device=device), torch.tensor([first[n] for n in range(len(tokens))],
-                                                                      device=device))
-        return layout, tokens, pos
+        n = len(tokens)
+        # One copy to the device: the rows, first, tokens and positions side by side.
+        flat = torch.tensor([x for r in rows for x in r] + [first[i] for i in range(n)] + tokens + pos, device=device)
+        cut = len(rows) * width
+        layout = cls(flat[:cut].view(len(rows), width), flat[cut:cut + n], rows, tokens)
+        return layout, flat[cut + n:cut + 2 * n], flat[cut + 2 * n:]
 
 
 @dataclass(frozen=True)

@@ -308,7 +308,7 @@ def test_a_tree_pass_gives_each_branch_its_chain_logits_bitwise(llm):
         caches.append(cache)
     layout, nodes, pos = TreeLayout.of([(5, len(prompt), branches)])
     assert len(nodes) == 1 + 6  # the pending token and 7, 8, 9, 30, 31, 40
-    tree = model(torch.tensor([nodes]), torch.tensor([pos]), caches[0], verify, tree=layout)[0][layout.rows]
+    tree = model(nodes[None], pos[None], caches[0], verify, tree=layout)[0][layout.rows]
     chains = torch.tensor([[5] + b + [0] * (3 - len(b)) for b in branches])
     forked = model(chains, len(prompt) + torch.arange(4), caches[1], verify)
     for b, branch in enumerate(branches):

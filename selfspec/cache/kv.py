@@ -57,10 +57,9 @@ class KVCache:
 
     def copy_positions(self, src: int, start: int, end: int) -> None:
         """Copy every layer's keys and values of positions start..end-1 from row src to every other row (exact)."""
-        others = [b for b in range(self.batch) if b != src]
-        if others and end > start:
+        if self.batch > 1 and end > start:  # every row, src's own included (the same values): no index tensor
             for buf in (self.k, self.v):
-                buf[:, others, :, start:end] = buf[:, src:src + 1, :, start:end]
+                buf[:, :, :, start:end] = buf[:, src:src + 1, :, start:end].clone()
 
     @property
     def block_size(self) -> int:

@@ -219,9 +219,9 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
     if packed:  # each node once (model.TreeLayout)
         layout, nodes, node_pos = TreeLayout.of([(row.pending, row.length, branches)
                                                  for row, branches in zip(rows, proposed)], dev)
-        logits = model(torch.tensor([nodes], device=dev), torch.tensor([node_pos], device=dev),
-                       view([(0, len(branches)) for branches in proposed]), verify, tree=layout)[0]
-        at = layout.rows.tolist()  # each branch row's nodes
+        logits = model(nodes[None], node_pos[None], view([(0, len(branches)) for branches in proposed]), verify,
+                       tree=layout)[0]
+        nodes, at = layout.host_tokens, layout.host_rows  # each branch row's nodes
     else:  # each branch row runs its own tokens
         toks = [[row.pending] + b + [0] * (width - len(b)) for row, branches in zip(rows, proposed) for b in branches]
         lengths = torch.tensor([row.length for row, branches in zip(rows, proposed) for _ in branches], device=dev)
