@@ -207,9 +207,8 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
     attention, which runs the branches as rows over their own KV (model.TreeLayout); else each row its own tokens.
     The batch-invariant kernels make each row's verify the chain verify bit for bit, so the winning row's KV is
     already AR's, and only the positions it commits are copied to the other rows: no tree-attention mask and no
-    re-run. Greedy: the longest accepted branch wins
-    (ties: the first). Sampling: multi-candidate rejection sampling down the branches (verify.py). Rows are updated
-    only once the verify pass succeeded."""
+    re-run. Greedy: the longest accepted branch wins (ties: the first). Sampling: multi-candidate rejection sampling
+    down the branches (verify.py). Rows are updated only once the verify pass succeeded."""
     dev = model.device
     t0 = time.perf_counter()
     proposed = draft.propose_trees(model, trees, rows, k, view) if k else [[] for _ in rows]
