@@ -84,19 +84,23 @@ class TreeLayout:
     row that holds it, so a branch's verify is the chain verify of that branch, bit for bit (the per-token ops are
     batch invariant). rows [R, T]: the node at each branch position (past a branch's end, its last node again:
     stored at its own slot again, output dropped); first [N]: each node's entry r * T + t in the first row holding
-    it (a node past the trees', padding: entry 0)."""
+    it (a node past the trees', padding: entry 0). tails [R, T], where the branch rows share their sequence's cache
+    row instead (`of(shared=True)`): each node's KV is stored once, a sequence's nodes in node order from its
+    pending token's position, and a branch row reads its own keys there (kernels/ops.py `attention`'s tails), each
+    in its chain's place: the chain's bits, and no committed key copied or read from memory once per branch."""
     rows: torch.Tensor
     first: torch.Tensor
+    tails: torch.Tensor | None = None
     host_rows: list[list[int]] = field(default_factory=list, compare=False)  # as the host built them: no copy back
     host_tokens: list[int] = field(default_factory=list, compare=False)
 
     @classmethod
-    def of(cls, trees: list[tuple[int, int, list[list[int]]]], device: torch.device | str = "cpu"
-           ) -> tuple[TreeLayout, torch.Tensor, torch.Tensor]:
+    def of(cls, trees: list[tuple[int, int, list[list[int]]]], device: torch.device | str = "cpu",
+           shared: bool = False) -> tuple[TreeLayout, torch.Tensor, torch.Tensor]:
         """trees: (pending token, its position, branches) per sequence, a branch's tokens following the pending
         one; a sequence's rows are its branches in order (one row if it has none). Returns the layout, the nodes'
-        tokens [N] and positions [N]."""
-        tokens, pos, rows = [], [], []
+        tokens [N] and positions [N]. shared: the branch rows share their sequence's cache row (`tails`)."""
+        tokens, pos, rows, roots = [], [], [], []
         for pending, length, branches in trees:
             root, index = len(tokens), {}
             tokens.append(pending)
@@ -110,18 +114,22 @@ class TreeLayout:
                         pos.append(length + d + 1)
                     row.append(node)
                 rows.append(row)
+                roots.append(root)
         width = max(map(len, rows))
         rows = [r + [r[-1]] * (width - len(r)) for r in rows]
         first = {}
         for i, row in enumerate(rows):
             for t, node in enumerate(row):
                 first.setdefault(node, i * width + t)
-        n = len(tokens)
-        # One copy to the device: the rows, first, tokens and positions side by side.
-        flat = torch.tensor([x for r in rows for x in r] + [first[i] for i in range(n)] + tokens + pos, device=device)
-        cut = len(rows) * width
-        layout = cls(flat[:cut].view(len(rows), width), flat[cut:cut + n], rows, tokens)
-        return layout, flat[cut + n:cut + 2 * n], flat[cut + 2 * n:]
+        n, cut = len(tokens), len(rows) * width
+        # A node's tail: its sequence's pending token's position + its index among the sequence's nodes.
+        tails = [pos[root] + node - root for row, root in zip(rows, roots) for node in row] if shared else []
+        # One copy to the device: the rows, first, tokens, positions and tails side by side.
+        flat = torch.tensor([x for r in rows for x in r] + [first[i] for i in range(n)] + tokens + pos + tails,
+                            device=device)
+        layout = cls(flat[:cut].view(len(rows), width), flat[cut:cut + n],
+                     flat[cut + 3 * n:].view(len(rows), width) if shared else None, rows, tokens)
+        return layout, flat[cut + n:cut + 2 * n], flat[cut + 2 * n:cut + 3 * n]
 
 
 @dataclass(frozen=True)
@@ -223,7 +231,8 @@ class Attention(nn.Module):
         if kv.quant is not None:  # the mode says which planes of a hierarchical cache it reads
             out, given = quantized_attention(q, kv, fb.pos, fb.mode.kv_upper, fb.packed), None
         elif fb.packed is None:
-            out, given = attention_handover(q, kv.k, kv.v, kv.table, fb.pos, fb.mode.prompt)
+            out, given = attention_handover(q, kv.k, kv.v, kv.table, fb.pos, fb.mode.prompt,
+                                            tails=None if fb.tree is None else fb.tree.tails)
         else:
             out, given = packed_attention_handover(q, kv.k, kv.v, kv.table, fb.pos, fb.packed, fb.mode.prompt)
         out = out.transpose(1, 2).reshape(b, t, -1)
@@ -439,8 +448,12 @@ class Transformer(nn.Module):
         pos = pos.expand(tokens.shape)
         if tree is not None:  # attention's rows: the branches
             pos = pos[0][tree.rows]
-        # A packed token's slot depends on its row's block table: found in the rows' layout.
-        slots = cache.slots(pos) if packed is None else packed.unpad(cache.slots(packed.pad(pos)))
+        # A packed token's slot depends on its row's block table: found in the rows' layout. A tree's nodes sharing
+        # their sequence's row go to its tails (each node once, written alike by every row holding it).
+        if packed is not None:
+            slots = packed.unpad(cache.slots(packed.pad(pos)))
+        else:
+            slots = cache.slots(pos if tree is None or tree.tails is None else tree.tails)
         fb = ForwardBatch(mode, pos, self.cos[pos], self.sin[pos], slots, cache, packed, tree)
         for i, layer in enumerate(self.layers):
             # A skipped layer writes no KV: only a draft skips, and its verify pass rewrites every layer's KV.

@@ -93,9 +93,10 @@ def test_the_longest_accepted_branch_wins(llm):
 
 def test_branch_rows_hold_the_ar_cache_bitwise(llm):
     """After several tree rounds, every branch row's KV of the committed positions equals the KV that AR decoding
-    of the same tokens wrote: the winner's is the verify pass's, the others were copied from it."""
+    of the same tokens wrote: the winner's is the verify pass's, the others were copied from it. Drafters whose
+    branch rows share the sequence's row (no forks): that row, its accepted drafts moved from their tails."""
     prompt, verify = REPETITIVE[0], llm.verify_mode
-    for name in ("ngram-tree:3", "tree:upper:3", "hybrid-tree:3"):
+    for name in ("ngram-tree:3", "tree:upper:3", "hybrid-tree:3", "recycle-tree:6"):
         drafter = make_drafter(name)
         tree_cache = llm.model.new_cache(64, drafter.branches)
         out, stats = run(llm.model, prompt, verify, drafter, 4, 20, tree_cache)
@@ -104,7 +105,7 @@ def test_branch_rows_hold_the_ar_cache_bitwise(llm):
         ref, _ = run(llm.model, prompt, verify, None, 0, len(out), ar_cache)
         assert ref == out and ar_cache.length == tree_cache.length
         n = tree_cache.length
-        for b in range(drafter.branches):
+        for b in range(drafter.branches if drafter.forks else 1):
             assert torch.equal(tree_cache.k[:, b, :, :n], ar_cache.k[:, 0, :, :n]), (name, b)
             assert torch.equal(tree_cache.v[:, b, :, :n], ar_cache.v[:, 0, :, :n]), (name, b)
 
@@ -316,3 +317,31 @@ def test_a_tree_pass_gives_each_branch_its_chain_logits_bitwise(llm):
         assert torch.equal(tree[b, :n], forked[b, :n]), b
         end = len(prompt) + n
         assert torch.equal(caches[0].k[:, b, :, :end], caches[1].k[:, b, :, :end]), b
+
+
+def test_branches_sharing_one_row_get_their_chain_logits_and_kv_bitwise(llm):
+    """TreeLayout.of(shared=True): every branch row reads the sequence's one cache row, its own nodes from their
+    tails (each node stored once, in node order from the pending token's position); logits are each chain's alone,
+    bit for bit, and after a branch's drafts are moved to their positions the row holds that chain's KV."""
+    model, verify, prompt = llm.model, llm.verify_mode, REPETITIVE[1]
+    branches = [[7, 8, 9], [7, 30, 31], [40], [7, 8]]
+    shared = model.new_cache(32)
+    forked = model.new_cache(32, len(branches))
+    prefill(model, prompt, shared, prompt_mode(verify))
+    prefill(model, prompt, forked.rows(0, 1), prompt_mode(verify))
+    forked.copy_positions(0, 0, len(prompt))
+    layout, nodes, pos = TreeLayout.of([(5, len(prompt), branches)], shared=True)
+    assert layout.tails.tolist()[1] == [len(prompt) + i for i in (0, 1, 4, 5)]  # root, 7, then 30, 31
+    tree = model(nodes[None], pos[None], shared.shared_rows(0, len(branches)), verify, tree=layout)[0][layout.rows]
+    chains = torch.tensor([[5] + b + [0] * (3 - len(b)) for b in branches])
+    alone = model(chains, len(prompt) + torch.arange(4), forked, verify)
+    for b, branch in enumerate(branches):
+        assert torch.equal(tree[b, :len(branch) + 1], alone[b, :len(branch) + 1]), b
+    before = shared.k.clone()
+    path = layout.host_rows[1]  # branch 1 accepted whole
+    end = len(prompt) + 4
+    shared.move_positions(0, [len(prompt) + i for i in path[1:]], list(range(len(prompt) + 1, end)))
+    assert torch.equal(shared.k[:, 0, :, :end], forked.k[:, 1, :, :end])
+    assert torch.equal(shared.v[:, 0, :, :end], forked.v[:, 1, :, :end])
+    assert torch.equal(shared.k[:, 0, :, end:], before[:, 0, :, end:])  # the rest untouched
+    assert shared.shared_rows(0, 4) is shared.shared_rows(0, 4)  # one view (CUDA graphs are bound to it)

@@ -246,6 +246,38 @@ def test_in_program_attention_is_the_split_path_bitwise(t, start, bs):
     assert torch.equal(out, triton_attention.attention(q, k, v, rows_table(2), pos, tiles=IN_PROGRAM))  # == contiguous
 
 
+@pytest.mark.parametrize("bs,start", [(None, 250), (16, 500), (64, 120)])
+def test_attention_reads_a_rows_own_keys_from_its_tails_bitwise(bs, start):
+    """With `tails`, a row's keys from its first query on are read where tails say (a tree's branch row over its
+    sequence's row: model.TreeLayout): the bits of a row holding the same keys in order, split and in-program,
+    contiguous and paged; the positions in order hold other keys, which must not be read. Row 1 repeats its last
+    query (a branch shorter than the pass, padded)."""
+    torch.manual_seed(start)
+    t = 5
+    k, v = kv_cache(2, 2, 640, 32)
+    q = torch.randn(2, 4, t, 32).bfloat16()
+    pos = torch.stack((torch.arange(start, start + t), torch.tensor([0, 1, 2, 2, 2]) + start + 7))
+    tails = torch.stack([p0 + t + 20 + torch.randperm(30)[:t] for p0 in pos[:, 0].tolist()])
+    tails[1, 3:] = tails[1, 2]
+    moved_k, moved_v = torch.randn_like(k), torch.randn_like(v)  # in order: other keys
+    for b, keys in enumerate((t, 3)):  # row 1 has 3 keys of its own
+        n = int(pos[b, 0])
+        moved_k[b, :, :n], moved_v[b, :, :n] = k[b, :, :n], v[b, :, :n]
+        at = tails[b, :keys]
+        moved_k[b, :, at], moved_v[b, :, at] = k[b, :, n:n + keys], v[b, :, n:n + keys]
+    assert torch.equal(reference.attention(q, moved_k, moved_v, rows_table(2), pos, tails=tails),
+                       reference.attention(q, k, v, rows_table(2), pos))
+    if bs is None:
+        pools, in_order = (moved_k, moved_v, rows_table(2)), (k, v, rows_table(2))
+    else:
+        pools = scatter_to_pool(moved_k, moved_v, bs, torch.Generator().manual_seed(start))
+        in_order = scatter_to_pool(k, v, bs, torch.Generator().manual_seed(start + 1))
+    for tiles in (SPLIT, IN_PROGRAM):
+        out = triton_attention.attention(q, *pools, pos, tiles=tiles, tails=tails)
+        assert torch.equal(out, triton_attention.attention(q, *in_order, pos, tiles=tiles)), tiles
+    assert rel_err(out, attention_oracle(q, k, v, pos)) < TOL
+
+
 def o_input_sums_oracle(out: torch.Tensor) -> torch.Tensor:
     """The output projection's input rows (each token's heads side by side) summed per ROW_SUM_COLS columns."""
     b, h, t, d = out.shape

@@ -324,6 +324,8 @@ class TreeReplay(Replay, TreeDrafter):
     def __init__(self, rounds: list[Round], mode: Mode | None) -> None:
         super().__init__(rounds, mode)
         self.branches = max(r.branches for r in rounds)
+        # As the recorded drafter: its branches on rows of their own where its draft steps ran on them.
+        self.forks = any(r.draft_steps for r in rounds if r.branches > 1)
 
     def propose_tree(self, model, cache, row, k: int) -> list[list[int]]:
         """The round's shape: its branches, the first as long as the longest, the others forking at the root with

@@ -55,6 +55,24 @@ class KVCache:
             view.table, view._views = self.table[start:stop], {}
         return view
 
+    def shared_rows(self, row: int, n: int) -> KVCache:
+        """Row `row` n times, as a cache of its own: a tree's branch rows that share one sequence's row
+        (model.TreeLayout's tails). One object per (row, n), as `rows`."""
+        view = self._views.get((row, -n))
+        if view is None:
+            view = self._views[(row, -n)] = copy.copy(self)
+            view.table, view._views = self.table[row:row + 1].repeat(n, 1), {}
+        return view
+
+    def move_positions(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Copy every layer's keys and values of positions src to positions dst of one row (exact): a tree's
+        accepted branch from its tails to the positions its tokens were committed at."""
+        pairs = [(s, d) for s, d in zip(src, dst) if s != d]
+        if pairs:
+            index = torch.tensor(pairs, device=self.k.device).T
+            for buf in (self.k, self.v):
+                buf[:, row, :, index[1]] = buf[:, row, :, index[0]]
+
     def copy_positions(self, src: int, start: int, end: int) -> None:
         """Copy every layer's keys and values of positions start..end-1 from row src to every other row (exact)."""
         if self.batch > 1 and end > start:  # every row, src's own included (the same values): no index tensor

@@ -85,16 +85,18 @@ class _Graph:
 
 class _TreeGraph:
     """One captured tree pass (model.TreeLayout): static node tokens and positions [1, nodes], static layout rows
-    [rows, width] and first [nodes]. Called with fewer nodes, the rest are padding (token 0, read by no row, logits
-    cut off); with fewer rows (the engine's bucket), padding rows read node 0 into the view's trash rows."""
+    [rows, width], first [nodes] and, for rows sharing one cache row, tails [rows, width]. Called with fewer
+    nodes, the rest are padding (token 0, read by no row, logits cut off); with fewer rows (the engine's bucket),
+    padding rows read node 0 into the view's trash rows."""
 
-    def __init__(self, model: Transformer, cache, mode: Mode, shape: tuple[int, int, int], pool) -> None:
-        rows, width, nodes = shape
+    def __init__(self, model: Transformer, cache, mode: Mode, shape: tuple[int, int, int, bool], pool) -> None:
+        rows, width, nodes, shared = shape
         dev = model.device
         self.tokens = torch.zeros(1, nodes, dtype=torch.long, device=dev)
         self.pos = torch.zeros_like(self.tokens)
         self.tree = TreeLayout(torch.zeros(rows, width, dtype=torch.long, device=dev),
-                               torch.zeros(nodes, dtype=torch.long, device=dev))
+                               torch.zeros(nodes, dtype=torch.long, device=dev),
+                               torch.zeros(rows, width, dtype=torch.long, device=dev) if shared else None)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = model(self.tokens, self.pos, cache, mode, tree=self.tree)
@@ -104,6 +106,8 @@ class _TreeGraph:
         pad_into(self.pos, pos)
         pad_into(self.tree.rows, tree.rows)
         pad_into(self.tree.first, tree.first)
+        if tree.tails is not None:
+            pad_into(self.tree.tails, tree.tails)
         self.graph.replay()
         return self.logits[:, :tokens.shape[1]]
 
@@ -181,8 +185,10 @@ class _Graphed:
             return self.model(tokens, pos, cache, mode, logits_at, packed, tree)
         rows = tokens.shape[0] if tree is None else tree.rows.shape[0]
         static, rows = self._static(cache, rows)
-        # The mode itself: its skipped layers too. A tree pass: its nodes padded to a power of two (>= 16).
-        shape = (rows, width) if tree is None else (rows, width, max(MAX_GRAPHED_TOKENS, bucket(tokens.shape[1])))
+        # The mode itself: its skipped layers too. A tree pass: its nodes padded to a power of two (>= 16), and
+        # whether its rows share one cache row.
+        shape = (rows, width) if tree is None else (rows, width, max(MAX_GRAPHED_TOKENS, bucket(tokens.shape[1])),
+                                                    tree.tails is not None)
         key = (id(static), mode, shape)
         graph = self._graphs.get(key)
         if graph is not None:

@@ -32,10 +32,9 @@ import torch
 
 import torch.nn.functional as F
 
-from selfspec.cache.paged import gather_blocks
 from selfspec.kernels import register
 from selfspec.kernels.ops import Handover
-from selfspec.kernels.reference import attention as reference_attention
+from selfspec.kernels.reference import attention as reference_attention, row_keys
 from selfspec.quant.act import fake_quantize_per_token
 from selfspec.quant.formats import (DenseWeight, Int4Weight, Int8PlanesWeight, Int8Weight, QuantWeight, doubled,
                                     permute_k, upper_affine)
@@ -174,7 +173,7 @@ for _fmt in (DenseWeight, Int8Weight, Int4Weight, Int8PlanesWeight):
 
 @register("attention", "", "cpu")
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-              q_pos: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+              q_pos: torch.Tensor, prompt: bool = False, tails: torch.Tensor | None = None) -> torch.Tensor:
     """The reference attention, query by query up to ROW_BY_ROW_MAX queries: each over exactly its keys 0..pos,
     unmasked. torch's CPU attention gives a query other bits with another number of keys (even masked ones: the
     table's width, or a contiguous cache's length, which differ between a verify pass and a plain step) and with
@@ -182,8 +181,8 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     too: `prompt` makes no difference on the CPU)."""
     b, h, t, _ = q.shape
     if b * t > ROW_BY_ROW_MAX:
-        return reference_attention(q, k_pool, v_pool, table, q_pos)
-    k, v = gather_blocks(k_pool, table), gather_blocks(v_pool, table)
+        return reference_attention(q, k_pool, v_pool, table, q_pos, tails=tails)
+    k, v = row_keys(k_pool, table, q_pos, tails), row_keys(v_pool, table, q_pos, tails)
     out = torch.empty_like(q)
     for i, positions in enumerate(q_pos.tolist()):
         for j, pos in enumerate(positions):

@@ -96,20 +96,25 @@ def swiglu_handover(gate: torch.Tensor, up: torch.Tensor,
 
 
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-              q_pos: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+              q_pos: torch.Tensor, prompt: bool = False, tails: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, T, D] at positions q_pos [B, T]; keys and values in pools [N, Hkv, bs, D] of blocks of bs
     positions, row b's key s at pool[table[b, s // bs], :, s % bs] (table [B, W]; GQA when Hkv < Hq).
     Query (b, t) reads keys 0..q_pos[b, t]; later slots may hold stale scratch. A contiguous cache [B, Hkv, S, D]
     is the case of one block of S positions per row (table[b] = [b]). prompt: the queries are prompt tokens
-    (Mode.prompt), which a device may run in their own arithmetic, the same for every prompt token."""
-    return kernels.lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt)
+    (Mode.prompt), which a device may run in their own arithmetic, the same for every prompt token.
+    tails [B, T]: row b's keys from its first query's position p0 = q_pos[b, 0] on are its queries' own, stored
+    elsewhere: key p0 + i is read at position tails[b, i] (a tree's branch rows sharing one sequence's row,
+    model.TreeLayout). Each key keeps its logical place, so a query gets the bits of a row holding them in order."""
+    return kernels.lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt, tails=tails)
 
 
 def attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                       q_pos: torch.Tensor, prompt: bool = False) -> tuple[torch.Tensor, Handover | None]:
+                       q_pos: torch.Tensor, prompt: bool = False,
+                       tails: torch.Tensor | None = None) -> tuple[torch.Tensor, Handover | None]:
     """`attention`, and what it hands the output projection (`Handover`: the row sums of its input, the tokens'
     heads side by side) where the device's GEMMs take it, else None."""
-    return kernels.lookup("attention_handover", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt)
+    return kernels.lookup("attention_handover", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt,
+                                                                    tails=tails)
 
 
 def packed_attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

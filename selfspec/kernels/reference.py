@@ -95,11 +95,25 @@ def swiglu_handover(gate: torch.Tensor, up: torch.Tensor, act_bits: int | None =
     return swiglu(gate, up), None
 
 
+def row_keys(pool: torch.Tensor, table: torch.Tensor, q_pos: torch.Tensor,
+             tails: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's keys (or values) in logical order [B, Hkv, W * bs, D]: gathered through the block table, and with
+    `tails`, the keys from a row's first query's position on read from the positions tails[b] (kernels/ops.py)."""
+    x = gather_blocks(pool, table)
+    if tails is None:
+        return x
+    b, s = x.shape[0], x.shape[2]
+    at = q_pos[:, :1] + torch.arange(tails.shape[1], device=x.device)  # logical positions of the row's queries
+    index = torch.arange(s, device=x.device).repeat(b, 1)
+    index.scatter_(1, at.clamp(max=s - 1), tails.clamp(max=s - 1))
+    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+
+
 @register("attention")
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-              q_pos: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+              q_pos: torch.Tensor, prompt: bool = False, tails: torch.Tensor | None = None) -> torch.Tensor:
     """kernels/ops.py `attention` (one arithmetic for every query: `prompt` makes no difference here)."""
-    k, v = gather_blocks(k_pool, table), gather_blocks(v_pool, table)
+    k, v = row_keys(k_pool, table, q_pos, tails), row_keys(v_pool, table, q_pos, tails)
     n_rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(n_rep, dim=1)
     v = v.repeat_interleave(n_rep, dim=1)
@@ -110,9 +124,9 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
 
 @register("attention_handover")
 def attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                       q_pos: torch.Tensor, prompt: bool = False) -> tuple:
+                       q_pos: torch.Tensor, prompt: bool = False, tails: torch.Tensor | None = None) -> tuple:
     """The device's `attention`, handing over nothing (kernels/ops.py)."""
-    return lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt), None
+    return lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt, tails=tails), None
 
 
 @register("packed_attention_handover")

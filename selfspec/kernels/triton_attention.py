@@ -109,11 +109,12 @@ def _tile_rows(pos_ptr, pid_r, b, kv_h, T, S, N_REP, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _chunk_softmax(q, pos, k_head, v_head, table_row, start, end, BS, qk_scale, stride_kn, stride_ks, stride_vn,
-                   stride_vs, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_S: tl.constexpr, TILE_IN_BLOCK: tl.constexpr):
+def _chunk_softmax(q, pos, k_head, v_head, table_row, tail_row, base, start, end, BS, qk_scale, stride_kn, stride_ks,
+                   stride_vn, stride_vs, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_S: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, TAILS: tl.constexpr):
     """The online softmax of keys start..end-1 (one chunk, cut at the tile's last position) from a fresh state:
-    each row's (max, sum, acc), max -inf for a row that reaches no key of the chunk."""
+    each row's (max, sum, acc), max -inf for a row that reaches no key of the chunk. With TAILS, key base + i is
+    read at position tail_row[i] (kernels/ops.py `attention`): the same values in the same places of the tile."""
     offs_d = tl.arange(0, BLOCK_D)
     m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
@@ -121,11 +122,15 @@ def _chunk_softmax(q, pos, k_head, v_head, table_row, start, end, BS, qk_scale, 
     for s0 in range(start, end, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         kv_mask = (offs_s < end)[:, None] & (offs_d < D)[None, :]
+        at = offs_s
+        if TAILS:
+            own = (offs_s >= base) & (offs_s < end)
+            at = tl.where(own, tl.load(tail_row + offs_s - base, mask=own, other=0), offs_s)
         if TILE_IN_BLOCK:  # one block id for the whole tile: no per-key lookup before the K/V loads
             block = tl.load(table_row + s0 // BS)
         else:
-            block = tl.load(table_row + offs_s // BS, mask=offs_s < end, other=0)[:, None]
-        slot = offs_s % BS
+            block = tl.load(table_row + at // BS, mask=offs_s < end, other=0)[:, None]
+        slot = at % BS
         k = tl.load(k_head + block * stride_kn + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0)
         v = tl.load(v_head + block * stride_vn + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0)
         scores = tl.dot(q, tl.trans(k))
@@ -174,10 +179,10 @@ def _store_head_sums(out, sums_ptr, token, h, live, H, D: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "S"])  # one binary for every number of queries and keys
 def _attention_chunk_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, S, BS, W, HKV, N_REP, N_CHUNKS, qk_scale,
-    stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
+    q_ptr, k_ptr, v_ptr, table_ptr, tails_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, S, BS, W, HKV, N_REP, N_CHUNKS,
+    qk_scale, stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    TILE_IN_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, TAILS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait(PDL)
     pid_r = tl.program_id(0)
@@ -192,8 +197,9 @@ def _attention_chunk_kernel(
         q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
                     mask=live[:, None] & (offs_d < D)[None, :], other=0)
         m_i, l_i, acc = _chunk_softmax(
-            q, pos, k_ptr + kv_h * stride_kh, v_ptr + kv_h * stride_vh, table_ptr + b * W, c * CHUNK, end, BS,
-            qk_scale, stride_kn, stride_ks, stride_vn, stride_vs, D, BLOCK_D, BLOCK_T, BLOCK_S, TILE_IN_BLOCK)
+            q, pos, k_ptr + kv_h * stride_kh, v_ptr + kv_h * stride_vh, table_ptr + b * W, tails_ptr + b * T,
+            tl.load(pos_ptr + b * T), c * CHUNK, end, BS, qk_scale, stride_kn, stride_ks, stride_vn, stride_vs, D,
+            BLOCK_D, BLOCK_T, BLOCK_S, TILE_IN_BLOCK, TAILS)
         row = ((b * HKV * N_REP + h) * N_CHUNKS + c) * T + t  # partials [B * H, N_CHUNKS, T]
         tl.store(m_ptr + row, m_i, mask=live)
         tl.store(l_ptr + row, l_i, mask=live)
@@ -233,11 +239,11 @@ def _attention_merge_kernel(
 
 @triton.jit(do_not_specialize=["T", "S"])
 def _attention_in_program_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, sums_ptr, T, S, BS, W, HKV, N_REP, qk_scale,
+    q_ptr, k_ptr, v_ptr, table_ptr, tails_ptr, pos_ptr, o_ptr, sums_ptr, T, S, BS, W, HKV, N_REP, qk_scale,
     stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_ot,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    TILE_IN_BLOCK: tl.constexpr, SUMS: tl.constexpr, PDL: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, TAILS: tl.constexpr, SUMS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait(PDL)
     pid_r = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the last tiles read the most keys, so start first
@@ -256,8 +262,9 @@ def _attention_in_program_kernel(
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for c in range(0, (end + CHUNK - 1) // CHUNK):  # in chunk order, each chunk's state as the split path's
         m_c, l_c, acc_c = _chunk_softmax(
-            q, pos, k_head, v_head, table_ptr + b * W, c * CHUNK, tl.minimum(end, (c + 1) * CHUNK), BS, qk_scale,
-            stride_kn, stride_ks, stride_vn, stride_vs, D, BLOCK_D, BLOCK_T, BLOCK_S, TILE_IN_BLOCK)
+            q, pos, k_head, v_head, table_ptr + b * W, tails_ptr + b * T, tl.load(pos_ptr + b * T), c * CHUNK,
+            tl.minimum(end, (c + 1) * CHUNK), BS, qk_scale, stride_kn, stride_ks, stride_vn, stride_vs, D, BLOCK_D,
+            BLOCK_T, BLOCK_S, TILE_IN_BLOCK, TAILS)
         used = c * CHUNK <= pos  # as the merge kernel: a chunk past a query's position is not merged for it
         m_c = tl.where(used, m_c, float("-inf"))
         l_c = tl.where(used, l_c, 0.0)
@@ -272,21 +279,23 @@ def _attention_in_program_kernel(
 
 @register("attention", "", "cuda")
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-              q_pos: torch.Tensor, prompt: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
+              q_pos: torch.Tensor, prompt: bool = False, tiles: Tiles | None = None,
+              tails: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, T, D] at positions q_pos [B, T]; pools [N, Hkv, bs, D], block table [B, W] (kernels/ops.py):
     the reference attention, reading the keys in place. tiles: PROMPT_TILES for prompt tokens, else
     PREFILL_TILES from PREFILL_MIN_T queries on, else (WIDE_)VERIFY_TILES or DECODE_TILES (`_tiles`; read at each
     call, so a script may set them)."""
-    return _attention(q, k_pool, v_pool, table, q_pos, prompt, tiles)[0]
+    return _attention(q, k_pool, v_pool, table, q_pos, prompt, tiles, tails=tails)[0]
 
 
 @register("attention_handover", "", "cuda")
 def attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                       q_pos: torch.Tensor, prompt: bool = False) -> tuple[torch.Tensor, Handover | None]:
+                       q_pos: torch.Tensor, prompt: bool = False,
+                       tails: torch.Tensor | None = None) -> tuple[torch.Tensor, Handover | None]:
     """`attention`, and the output projection's input row sums (kernels/ops.py `Handover`; its rows: the tokens,
     each all heads' outputs side by side) where D is a multiple of ROW_SUM_COLS; none for prompt tokens, whose
     output projection reads no sums (integer weights run dequantized: triton_linear.prompt_linear)."""
-    out, sums = _attention(q, k_pool, v_pool, table, q_pos, prompt, None, sums=not prompt)
+    out, sums = _attention(q, k_pool, v_pool, table, q_pos, prompt, None, sums=not prompt, tails=tails)
     return out, None if sums is None else Handover(sums=sums)
 
 
@@ -316,10 +325,10 @@ def _tiles(b: int, hkv: int, t: int, n_rep: int, prompt: bool) -> Tiles:
 
 
 def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-               q_pos: torch.Tensor, prompt: bool, tiles: Tiles | None,
-               sums: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if not q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16:
-        return reference_attention(q, k_pool, v_pool, table, q_pos), None  # bf16 only: others take the reference
+               q_pos: torch.Tensor, prompt: bool, tiles: Tiles | None, sums: bool = False,
+               tails: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16:  # bf16 only: others take the reference
+        return reference_attention(q, k_pool, v_pool, table, q_pos, tails=tails), None
     b, h, t, d = q.shape
     tiles = tiles or _tiles(b, k_pool.shape[1], t, h // k_pool.shape[1], prompt)
     if tiles.block_t < 16 or tiles.block_t & (tiles.block_t - 1):
@@ -340,13 +349,17 @@ def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
         row_sums = torch.empty((b * t, h * d // ROW_SUM_COLS.value), dtype=torch.float32, device=q.device)
     args = (t, s, bs, w, hkv, h // hkv)
     strides = (math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3])
+    if tails is not None and tails.shape != pos.shape:
+        raise SelfspecError(f"tails {tuple(tails.shape)} must match the queries' positions {tuple(pos.shape)}")
+    # With tails a tile's keys may sit in several blocks: looked up per key.
     consts = dict(D=d, BLOCK_D=block_d, BLOCK_T=tiles.block_t, BLOCK_S=BLOCK_S, CHUNK=CHUNK,
-                  TILE_IN_BLOCK=bs % BLOCK_S == 0, num_warps=tiles.warps, num_stages=2,
-                  **launch_options())
+                  TILE_IN_BLOCK=bs % BLOCK_S == 0 and tails is None, TAILS=tails is not None,
+                  num_warps=tiles.warps, num_stages=2, **launch_options())
+    tails = pos if tails is None else tails.contiguous()  # (not read without TAILS)
     n_tiles = triton.cdiv(t * (h // hkv), tiles.block_t)
     if tiles.in_program:
         _attention_in_program_kernel[(n_tiles, b * hkv)](
-            q, k_pool, v_pool, table, pos, out, row_sums, *args, *strides, *out.stride()[:3],
+            q, k_pool, v_pool, table, tails, pos, out, row_sums, *args, *strides, *out.stride()[:3],
             SUMS=row_sums is not None, **consts)
         return out, row_sums
     n_chunks = triton.cdiv(s, CHUNK)
@@ -354,7 +367,7 @@ def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
     l = torch.empty_like(m)
     acc = torch.empty((b * h, n_chunks, t, block_d), dtype=torch.float32, device=q.device)
     _attention_chunk_kernel[(n_tiles, b * hkv, n_chunks)](
-        q, k_pool, v_pool, table, pos, m, l, acc, *args, n_chunks, *strides, **consts)
+        q, k_pool, v_pool, table, tails, pos, m, l, acc, *args, n_chunks, *strides, **consts)
     _attention_merge_kernel[(triton.cdiv(t, MERGE_BLOCK_T), b * h)](
         pos, m, l, acc, out, row_sums, t, s, h, n_chunks, *out.stride()[:3],
         D=d, BLOCK_D=block_d, BLOCK_T=MERGE_BLOCK_T, CHUNK=CHUNK, SUMS=row_sums is not None, num_warps=4,

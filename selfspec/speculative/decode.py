@@ -74,12 +74,14 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
     dev = model.device
     draft = as_drafter(draft)
     tree = isinstance(draft, TreeDrafter)
+    shared = tree and not draft.forks  # its branch rows read one cache row (model.TreeLayout's tails)
     gen = make_generator(params, dev)
-    rows = draft.branches if tree else 1
+    rows = draft.branches if tree and draft.forks else 1
     if start and cache is None:
         raise SelfspecError("decode(start=...) continues a given cache; pass the cache that holds those positions")
-    cache = cache or model.new_cache(min(model.cfg.max_seq_len, len(prompt) + params.max_new_tokens + gamma + 1),
-                                     rows)
+    nodes = draft.max_nodes(gamma) if shared else 0  # stored past the committed length before one is accepted
+    cache = cache or model.new_cache(min(model.cfg.max_seq_len,
+                                         len(prompt) + params.max_new_tokens + gamma + 1 + nodes), rows)
     if tree and not isinstance(cache, KVCache):
         raise SelfspecError("token trees copy KV between branch rows of the bf16 cache; a quantized KV cache "
                             "(--kv int8 / hier) drafts in chains: drop --kv or pick a chain drafter")
@@ -97,7 +99,12 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
     while row.length + 1 < cache.max_len:
         k = gamma if policy is None else policy.choose(1)
         k = min(k, cache.max_len - row.length - 1) if draft is not None else 0
-        if tree:
+        if shared and row.length + 1 + draft.max_nodes(k) > cache.max_len:  # no room for the tree's nodes
+            k = 0
+        if shared:
+            result = tree_rounds(model, [cache], [row], k, draft, verify,
+                                 lambda spans: cache.shared_rows(0, spans[0][1] - spans[0][0]), accept, shared=True)
+        elif tree:
             result = tree_rounds(model, [cache], [row], k, draft, verify, lambda spans: cache.rows(*spans[0]), accept)
         else:
             result = run_round(model, cache, [row], k, draft, verify, accept)
@@ -197,7 +204,7 @@ def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verif
 
 @torch.inference_mode()
 def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: TreeDrafter, verify: Mode,
-                view: RowsView, accept: GreedyAcceptance = accept_greedy, packed: bool = True
+                view: RowsView, accept: GreedyAcceptance = accept_greedy, packed: bool = True, shared: bool = False
                 ) -> RoundResult:
     """One round of a tree drafter over a batch of sequences, as forked chains: trees[i] holds rows[i]'s branch
     rows (a solo KVCache of a row per branch, or the engine's PagedTree), each holding the sequence's committed KV,
@@ -207,17 +214,20 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
     attention, which runs the branches as rows over their own KV (model.TreeLayout); else each row its own tokens.
     The batch-invariant kernels make each row's verify the chain verify bit for bit, so the winning row's KV is
     already AR's, and only the positions it commits are copied to the other rows: no tree-attention mask and no
-    re-run. Greedy: the longest accepted branch wins (ties: the first). Sampling: multi-candidate rejection sampling
-    down the branches (verify.py). Rows are updated only once the verify pass succeeded."""
+    re-run. `shared` (packed, for a drafter that `forks` no rows): trees[i] is one cache row (row 0) that every
+    branch row reads, each node's KV stored once past the committed length (model.TreeLayout's tails), and the
+    winner's accepted drafts are moved to their positions instead. Greedy: the longest accepted branch wins (ties:
+    the first). Sampling: multi-candidate rejection sampling down the branches (verify.py). Rows are updated only
+    once the verify pass succeeded."""
     dev = model.device
     t0 = time.perf_counter()
     proposed = draft.propose_trees(model, trees, rows, k, view) if k else [[] for _ in rows]
     width = max((len(b) for branches in proposed for b in branches), default=0)
     proposed = [branches or [[]] for branches in proposed]  # nothing proposed: a plain step on row 0
     t1 = time.perf_counter()
-    if packed:  # each node once (model.TreeLayout)
+    if packed or shared:  # each node once (model.TreeLayout)
         layout, nodes, node_pos = TreeLayout.of([(row.pending, row.length, branches)
-                                                 for row, branches in zip(rows, proposed)], dev)
+                                                 for row, branches in zip(rows, proposed)], dev, shared)
         logits = model(nodes[None], node_pos[None], view([(0, len(branches)) for branches in proposed]), verify,
                        tree=layout)[0]
         nodes, at = layout.host_tokens, layout.host_rows  # each branch row's nodes
@@ -246,7 +256,12 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
         else:
             best, n, nxt = accept_tree_sampling(branches, to_probs(logits[torch.tensor(at[start:end], device=dev)],
                                                                    row.params), row.gen)
-        tree.copy_positions(best, row.length, row.length + n + 1)  # the pending token and the accepted drafts
+        if shared:  # the accepted drafts from their tails (nodes in order from the pending token's position)
+            path = at[start + best]
+            tree.move_positions(0, [row.length + i - path[0] for i in path[1:n + 1]],
+                                list(range(row.length + 1, row.length + n + 1)))
+        else:  # the pending token and the accepted drafts, to every other row
+            tree.copy_positions(best, row.length, row.length + n + 1)
         chosen.append((branches[best], n, nxt))
     t2 = time.perf_counter()
     # A tree round counts as rejected when it accepted fewer drafts than its deepest branch (GenerationStats).

@@ -36,7 +36,7 @@ import torch
 
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import Mode, get_mode
-from selfspec.speculative.recycling import DEFAULT_WIDTH, SuccessorTable, grow
+from selfspec.speculative.recycling import DEFAULT_WIDTH, RANK_PRIORS, SuccessorTable, grow
 from selfspec.speculative.sampling import sample, to_probs
 
 if TYPE_CHECKING:
@@ -243,11 +243,17 @@ class TreeDrafter:
     """Proposes up to `branches` candidate continuations of each sequence of a batch. A sequence's tree has a row
     per branch, each holding the sequence's committed KV (decode.py `tree_rounds` keeps them equal): the solo
     KVCache's rows or the engine's PagedTree, both with `rows` and `copy_positions`; the draft steps may write past
-    the committed length of any row."""
+    the committed length of any row. A drafter that runs no draft step on its branch rows (`forks` False) lets
+    solo decoding keep one row per sequence, its branches reading it (model.TreeLayout's tails)."""
     branches: int
+    forks = False  # its draft steps run on a cache row per branch
 
     def history(self, tokens: list[int]) -> TokenHistory | None:
         return None
+
+    def max_nodes(self, k: int) -> int:
+        """The most distinct draft tokens a tree of at most k deep holds."""
+        return self.branches * k
 
     def propose_trees(self, model, trees: list, rows: list[Row], k: int, view: RowsView) -> list[list[list[int]]]:
         """Each sequence's branches (rows[i]'s, over trees[i]). `view` makes one batch view of rows of several trees,
@@ -276,6 +282,7 @@ class NgramTree(TreeDrafter):
 class SelfDraftTree(TreeDrafter):
     mode: Mode
     branches: int = DEFAULT_BRANCHES
+    forks = True
 
     def propose_trees(self, model, trees: list, rows: list[Row], k: int, view: RowsView) -> list[list[list[int]]]:
         """One draft step from every sequence's pending token (its row 0), each one's top-B tokens as its branches'
@@ -299,6 +306,7 @@ class HybridTree(TreeDrafter):
     branches: int = DEFAULT_BRANCHES
     mode: Mode = field(default_factory=lambda: get_mode(HYBRID_DRAFT))
     ngram: NgramTree = field(default_factory=NgramTree)
+    forks = True
 
     def __post_init__(self) -> None:
         if self.branches < 2:
@@ -352,9 +360,13 @@ class RecycleTree(TreeDrafter):
     width: int = DEFAULT_WIDTH
     lookup: NgramDrafter = field(default_factory=NgramDrafter)
     base: Mapping[int, tuple[int, ...]] = field(default_factory=dict, compare=False)  # text_successors, where known
+    priors: tuple[float, ...] = RANK_PRIORS  # grow's weight of each rank
 
     def history(self, tokens: list[int]) -> RecycledHistory:
         return RecycledHistory(tokens, self.lookup.min_n, self.lookup.max_n, self.width)
+
+    def max_nodes(self, k: int) -> int:
+        return self.branches
 
     def propose_tree(self, model, cache, row: Row, k: int) -> list[list[int]]:
         found = row.history.lookup(k)
@@ -362,7 +374,7 @@ class RecycleTree(TreeDrafter):
         left = self.branches - len(lookups)
         nodes = self.branches - len(found)
         table = ChainMap(row.history.table.next, self.base)
-        grown = grow(table, row.pending, k, left, nodes) if nodes > 0 else []
+        grown = grow(table, row.pending, k, left, nodes, self.priors) if nodes > 0 else []
         return lookups + [b for b in grown if not any(f[:len(b)] == b for f in lookups)]
 
     def observe(self, row: Row, inputs: list[int], ranked: list[list[int]]) -> None:
