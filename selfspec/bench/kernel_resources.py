@@ -28,6 +28,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import gluon_linear as gll
+from selfspec.kernels import triton_attention as ta
 from selfspec.kernels import triton_linear as tlin
 from selfspec.kernels import triton_quant_attention as tqa
 from selfspec.quant.modes import MODES
@@ -151,6 +152,25 @@ def compile_int8_warp_specialized(block_k: int = 256, split_k: int = 2) -> trito
     sig.update(dict.fromkeys(consts, "constexpr"))
     return triton.compile(GluonASTSource(gll._int8_ws_kernel, sig, consts), target=H100,
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
+
+
+def compile_attention(in_program: bool, tails: bool, block_t: int = 16, warps: int = 8,
+                      dim: int = 128) -> triton.compiler.CompiledKernel:
+    """The bf16 attention's chunk kernel (or its in-program kernel), with or without tails (a tree's branch rows
+    over one sequence's row), compiled for sm_90 (no launch, no GPU)."""
+    kernel = ta._attention_in_program_kernel if in_program else ta._attention_chunk_kernel
+    consts = dict(D=dim, BLOCK_D=dim, BLOCK_T=block_t, BLOCK_S=ta.BLOCK_S, CHUNK=ta.CHUNK, TILE_IN_BLOCK=True,
+                  TAILS=tails, PDL=False, **({"SUMS": True} if in_program else {}))
+    sig = {}
+    for name in kernel.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*i64" if name in ("table_ptr", "tails_ptr", "pos_ptr") else (
+                "*bf16" if name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr") else "*fp32")
+        else:
+            sig[name] = "fp32" if name == "qk_scale" else "i32"
+    return triton.compile(ASTSource(kernel, sig, consts), target=H100, options=dict(num_warps=warps, num_stages=2))
 
 
 def compile_quant_attention(fmt: str, upper: bool, block_r: int, warps: int, dim: int = 128, group: int = 128,

@@ -114,36 +114,56 @@ def _chunk_softmax(q, pos, k_head, v_head, table_row, tail_row, base, start, end
                    BLOCK_S: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, TAILS: tl.constexpr):
     """The online softmax of keys start..end-1 (one chunk, cut at the tile's last position) from a fresh state:
     each row's (max, sum, acc), max -inf for a row that reaches no key of the chunk. With TAILS, key base + i is
-    read at position tail_row[i] (kernels/ops.py `attention`): the same values in the same places of the tile."""
+    read at position tail_row[i] (kernels/ops.py `attention`): the tiles from the one holding key `base` on, in a
+    loop of their own (a branch in the loop would cost the other tiles their pipelining); the same tiles, values
+    and order."""
     offs_d = tl.arange(0, BLOCK_D)
     m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for s0 in range(start, end, BLOCK_S):
+    mid = end
+    if TAILS:
+        mid = tl.minimum(end, start + tl.maximum(base - start, 0) // BLOCK_S * BLOCK_S)
+    for s0 in range(start, mid, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         kv_mask = (offs_s < end)[:, None] & (offs_d < D)[None, :]
-        at = offs_s
-        if TAILS:
-            own = (offs_s >= base) & (offs_s < end)
-            at = tl.where(own, tl.load(tail_row + offs_s - base, mask=own, other=0), offs_s)
         if TILE_IN_BLOCK:  # one block id for the whole tile: no per-key lookup before the K/V loads
             block = tl.load(table_row + s0 // BS)
         else:
-            block = tl.load(table_row + at // BS, mask=offs_s < end, other=0)[:, None]
-        slot = at % BS
+            block = tl.load(table_row + offs_s // BS, mask=offs_s < end, other=0)[:, None]
+        slot = offs_s % BS
         k = tl.load(k_head + block * stride_kn + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0)
         v = tl.load(v_head + block * stride_vn + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0)
-        scores = tl.dot(q, tl.trans(k))
-        scores = scores * qk_scale  # log2 domain: qk_scale folds in log2(e)
-        scores = tl.where(offs_s[None, :] <= pos[:, None], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # A row that reaches no key of the chunk keeps m = -inf: exp2(-inf - -inf) would be NaN.
-        alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m_i - m_new))
-        p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp2(scores - m_new[:, None])).to(tl.bfloat16)
-        l_i = l_i * alpha + _row_sums(p)
-        acc = tl.dot(p, v, acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(q, k, v, pos, offs_s, qk_scale, m_i, l_i, acc)
+    if TAILS:
+        for s0 in range(mid, end, BLOCK_S):  # the tiles holding the row's own keys
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            kv_mask = (offs_s < end)[:, None] & (offs_d < D)[None, :]
+            own = (offs_s >= base) & (offs_s < end)
+            at = tl.where(own, tl.load(tail_row + offs_s - base, mask=own, other=0), offs_s)
+            block = tl.load(table_row + at // BS, mask=offs_s < end, other=0)[:, None]
+            slot = at % BS
+            k = tl.load(k_head + block * stride_kn + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask,
+                        other=0)
+            v = tl.load(v_head + block * stride_vn + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask,
+                        other=0)
+            m_i, l_i, acc = _softmax_step(q, k, v, pos, offs_s, qk_scale, m_i, l_i, acc)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _softmax_step(q, k, v, pos, offs_s, qk_scale, m_i, l_i, acc):
+    """One key tile of the online softmax: the running (max, sum, acc) with keys offs_s (k, v) added."""
+    scores = tl.dot(q, tl.trans(k))
+    scores = scores * qk_scale  # log2 domain: qk_scale folds in log2(e)
+    scores = tl.where(offs_s[None, :] <= pos[:, None], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # A row that reaches no key of the chunk keeps m = -inf: exp2(-inf - -inf) would be NaN.
+    alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m_i - m_new))
+    p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp2(scores - m_new[:, None])).to(tl.bfloat16)
+    l_i = l_i * alpha + _row_sums(p)
+    acc = tl.dot(p, v, acc * alpha[:, None])
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -312,14 +332,16 @@ def packed_attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     return packed.unpad_heads(out), Handover(sums=packed.unpad(given.sums.view(rows.shape[0], rows.shape[2], -1))[0])
 
 
-def _tiles(b: int, hkv: int, t: int, n_rep: int, prompt: bool) -> Tiles:
+def _tiles(b: int, hkv: int, t: int, n_rep: int, prompt: bool, tails: bool = False) -> Tiles:
     """The dispatcher's tiles for b rows of t queries over hkv kv heads (speed only: all give the same bits, but
-    PROMPT_TILES, prompt tokens' own arithmetic)."""
+    PROMPT_TILES, prompt tokens' own arithmetic). Rows with tails (a tree's branches) take VERIFY_TILES at any
+    batch: H100, 8B heads, 6 branch rows x 6 queries, 1k keys (docs/bench-h100/attention-tails-probe.log): 19.2 us
+    against 41.3 for DECODE_TILES, whose gathered tail tiles are slow on 8 warps."""
     if prompt:
         return PROMPT_TILES
     if t >= PREFILL_MIN_T:
         return PREFILL_TILES
-    if t * n_rep > DECODE_TILES.block_t and b * hkv >= VERIFY_MIN_HEADS:
+    if t * n_rep > DECODE_TILES.block_t and (tails or b * hkv >= VERIFY_MIN_HEADS):
         return WIDE_VERIFY_TILES if b * hkv >= WIDE_VERIFY_MIN_HEADS else VERIFY_TILES
     return DECODE_TILES
 
@@ -330,7 +352,7 @@ def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
     if not q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16:  # bf16 only: others take the reference
         return reference_attention(q, k_pool, v_pool, table, q_pos, tails=tails), None
     b, h, t, d = q.shape
-    tiles = tiles or _tiles(b, k_pool.shape[1], t, h // k_pool.shape[1], prompt)
+    tiles = tiles or _tiles(b, k_pool.shape[1], t, h // k_pool.shape[1], prompt, tails is not None)
     if tiles.block_t < 16 or tiles.block_t & (tiles.block_t - 1):
         raise SelfspecError(f"attention tiles need a power of two >= 16 rows (a tensor-core tile), got {tiles.block_t}")
     bs, w = k_pool.shape[2], table.shape[1]
@@ -351,10 +373,9 @@ def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
     strides = (math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3])
     if tails is not None and tails.shape != pos.shape:
         raise SelfspecError(f"tails {tuple(tails.shape)} must match the queries' positions {tuple(pos.shape)}")
-    # With tails a tile's keys may sit in several blocks: looked up per key.
     consts = dict(D=d, BLOCK_D=block_d, BLOCK_T=tiles.block_t, BLOCK_S=BLOCK_S, CHUNK=CHUNK,
-                  TILE_IN_BLOCK=bs % BLOCK_S == 0 and tails is None, TAILS=tails is not None,
-                  num_warps=tiles.warps, num_stages=2, **launch_options())
+                  TILE_IN_BLOCK=bs % BLOCK_S == 0, TAILS=tails is not None, num_warps=tiles.warps, num_stages=2,
+                  **launch_options())
     tails = pos if tails is None else tails.contiguous()  # (not read without TAILS)
     n_tiles = triton.cdiv(t * (h // hkv), tiles.block_t)
     if tiles.in_program:

@@ -305,6 +305,25 @@ def test_in_program_attention_is_the_split_path_bitwise(t, start):
     assert torch.equal(out, triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=SPLIT_16))
 
 
+@pytest.mark.parametrize("t,start", [(6, 1020), (16, 1492), (4, 250)])
+def test_attention_tails_give_the_rows_in_order_bits(t, start):
+    """A row's own keys read from its tails (a tree's branch rows over one sequence's row, model.TreeLayout) give
+    the bits of the same keys in order, every tiling the dispatcher may take, paged and contiguous."""
+    q, k, v, k_pool, v_pool, table, pos = paged_8b_prompt(t, start, seed=t + 60)
+    tails = torch.stack([p0 + t + 40 + torch.randperm(64)[:t] for p0 in pos[:, 0].tolist()]).to(DEV)
+    moved_k, moved_v = k.clone(), v.clone()
+    for b in range(2):
+        n = int(pos[b, 0])
+        moved_k[b, :, n:n + t + 200].normal_(), moved_v[b, :, n:n + t + 200].normal_()  # in order: other keys
+        moved_k[b, :, tails[b]], moved_v[b, :, tails[b]] = k[b, :, n:n + t], v[b, :, n:n + t]
+    moved_pools = scatter_to_pool(moved_k, moved_v, 16, torch.Generator().manual_seed(t))
+    rows = torch.arange(2, device=DEV)[:, None]
+    for tiles in (SPLIT_16, triton_attention.VERIFY_TILES, triton_attention.WIDE_VERIFY_TILES):
+        base = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=tiles)
+        assert torch.equal(triton_attention.attention(q, *moved_pools, pos, tiles=tiles, tails=tails), base), tiles
+        assert torch.equal(triton_attention.attention(q, moved_k, moved_v, rows, pos, tiles=tiles, tails=tails), base)
+
+
 def test_attention_prefill_equals_the_prompt_cut_into_pieces_and_decode_bitwise():
     """A 2048-query prompt in one call == the same queries in pieces (the cache holding the earlier keys), each
     piece through the dispatcher (split below PREFILL_MIN_T queries), and == each query decoded alone."""
