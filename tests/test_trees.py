@@ -345,3 +345,16 @@ def test_branches_sharing_one_row_get_their_chain_logits_and_kv_bitwise(llm):
     assert torch.equal(shared.v[:, 0, :, :end], forked.v[:, 1, :, :end])
     assert torch.equal(shared.k[:, 0, :, end:], before[:, 0, :, end:])  # the rest untouched
     assert shared.shared_rows(0, 4) is shared.shared_rows(0, 4)  # one view (CUDA graphs are bound to it)
+
+
+def test_move_positions_copies_runs_exactly_even_overlapping(llm):
+    """KVCache.move_positions: each dst position gets src's KV as it was before the move (runs of consecutive
+    positions are copied as slices, overlapping ones included); other positions and rows untouched."""
+    cache = llm.model.new_cache(32, 2)
+    cache.k.normal_(), cache.v.normal_()
+    k, v = cache.k.clone(), cache.v.clone()
+    src, dst = [10, 12, 13, 14, 20], [9, 10, 11, 12, 13]
+    cache.move_positions(1, src, dst)
+    want_k, want_v = k.clone(), v.clone()
+    want_k[:, 1, :, dst], want_v[:, 1, :, dst] = k[:, 1, :, src], v[:, 1, :, src]
+    assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import ChainMap
 from pathlib import Path
 
 import torch
@@ -95,8 +96,6 @@ def common(branch: list[int], truth: list[int]) -> int:
 def count_ranks(drafter: RecycleTree, row: Row, branches: list[list[int]], truth: list[int], ranks: dict) -> None:
     """For each node of the tree whose parent is on the AR path: its rank among the parent's successors, and whether
     it is the AR token (a node off the path says nothing: its parent was never reached)."""
-    from collections import ChainMap
-
     table = ChainMap(row.history.table.next, drafter.base)
     seen = set()
     for b in branches:
@@ -104,8 +103,7 @@ def count_ranks(drafter: RecycleTree, row: Row, branches: list[list[int]], truth
             if tuple(b[:d + 1]) in seen or b[:d] != truth[1:d + 1]:
                 continue
             seen.add(tuple(b[:d + 1]))
-            parent = truth[d]
-            succ = table.get(parent, ())
+            succ = table.get(truth[d], ())
             r = succ.index(b[d]) if b[d] in succ else len(succ)
             hit = d + 1 < len(truth) and b[d] == truth[d + 1]
             ranks.setdefault(r, [0, 0])

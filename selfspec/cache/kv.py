@@ -67,11 +67,17 @@ class KVCache:
     def move_positions(self, row: int, src: list[int], dst: list[int]) -> None:
         """Copy every layer's keys and values of positions src to positions dst of one row (exact): a tree's
         accepted branch from its tails to the positions its tokens were committed at."""
-        pairs = [(s, d) for s, d in zip(src, dst) if s != d]
-        if pairs:
-            index = torch.tensor(pairs, device=self.k.device).T
+        runs: list[list[int]] = []  # [src, dst, length]: a branch's own nodes are consecutive, so few slice copies
+        for s, d in zip(src, dst):
+            if s == d:
+                continue
+            if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+                runs[-1][2] += 1
+            else:
+                runs.append([s, d, 1])
+        for s, d, n in runs:  # src >= dst (tails follow the positions): a clone keeps an overlapping copy exact
             for buf in (self.k, self.v):
-                buf[:, row, :, index[1]] = buf[:, row, :, index[0]]
+                buf[:, row, :, d:d + n] = buf[:, row, :, s:s + n].clone()
 
     def copy_positions(self, src: int, start: int, end: int) -> None:
         """Copy every layer's keys and values of positions start..end-1 from row src to every other row (exact)."""

@@ -238,11 +238,16 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
                        view([(0, len(branches)) for branches in proposed]), verify).flatten(0, 1)
         nodes, at = [t for r in toks for t in r], [list(range(i * (width + 1), (i + 1) * (width + 1)))
                                                    for i in range(len(toks))]
-    best_next = logits.argmax(-1).tolist()  # logits [nodes, vocab]; at[r]: row r's nodes
+    best_next = logits.argmax(-1)  # logits [nodes, vocab]; at[r]: row r's nodes
+    observes = hasattr(draft, "observe")  # a drafter that recycles the pass's ranking of every node it ran
+    if observes:  # the ranking beside the argmax: one copy to the host
+        ranked = torch.cat((best_next[:, None], logits.topk(draft.width, -1).indices), 1).tolist()
+        best_next, ranked = [r[0] for r in ranked], [r[1:] for r in ranked]
+    else:
+        best_next = best_next.tolist()
     targets = [[best_next[i] for i in r] for r in at]  # greedy rows' verify tokens: one pass and one copy
     ends = list(accumulate(map(len, proposed)))
-    if hasattr(draft, "observe"):  # a drafter that recycles the pass's ranking of every node it ran
-        ranked = logits.topk(draft.width, -1).indices.tolist()
+    if observes:
         for row, branches, end in zip(rows, proposed, ends):
             for r, b in zip(at[end - len(branches):end], branches):
                 draft.observe(row, [nodes[i] for i in r[:len(b) + 1]], [ranked[i] for i in r[:len(b) + 1]])
