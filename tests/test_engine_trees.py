@@ -36,10 +36,12 @@ class Passes:
     """The model, recording each pass's rows and mode (the engine takes it for its runner)."""
 
     def __init__(self, model):
-        self.model, self.device, self.seen = model, model.device, []
+        self.model, self.device, self.seen, self.shared = model, model.device, [], []
 
     def __call__(self, tokens, pos, cache, mode, *args, **kwargs):
         self.seen.append((tokens.shape[0], mode))
+        if kwargs.get("tree") is not None:  # a node-packed tree pass: do its rows share their sequence's row?
+            self.shared.append(kwargs["tree"].tails is not None)
         return self.model(tokens, pos, cache, mode, *args, **kwargs)
 
 
@@ -86,6 +88,22 @@ def test_engine_trees_greedy_equal_ar_as_requests_join(llm, name, monkeypatch):
     assert max(trees) > 1  # a round over several sequences' trees: one verify pass for all their branches
     if name not in ("ngram-tree:4", "recycle-tree:6"):  # ... whose draft steps ran together
         assert max(rows for rows, mode in passes.seen if mode == llm.drafter.mode) > llm.drafter.branches
+
+
+@pytest.mark.parametrize("name", ["ngram-tree:4", "recycle-tree:6"])
+def test_a_lone_sequences_tree_reads_its_own_row(llm, name):
+    """A drafter that forks no rows, in a round of one sequence: its branches read the sequence's own blocks
+    (SharedTree, a node-packed pass, accepted drafts moved to their positions); the tokens are AR's."""
+    llm.drafter = make_drafter(name)
+    requests = [(p, greedy(14), 4) for p in REPETITIVE[:2]]
+    refs = [llm.generate(p, params, gamma=0).token_ids for p, params, _ in requests]
+    engine = Engine(llm, max_batch=1, block_size=4, num_blocks=40, max_gamma=4)
+    engine.runner = passes = Passes(llm.model)
+    out = serve(engine, requests, arrivals=[0, 0])
+    for i, ref in enumerate(refs):
+        assert out[str(i)] == (ref, "length"), (name, i)
+    assert engine.stats().num_accepted_tokens > 0 and passes.shared and all(passes.shared)
+    assert_idle(engine)
 
 
 def test_engine_tree_sampling_equals_solo_with_the_seed(llm):

@@ -164,10 +164,36 @@ class PagedTree:
         self.blocks = []
 
 
-def tree_view(trees: list[PagedTree], spans: list[tuple[int, int]]) -> PagedBatchView:
+class SharedTree:
+    """One sequence's token tree over its own blocks, for a drafter that forks no rows: every branch row reads the
+    sequence's table, its nodes stored once past the committed length (model.TreeLayout's tails), so nothing is
+    forked or copied but the accepted drafts (`move_positions`). The table must cover the round's nodes."""
+
+    def __init__(self, cache: PagedKVCache, seq: str):
+        self.cache = cache
+        self.blocks = cache.tables[seq]
+        self.table = torch.tensor([self.blocks], dtype=torch.long, device=cache.k.device)
+
+    def rows(self, start: int, stop: int) -> PagedBatchView:
+        """The sequence's row stop - start times."""
+        return PagedBatchView(self.cache, self.table.expand(stop - start, -1))
+
+    def move_positions(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Copy every layer's keys and values of positions src to positions dst (a branch's accepted drafts)."""
+        bs, blocks = self.cache.block_size, self.blocks
+        pairs = [(blocks[s // bs] * bs + s % bs, blocks[d // bs] * bs + d % bs) for s, d in zip(src, dst) if s != d]
+        if pairs:
+            slots = torch.tensor(pairs, device=self.cache.k.device).T
+            self.cache.copy_slots(slots[0], slots[1])
+
+    def release(self) -> None:
+        """Nothing to give back: the nodes sit in the sequence's own blocks, which truncate frees."""
+
+
+def tree_view(trees: list[PagedTree | SharedTree], spans: list[tuple[int, int]]) -> PagedBatchView:
     """One batch view over rows spans[i] (start, stop) of each trees[i] (their tables padded with the trash block)."""
     width = max(t.table.shape[1] for t in trees)
-    tables = [torch.nn.functional.pad(t.table[start:stop], (0, width - t.table.shape[1]), value=TRASH)
+    tables = [torch.nn.functional.pad(t.rows(start, stop).table, (0, width - t.table.shape[1]), value=TRASH)
               for t, (start, stop) in zip(trees, spans)]
     return PagedBatchView(trees[0].cache, torch.cat(tables))
 

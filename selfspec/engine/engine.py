@@ -44,13 +44,13 @@ from itertools import accumulate
 
 import torch
 
-from selfspec.cache.paged import PagedKVCache, PagedTree, tree_view
+from selfspec.cache.paged import PagedKVCache, PagedTree, SharedTree, tree_view
 from selfspec.cache.paged_quant import PagedQuantKVCache
 from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, PagedGraphedModel, bucket, trash_view
 from selfspec.engine.llm import LLM, Generation, check_gamma
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
-from selfspec.model import Packed, Runner
+from selfspec.model import Packed, Runner, TreeLayout
 from selfspec.quant.modes import prompt_mode
 from selfspec.speculative.decode import (GreedyAcceptance, Row, RoundResult, make_generator, pick, run_round,
                                          run_steps, tree_rounds)
@@ -96,13 +96,17 @@ def check_quant_kv(llm: LLM, max_gamma: int) -> None:
 
 
 def branch_blocks(drafter, block_size: int, k: int | None, length: int | None = None) -> int:
-    """KV blocks a tree drafter's round of k drafts at `length` takes for its branch rows (PagedTree) while it runs:
-    each branch owns the blocks of positions length..length+k (length None: the worst case). 0 for other drafters:
-    what a pool sized per request adds for trees."""
+    """KV blocks a tree drafter's round of k drafts at `length` takes beyond the k + 1 positions of a chain's
+    (length None: the worst case): as forked rows, the blocks of positions length..length+k for each branch but
+    the first (PagedTree); a drafter that forks no rows may instead store its nodes past position length+k in the
+    sequence's own blocks (SharedTree, a round of one sequence), so the more of the two. 0 for other drafters: what
+    a pool sized per request adds for trees."""
     if not isinstance(drafter, TreeDrafter) or not k:
         return 0
     offset = block_size - 1 if length is None else length % block_size
-    return (drafter.branches - 1) * -(-(offset + k + 1) // block_size)
+    chain = -(-(offset + k + 1) // block_size)
+    forked = (drafter.branches - 1) * chain
+    return forked if drafter.forks else max(forked, -(-(offset + drafter.max_nodes(k) + 1) // block_size) - chain)
 
 
 class QueueFull(SelfspecError):
@@ -331,12 +335,32 @@ class Engine:
                 zeros = torch.zeros(rows, t, dtype=torch.long, device=dev)
                 self.runner(zeros, zeros, trash, mode)
             rows *= 2
+        if self.tree is not None and not self.tree.forks:
+            self._warm_up_shared_trees()
         with torch.inference_mode():
             for t in prefill_warm_sizes(min(self.prefill_chunk, self.max_len, self.cache.max_pass)):
                 trash = trash_view(self.cache, 1, max(1, self.cache.blocks_for(t)))
                 pos = torch.arange(t, device=dev)[None]
                 self.runner(torch.zeros_like(pos), pos, trash, prompt_mode(self.llm.verify_mode),
                             logits_at=torch.tensor([t - 1], device=dev), packed=Packed.of([t], [t], dev))
+
+    def _warm_up_shared_trees(self) -> None:
+        """Capture a lone sequence's node-packed tree passes (`_shares_rows`): each rows bucket up to its branches,
+        nodes bucket (from 16) up to its most nodes at max_gamma, and width up to max_gamma + 1 (1: nothing
+        proposed), on padding rows."""
+        dev, gamma = self.llm.model.device, min(self.policy.max_gamma, MAX_GRAPHED_TOKENS - 1)
+        most_nodes = max(MAX_GRAPHED_TOKENS, bucket(self.tree.max_nodes(gamma) + 1))
+        rows = 1
+        while rows <= bucket(self.tree.branches):
+            nodes = max(MAX_GRAPHED_TOKENS, rows)
+            while nodes <= most_nodes:
+                tokens = torch.zeros(1, nodes, dtype=torch.long, device=dev)
+                for width in range(1, gamma + 2):
+                    layout = TreeLayout(*(torch.zeros(shape, dtype=torch.long, device=dev)
+                                          for shape in ((rows, width), nodes, (rows, width))))
+                    self.runner(tokens, tokens, trash_view(self.cache, rows, 1), self.llm.verify_mode, tree=layout)
+                nodes *= 2
+            rows *= 2
 
     # ---------------------------------------------------------------- the scheduler
 
@@ -488,7 +512,11 @@ class Engine:
             return None
         if self.llm.drafter is None:
             return 0
-        return min(k_auto if seq.gamma is None else seq.gamma, self.max_len - self._round_length(seq, chunk) - 1)
+        length = self._round_length(seq, chunk)
+        k = min(k_auto if seq.gamma is None else seq.gamma, self.max_len - length - 1)
+        if self.tree is not None and not self.tree.forks and length + self.tree.max_nodes(k) + 1 > self.max_len:
+            return 0  # no room for a shared tree's nodes past the sequence's end
+        return k
 
     @staticmethod
     def _round_length(seq: Sequence, chunk: int) -> int:
@@ -612,8 +640,9 @@ class Engine:
         measuring round of several rows, the policy's greedy rows emit one token each (lockstep): drafts they
         accepted would move them ahead of the others, and requests started together would stop finishing together,
         their successors then prefilled one by one (docs/gpu.md)."""
-        for s in seqs:
-            self.cache.extend(s.id, max(k + 1, steps))
+        shared = k and self._shares_rows(seqs)
+        for s in seqs:  # a tree sharing its sequence's row stores its nodes in the sequence's own blocks
+            self.cache.extend(s.id, self.tree.max_nodes(k) + 1 if shared else max(k + 1, steps))
         rows = [s.row for s in seqs]
         held = measuring and k > 0 and len(seqs) > 1 and self.tree is None  # a tree's rounds commit what they accept
         lockstep = [held and s.gamma is None and s.params.greedy for s in seqs]
@@ -653,16 +682,25 @@ class Engine:
         more = sum(self.cache.blocks_needed(s.id, steps) - self.cache.blocks_needed(s.id, 1) for s in seqs)
         return steps if steps > 1 and more <= spare else 1
 
+    def _shares_rows(self, seqs: list[Sequence]) -> bool:
+        """Whether a tree round of `seqs` reads each sequence's own row (SharedTree, a node-packed pass): for a
+        drafter that forks no rows, in a round of one sequence, whose pass shapes warm_up captures (larger rounds
+        would need a graph per rows x nodes x width: they verify forked rows)."""
+        return self.tree is not None and not self.tree.forks and len(seqs) == 1
+
     def _tree_round(self, seqs: list[Sequence], k: int) -> RoundResult:
-        """A tree drafter's round: each sequence forked into its branch rows (PagedTree), every branch verified in
-        one pass; the winner's committed KV is copied into the sequence's own blocks, the branch blocks go back."""
+        """A tree drafter's round, every branch verified in one pass: each sequence's branches reading its own
+        blocks (SharedTree, each node run once; `_shares_rows`), or each sequence forked into its branch rows
+        (PagedTree), the winner's committed KV copied into the sequence's own blocks, the branch blocks given
+        back."""
         trees = []
+        shared = self._shares_rows(seqs)
         try:
             for s in seqs:
-                trees.append(PagedTree(self.cache, s.id, self.tree.branches))
-            # Forked rows, not packed nodes: the passes warm_up captures (a graph per node count is not warmed yet).
+                trees.append(SharedTree(self.cache, s.id) if shared
+                             else PagedTree(self.cache, s.id, self.tree.branches))
             return tree_rounds(self.runner, trees, [s.row for s in seqs], k, self.tree, self.llm.verify_mode,
-                               lambda spans: tree_view(trees, spans), self.accept, packed=False)
+                               lambda spans: tree_view(trees, spans), self.accept, packed=shared, shared=shared)
         finally:
             for t in trees:
                 t.release()

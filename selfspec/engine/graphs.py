@@ -233,10 +233,11 @@ class PagedGraphedModel(_Graphed):
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode,
-                 logits_at: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
+                 logits_at: torch.Tensor | None = None, packed: Packed | None = None,
+                 tree: TreeLayout | None = None) -> torch.Tensor:
         if (packed is None or not mode.prompt or logits_at is None or self.model.tp.size > 1
                 or isinstance(self.cache, PagedQuantKVCache)):  # a quantized cache's prompt passes: eager
-            return super().__call__(tokens, pos, cache, mode, logits_at, packed)
+            return super().__call__(tokens, pos, cache, mode, logits_at, packed, tree)
         n, rows, width = tokens.shape[1], len(packed.lengths), max(packed.lengths)
         padded = prompt_bucket(n)
         shape = (padded, rows if padded == n else bucket(rows + 1), min(prompt_bucket(width), padded))
