@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import ChainMap
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -124,8 +125,7 @@ def fit_priors(data: dict, base: dict, gamma: int, nodes: int, rounds: int = 3) 
         known = [x for x in rates if x is not None]
         if not known:
             break
-        priors = tuple(max(x if x is not None else min(known), 1e-3) for x in rates)
-        priors = tuple(min(p, priors[i - 1]) if i else p for i, p in enumerate(priors))  # ranks fall
+        priors = tuple(accumulate((max(x if x is not None else min(known), 1e-3) for x in rates), min))  # ranks fall
     return priors
 
 

@@ -45,6 +45,9 @@ PRESETS = {
     "quasar": Recipe("quasar", "int8", "w8a8", "ngram", smooth_alpha=0.5),
     # n-gram branches when the lookup matches, plus the upper self-draft chain; upper's tree when nothing matches.
     "hybrid": Recipe("hybrid", "planes", "full", "hybrid"),
+    # A tree of 15 tokens from the verify passes' own rankings and the lookup, no model step (recycling.py): the
+    # fastest at batch 1 on the H100 (docs/speculative.md).
+    "recycle": Recipe("recycle", "planes", "full", "recycle-tree"),
     # Self-speculation over the KV cache too: the draft reads the upper planes of the weights and of a
     # hierarchical KV cache, verify both planes of each.
     # QuantSpec: dense verify weights with a second, INT4 copy for the draft, over a hierarchical KV cache.
