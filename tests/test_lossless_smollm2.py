@@ -17,7 +17,7 @@ from selfspec.speculative.sampling import SamplingParams
 
 PROMPTS = BUILT_IN[:10]
 NEW_TOKENS = 6
-GAMMAS = range(1, 7)
+GAMMAS = (1, 2, 4, 6)  # 3 and 5: the tree and lookup tests run them (CI time)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

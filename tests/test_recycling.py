@@ -62,7 +62,7 @@ def test_grow_keeps_its_budgets_and_its_paths_exist(seed):
 
 class Observer(TreeDrafter):
     """Fixed branches; records what the verify pass hands back."""
-    width = 3
+    ranks = 3
 
     def __init__(self, branches: list[list[int]]):
         self.fixed, self.branches, self.seen = branches, len(branches), []

@@ -700,7 +700,7 @@ class Engine:
                 trees.append(SharedTree(self.cache, s.id) if shared
                              else PagedTree(self.cache, s.id, self.tree.branches))
             return tree_rounds(self.runner, trees, [s.row for s in seqs], k, self.tree, self.llm.verify_mode,
-                               lambda spans: tree_view(trees, spans), self.accept, packed=shared, shared=shared)
+                               lambda spans: tree_view(trees, spans), self.accept, "shared" if shared else "forked")
         finally:
             for t in trees:
                 t.release()

@@ -28,6 +28,7 @@ from selfspec.speculative.sampling import SamplingParams, sample, to_probs
 from selfspec.speculative.verify import accept_greedy, accept_rejection, accept_tree_sampling
 
 GreedyAcceptance = Callable[[list[int], list[int]], tuple[int, int]]  # (drafts, verify argmaxes) -> (n, next)
+TREE_LAYOUTS = ("forked", "packed", "shared")  # how a tree round's verify pass lays out its branches (tree_rounds)
 
 
 @dataclass
@@ -103,7 +104,7 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
             k = 0
         if shared:
             result = tree_rounds(model, [cache], [row], k, draft, verify,
-                                 lambda spans: cache.shared_rows(0, spans[0][1] - spans[0][0]), accept, shared=True)
+                                 lambda spans: cache.shared_rows(0, spans[0][1] - spans[0][0]), accept, "shared")
         elif tree:
             result = tree_rounds(model, [cache], [row], k, draft, verify, lambda spans: cache.rows(*spans[0]), accept)
         else:
@@ -204,33 +205,36 @@ def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verif
 
 @torch.inference_mode()
 def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: TreeDrafter, verify: Mode,
-                view: RowsView, accept: GreedyAcceptance = accept_greedy, packed: bool = True, shared: bool = False
-                ) -> RoundResult:
+                view: RowsView, accept: GreedyAcceptance = accept_greedy, layout: str = "packed") -> RoundResult:
     """One round of a tree drafter over a batch of sequences, as forked chains: trees[i] holds rows[i]'s branch
     rows (a solo KVCache of a row per branch, or the engine's PagedTree), each holding the sequence's committed KV,
     and `view(spans)` is one batch view of rows spans[i] of each trees[i]. The drafter proposes every sequence's
     branches (its draft steps batched over the sequences); branch b of sequence i is verified in row b of trees[i]
-    as a chain, every branch of every sequence in one verify pass: `packed`, each node once through every op but
-    attention, which runs the branches as rows over their own KV (model.TreeLayout); else each row its own tokens.
+    as a chain, every branch of every sequence in one verify pass. `layout`: "forked", each row its own tokens;
+    "packed", each node once through every op but attention, which runs the branches as rows over their own KV
+    (model.TreeLayout); "shared" (for a drafter that `forks` no rows), packed with trees[i] one cache row (row 0)
+    that every branch row reads, each node's KV stored once past the committed length (TreeLayout's tails).
     The batch-invariant kernels make each row's verify the chain verify bit for bit, so the winning row's KV is
-    already AR's, and only the positions it commits are copied to the other rows: no tree-attention mask and no
-    re-run. `shared` (packed, for a drafter that `forks` no rows): trees[i] is one cache row (row 0) that every
-    branch row reads, each node's KV stored once past the committed length (model.TreeLayout's tails), and the
-    winner's accepted drafts are moved to their positions instead. Greedy: the longest accepted branch wins (ties:
-    the first). Sampling: multi-candidate rejection sampling down the branches (verify.py). Rows are updated only
-    once the verify pass succeeded."""
+    already AR's, and only the positions it commits are copied to the other rows (shared: its accepted drafts moved
+    to their positions): no tree-attention mask and no re-run. Greedy: the longest accepted branch wins (ties: the
+    first). Sampling: multi-candidate rejection sampling down the branches (verify.py). A drafter with `ranks` gets
+    each branch row's ranking of the positions it ran (`observe`). Rows are updated only once the verify pass
+    succeeded."""
     dev = model.device
     t0 = time.perf_counter()
     proposed = draft.propose_trees(model, trees, rows, k, view) if k else [[] for _ in rows]
     width = max((len(b) for branches in proposed for b in branches), default=0)
     proposed = [branches or [[]] for branches in proposed]  # nothing proposed: a plain step on row 0
     t1 = time.perf_counter()
-    if packed or shared:  # each node once (model.TreeLayout)
-        layout, nodes, node_pos = TreeLayout.of([(row.pending, row.length, branches)
+    if layout not in TREE_LAYOUTS:
+        raise SelfspecError(f"unknown tree layout '{layout}'; choose from {', '.join(TREE_LAYOUTS)}")
+    shared = layout == "shared"
+    if layout != "forked":  # each node once (model.TreeLayout)
+        packed, nodes, node_pos = TreeLayout.of([(row.pending, row.length, branches)
                                                  for row, branches in zip(rows, proposed)], dev, shared)
         logits = model(nodes[None], node_pos[None], view([(0, len(branches)) for branches in proposed]), verify,
-                       tree=layout)[0]
-        nodes, at = layout.host_tokens, layout.host_rows  # each branch row's nodes
+                       tree=packed)[0]
+        nodes, at = packed.host_tokens, packed.host_rows  # each branch row's nodes
     else:  # each branch row runs its own tokens
         toks = [[row.pending] + b + [0] * (width - len(b)) for row, branches in zip(rows, proposed) for b in branches]
         lengths = torch.tensor([row.length for row, branches in zip(rows, proposed) for _ in branches], device=dev)
@@ -239,15 +243,14 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
         nodes, at = [t for r in toks for t in r], [list(range(i * (width + 1), (i + 1) * (width + 1)))
                                                    for i in range(len(toks))]
     best_next = logits.argmax(-1)  # logits [nodes, vocab]; at[r]: row r's nodes
-    observes = hasattr(draft, "observe")  # a drafter that recycles the pass's ranking of every node it ran
-    if observes:  # the ranking beside the argmax: one copy to the host
-        ranked = torch.cat((best_next[:, None], logits.topk(draft.width, -1).indices), 1).tolist()
+    if draft.ranks:  # the ranking beside the argmax: one copy to the host
+        ranked = torch.cat((best_next[:, None], logits.topk(draft.ranks, -1).indices), 1).tolist()
         best_next, ranked = [r[0] for r in ranked], [r[1:] for r in ranked]
     else:
         best_next = best_next.tolist()
     targets = [[best_next[i] for i in r] for r in at]  # greedy rows' verify tokens: one pass and one copy
     ends = list(accumulate(map(len, proposed)))
-    if observes:
+    if draft.ranks:
         for row, branches, end in zip(rows, proposed, ends):
             for r, b in zip(at[end - len(branches):end], branches):
                 draft.observe(row, [nodes[i] for i in r[:len(b) + 1]], [ranked[i] for i in r[:len(b) + 1]])

@@ -247,9 +247,14 @@ class TreeDrafter:
     solo decoding keep one row per sequence, its branches reading it (model.TreeLayout's tails)."""
     branches: int
     forks = False  # its draft steps run on a cache row per branch
+    ranks = 0  # the top tokens of the verify pass's ranking at each node it wants (`observe`)
 
     def history(self, tokens: list[int]) -> TokenHistory | None:
         return None
+
+    def observe(self, row: Row, inputs: list[int], ranked: list[list[int]]) -> None:
+        """A verify pass ran `inputs` (a branch row's pending token and drafts) and ranked the next token after
+        each: its top `ranks` tokens, best first."""
 
     def max_nodes(self, k: int) -> int:
         """The most distinct draft tokens a tree of at most k deep holds."""
@@ -367,6 +372,10 @@ class RecycleTree(TreeDrafter):
 
     def max_nodes(self, k: int) -> int:
         return self.branches
+
+    @property
+    def ranks(self) -> int:
+        return self.width
 
     def propose_tree(self, model, cache, row: Row, k: int) -> list[list[int]]:
         found = row.history.lookup(k)
