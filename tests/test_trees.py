@@ -69,6 +69,17 @@ def test_greedy_tree_equals_ar(llm, name, gamma):
         assert max(rows for rows, _ in model.shapes) > 1  # several branches were verified in one pass
 
 
+def test_a_recycled_tree_smaller_than_its_lookup_stays_lossless(llm):
+    """recycle-tree:2 at gamma 5: a matched lookup proposes 5 tokens, more nodes than the tree's budget; its nodes
+    still fit past the committed length (max_nodes), and the tokens are AR's."""
+    drafter, verify = make_drafter("recycle-tree:2"), llm.verify_mode
+    assert drafter.max_nodes(5) == 5
+    for p in REPETITIVE[:2]:
+        out, stats = run(llm.model, p, verify, drafter, 5, 24)
+        assert out[:24] == run(llm.model, p, verify, None, 0, 24)[0][:24]
+        assert stats.draft_accepted > 2
+
+
 class FixedBranches(TreeDrafter):
     """Proposes the given branches (cut to k) every round."""
 

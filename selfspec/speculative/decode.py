@@ -5,8 +5,9 @@ the last emitted token, whose KV is not yet written (it is fed at position `leng
 `run_round` is one batched round over any number of rows; the solo loop `decode` is that round with one row,
 and the serving engine (engine/engine.py) runs it over its whole batch.
 
-With a tree drafter (several candidate continuations per round), rounds are `tree_rounds` instead: forked chains,
-one cache row per branch (the solo cache's rows; the engine's paged cache forks each sequence's blocks).
+With a tree drafter (several candidate continuations per round), rounds are `tree_rounds` instead: chains verified
+in one pass, one row per branch, either forked (the solo cache's rows; the engine's paged cache forks each
+sequence's blocks) or, for a drafter that forks no rows, all reading the sequence's own row (model.TreeLayout).
 """
 from __future__ import annotations
 

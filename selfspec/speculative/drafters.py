@@ -243,8 +243,9 @@ class TreeDrafter:
     """Proposes up to `branches` candidate continuations of each sequence of a batch. A sequence's tree has a row
     per branch, each holding the sequence's committed KV (decode.py `tree_rounds` keeps them equal): the solo
     KVCache's rows or the engine's PagedTree, both with `rows` and `copy_positions`; the draft steps may write past
-    the committed length of any row. A drafter that runs no draft step on its branch rows (`forks` False) lets
-    solo decoding keep one row per sequence, its branches reading it (model.TreeLayout's tails)."""
+    the committed length of any row. A drafter that runs no draft step on its branch rows (`forks` False) may keep
+    one row per sequence instead, its branches reading it (model.TreeLayout's tails: the solo KVCache's
+    `shared_rows`, the engine's SharedTree, both with `move_positions`)."""
     branches: int
     forks = False  # its draft steps run on a cache row per branch
     ranks = 0  # the top tokens of the verify pass's ranking at each node it wants (`observe`)
@@ -371,7 +372,7 @@ class RecycleTree(TreeDrafter):
         return RecycledHistory(tokens, self.lookup.min_n, self.lookup.max_n, self.width)
 
     def max_nodes(self, k: int) -> int:
-        return self.branches
+        return max(self.branches, k)  # a lookup's continuation alone may be k deep
 
     @property
     def ranks(self) -> int:
