@@ -199,6 +199,8 @@ def test_tree_names():
 def test_hybrid_recipe():
     r = resolve_recipe("hybrid")
     assert (r.storage, r.verify, r.draft) == ("planes", "full", "hybrid")
+    r = resolve_recipe("recycle")
+    assert (r.storage, r.verify, r.draft) == ("planes", "full", "recycle-tree")
     assert resolve_recipe("planes", draft="tree:upper:2").storage == "planes"
     assert resolve_recipe("qspec", draft="tree:w4a4").storage == "int4"
     with pytest.raises(SelfspecError, match="no stored weight format"):
