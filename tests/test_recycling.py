@@ -118,3 +118,20 @@ def test_text_successors_rank_by_count_and_seed_the_tree():
     assert seeded and seeded[0][:2] == [1, 2]  # the text's most frequent successors, best first
     Row.history.table.observe([2], [[9]])  # a verify pass's ranking comes first
     assert RecycleTree(4, base=base).propose_tree(None, None, Row, 3)[0][0] == 9
+
+
+def test_recycle_fit_replays_the_drafter_over_recorded_tokens():
+    """bench/recycle_fit: the replay's rounds cover every AR token once (accepted + 1 each, the last round's next
+    token past the recording); a text that repeats
+    is drafted whole by the lookup; fitted priors fall with the rank."""
+    from selfspec.bench.recycle_fit import fit_priors, replay
+
+    period = [11, 12, 13, 14, 15]
+    prompt, tokens = period * 3, period * 6
+    ranked = [[tokens[i + 1], 99, 98] for i in range(len(tokens) - 1)]
+    accepted = replay(RecycleTree(4), prompt, tokens, ranked, 3)
+    assert len(tokens) - 1 <= sum(n + 1 for n in accepted) <= len(tokens)  # the last may commit one unrecorded
+    assert accepted.count(3) >= len(accepted) - 1  # every round but the last, cut by the text's end, drafts 3
+    data = {"repeat": [{"prompt": prompt, "tokens": tokens, "ranked": ranked}]}
+    priors = fit_priors(data, {}, 3, 4)
+    assert len(priors) == 8 and all(a >= b for a, b in zip(priors, priors[1:]))

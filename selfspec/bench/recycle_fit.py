@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import ChainMap
 from itertools import accumulate
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from selfspec.speculative.decode import Row, decode
 from selfspec.speculative.drafters import RecycleTree
 from selfspec.speculative.recycling import DEFAULT_WIDTH, RANK_PRIORS
 from selfspec.speculative.sampling import SamplingParams
+from selfspec.speculative.verify import accept_greedy
 
 
 class RankLog:
@@ -68,15 +68,16 @@ def record(llm, prompts: dict[str, list], max_new_tokens: int, width: int = DEFA
 
 def replay(drafter: RecycleTree, prompt: list[int], tokens: list[int], ranked: list[list[int]], gamma: int,
            ranks: dict | None = None) -> list[int]:
-    """The drafter's rounds over the AR tokens: drafts accepted per round. With `ranks`, counts for each depth and
-    rank how often a proposed node at that rank of its parent's successors was the AR token (rank -> [hits, tries])."""
+    """The drafter's rounds over the AR tokens: drafts accepted per round. With `ranks`, counts for each rank how
+    often a proposed node at that rank of its parent's successors was the AR token (rank -> [hits, tries])."""
     history = drafter.history(prompt + tokens[:1])
     row = Row(tokens[0], len(prompt), SamplingParams(), None, GenerationStats(), history)
     i, accepted = 0, []
     while i + 1 < len(tokens):
         k = min(gamma, len(tokens) - 1 - i)
         branches = drafter.propose_tree(None, None, row, k)
-        n = max((common(b, tokens[i + 1:]) for b in branches), default=0)
+        targets = tokens[i + 1:] + [-1]  # the verify's token at the pending one and each draft (past the end: none)
+        n = max((accept_greedy(b, targets)[0] for b in branches), default=0)
         if ranks is not None:
             count_ranks(drafter, row, branches, tokens[i:], ranks)
         drafter.observe(row, tokens[i:i + n + 1], ranked[i:i + n + 1])
@@ -87,17 +88,10 @@ def replay(drafter: RecycleTree, prompt: list[int], tokens: list[int], ranked: l
     return accepted
 
 
-def common(branch: list[int], truth: list[int]) -> int:
-    n = 0
-    while n < len(branch) and n < len(truth) and branch[n] == truth[n]:
-        n += 1
-    return n
-
-
 def count_ranks(drafter: RecycleTree, row: Row, branches: list[list[int]], truth: list[int], ranks: dict) -> None:
     """For each node of the tree whose parent is on the AR path: its rank among the parent's successors, and whether
     it is the AR token (a node off the path says nothing: its parent was never reached)."""
-    table = ChainMap(row.history.table.next, drafter.base)
+    table = drafter.successors(row)
     seen = set()
     for b in branches:
         for d in range(len(b)):

@@ -383,9 +383,12 @@ class RecycleTree(TreeDrafter):
         lookups = [found] if found else []
         left = self.branches - len(lookups)
         nodes = self.branches - len(found)
-        table = ChainMap(row.history.table.next, self.base)
-        grown = grow(table, row.pending, k, left, nodes, self.priors) if nodes > 0 else []
+        grown = grow(self.successors(row), row.pending, k, left, nodes, self.priors) if nodes > 0 else []
         return lookups + [b for b in grown if not any(f[:len(b)] == b for f in lookups)]
+
+    def successors(self, row: Row) -> Mapping[int, tuple[int, ...]]:
+        """token -> its next tokens, best first: the row's table, else the text's (`base`)."""
+        return ChainMap(row.history.table.next, self.base)
 
     def observe(self, row: Row, inputs: list[int], ranked: list[list[int]]) -> None:
         row.history.table.observe(inputs, ranked)
