@@ -122,8 +122,8 @@ def test_text_successors_rank_by_count_and_seed_the_tree():
 
 def test_recycle_fit_replays_the_drafter_over_recorded_tokens():
     """bench/recycle_fit: the replay's rounds cover every AR token once (accepted + 1 each, the last round's next
-    token past the recording); a text that repeats
-    is drafted whole by the lookup; fitted priors fall with the rank."""
+    token past the recording); a text that repeats is drafted whole by the lookup; fitted priors fall with the
+    rank."""
     from selfspec.bench.recycle_fit import fit_priors, replay
 
     period = [11, 12, 13, 14, 15]
