@@ -11,8 +11,8 @@ import torch
 from conftest import tiny_model
 from selfspec.bench import tables
 from selfspec.bench.spec import decode_speed, predict, predicted_speedup, replayable_traces, unreplayable
-from selfspec.bench.traces import (FIELDS, TASKS, TRACE_DIR, PassLog, Round, Trace, from_json, load, record,
-                                   record_trace, replay, trace_path)
+from selfspec.bench.traces import (FIELDS, TASKS, TRACE_DIR, DraftModelReplay, PassLog, Round, Trace, from_json,
+                                   load, record, record_trace, replay, trace_path)
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES
@@ -174,6 +174,22 @@ def test_replay_pays_recorded_steps_and_verifies_recorded_tokens(tiny):
         assert out["accepted"] == sum(r.accepted for r in rounds) and out["rounds"] == len(rounds)
     with pytest.raises(SelfspecError, match="no draft mode"):
         decode_speed(llm.runner, llm.verify_mode, replay(chain[2:], None), 4, 6, 4)
+
+
+def test_draft_model_replay_runs_its_steps_on_the_draft_model(tiny):
+    """Recipe draft-model's replay: a round's draft steps are [1, 1] passes of the draft model, plus one where the
+    round before accepted every draft (the draft cache's catch-up); the target runs only the verify passes."""
+    from test_draft_model import make_llm
+
+    target, draft = tiny("planes"), make_llm()
+    rounds = [Round("draft", 3, 3, 1, 4, 3), Round("draft", 3, 3, 1, 4, 1), Round("draft", 2, 2, 1, 3, 0)]
+    log, draft_log = PassLog(target.runner), PassLog(draft.drafter.model)
+    drafter = DraftModelReplay(rounds, MODES["w4a16"], draft_log, 64)
+    out = decode_speed(log, target.verify_mode, drafter, 3, 6, sum(r.accepted + 1 for r in rounds), warm_tokens=1)
+    # The untimed run replays round 0; the timed run rounds 1, 2 and 0 (the cursor cycles): round 1 catches up.
+    assert draft_log.calls[-(1 + 3 + 2 + 3):] == [(1, 1, 0)] * 9
+    assert log.calls[-3:] == [(1, 4, 3), (1, 3, 2), (1, 4, 3)]
+    assert drafter.steps == 3 + (1 + 3) + 2 + 3 and out["accepted"] == 4 and out["rounds"] == 3
 
 
 def test_tables_smoke_fills_every_table(tiny, tmp_path):

@@ -584,6 +584,18 @@ def test_sum_chunks_adds_the_chunks_in_order_as_the_consumers_do(live, split):
     assert torch.equal(triton_small.sum_chunks(part, split, None, None), total.bfloat16())
 
 
+def test_sum_chunks_adds_int32_pieces_then_scales_as_the_int8_epilogue_does():
+    """The int8 GEMM's pieces of K (kernels/gluon_linear.int8_gemm): int32 sums added exactly, converted once, times
+    the row scale, then the channel scale, + bias, rounded, + residual: _linear_kernel's epilogue."""
+    torch.manual_seed(1)
+    part = torch.randint(-2**28, 2**28, (3, 5, 40), dtype=torch.int32)
+    xs, scale = torch.rand(5) * 1e-6, torch.rand(40) * 1e-2
+    bias, r = torch.randn(40).bfloat16(), torch.randn(5, 40).bfloat16()
+    y = part.sum(0).float() * xs[:, None] * scale[None, :]
+    want = ((y + bias.float()).bfloat16().float() + r.float()).bfloat16()
+    assert torch.equal(triton_small.sum_chunks(part, 3, bias, r, scales=(xs, scale)), want)
+
+
 def test_swiglu_reads_the_halves_of_a_fused_output():
     torch.manual_seed(8)
     gate_up = torch.randn(2, 3, 2 * 1100).bfloat16() * 3  # > one 1024-wide block per row

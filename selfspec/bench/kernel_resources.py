@@ -135,20 +135,20 @@ def compile_dense_warp_specialized(block_k: int = 64, split_k: int = 2,
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
 
 
-def compile_int8_warp_specialized(block_k: int = 256, split_k: int = 2) -> triton.compiler.CompiledKernel:
+def compile_int8_warp_specialized(partial: bool = False,
+                                  block_k: int = gll.INT8_BLOCK_K) -> triton.compiler.CompiledKernel:
     """The warp-specialized int8 GEMM (kernels/gluon_linear.py, w8a8) compiled for sm_90, as `int8_gemm` launches
-    it."""
+    it (with `partial`, a piece of K's int32 sums)."""
     box = gll.INT8_BOX.value
 
     def desc(rows: int) -> str:
         return f"tensordesc<i8[{rows}, {box}],{gl.NVMMASharedLayout.get_default_for([rows, box], gl.int8)!r}>"
 
     sig = {"x_desc": desc(gll.BLOCK_M), "w_desc": desc(gll.INT8_BLOCK_N), "xs_ptr": "*fp32", "scale_ptr": "*fp32",
-           "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16"}
-    sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
-    consts = dict(HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=split_k > 1, BLOCK_M=gll.BLOCK_M,
-                  BLOCK_N=gll.INT8_BLOCK_N, BLOCK_K=block_k,
-                  STAGES=gll.int8_stages(block_k))
+           "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*i32" if partial else "*bf16"}
+    sig.update(dict.fromkeys(("M", "N", "K", "K_PIECE", "stride_ym", "stride_rm"), "i32"))
+    consts = dict(HAS_BIAS=False, HAS_RES=False, PARTIAL=partial, BLOCK_M=gll.BLOCK_M, BLOCK_N=gll.INT8_BLOCK_N,
+                  BLOCK_K=block_k, STAGES=gll.int8_stages(block_k))
     sig.update(dict.fromkeys(consts, "constexpr"))
     return triton.compile(GluonASTSource(gll._int8_ws_kernel, sig, consts), target=H100,
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                         compile_warp_specialized("full", partial=True)))
         kernels += [(f"bf16 split {split}", "-", compile_dense_warp_specialized(64, split)) for split in (1, 4)]
         kernels.append(("bf16 split 4, 64 columns", "-", compile_dense_warp_specialized(64, 4, block_n=64)))
-        kernels += [(f"w8a8 split {split}", "-", compile_int8_warp_specialized(256, split)) for split in (1, 4)]
+        kernels += [(f"w8a8{' piece of K' if partial else ''}", "-", compile_int8_warp_specialized(partial))
+                    for partial in (False, True)]
         for name, stages, kernel in kernels:
             r = resources(kernel)
             print(f"| {name} | {stages} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} | "

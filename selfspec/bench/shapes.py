@@ -23,6 +23,10 @@ SHAPES: dict[str, ModelConfig] = {
     "qwen2.5-1.5b": ModelConfig(arch="qwen2", dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128,
                                 hidden_dim=8960, vocab_size=151936, norm_eps=1e-6, rope_theta=1e6,
                                 max_seq_len=8192, qkv_bias=True, tie_embeddings=True),
+    # Its draft model's shape (recipe draft-model: Qwen2.5-Coder-0.5B drafting for the 1.5B).
+    "qwen2.5-0.5b": ModelConfig(arch="qwen2", dim=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64,
+                                hidden_dim=4864, vocab_size=151936, norm_eps=1e-6, rope_theta=1e6,
+                                max_seq_len=8192, qkv_bias=True, tie_embeddings=True),
 }
 
 

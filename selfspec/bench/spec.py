@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-from selfspec.bench.traces import TASKS, TRACE_DIR, Round, Trace, TreeReplay, load, replay
+from selfspec.bench.shapes import SHAPES
+from selfspec.bench.traces import (TASKS, TRACE_DIR, DraftModelReplay, Replay, Round, Trace, TreeReplay, load,
+                                   replay)
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES, Mode
@@ -67,10 +69,14 @@ def draft_mode(recipe: str, draft: str | None, draft_vocab: int = 0) -> Mode | N
     return replace(MODES[modes[0]], draft_vocab=bool(draft_vocab)) if modes else None
 
 
-def unreplayable(t: Trace) -> str | None:
-    """Why a trace cannot be replayed on a synthetic shape, or None if it can."""
+def unreplayable(t: Trace, draft_shape: str | None = None) -> str | None:
+    """Why a trace cannot be replayed on a synthetic shape (recipe draft-model's: without the draft model's shape),
+    or None if it can."""
     if t.draft_model or t.recipe == "draft-model":
-        return f"its draft steps are another model's ({t.draft_model}): a draft model's cost is not one model's"
+        if draft_shape is None:
+            return (f"its draft steps are another model's ({t.draft_model}): give --draft-shape, the shape of "
+                    f"{t.draft_model}")
+        return None
     if t.recipe not in PRESETS:
         return f"recipe '{t.recipe}' is not a preset"
     if draft_mode(t.recipe, t.draft) is None and any(r.draft_steps for r in t.rounds()):
@@ -81,6 +87,17 @@ def unreplayable(t: Trace) -> str | None:
 def replayable_traces(trace_dir: Path = TRACE_DIR) -> list[Path]:
     """Every trace file in trace_dir that bench spec can replay (the default of `bench spec` and `bench all`)."""
     return [p for p in sorted(trace_dir.glob("*.json")) if unreplayable(load(p)) is None]
+
+
+def draft_model(t: Trace, draft_shape: str, max_len: int):
+    """A draft-model trace's drafter: a synthetic model of draft_shape stored for the trace's draft mode, under
+    CUDA graphs (a GraphedModel)."""
+    from selfspec.bench.synthetic import synthetic_model
+    from selfspec.engine.graphs import GraphedModel
+    from selfspec.speculative.recipes import resolve_recipe
+
+    storage = resolve_recipe("ar", None, t.draft).storage
+    return GraphedModel(synthetic_model(draft_shape, storage, seed=1), max_len=max_len)
 
 
 def sync(device: torch.device) -> None:
@@ -111,19 +128,21 @@ def decode_speed(model, verify: Mode, draft, k: int, context: int, new_tokens: i
 
 
 def replayed_speed(model, verify: Mode, draft: Mode | None, rounds: list[Round], k: int, context: int,
-                   new_tokens: int) -> dict:
+                   new_tokens: int, drafter: Replay | None = None) -> dict:
     """decode_speed of rounds replayed at gamma k, draft steps in mode `draft` (the replay's draft steps and
-    verified tokens added)."""
-    drafter = replay(rounds, draft)
+    verified tokens added); `drafter` replays them instead where given (a draft model's)."""
+    drafter = drafter or replay(rounds, draft)
     # Tree rounds vary in shape (rows, tokens, nodes): the untimed run goes through them all, capturing their graphs.
     warm = new_tokens if isinstance(drafter, TreeReplay) else 32
     out = decode_speed(model, verify, drafter, k, context, new_tokens, warm)
     return {**out, "draft_steps": drafter.steps, "verified_tokens": drafter.verified}
 
 
-def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> list[dict]:
+def measure(shape: str, traces: list[Path], gammas: list[int], context: int,
+            draft_shape: str | None = None) -> list[dict]:
     """Every trace's tasks replayed at each gamma on a synthetic shape (GPU, CUDA graphs), against AR of the verify
-    mode and the speed predicted from the step costs."""
+    mode and the speed predicted from the step costs. Recipe draft-model's draft steps run on a second synthetic
+    model of `draft_shape`, under CUDA graphs too."""
     from selfspec.bench.steps import ar_ms_per_step, pass_ms
     from selfspec.bench.synthetic import synthetic_model
     from selfspec.engine.graphs import GraphedModel
@@ -132,7 +151,7 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> 
     by_recipe: dict[str, list] = {}
     for path in traces:
         t = load(path)
-        if (why := unreplayable(t)) is not None:
+        if (why := unreplayable(t, draft_shape)) is not None:
             print(f"skipping {path.name}: {why}", flush=True)
             continue
         by_recipe.setdefault(t.recipe, []).append(t)
@@ -149,15 +168,23 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> 
         for t in recipe_traces:
             mode = draft_mode(recipe, t.draft, t.draft_vocab)
             draft_ms = pass_ms(gm, mode, 1, 1, context) if mode else 0.0
+            drafting = draft_model(t, draft_shape, gm.max_len) if recipe == "draft-model" else None
+            if drafting is not None:
+                draft_ms = pass_ms(drafting, t.draft, 1, 1, context)
             for task, rounds in t.tasks.items():
                 for k in [g for g in gammas if g <= t.gamma]:  # a round cannot draft past its recording
                     cut = [x.cut(k) for x in rounds]
                     steps = sum(x.draft_steps for x in cut) / len(cut)
+                    if drafting is not None:  # the draft model's catch-up steps
+                        steps += sum(x.accepted == x.draft_steps > 0 for x in cut) / len(cut)
                     branches = round(sum(x.branches for x in cut) / len(cut))  # the mean verify pass's shape
                     tokens = round(sum(x.width + 1 for x in cut) / len(cut))
                     verify_ms = pass_ms(gm, r.verify, branches, tokens, context)
                     predicted = 1000 * expected_tokens(rounds, k) / (steps * draft_ms + verify_ms)
-                    measured = replayed_speed(gm, MODES[r.verify], mode, rounds, k, context, 256)["tokens_per_s"]
+                    drafter = (DraftModelReplay(rounds, MODES[t.draft], drafting, gm.max_len) if drafting is not None
+                               else None)
+                    measured = replayed_speed(gm, MODES[r.verify], mode, rounds, k, context, 256,
+                                              drafter)["tokens_per_s"]
                     row = {"shape": shape, "synthetic": True, "recipe": recipe, "draft": t.draft,
                            "draft_vocab": t.draft_vocab, "verify": r.verify,
                            "trace": t.label(task), "gamma": k,
@@ -165,6 +192,9 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int) -> 
                            "mean_acceptance_length": expected_tokens(rounds, k),
                            "ar_tokens_per_s": 1000 / ar_ms, "draft_ms": draft_ms, "verify_ms": verify_ms,
                            "predicted_tokens_per_s": predicted, "tokens_per_s": measured}
+                    if drafting is not None:
+                        row |= {"draft_model": t.draft_model, "draft_shape": draft_shape,
+                                "draft_weight_bytes": drafting.model.weight_bytes()}
                     rows.append(row)
                     print(f"{recipe} {t.label(task)} k={k}: acc {row['acceptance_rate']:.2f}, "
                           f"{measured:.1f} tok/s (predicted {predicted:.1f}; AR {1000 / ar_ms:.1f})", flush=True)
@@ -200,6 +230,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     help="default: every replayable trace in selfspec/bench/traces")
     ap.add_argument("--gamma", type=int, nargs="+", default=[2, 4, 6])
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--draft-shape", default=None, choices=list(SHAPES),
+                    help="recipe draft-model's traces: the draft model's shape (e.g. qwen2.5-0.5b beside --shape "
+                         "qwen2.5-1.5b); without it they are skipped")
     ap.add_argument("--json", default=None)
     ap.add_argument("--predict", type=float, nargs=3, metavar=("AR_MS", "DRAFT_MS", "TOKEN_MS"), default=None,
                     help="no replay: the speedup the traces predict from step costs (an AR step, a draft step, each "
@@ -213,7 +246,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if not torch.cuda.is_available():
         raise SelfspecError("`selfspec bench spec` needs a CUDA GPU to replay on a synthetic shape; "
                             "`selfspec bench spec --tables --device cpu` replays on a real model on the CPU")
-    rows = measure(args.shape, args.trace, args.gamma, args.context)
+    rows = measure(args.shape, args.trace, args.gamma, args.context, args.draft_shape)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

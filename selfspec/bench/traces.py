@@ -342,6 +342,27 @@ class TreeReplay(Replay, TreeDrafter):
         return out
 
 
+class DraftModelReplay(ChainReplay):
+    """Replay of recipe draft-model's rounds: their draft steps run on another model (`draft`, a GraphedModel of
+    the draft model's shape, with its own cache). As speculative/draft_model.py does, a round after one that
+    accepted all its drafts first feeds the last draft (its KV was never written): one more step of the draft
+    model, counted in `steps`."""
+
+    def __init__(self, rounds: list[Round], mode: Mode, draft, max_len: int) -> None:
+        super().__init__(rounds, mode)
+        self.draft = draft
+        self.cache = draft.new_cache(max_len)
+        self.behind = 0  # tokens the draft cache missed last round
+
+    def drafts(self, model, cache, row, r: Round) -> list[int]:
+        dev, behind = self.draft.device, self.behind
+        toks, _ = draft_tokens(self.draft, self.cache, [row], torch.tensor([row.pending], device=dev),
+                               torch.tensor([[row.length - behind]], device=dev), behind + r.draft_steps, self.mode)
+        self.steps += behind + r.draft_steps
+        self.behind = int(r.accepted == r.draft_steps > 0)
+        return (toks[0, behind:].tolist() + [row.pending] * r.width)[:r.width]
+
+
 def replay(rounds: list[Round], mode: Mode | None) -> ChainReplay | TreeReplay:
     """The replaying drafter of a trace's rounds: tree rounds need a cache row per branch (tree_round)."""
     return TreeReplay(rounds, mode) if any(r.branches > 1 for r in rounds) else ChainReplay(rounds, mode)

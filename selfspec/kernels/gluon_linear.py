@@ -399,21 +399,22 @@ def _sm_count(device: torch.device) -> int:
 
 
 @gluon.jit
-def _dense_loader(x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, K, BLOCK_K: gl.constexpr):
-    """One warp: each K tile of x and W into the ring, as its slots come free, in as many boxes as the slot holds
-    pieces of the tile (TMA boxes of a 128-byte swizzle are at most 128 bytes wide)."""
+def _dense_loader(x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, k_begin, k_end, BLOCK_K: gl.constexpr):
+    """One warp: each K tile of x and W from k_begin to k_end into the ring, as its slots come free, in as many boxes
+    as the slot holds pieces of the tile (TMA boxes of a 128-byte swizzle are at most 128 bytes wide)."""
     stages: gl.constexpr = ready.type.shape[0]
     parts: gl.constexpr = x_bufs.type.shape[0] // stages
     width: gl.constexpr = BLOCK_K // parts
     nbytes: gl.constexpr = parts * (x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-    for i in range(gl.cdiv(K, BLOCK_K)):
+    for i in range(gl.cdiv(k_end - k_begin, BLOCK_K)):
         slot = i % stages
         mbarrier.wait(free.index(slot), ((i // stages) & 1) ^ 1)  # a new barrier reads as freed once
         bar = ready.index(slot)
         mbarrier.expect(bar, nbytes)
+        k0 = k_begin + i * BLOCK_K
         for p in gl.static_range(parts):
-            tma.async_copy_global_to_shared(x_desc, [m0, i * BLOCK_K + p * width], bar, x_bufs.index(slot * parts + p))
-            tma.async_copy_global_to_shared(w_desc, [n0, i * BLOCK_K + p * width], bar, w_bufs.index(slot * parts + p))
+            tma.async_copy_global_to_shared(x_desc, [m0, k0 + p * width], bar, x_bufs.index(slot * parts + p))
+            tma.async_copy_global_to_shared(w_desc, [n0, k0 + p * width], bar, w_bufs.index(slot * parts + p))
 
 
 @gluon.jit
@@ -480,7 +481,7 @@ def _dense_ws_kernel(x_desc, w_desc, bias_ptr, res_ptr, y_ptr, M, N, K, K_CHUNK,
         (_dense_consumer, (x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, K,
                            K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_N,
                            BLOCK_K)),
-        (_dense_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, K, BLOCK_K)),
+        (_dense_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, 0, K, BLOCK_K)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
@@ -526,66 +527,69 @@ def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, chunk: int, spli
 
 
 @gluon.jit
-def _int8_consumer(x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, K,
-                   K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
-                   IN_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+def _int8_consumer(x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N,
+                   k_begin, k_end, stride_ym, stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
+                   PARTIAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
     """One warpgroup: rows m0 + row0 .. + WARPGROUP_ROWS of y, BLOCK_N columns from n0, in _linear_kernel's int8
-    arithmetic: each K tile's exact int32 dot on the int8 tensor cores, added in fp32 in order, chunk by chunk; then
-    the row scale, the channel scale, bias and residual."""
+    arithmetic: the int32 sum of the int8 tensor cores' products over K, exact (each K tile's wgmma in flight
+    while the next one's is issued), converted once; then the row scale, the channel scale, bias and residual. With
+    PARTIAL, the int32 sum over k_begin .. k_end, stored as is (sum_chunks adds the pieces)."""
     stages: gl.constexpr = ready.type.shape[0]
     parts: gl.constexpr = x_bufs.type.shape[0] // stages
     rows: gl.constexpr = WARPGROUP_ROWS
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_N, 32])
-    total = gl.zeros((rows, BLOCK_N), gl.float32, layout)
-    i = 0
-    for c in range(0, CHUNKS):
-        acc = gl.zeros((rows, BLOCK_N), gl.float32, layout)
-        for k0 in range(c * K_CHUNK, gl.minimum(K, (c + 1) * K_CHUNK), BLOCK_K):
-            slot = i % stages
-            mbarrier.wait(ready.index(slot), (i // stages) & 1)
-            d = gl.zeros((rows, BLOCK_N), gl.int32, layout)
-            for p in gl.static_range(parts):
-                d = warpgroup_mma(x_bufs.index(slot * parts + p).slice(row0, rows),
-                                  w_bufs.index(slot * parts + p).permute((1, 0)), d, use_acc=p > 0, is_async=True)
-            d = warpgroup_mma_wait(0, deps=(d, ))
-            mbarrier.arrive(free.index(slot))
-            acc += d.to(gl.float32)
-            i += 1
-        if IN_PROGRAM:
-            total += acc
-        else:
-            total = acc
+    acc = gl.zeros((rows, BLOCK_N), gl.int32, layout)
+    tiles = gl.cdiv(k_end - k_begin, BLOCK_K)
+    for i in range(tiles):
+        slot = i % stages
+        mbarrier.wait(ready.index(slot), (i // stages) & 1)
+        for p in gl.static_range(parts):
+            acc = warpgroup_mma(x_bufs.index(slot * parts + p).slice(row0, rows),
+                                w_bufs.index(slot * parts + p).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))  # the tile before is done: its slot goes back
+        mbarrier.arrive(free.index((i + stages - 1) % stages), pred=i > 0)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(free.index((tiles + stages - 1) % stages), pred=tiles > 0)
     offs_m = m0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    total = total * gl.load(xs_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
-    total = total * gl.load(scale_ptr + offs_n, mask=offs_n < N, other=0)[None, :]
-    _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm, HAS_BIAS, HAS_RES)
+    if PARTIAL:
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        gl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask=mask)
+    else:
+        total = acc.to(gl.float32)
+        total = total * gl.load(xs_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
+        total = total * gl.load(scale_ptr + offs_n, mask=offs_n < N, other=0)[None, :]
+        _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm, HAS_BIAS, HAS_RES)
 
 
 @gluon.jit(do_not_specialize=["M"])  # one binary for every M
-def _int8_ws_kernel(x_desc, w_desc, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, M, N, K, K_CHUNK, CHUNKS, stride_ym,
-                    stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
+def _int8_ws_kernel(x_desc, w_desc, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, M, N, K, K_PIECE, stride_ym,
+                    stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, PARTIAL: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     m0 = gl.program_id(0) * BLOCK_M
     n0 = gl.program_id(1) * BLOCK_N
+    k_begin = gl.program_id(2) * K_PIECE  # with PARTIAL, piece program_id(2) of K; else all of it
+    k_end = gl.minimum(K, k_begin + K_PIECE)
+    if PARTIAL:
+        y_ptr += gl.program_id(2) * M * stride_ym
     parts: gl.constexpr = BLOCK_K // INT8_BOX
     x_bufs = gl.allocate_shared_memory(gl.int8, [STAGES * parts, BLOCK_M, INT8_BOX], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.int8, [STAGES * parts, BLOCK_N, INT8_BOX], w_desc.layout)
     ready, free = _ring_barriers(STAGES)
     gl.warp_specialize([
         (_int8_consumer, (x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, 0, m0, n0, M, N,
-                          K, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_N,
-                          BLOCK_K)),
+                          k_begin, k_end, stride_ym, stride_rm, HAS_BIAS, HAS_RES, PARTIAL, BLOCK_N, BLOCK_K)),
         (_int8_consumer, (x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS,
-                          m0, n0, M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM,
-                          BLOCK_N, BLOCK_K)),
-        (_dense_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, K, BLOCK_K)),
+                          m0, n0, M, N, k_begin, k_end, stride_ym, stride_rm, HAS_BIAS, HAS_RES, PARTIAL, BLOCK_N,
+                          BLOCK_K)),
+        (_dense_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, k_begin, k_end, BLOCK_K)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
 INT8_BOX = gl.constexpr(128)  # columns of int8 per TMA box: 128 bytes, the widest a 128-byte swizzle takes
 INT8_BLOCK_N = 128
+INT8_BLOCK_K = 256
 
 
 def int8_stages(block_k: int) -> int:
@@ -593,23 +597,40 @@ def int8_stages(block_k: int) -> int:
     return ring_stages((BLOCK_M + INT8_BLOCK_N) * block_k)
 
 
-def int8_gemm(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_k: int, chunk: int,
-              split_k: int, bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
+def int8_gemm(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+              r2: torch.Tensor | None, pieces: int | None = None, block_k: int = INT8_BLOCK_K) -> torch.Tensor:
     """y [M, N] = (xq [M, K] @ q^T) * xs * scale (+ bias, + r2): int8 activation codes with their row scales, int8
-    weight codes with their channel scales, in the K tile and the K split of the tile config (block_k; split_k
-    chunks of `chunk` columns): _linear_kernel's bits."""
+    weight codes with their channel scales: _linear_kernel's bits, which its exact int32 sums give whatever the
+    tiles and however K is split. K goes in `pieces` CTAs of whole K tiles (default `int8_pieces`), their int32
+    sums added by sum_chunks."""
     m, k = xq.shape
     n = q.shape[0]
     box = INT8_BOX.value
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
     x_desc = TensorDescriptor.from_tensor(xq, [BLOCK_M, box], gl.NVMMASharedLayout.get_default_for([BLOCK_M, box],
                                                                                                   gl.int8))
     w_desc = TensorDescriptor.from_tensor(q, [INT8_BLOCK_N, box],
                                           gl.NVMMASharedLayout.get_default_for([INT8_BLOCK_N, box], gl.int8))
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, INT8_BLOCK_N))
-    _int8_ws_kernel[grid](
-        x_desc, w_desc, xs, scale, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0),
-        HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M,
-        BLOCK_N=INT8_BLOCK_N, BLOCK_K=block_k, STAGES=int8_stages(block_k), num_warps=4,
-        maxnreg=MAX_REGISTERS)
+    pieces = int8_pieces(grid, k, block_k, xq.device) if pieces is None else pieces
+    piece = triton.cdiv(triton.cdiv(k, pieces), block_k) * block_k
+    live = triton.cdiv(k, piece)
+    flags = dict(HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=BLOCK_M, BLOCK_N=INT8_BLOCK_N,
+                 BLOCK_K=block_k, STAGES=int8_stages(block_k), num_warps=4, maxnreg=MAX_REGISTERS)
+    if live > 1:
+        part = torch.empty((live, m, n), dtype=torch.int32, device=xq.device)
+        _int8_ws_kernel[(*grid, live)](x_desc, w_desc, None, None, None, None, part, m, n, k, piece, n, 0,
+                                       PARTIAL=True, **{**flags, "HAS_BIAS": False, "HAS_RES": False})
+        return sum_chunks(part, live, bias, r2, scales=(xs, scale))
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
+    _int8_ws_kernel[grid](x_desc, w_desc, xs, scale, bias, r2, y, m, n, k, k, y.stride(0),
+                          0 if r2 is None else r2.stride(0), PARTIAL=False, **flags)
     return y
+
+
+def int8_pieces(grid: tuple[int, int], k: int, block_k: int, device: torch.device) -> int:
+    """Pieces of K for the int8 GEMM's CTAs: where its tiles would fill no more than half the SMs, as many (a power
+    of two, each at least 4 K tiles) as keep them within one wave; else 1."""
+    pieces, sms = 1, _sm_count(device)
+    while 2 * pieces * grid[0] * grid[1] <= sms and k >= 2 * pieces * 4 * block_k:
+        pieces *= 2
+    return pieces

@@ -4,8 +4,10 @@ _linear_kernel, specialised at compile time by how it reads W (FMT) and whether 
 - weight-only modes (bf16, w8a16) dequantize the weight tile in registers and run a bf16 tl.dot with fp32
   accumulation;
 - activation-quantized modes on INT8 and both planes quantize x per token (`act_quant`: int8 codes and a row
-  scale, or the same codes from the norm or swiglu that wrote x: kernels/ops.py `Handover`), run an int8 tl.dot
-  with int32 accumulation per K tile, and apply the weight's affine per tile:
+  scale, or the same codes from the norm or swiglu that wrote x: kernels/ops.py `Handover`) and run int8 tl.dots
+  with int32 accumulation. INT8 codes (per-channel scales) sum them in int32 over all of K, exactly, and convert
+  once (y = sx * s * dot(xq, q)): any tiles, K split or instruction give every bit. Grouped codes (both planes)
+  apply the group's affine per K tile:
       y = sx * sum_tiles(s * dot(xq, q - shift) + (lo + shift * s) * sum(xq))
   where unsigned weight codes are shifted into the signed int8 range and the shift is folded into the offset.
 _nibble_kernel covers the nibble formats (w4a16, upper, full; w4a8 and w4a4 with the same act_quant): it feeds the
@@ -56,6 +58,7 @@ INT4 = tl.constexpr(2)  # nibbles
 UPPER = tl.constexpr(3)  # the upper nibble plane of the INT8-plane format, alone
 FULL = tl.constexpr(4)  # both planes: q8 = 16 * upper + lower
 
+INT8_ACT_MAX_K = 1 << 16  # int8 dots summed in int32 over all of K: |sum| <= 128 * 128 * K stays below 2^31
 BLOCK_M = 16  # decode's M tile (M <= 16); the smallest tl.dot tile
 MAX_TILES_PER_PROGRAM = 16  # _nibble_kernel keeps a row sum and an offset per K tile of its range in registers
 SMS = 132  # streaming multiprocessors of an H100 SXM (and an H200): programs per wave at one per SM
@@ -145,7 +148,9 @@ def _signed(q, SHIFT: tl.constexpr):
 def _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm,
               FMT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
     """Row (activation) scale, per-channel INT8 scale, bias; store bf16 (plus the residual, added to the bf16
-    product in fp32 and rounded again: what `y + r` on bf16 tensors does)."""
+    product in fp32 and rounded again: what `y + r` on bf16 tensors does). INT8 codes with int8 activations come
+    as their exact int32 sums, converted here once."""
+    acc = acc.to(tl.float32)
     if ACT:
         acc = acc * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
     if FMT == INT8:
@@ -158,6 +163,17 @@ def _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, 
         r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=y_mask, other=0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(tl.bfloat16)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=y_mask)
+
+
+@triton.jit
+def _zeros(ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr, ACT: tl.constexpr):
+    """A tile's zero accumulator: int32 for INT8 codes with int8 activations, whose dots are summed exactly over all
+    of K (INT8_ACT_MAX_K) and converted once, so that no K tile, split or instruction changes a bit; else fp32."""
+    if ACT and FMT == INT8:
+        z = tl.zeros((ROWS, COLS), dtype=tl.int32)
+    else:
+        z = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    return z
 
 
 @triton.jit
@@ -174,7 +190,7 @@ def _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_pt
         tile_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(tile_ptrs + tl.program_id(2) * M * N, acc, mask=mask)
         if last_to_arrive(count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT_K):
-            total = tl.zeros(acc.shape, dtype=tl.float32)
+            total = tl.zeros(acc.shape, dtype=acc.dtype)
             for s in tl.static_range(SPLIT_K):  # fixed order: the same sum whatever M is and whoever adds it
                 total += tl.load(tile_ptrs + s * M * N, mask=mask, other=0, cache_modifier=".cg")
             _epilogue(total, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
@@ -188,9 +204,9 @@ def _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0,
                   SWAP: tl.constexpr):
     """One K chunk [k_start, k_end) of a [BLOCK_M, BLOCK_N] tile, walked in order from a zero accumulator."""
     if SWAP:  # y^T = W x^T: the weight tile is the dot's left operand, fed to the tensor cores from registers
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc = _zeros(BLOCK_N, BLOCK_M, FMT, ACT)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _zeros(BLOCK_M, BLOCK_N, FMT, ACT)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
@@ -210,19 +226,21 @@ def _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, n0, k0, N, str
     q = _load_weight(w_desc, w2_desc, n0, k0, FMT, BLOCK_K)
     if FMT >= INT4:  # BLOCK_K divides GROUP, so the tile lies in one group
         s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
-    if ACT:
+    if ACT and FMT == INT8:  # exact int32 sums over all of K (`_zeros`)
+        if SWAP:
+            acc = tl.dot(q, tl.trans(x), acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(x, tl.trans(q), acc, out_dtype=tl.int32)
+    elif ACT:  # group-wise codes: exact int32 dots per K tile, then the group's affine in fp32
         if SWAP:
             d = tl.dot(_signed(q, SHIFT), tl.trans(x), out_dtype=tl.int32).to(tl.float32)
         else:
             d = tl.dot(x, tl.trans(_signed(q, SHIFT)), out_dtype=tl.int32).to(tl.float32)
-        if FMT >= INT4:
-            x_sum = tl.sum(x.to(tl.int32), axis=1).to(tl.float32)
-            if SWAP:
-                acc += d * s[:, None] + (lo + SHIFT * s)[:, None] * x_sum[None, :]
-            else:
-                acc += d * s[None, :] + x_sum[:, None] * (lo + SHIFT * s)[None, :]
+        x_sum = tl.sum(x.to(tl.int32), axis=1).to(tl.float32)
+        if SWAP:
+            acc += d * s[:, None] + (lo + SHIFT * s)[:, None] * x_sum[None, :]
         else:
-            acc += d
+            acc += d * s[None, :] + x_sum[:, None] * (lo + SHIFT * s)[None, :]
     else:
         if FMT == INT8:
             w = q.to(tl.float32).to(tl.bfloat16)  # via fp32: exact for int8 codes
@@ -251,16 +269,16 @@ def _linear_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     wait(PDL)
     if IN_PROGRAM:  # all CHUNKS K chunks here, each from zero, added in order: the split-K sum, bit for bit
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _zeros(BLOCK_M, BLOCK_N, FMT, ACT)
         for c in range(0, CHUNKS):
             acc += _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, pid_n * BLOCK_N,
                                  c * K_CHUNK, tl.minimum(K, (c + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn,
                                  stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
     else:  # the loop of _linear_chunk written out here: through the helper, decode ran up to 10% slower (H100)
         if SWAP:  # y^T = W x^T: the weight tile is the dot's left operand, fed to the tensor cores from registers
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc = _zeros(BLOCK_N, BLOCK_M, FMT, ACT)
         else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = _zeros(BLOCK_M, BLOCK_N, FMT, ACT)
         k_end = tl.minimum(K, (pid_k + 1) * K_CHUNK)
         for k0 in range(pid_k * K_CHUNK, k_end, BLOCK_K):  # this program's K range, in order
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -518,7 +536,7 @@ def kernel_format(weight: QuantWeight, mode: Mode) -> int | None:
     if weight.storage == "dense":
         fmt = DENSE.value if mode.name == "bf16" else None  # fp32: the reference's fp32 GEMM
     elif weight.storage == "int8":
-        fmt = INT8.value
+        fmt = INT8.value if mode.act_bits is None or weight.shape[1] <= INT8_ACT_MAX_K else None
     elif weight.group_size < 32 or weight.group_size & (weight.group_size - 1):
         fmt = None  # a tile must fit in a group and int8 dots need K >= 32
     elif weight.storage == "int4":
@@ -608,7 +626,7 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 # program[, block_k]), or None for the decode tiles. Measured on an H100 (`python -m selfspec.bench.tune_linear --many`,
 # Llama-3-8B layers, M = 64 to 4096), each candidate against the decode tiles' bits over all rows:
 # - int8 activations (int8-act, nibble-act): any M and N tile, warps, stages, mma or wgmma keep the bits (exact
-#   int32 dots per K tile, then the same fp32 affine per element);
+#   int32 dots per K tile, then the same fp32 affine per element; INT8 codes: exact int32 sums over all of K);
 # - bf16 activations (bf16, int8 and nibble weights): warps, stages, N tiles and M tiles up to 32 keep the bits,
 #   but M tiles of 64 or more (where Triton issues Hopper's wgmma instead of mma.sync) changed 4e-5 to 1.5e-3 of
 #   the outputs of integer-coded weights (int8 codes, nibbles, planes) built from bytes, whose mma.sync operands
@@ -859,13 +877,14 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
         if fmt == DENSE.value and w.dtype == torch.bfloat16:
             return gluon_linear.dense_gemm(x2, w, cfg.block_k, chunk, cfg.split_k, bias, r2)
         if fmt == INT8.value and act:
-            return gluon_linear.int8_gemm(x2, xs, w, scale, cfg.block_k, chunk, cfg.split_k, bias, r2)
+            return gluon_linear.int8_gemm(x2, xs, w, scale, bias, r2)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     grid_split = 1 if cfg.in_program else cfg.split_k
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), grid_split)
     part = counts = None
     if grid_split > 1:
-        part = torch.empty((grid_split, m, n), dtype=torch.float32, device=x2.device)
+        exact = fmt == INT8.value and act  # int32 partial sums (`_zeros`)
+        part = torch.empty((grid_split, m, n), dtype=torch.int32 if exact else torch.float32, device=x2.device)
         counts = group_counts(x2.device, grid[0] * grid[1])
     flags = dict(FMT=fmt, ACT=act, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None,
                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=grid_split,

@@ -295,20 +295,26 @@ def swiglu_handover(gate: torch.Tensor, up: torch.Tensor,
 
 
 @triton.jit
-def _sum_chunks_kernel(part_ptr, bias_ptr, res_ptr, y_ptr, M, N, stride_rm, SPLIT: tl.constexpr, LIVE: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _sum_chunks_kernel(part_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, M, N, stride_rm, SPLIT: tl.constexpr,
+                       LIVE: tl.constexpr, SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y = (0 + part[0] + part[1] + ...) (+ bias) rounded to bf16 (+ res): the warp-specialized nibble GEMM's chunk
     sum and store (kernels/gluon_linear.py), the split's chunks past K (past LIVE) adding their zeros as its
-    consumers' do."""
+    consumers' do. With SCALES, the int8 GEMM's: int32 pieces added exactly, converted, times the row scale and
+    the channel scale, as its epilogue does."""
     wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
-    total = tl.zeros([BLOCK], dtype=tl.float32)
+    total = tl.zeros([BLOCK], dtype=tl.int32 if SCALES else tl.float32)
     for s in tl.static_range(SPLIT):  # in chunk order, as the consumers add them
         if s < LIVE:
             total += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0)
         else:
-            total += 0.0
+            total += 0
+    total = total.to(tl.float32)
+    if SCALES:
+        total = total * tl.load(xs_ptr + offs // N, mask=mask, other=0)
+        total = total * tl.load(scale_ptr + offs % N, mask=mask, other=0)
     if HAS_BIAS:
         total += tl.load(bias_ptr + offs % N, mask=mask, other=0).to(tl.float32)
     y = total.to(tl.bfloat16)
@@ -318,14 +324,18 @@ def _sum_chunks_kernel(part_ptr, bias_ptr, res_ptr, y_ptr, M, N, stride_rm, SPLI
     tl.store(y_ptr + offs, y, mask=mask)
 
 
-def sum_chunks(part: torch.Tensor, split: int, bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
+def sum_chunks(part: torch.Tensor, split: int, bias: torch.Tensor | None, r2: torch.Tensor | None,
+               scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The fp32 sums part [live, M, N] of the first `live` of a split's chunks (the rest hold no columns), added in
-    order, + bias, rounded, + r2 -> y [M, N] bf16."""
+    order, + bias, rounded, + r2 -> y [M, N] bf16. With scales (row scales [M], channel scales [N]): int32 sums,
+    scaled after they are added (the int8 GEMM)."""
     live, m, n = part.shape
     y = torch.empty((m, n), dtype=torch.bfloat16, device=part.device)
+    xs, scale = scales if scales is not None else (None, None)
     block = 1024
-    _sum_chunks_kernel[(triton.cdiv(m * n, block),)](part, bias, r2, y, m, n, 0 if r2 is None else r2.stride(0),
-                                                     SPLIT=split, LIVE=live, HAS_BIAS=bias is not None,
+    _sum_chunks_kernel[(triton.cdiv(m * n, block),)](part, xs, scale, bias, r2, y, m, n,
+                                                     0 if r2 is None else r2.stride(0), SPLIT=split, LIVE=live,
+                                                     SCALES=scales is not None, HAS_BIAS=bias is not None,
                                                      HAS_RES=r2 is not None, BLOCK=block, num_warps=4,
                                                      **launch_options())
     return y

@@ -491,3 +491,26 @@ def test_nibble_chunks_apart_keep_each_rows_bits(storage, mode_name, m, n, k, gr
         rows = slice(i, i + 1)
         assert torch.equal(triton_linear.linear(x[rows], weight, mode, bias, r[rows], given_rows(given, rows)),
                            y[rows]), f"row {i}"
+
+
+@pytest.mark.parametrize("m", [130, 256, 1024])
+@pytest.mark.parametrize("n,k", [(4096, 14336), (6144, 4096)])  # 8B down (K split 4 at decode), qkv (split 2)
+def test_int8_sums_are_exact_so_any_split_of_k_keeps_each_rows_bits(m, n, k):
+    """w8a8 sums its int8 products in int32 over all of K: the decode tiles' split, the warp-specialized kernel's K
+    whole or in pieces of CTAs of their own (int8_pieces: where its tiles fill half the SMs or fewer) give each row
+    the same bits, bias and residual included."""
+    from selfspec.kernels import gluon_linear
+
+    torch.manual_seed(7)
+    mode = MODES["w8a8"]
+    weight = quantize_weight(torch.randn(n, k, device=DEV) * 0.02, "int8", 128)
+    x = torch.randn(m, k, device=DEV).bfloat16()
+    bias, r = torch.randn(n, device=DEV).bfloat16(), torch.randn(m, n, device=DEV).bfloat16()
+    y = triton_linear.linear(x, weight, mode, bias, r)
+    assert torch.equal(triton_linear.linear(x[:16], weight, mode, bias, r[:16]), y[:16])
+    for i in (0, 17, m - 1):
+        assert torch.equal(triton_linear.linear(x[i:i + 1], weight, mode, bias, r[i:i + 1]), y[i:i + 1]), f"row {i}"
+    xq, xs, _ = triton_linear._act_quant(x, 8, sums=False)
+    for pieces, block_k in [(1, 256), (2, 256), (7, 256), (1, 128), (4, 128)]:
+        got = gluon_linear.int8_gemm(xq, xs, weight.q, weight.scale, bias, r, pieces, block_k)
+        assert torch.equal(got, y), f"{pieces} pieces, K tiles of {block_k}"

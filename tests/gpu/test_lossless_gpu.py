@@ -20,11 +20,13 @@ NEW_TOKENS = 24
 
 
 # (recipe, --draft, --draft-vocab): trees (hybrid-tree, ngram-tree, recycle-tree) verify their branches in one pass
-# over forked cache rows, each node once (solo decoding); a draft vocabulary runs the draft's head over 4096 tokens.
+# over forked cache rows, each node once (solo decoding); a draft vocabulary runs the draft's head over 4096 tokens;
+# quasar verifies lookups in w8a8 (exact int32 sums over K).
 @pytest.fixture(scope="module", params=[("planes", None, None), ("qspec", None, None), ("ngram", None, None),
                                         ("hybrid", None, None), ("hybrid", "hybrid-tree", None),
                                         ("ngram", "ngram-tree:4", None), ("ngram", "recycle-tree", None),
-                                        ("planes", None, 4096), ("hybrid", None, 4096)], ids=str)
+                                        ("planes", None, 4096), ("hybrid", None, 4096), ("quasar", None, None)],
+                ids=str)
 def llm(request):
     recipe, draft, vocab = request.param
     return selfspec.load(os.environ.get("SELFSPEC_GPU_MODEL"), recipe, draft, device="cuda", draft_vocab=vocab)
