@@ -146,7 +146,7 @@ def compile_int8_warp_specialized(partial: bool = False,
 
     sig = {"x_desc": desc(gll.BLOCK_M), "w_desc": desc(gll.INT8_BLOCK_N), "xs_ptr": "*fp32", "scale_ptr": "*fp32",
            "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*i32" if partial else "*bf16"}
-    sig.update(dict.fromkeys(("M", "N", "K", "K_PIECE", "stride_ym", "stride_rm"), "i32"))
+    sig.update(dict.fromkeys(("M", "N", "K", "K_PIECE", "PIECES", "stride_ym", "stride_rm"), "i32"))
     consts = dict(HAS_BIAS=False, HAS_RES=False, PARTIAL=partial, BLOCK_M=gll.BLOCK_M, BLOCK_N=gll.INT8_BLOCK_N,
                   BLOCK_K=block_k, STAGES=gll.int8_stages(block_k))
     sig.update(dict.fromkeys(consts, "constexpr"))

@@ -399,25 +399,6 @@ def _sm_count(device: torch.device) -> int:
 
 
 @gluon.jit
-def _dense_loader(x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, k_begin, k_end, BLOCK_K: gl.constexpr):
-    """One warp: each K tile of x and W from k_begin to k_end into the ring, as its slots come free, in as many boxes
-    as the slot holds pieces of the tile (TMA boxes of a 128-byte swizzle are at most 128 bytes wide)."""
-    stages: gl.constexpr = ready.type.shape[0]
-    parts: gl.constexpr = x_bufs.type.shape[0] // stages
-    width: gl.constexpr = BLOCK_K // parts
-    nbytes: gl.constexpr = parts * (x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-    for i in range(gl.cdiv(k_end - k_begin, BLOCK_K)):
-        slot = i % stages
-        mbarrier.wait(free.index(slot), ((i // stages) & 1) ^ 1)  # a new barrier reads as freed once
-        bar = ready.index(slot)
-        mbarrier.expect(bar, nbytes)
-        k0 = k_begin + i * BLOCK_K
-        for p in gl.static_range(parts):
-            tma.async_copy_global_to_shared(x_desc, [m0, k0 + p * width], bar, x_bufs.index(slot * parts + p))
-            tma.async_copy_global_to_shared(w_desc, [n0, k0 + p * width], bar, w_bufs.index(slot * parts + p))
-
-
-@gluon.jit
 def _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm, HAS_BIAS: gl.constexpr,
            HAS_RES: gl.constexpr):
     """triton_linear._epilogue's last steps: bias, bf16, the residual added to the bf16 product and rounded again."""
@@ -432,56 +413,59 @@ def _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, str
 
 
 @gluon.jit
-def _dense_consumer(x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, K, K_CHUNK, CHUNKS,
+def _dense_consumer(x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, row0, M, N, K, K_CHUNK, CHUNKS, tiles,
                     stride_ym, stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-    """One warpgroup: rows m0 + row0 .. + WARPGROUP_ROWS of y, BLOCK_N columns from n0. Each chunk of the split in
-    one accumulator, its K tiles in order (each tile's wgmma in flight while the next one's is issued), the chunks
-    added in order: _linear_kernel's bf16 arithmetic."""
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One warpgroup, for each of this CTA's tiles: rows m0 + row0 .. + WARPGROUP_ROWS of y, BLOCK_N columns from
+    n0. Each chunk of the split in one accumulator, its K tiles in order (each tile's wgmma in flight while the next
+    one's is issued), the chunks added in order: _linear_kernel's bf16 arithmetic."""
     stages: gl.constexpr = ready.type.shape[0]
     rows: gl.constexpr = WARPGROUP_ROWS
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_N, 16])
-    total = gl.zeros((rows, BLOCK_N), gl.float32, layout)
     i = 0
-    for c in range(0, CHUNKS):
-        acc = gl.zeros((rows, BLOCK_N), gl.float32, layout)
-        start = c * K_CHUNK
-        for k0 in range(start, gl.minimum(K, (c + 1) * K_CHUNK), BLOCK_K):
-            slot = i % stages
-            mbarrier.wait(ready.index(slot), (i // stages) & 1)
-            acc = warpgroup_mma(x_bufs.index(slot).slice(row0, rows), w_bufs.index(slot).permute((1, 0)), acc,
-                                use_acc=k0 > start, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc, ))  # the tile before is done: its slot goes back
-            mbarrier.arrive(free.index((i + stages - 1) % stages), pred=k0 > start)
-            i += 1
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(free.index((i + stages - 1) % stages), pred=i > 0)
-        if IN_PROGRAM:
-            total += acc
-        else:
-            total = acc
-    offs_m = m0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm, HAS_BIAS, HAS_RES)
+    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        m0, n0, piece, k_begin, k_end = _tile_of(t, M, N, K, K, BLOCK_M, BLOCK_N)
+        total = gl.zeros((rows, BLOCK_N), gl.float32, layout)
+        for c in range(0, CHUNKS):
+            acc = gl.zeros((rows, BLOCK_N), gl.float32, layout)
+            start = c * K_CHUNK
+            first = i  # a chunk past K (a split running past it) holds no K tile
+            for k0 in range(start, gl.minimum(K, (c + 1) * K_CHUNK), BLOCK_K):
+                slot = i % stages
+                mbarrier.wait(ready.index(slot), (i // stages) & 1)
+                acc = warpgroup_mma(x_bufs.index(slot).slice(row0, rows), w_bufs.index(slot).permute((1, 0)), acc,
+                                    use_acc=k0 > start, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(acc, ))  # the tile before is done: its slot goes back
+                mbarrier.arrive(free.index((i + stages - 1) % stages), pred=i > first)
+                i += 1
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(free.index((i + stages - 1) % stages), pred=i > first)
+            if IN_PROGRAM:
+                total += acc
+            else:
+                total = acc
+        offs_m = m0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm, HAS_BIAS, HAS_RES)
 
 
 @gluon.jit(do_not_specialize=["M"])  # one binary for every M
 def _dense_ws_kernel(x_desc, w_desc, bias_ptr, res_ptr, y_ptr, M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
                      HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    m0 = gl.program_id(0) * BLOCK_M
-    n0 = gl.program_id(1) * BLOCK_N
+    # A CTA a tile: launched as a persistent GEMM (`int8_ctas`) it ran 0.97-1.07x its time at 160-4096 rows (H100).
+    tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     ready, free = _ring_barriers(STAGES)
     gl.warp_specialize([
-        (_dense_consumer, (x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, 0, m0, n0, M, N, K, K_CHUNK,
-                           CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_N, BLOCK_K)),
-        (_dense_consumer, (x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, K,
-                           K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_N,
+        (_dense_consumer, (x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, 0, M, N, K, K_CHUNK, CHUNKS, tiles,
+                           stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_K)),
+        (_dense_consumer, (x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS, M, N, K, K_CHUNK,
+                           CHUNKS, tiles, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_M, BLOCK_N,
                            BLOCK_K)),
-        (_dense_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, 0, K, BLOCK_K)),
+        (_tiles_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, M, N, K, K, tiles, BLOCK_M, BLOCK_N, BLOCK_K)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
@@ -515,8 +499,7 @@ def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, chunk: int, spli
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gl.bfloat16))
     w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k],
                                           gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16))
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
-    _dense_ws_kernel[grid](
+    _dense_ws_kernel[(triton.cdiv(m, BLOCK_M) * triton.cdiv(n, block_n),)](
         x_desc, w_desc, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=block_k, STAGES=dense_stages(block_k, block_n), num_warps=4, maxnreg=MAX_REGISTERS)
@@ -527,63 +510,104 @@ def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, chunk: int, spli
 
 
 @gluon.jit
-def _int8_consumer(x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N,
-                   k_begin, k_end, stride_ym, stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
-                   PARTIAL: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-    """One warpgroup: rows m0 + row0 .. + WARPGROUP_ROWS of y, BLOCK_N columns from n0, in _linear_kernel's int8
-    arithmetic: the int32 sum of the int8 tensor cores' products over K, exact (each K tile's wgmma in flight
-    while the next one's is issued), converted once; then the row scale, the channel scale, bias and residual. With
-    PARTIAL, the int32 sum over k_begin .. k_end, stored as is (sum_chunks adds the pieces)."""
+def _tile_of(t, M, N, K, K_PIECE, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile t of a persistent GEMM: (m0, n0, its piece of K, that piece's columns k_begin .. k_end). M tiles vary
+    fastest, so the CTAs sharing one N tile of W run together and hit it in L2; pieces of K slowest."""
+    m_tiles = gl.cdiv(M, BLOCK_M)
+    mn_tiles = m_tiles * gl.cdiv(N, BLOCK_N)
+    piece = t // mn_tiles
+    k_begin = piece * K_PIECE
+    m0, n0 = (t % m_tiles) * BLOCK_M, (t % mn_tiles) // m_tiles * BLOCK_N
+    return m0, n0, piece, k_begin, gl.minimum(K, k_begin + K_PIECE)
+
+
+@gluon.jit
+def _tiles_loader(x_desc, w_desc, x_bufs, w_bufs, ready, free, M, N, K, K_PIECE, tiles, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One warp of a persistent GEMM (bf16, int8): the K tiles of x and W of this CTA's tiles, one tile after the
+    other, into the ring as its slots come free (the next tile's while the consumers finish the one before), each
+    K tile in as many boxes as a slot holds pieces of it (TMA boxes of a 128-byte swizzle are at most 128 bytes
+    wide)."""
+    stages: gl.constexpr = ready.type.shape[0]
+    parts: gl.constexpr = x_bufs.type.shape[0] // stages
+    width: gl.constexpr = BLOCK_K // parts
+    nbytes: gl.constexpr = parts * (x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    i = 0
+    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        m0, n0, piece, k_begin, k_end = _tile_of(t, M, N, K, K_PIECE, BLOCK_M, BLOCK_N)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            slot = i % stages
+            mbarrier.wait(free.index(slot), ((i // stages) & 1) ^ 1)  # a new barrier reads as freed once
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            for p in gl.static_range(parts):
+                tma.async_copy_global_to_shared(x_desc, [m0, k0 + p * width], bar, x_bufs.index(slot * parts + p))
+                tma.async_copy_global_to_shared(w_desc, [n0, k0 + p * width], bar, w_bufs.index(slot * parts + p))
+            i += 1
+
+
+@gluon.jit
+def _int8_consumer(x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, row0, M, N, K, K_PIECE,
+                   tiles, stride_ym, stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, PARTIAL: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One warpgroup, for each of this CTA's tiles: rows m0 + row0 .. + WARPGROUP_ROWS of y, BLOCK_N columns from
+    n0, in _linear_kernel's int8 arithmetic: the int32 sum of the int8 tensor cores' products over K, exact (each K
+    tile's wgmma in flight while the next one's is issued), converted once; then the row scale, the channel scale,
+    bias and residual. With PARTIAL, the int32 sum over the tile's piece of K, stored as is (sum_chunks adds the
+    pieces)."""
     stages: gl.constexpr = ready.type.shape[0]
     parts: gl.constexpr = x_bufs.type.shape[0] // stages
     rows: gl.constexpr = WARPGROUP_ROWS
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_N, 32])
-    acc = gl.zeros((rows, BLOCK_N), gl.int32, layout)
-    tiles = gl.cdiv(k_end - k_begin, BLOCK_K)
-    for i in range(tiles):
-        slot = i % stages
-        mbarrier.wait(ready.index(slot), (i // stages) & 1)
-        for p in gl.static_range(parts):
-            acc = warpgroup_mma(x_bufs.index(slot * parts + p).slice(row0, rows),
-                                w_bufs.index(slot * parts + p).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(1, deps=(acc, ))  # the tile before is done: its slot goes back
-        mbarrier.arrive(free.index((i + stages - 1) % stages), pred=i > 0)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    mbarrier.arrive(free.index((tiles + stages - 1) % stages), pred=tiles > 0)
-    offs_m = m0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    if PARTIAL:
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        gl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask=mask)
-    else:
-        total = acc.to(gl.float32)
-        total = total * gl.load(xs_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
-        total = total * gl.load(scale_ptr + offs_n, mask=offs_n < N, other=0)[None, :]
-        _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm, HAS_BIAS, HAS_RES)
+    i = 0
+    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        m0, n0, piece, k_begin, k_end = _tile_of(t, M, N, K, K_PIECE, BLOCK_M, BLOCK_N)
+        acc = gl.zeros((rows, BLOCK_N), gl.int32, layout)
+        first = i
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            slot = i % stages
+            mbarrier.wait(ready.index(slot), (i // stages) & 1)
+            for p in gl.static_range(parts):
+                acc = warpgroup_mma(x_bufs.index(slot * parts + p).slice(row0, rows),
+                                    w_bufs.index(slot * parts + p).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))  # the K tile before is done: its slot goes back
+            mbarrier.arrive(free.index((i + stages - 1) % stages), pred=i > first)
+            i += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(free.index((i + stages - 1) % stages), pred=i > first)
+        offs_m = m0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        if PARTIAL:
+            mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+            gl.store(y_ptr + piece * M * stride_ym + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask=mask)
+        else:
+            total = acc.to(gl.float32)
+            total = total * gl.load(xs_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
+            total = total * gl.load(scale_ptr + offs_n, mask=offs_n < N, other=0)[None, :]
+            _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm, HAS_BIAS, HAS_RES)
 
 
 @gluon.jit(do_not_specialize=["M"])  # one binary for every M
-def _int8_ws_kernel(x_desc, w_desc, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, M, N, K, K_PIECE, stride_ym,
-                    stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, PARTIAL: gl.constexpr,
+def _int8_ws_kernel(x_desc, w_desc, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, M, N, K, K_PIECE, PIECES,
+                    stride_ym, stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, PARTIAL: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    m0 = gl.program_id(0) * BLOCK_M
-    n0 = gl.program_id(1) * BLOCK_N
-    k_begin = gl.program_id(2) * K_PIECE  # with PARTIAL, piece program_id(2) of K; else all of it
-    k_end = gl.minimum(K, k_begin + K_PIECE)
-    if PARTIAL:
-        y_ptr += gl.program_id(2) * M * stride_ym
+    # CTA c takes tiles c, c + CTAs, ... (M x N tiles, times PIECES pieces of K with PARTIAL), the ring running on
+    # across them, so that a tile's first K tiles load while the tile before is finished and stored (`int8_ctas`).
+    tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N) * PIECES
     parts: gl.constexpr = BLOCK_K // INT8_BOX
     x_bufs = gl.allocate_shared_memory(gl.int8, [STAGES * parts, BLOCK_M, INT8_BOX], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.int8, [STAGES * parts, BLOCK_N, INT8_BOX], w_desc.layout)
     ready, free = _ring_barriers(STAGES)
     gl.warp_specialize([
-        (_int8_consumer, (x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, 0, m0, n0, M, N,
-                          k_begin, k_end, stride_ym, stride_rm, HAS_BIAS, HAS_RES, PARTIAL, BLOCK_N, BLOCK_K)),
-        (_int8_consumer, (x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS,
-                          m0, n0, M, N, k_begin, k_end, stride_ym, stride_rm, HAS_BIAS, HAS_RES, PARTIAL, BLOCK_N,
+        (_int8_consumer, (x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, 0, M, N, K,
+                          K_PIECE, tiles, stride_ym, stride_rm, HAS_BIAS, HAS_RES, PARTIAL, BLOCK_M, BLOCK_N,
                           BLOCK_K)),
-        (_dense_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, m0, n0, k_begin, k_end, BLOCK_K)),
+        (_int8_consumer, (x_bufs, w_bufs, ready, free, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS,
+                          M, N, K, K_PIECE, tiles, stride_ym, stride_rm, HAS_BIAS, HAS_RES, PARTIAL, BLOCK_M,
+                          BLOCK_N, BLOCK_K)),
+        (_tiles_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, M, N, K, K_PIECE, tiles, BLOCK_M, BLOCK_N,
+                         BLOCK_K)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
@@ -616,15 +640,26 @@ def int8_gemm(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.
     live = triton.cdiv(k, piece)
     flags = dict(HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=BLOCK_M, BLOCK_N=INT8_BLOCK_N,
                  BLOCK_K=block_k, STAGES=int8_stages(block_k), num_warps=4, maxnreg=MAX_REGISTERS)
+    ctas = (int8_ctas(grid[0] * grid[1] * live, m, xq.device),)
     if live > 1:
         part = torch.empty((live, m, n), dtype=torch.int32, device=xq.device)
-        _int8_ws_kernel[(*grid, live)](x_desc, w_desc, None, None, None, None, part, m, n, k, piece, n, 0,
-                                       PARTIAL=True, **{**flags, "HAS_BIAS": False, "HAS_RES": False})
+        _int8_ws_kernel[ctas](x_desc, w_desc, None, None, None, None, part, m, n, k, piece, live, n, 0, PARTIAL=True,
+                              **{**flags, "HAS_BIAS": False, "HAS_RES": False})
         return sum_chunks(part, live, bias, r2, scales=(xs, scale))
     y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
-    _int8_ws_kernel[grid](x_desc, w_desc, xs, scale, bias, r2, y, m, n, k, k, y.stride(0),
+    _int8_ws_kernel[ctas](x_desc, w_desc, xs, scale, bias, r2, y, m, n, k, k, 1, y.stride(0),
                           0 if r2 is None else r2.stride(0), PARTIAL=False, **flags)
     return y
+
+
+def int8_ctas(tiles: int, m: int, device: torch.device) -> int:
+    """CTAs of the int8 GEMM: past PERSISTENT_ROWS rows one per SM, each walking its share of the tiles (H100, 8B
+    layers, docs/bench-h100/ab-gemm-persistent.json: 0.92-0.99x the time of a CTA a tile at 1024 and 4096 rows,
+    but 1.03-1.15x at 160-256); else a CTA a tile."""
+    return min(tiles, _sm_count(device)) if m >= PERSISTENT_ROWS else tiles
+
+
+PERSISTENT_ROWS = 512
 
 
 def int8_pieces(grid: tuple[int, int], k: int, block_k: int, device: torch.device) -> int:
