@@ -140,3 +140,26 @@ def test_bench_recipe_reports_the_step_cost_bound(llm):
         assert sum(p["ms_total"] for p in run["passes"]) == pytest.approx(1e3 * run["output_tokens"]
                                                                          / run["step_bound_tokens_per_s"])
         assert run["of_step_bound"] == pytest.approx(run["tokens_per_s"] / run["step_bound_tokens_per_s"])
+
+
+def test_a_recycled_tree_serves_through_the_pass_log_and_its_tree_passes_are_timed(llm):
+    """A lone sequence's tree round (a shared-row, node-packed pass: `tree=`) goes through the bench's PassLog, which
+    counts it by rows, width and nodes; every request is its solo greedy output (a pass the log refused used to end
+    the request with an error, one token short of it) and the bound times the tree passes too."""
+    from selfspec.bench.step_bound import bound_seconds
+    from selfspec.speculative.drafters import make_drafter
+
+    drafter, llm.drafter = llm.drafter, make_drafter("recycle-tree:6")
+    try:
+        prompts = [p * 3 for p in random_prompts(4)]  # repeating texts: the recycled tree drafts and accepts
+        params = SamplingParams(max_new_tokens=12)
+        refs = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
+        engine = make_engine(llm, prompts, 1, 12, 4, None)  # one sequence a round: shared rows
+        r = run_closed_loop(engine, prompts, params, 4)
+        assert r["tokens"] == refs
+        trees = {shape: n for (_, shape), n in r["passes"].items() if shape[0] == "tree"}
+        assert trees and all(shared and rows >= 1 and nodes >= width for _, rows, width, nodes, shared in trees)
+        costs = {}
+        assert bound_seconds(engine, r["passes"], 20, costs) > 0 and len(costs) == len(r["passes"])
+    finally:
+        llm.drafter = drafter

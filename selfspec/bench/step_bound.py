@@ -4,8 +4,9 @@ passes) and idle gaps took: 1.0 is a run that never waits on the host.
 
 `PassLog` stands in for the engine's runner during a run and counts every pass by what sets its cost: the mode,
 rows and tokens of a decode, draft or verify pass (the CUDA graphs replay these), the packed rows' lengths and
-keys of a prefill pass. `bound_seconds` then times each distinct pass alone on padding rows (trash blocks), decode
-passes at a given context length, and adds them up. A draft model's own passes run outside the engine's runner and
+keys of a prefill pass, the rows, width and nodes of a node-packed tree pass. `bound_seconds` then times each
+distinct pass alone on padding rows (trash blocks), decode and tree passes at a given context length, and adds them
+up. A draft model's own passes run outside the engine's runner and
 are not counted (the bound of `draft-model` is optimistic by their cost).
 """
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 
 from selfspec.cache.paged import PagedBatchView
 from selfspec.engine.engine import Engine
-from selfspec.model import Packed
+from selfspec.bench.traces import tree_branches
+from selfspec.model import Packed, TreeLayout
 from selfspec.quant.modes import Mode
 
 
@@ -33,10 +35,16 @@ class PassLog:
         return getattr(self.runner, name)
 
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode,
-                 logits_at: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
-        shape = ("prefill", tuple(packed.lengths), tuple(packed.keys)) if packed is not None else tuple(tokens.shape)
+                 logits_at: torch.Tensor | None = None, packed: Packed | None = None,
+                 tree: TreeLayout | None = None) -> torch.Tensor:
+        if packed is not None:
+            shape = ("prefill", tuple(packed.lengths), tuple(packed.keys))
+        elif tree is not None:  # a node-packed tree pass: its branch rows, their width, its nodes, shared rows
+            shape = ("tree", *tree.rows.shape, tokens.shape[1], tree.tails is not None)
+        else:
+            shape = tuple(tokens.shape)
         self.passes[(mode, shape)] += 1
-        return self.runner(tokens, pos, cache, mode, logits_at, packed)
+        return self.runner(tokens, pos, cache, mode, logits_at, packed, tree=tree)
 
 
 def pass_seconds(engine: Engine, mode: Mode, shape: tuple, context: int, repeats: int = 5) -> float:
@@ -48,6 +56,14 @@ def pass_seconds(engine: Engine, mode: Mode, shape: tuple, context: int, repeats
         pos = torch.cat([torch.arange(k - n, k) for n, k in zip(lengths, keys)]).to(dev)[None]
         args = (torch.zeros_like(pos), pos, PagedBatchView(engine.cache, table), mode,
                 torch.arange(len(lengths), device=dev), Packed.of(list(lengths), list(keys), dev))
+    elif shape[0] == "tree":  # one sequence's tree of these rows, width and nodes (bench/traces.tree_branches)
+        _, rows, t, nodes, shared = shape
+        context = min(context, engine.max_len - nodes)
+        branches = tree_branches([0] * (t - 1), rows, nodes - 1, 0, engine.llm.model.cfg.vocab_size)
+        tree, toks, pos = TreeLayout.of([(0, context, branches)], dev, shared)
+        table = torch.zeros(1 if shared else rows, engine.cache.blocks_for(context + nodes), dtype=torch.long,
+                            device=dev)
+        args = (toks[None], pos[None], PagedBatchView(engine.cache, table.expand(rows, -1)), mode, None, None, tree)
     else:
         rows, t = shape
         context = min(context, engine.max_len - t)

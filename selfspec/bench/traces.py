@@ -333,13 +333,20 @@ class TreeReplay(Replay, TreeDrafter):
         r = self.next_round(k)
         if r.proposed == 0:
             return []
-        tokens = self.drafts(model, cache.rows(0, 1), row, r)
-        left, out = r.nodes - r.width - (r.branches - 1), [tokens]
-        for b in range(1, r.branches):
-            n = 1 + min(max(left, 0), r.width - 1)
-            left -= n - 1
-            out.append([(row.pending + b) % model.cfg.vocab_size] * n)
-        return out
+        return tree_branches(self.drafts(model, cache.rows(0, 1), row, r), r.branches, r.nodes, row.pending,
+                             model.cfg.vocab_size)
+
+
+def tree_branches(first: list[int], branches: int, nodes: int, token: int, vocab: int) -> list[list[int]]:
+    """A tree of `branches` branches and `nodes` distinct draft nodes whose first branch is `first` (the longest):
+    the others fork at the root, branch b repeating token + b, with the rest of the nodes (at least one each)."""
+    width = len(first)
+    left, out = nodes - width - (branches - 1), [first]
+    for b in range(1, branches):
+        n = 1 + min(max(left, 0), width - 1)
+        left -= n - 1
+        out.append([(token + b) % vocab] * n)
+    return out
 
 
 class DraftModelReplay(ChainReplay):
