@@ -1,8 +1,8 @@
 """GEMMs for many tokens on Hopper, warp-specialized (Gluon): a loader warp keeps TMA copies in flight while two
 consumer warpgroups run wgmma. The nibble formats' (w4a16, `upper`, `full` with bf16 activations) build their codes
 and apply each group's affine in the consumers; the bf16 one (bf16 weights, and prompt tokens' dequantized weights)
-and the int8 one (w8a8: int8 codes on both sides, exact int32 dots per K tile) are plain GEMMs in _linear_kernel's
-order of adds (at the end of the module).
+and the int8 one (w8a8: int8 codes on both sides, their products summed exactly in int32 over K; persistent CTAs
+past 512 rows) are plain GEMMs in _linear_kernel's arithmetic (at the end of the module).
 
 _nibble_kernel (kernels/triton_linear.py) builds each K tile's bf16 codes in registers, writes them to shared
 memory for wgmma and waits for each tile's product before its affine, all in the same warps. Here, for one
@@ -399,6 +399,43 @@ def _sm_count(device: torch.device) -> int:
 
 
 @gluon.jit
+def _tile_of(t, M, N, K, K_PIECE, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile t of a persistent GEMM: (m0, n0, its piece of K, that piece's columns k_begin .. k_end). M tiles vary
+    fastest, so the CTAs sharing one N tile of W run together and hit it in L2; pieces of K slowest."""
+    m_tiles = gl.cdiv(M, BLOCK_M)
+    mn_tiles = m_tiles * gl.cdiv(N, BLOCK_N)
+    piece = t // mn_tiles
+    k_begin = piece * K_PIECE
+    m0, n0 = (t % m_tiles) * BLOCK_M, (t % mn_tiles) // m_tiles * BLOCK_N
+    return m0, n0, piece, k_begin, gl.minimum(K, k_begin + K_PIECE)
+
+
+@gluon.jit
+def _tiles_loader(x_desc, w_desc, x_bufs, w_bufs, ready, free, M, N, K, K_PIECE, tiles, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One warp of a persistent GEMM (bf16, int8): the K tiles of x and W of this CTA's tiles, one tile after the
+    other, into the ring as its slots come free (the next tile's while the consumers finish the one before), each
+    K tile in as many boxes as a slot holds pieces of it (TMA boxes of a 128-byte swizzle are at most 128 bytes
+    wide)."""
+    stages: gl.constexpr = ready.type.shape[0]
+    parts: gl.constexpr = x_bufs.type.shape[0] // stages
+    width: gl.constexpr = BLOCK_K // parts
+    nbytes: gl.constexpr = parts * (x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    i = 0
+    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        m0, n0, piece, k_begin, k_end = _tile_of(t, M, N, K, K_PIECE, BLOCK_M, BLOCK_N)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            slot = i % stages
+            mbarrier.wait(free.index(slot), ((i // stages) & 1) ^ 1)  # a new barrier reads as freed once
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            for p in gl.static_range(parts):
+                tma.async_copy_global_to_shared(x_desc, [m0, k0 + p * width], bar, x_bufs.index(slot * parts + p))
+                tma.async_copy_global_to_shared(w_desc, [n0, k0 + p * width], bar, w_bufs.index(slot * parts + p))
+            i += 1
+
+
+@gluon.jit
 def _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm, HAS_BIAS: gl.constexpr,
            HAS_RES: gl.constexpr):
     """triton_linear._epilogue's last steps: bias, bf16, the residual added to the bf16 product and rounded again."""
@@ -507,43 +544,6 @@ def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, chunk: int, spli
 
 
 # ---------------------------------------------------------------- int8 codes with int8 activations (w8a8)
-
-
-@gluon.jit
-def _tile_of(t, M, N, K, K_PIECE, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Tile t of a persistent GEMM: (m0, n0, its piece of K, that piece's columns k_begin .. k_end). M tiles vary
-    fastest, so the CTAs sharing one N tile of W run together and hit it in L2; pieces of K slowest."""
-    m_tiles = gl.cdiv(M, BLOCK_M)
-    mn_tiles = m_tiles * gl.cdiv(N, BLOCK_N)
-    piece = t // mn_tiles
-    k_begin = piece * K_PIECE
-    m0, n0 = (t % m_tiles) * BLOCK_M, (t % mn_tiles) // m_tiles * BLOCK_N
-    return m0, n0, piece, k_begin, gl.minimum(K, k_begin + K_PIECE)
-
-
-@gluon.jit
-def _tiles_loader(x_desc, w_desc, x_bufs, w_bufs, ready, free, M, N, K, K_PIECE, tiles, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-    """One warp of a persistent GEMM (bf16, int8): the K tiles of x and W of this CTA's tiles, one tile after the
-    other, into the ring as its slots come free (the next tile's while the consumers finish the one before), each
-    K tile in as many boxes as a slot holds pieces of it (TMA boxes of a 128-byte swizzle are at most 128 bytes
-    wide)."""
-    stages: gl.constexpr = ready.type.shape[0]
-    parts: gl.constexpr = x_bufs.type.shape[0] // stages
-    width: gl.constexpr = BLOCK_K // parts
-    nbytes: gl.constexpr = parts * (x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-    i = 0
-    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        m0, n0, piece, k_begin, k_end = _tile_of(t, M, N, K, K_PIECE, BLOCK_M, BLOCK_N)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            slot = i % stages
-            mbarrier.wait(free.index(slot), ((i // stages) & 1) ^ 1)  # a new barrier reads as freed once
-            bar = ready.index(slot)
-            mbarrier.expect(bar, nbytes)
-            for p in gl.static_range(parts):
-                tma.async_copy_global_to_shared(x_desc, [m0, k0 + p * width], bar, x_bufs.index(slot * parts + p))
-                tma.async_copy_global_to_shared(w_desc, [n0, k0 + p * width], bar, w_bufs.index(slot * parts + p))
-            i += 1
 
 
 @gluon.jit
