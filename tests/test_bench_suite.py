@@ -68,3 +68,24 @@ def test_parts_measured_apart_fill_one_report(tmp_path, monkeypatch, serve_rows)
     assert not (tmp_path / "tokens_per_s_vs_batch.png").exists()
     with pytest.raises(SelfspecError, match="give another --out"):
         suite.main(["--parts", "gemm", "--shape", "llama-3-70b", "--out", str(tmp_path)])
+
+
+def test_the_draft_model_peer_part_reports_each_recipes_mean_and_a_figure(tmp_path, monkeypatch):
+    """Part draft-peer: the self-drafts and recipe draft-model replayed at the Qwen pair's shapes (stubbed here), a
+    table of each recipe's mean over the tasks, the rows, and a bar figure."""
+    def row(recipe, draft, task, tok_s, ar):
+        return {"shape": "qwen2.5-1.5b", "recipe": recipe, "draft": draft, "verify": "full", "gamma": 5,
+                "trace": f"qwen2.5-coder-1.5b/{task} ({draft}, greedy, gamma 5)", "acceptance_rate": 0.5,
+                "mean_acceptance_length": 2.0, "draft_ms": 1.0, "verify_ms": 2.0, "ar_tokens_per_s": ar,
+                "predicted_tokens_per_s": tok_s, "tokens_per_s": tok_s}
+    rows = [row("ngram", "recycle-tree", "gsm8k", 900.0, 500.0), row("ngram", "recycle-tree", "essay", 700.0, 500.0),
+            row("draft-model", "full", "gsm8k", 480.0, 480.0), row("draft-model", "full", "essay", 360.0, 480.0)]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU A")
+    monkeypatch.setattr(suite, "copy_bandwidth", lambda: 3000.0)
+    monkeypatch.setattr(suite, "measure", lambda part, args: rows)
+    suite.main(["--parts", "draft-peer", "--out", str(tmp_path)])
+    text = (tmp_path / "results.md").read_text()
+    assert "## Self-drafts against a draft model (qwen2.5-1.5b verifying, qwen2.5-0.5b drafting)" in text
+    assert "| ngram (recycle-tree -> full) | 5 | 2 | 800.0 | 1.60x |" in text
+    assert "| draft-model (full -> full) | 5 | 2 | 420.0 | 0.88x |" in text
+    assert (tmp_path / "self_drafts_vs_draft_model.png").stat().st_size > 10_000

@@ -33,6 +33,13 @@ from selfspec.speculative.recipes import PRESETS
 from selfspec.speculative.sampling import SamplingParams
 
 
+# The draft-model peer (`selfspec bench all`, part draft-peer): Qwen2.5-Coder-0.5B drafting for the 1.5B beside the
+# 1.5B's self-drafts, each replayed from its trace at the pair's own shapes.
+PEER_SHAPE, PEER_DRAFT_SHAPE = "qwen2.5-1.5b", "qwen2.5-0.5b"
+PEER_TRACES = [TRACE_DIR / f"qwen2.5-coder-1.5b.{name}.json"
+               for name in ("ngram.recycle-tree", "hybrid", "planes", "draft-model.qwen2.5-coder-0.5b")]
+
+
 def expected_tokens(rounds: list[Round], k: int) -> float:
     """Mean tokens a round commits when it drafts at most k: its accepted drafts plus the verify pass's token."""
     return 1 + sum(r.cut(k).accepted for r in rounds) / len(rounds)
@@ -212,6 +219,19 @@ def markdown(rows: list[dict]) -> str:
                    f"| {r['verify_ms']:.2f} | {r['ar_tokens_per_s']:.1f} | {r['tokens_per_s']:.1f} "
                    f"| {r['predicted_tokens_per_s']:.1f} | {r['tokens_per_s'] / r['predicted_tokens_per_s']:.2f} "
                    f"| {r['tokens_per_s'] / r['ar_tokens_per_s']:.2f}x |")
+    return "\n".join(out)
+
+
+def means(rows: list[dict]) -> str:
+    """Per recipe (and gamma), the mean over the tasks of tokens/s and of spec/AR: a markdown table."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["recipe"], r["draft"], r["verify"], r["gamma"]), []).append(r)
+    out = ["| recipe | gamma | tasks | mean tok/s | mean spec/AR |", "|---|---|---|---|---|"]
+    for (recipe, draft, verify, k), rs in groups.items():
+        out.append(f"| {recipe} ({draft} -> {verify}) | {k} | {len(rs)} "
+                   f"| {sum(r['tokens_per_s'] for r in rs) / len(rs):.1f} "
+                   f"| {sum(r['tokens_per_s'] / r['ar_tokens_per_s'] for r in rs) / len(rs):.2f}x |")
     return "\n".join(out)
 
 

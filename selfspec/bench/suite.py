@@ -7,8 +7,9 @@
 
 Parts: `steps` (AR tokens/s per mode at batch 1/8/16/32 with a 1k-token context, the weight bandwidth each reaches
 against the device's measured copy bandwidth, draft / verify / AR step times), `spec` (speculative tokens/s with
-acceptance replayed from traces recorded on real models), `peer` (HF transformers), `gemm` (per-layer GEMM time vs
-M up to 4096 against cuBLAS), `prefill` (tokens/s against a cuBLAS + SDPA peer and HF), `serve` (the serving
+acceptance replayed from traces recorded on real models), `draft-peer` (the self-drafts against recipe draft-model,
+Qwen2.5-Coder-0.5B drafting for the 1.5B, at the pair's shapes), `peer` (HF transformers), `gemm` (per-layer GEMM
+time vs M up to 4096 against cuBLAS), `prefill` (tokens/s against a cuBLAS + SDPA peer and HF), `serve` (the serving
 benchmark at batch 1/8/16/32/64 with 512-token prompts: throughput, TTFT and ITL, AR vs speculative per recipe, and
 the step-cost bound of each run).
 """
@@ -26,7 +27,7 @@ from selfspec.bench.traces import load
 from selfspec.engine.engine import DEFAULT_DECODE_STEPS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT
 from selfspec.errors import SelfspecError
 
-PARTS = ("steps", "spec", "peer", "gemm", "prefill", "serve")
+PARTS = ("steps", "spec", "draft-peer", "peer", "gemm", "prefill", "serve")
 
 
 def ar_table(rows: list[dict], copy_gb_s: float) -> str:
@@ -81,6 +82,8 @@ def plot(results: dict, traces: list, out: Path, title: str) -> list[Path]:
                title="acceptance vs gamma (recorded traces)")
         ax.legend(fontsize=7)
         figures.append((fig, "acceptance_vs_gamma.png"))
+    if "draft-peer" in results:
+        figures.append((peer_figure(results["draft-peer"], plt), "self_drafts_vs_draft_model.png"))
     if "gemm" in results:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         name = "gate/up"
@@ -99,6 +102,32 @@ def plot(results: dict, traces: list, out: Path, title: str) -> list[Path]:
         plt.close(fig)
         paths.append(out / name)
     return paths
+
+
+def peer_figure(rows: list[dict], plt):
+    """Tokens/s per task, a bar per recipe (the draft-model peer among them), each recipe's AR a dashed line."""
+    import numpy as np
+
+    def task(r: dict) -> str:  # the trace label's task: "model/task (draft, ...)"
+        return r["trace"].split("/")[1].split(" ")[0]
+
+    def recipe(r: dict) -> str:
+        return f"{r['recipe']} ({r['draft']})"
+
+    tasks = list(dict.fromkeys(map(task, rows)))
+    recipes = list(dict.fromkeys(map(recipe, rows)))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(recipes)
+    for i, name in enumerate(recipes):
+        got = {task(r): r["tokens_per_s"] for r in rows if recipe(r) == name}
+        ax.bar(np.arange(len(tasks)) + i * width, [got.get(t, 0) for t in tasks], width, label=name)
+    ar = sum(r["ar_tokens_per_s"] for r in rows) / len(rows)
+    ax.axhline(ar, color="gray", linestyle="--", label=f"AR of the verify mode ({ar:.0f})")
+    ax.set_xticks(np.arange(len(tasks)) + 0.4 - width / 2, tasks)
+    ax.set(ylabel="tokens/s (batch 1, CUDA graphs)",
+           title=f"self-drafts vs a draft model ({rows[0]['shape']}, synthetic weights, acceptance replayed)")
+    ax.legend(fontsize=8)
+    return fig
 
 
 def serve_figure(rows: list[dict], title: str, plt):
@@ -143,6 +172,8 @@ def measure(part: str, args: argparse.Namespace) -> list[dict] | dict:
         return steps.measure(args.shape, args.batch, args.context, args.verify_tokens, list(steps.STORAGE_MODES))
     if part == "spec":
         return spec.measure(args.shape, args.trace, args.gamma, args.context)
+    if part == "draft-peer":
+        return spec.measure(spec.PEER_SHAPE, spec.PEER_TRACES, [5], args.context, spec.PEER_DRAFT_SHAPE)
     if part == "peer":
         return peer.measure(args.shape, args.context, 64, args.peer_compile)
     if part == "gemm":
@@ -161,6 +192,8 @@ def report(results: dict, title: str) -> str:
         "steps": lambda r: (f"## AR decoding\n\n{ar_table(r, copy)}\n\n## Pass time vs tokens\n\n"
                             f"{steps.verify_table(r)}"),
         "spec": lambda r: f"## Speculative decoding (acceptance replayed from traces)\n\n{spec.markdown(r)}",
+        "draft-peer": lambda r: (f"## Self-drafts against a draft model ({spec.PEER_SHAPE} verifying, "
+                                 f"{spec.PEER_DRAFT_SHAPE} drafting)\n\n{spec.means(r)}\n\n{spec.markdown(r)}"),
         "peer": lambda r: "## Peer (batch 1)\n\n" + "\n".join(f"- {p['peer']}: {p['tokens_per_s']:.1f} tok/s"
                                                                  for p in r),
         "gemm": lambda r: f"## GEMM time vs M\n\n{gemm.table(r, copy)}",
