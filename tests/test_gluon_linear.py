@@ -43,3 +43,21 @@ def test_it_needs_hopper_and_group_major_affines():
     assert not gluon_linear.covers(torch.randn(4, 254).t(), 254)  # rows of 254 floats: not 16-byte multiples
     assert not gluon_linear.covers(torch.randn(4, 256).t().half(), 256)
 
+
+
+def test_the_int8_gemm_splits_k_under_half_a_wave_and_persists_past_512_rows(monkeypatch):
+    """w8a8's exact int32 sums let int8_gemm choose its CTAs freely: K in pieces (a power of two, at least 4 K tiles
+    each) where its tiles fill no more than half the SMs (o and down at up to 256 rows on an 8B model), one CTA per
+    SM walking the tiles from 512 rows, else a CTA a tile."""
+    from selfspec.kernels import gluon_linear
+
+    monkeypatch.setattr(gluon_linear, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert gluon_linear.int8_pieces((2, 32), 4096, 256, cpu) == 2  # o at 256 rows: 64 CTAs -> 128
+    assert gluon_linear.int8_pieces((2, 32), 14336, 256, cpu) == 2  # down
+    assert gluon_linear.int8_pieces((1, 32), 4096, 256, cpu) == 4  # 128 rows: 32 CTAs -> 128
+    assert gluon_linear.int8_pieces((1, 32), 1024, 256, cpu) == 1  # 4 K tiles: too few to split
+    assert gluon_linear.int8_pieces((2, 48), 4096, 256, cpu) == 1  # qkv at 256 rows: 96 CTAs, past half a wave
+    assert gluon_linear.int8_ctas(8 * 224, 1024, cpu) == 132  # gate/up at 1024 rows: persistent
+    assert gluon_linear.int8_ctas(2 * 224, 256, cpu) == 448  # at 256 rows: a CTA a tile
+    assert gluon_linear.int8_ctas(4 * 32, 512, cpu) == 128  # fewer tiles than SMs
