@@ -383,3 +383,9 @@ def title(result: dict) -> str:
     traces = "; ".join(f"{k}: {v}" for k, v in result["acceptance_replayed_from"].items())
     return (line + f", random prompts of {result['prompt_tokens']} tokens; SYNTHETIC weights: acceptance replayed "
             f"from {traces}")
+
+
+if __name__ == "__main__":  # the same as `selfspec bench serve`, whose parser also holds the engine's options
+    from selfspec.cli import main
+
+    sys.exit(main(["bench", "serve", *sys.argv[1:]]))
