@@ -11,8 +11,9 @@ import torch
 from conftest import tiny_model
 from selfspec.bench import tables
 from selfspec.bench.spec import decode_speed, predict, predicted_speedup, replayable_traces, unreplayable
-from selfspec.bench.traces import (FIELDS, TASKS, TRACE_DIR, DraftModelReplay, PassLog, Round, Trace, from_json,
-                                   load, record, record_trace, replay, trace_path)
+from selfspec.bench.passes import PassLog, decode_rows
+from selfspec.bench.traces import (FIELDS, TASKS, TRACE_DIR, DraftModelReplay, Round, Trace, from_json, load, record,
+                                   record_trace, replay, trace_path)
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES
@@ -166,7 +167,7 @@ def test_replay_pays_recorded_steps_and_verifies_recorded_tokens(tiny):
         out = decode_speed(log, llm.verify_mode, drafter, 4, 6, sum(r.accepted + 1 for r in rounds), warm_tokens=1)
         # The untimed run replays the first round (one is enough for its token), the timed run every round once,
         # the cursor cycling through the trace: rounds 1.., then 0.
-        calls = log.calls[-sum(r.draft_steps + 1 for r in rounds):]
+        calls = decode_rows(log.calls)[-sum(r.draft_steps + 1 for r in rounds):]
         timed = rounds[1:] + rounds[:1]
         expected = [c for r in timed
                     for c in [(1, 1, 0)] * r.draft_steps + [(r.branches, r.verified // r.branches, r.nodes)]]
@@ -187,8 +188,8 @@ def test_draft_model_replay_runs_its_steps_on_the_draft_model(tiny):
     drafter = DraftModelReplay(rounds, MODES["w4a16"], draft_log, 64)
     out = decode_speed(log, target.verify_mode, drafter, 3, 6, sum(r.accepted + 1 for r in rounds), warm_tokens=1)
     # The untimed run replays round 0; the timed run rounds 1, 2 and 0 (the cursor cycles): round 1 catches up.
-    assert draft_log.calls[-(1 + 3 + 2 + 3):] == [(1, 1, 0)] * 9
-    assert log.calls[-3:] == [(1, 4, 3), (1, 3, 2), (1, 4, 3)]
+    assert decode_rows(draft_log.calls)[-(1 + 3 + 2 + 3):] == [(1, 1, 0)] * 9
+    assert decode_rows(log.calls)[-3:] == [(1, 4, 3), (1, 3, 2), (1, 4, 3)]
     assert drafter.steps == 3 + (1 + 3) + 2 + 3 and out["accepted"] == 4 and out["rounds"] == 3
 
 

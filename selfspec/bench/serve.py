@@ -35,7 +35,8 @@ import torch
 
 import selfspec
 from selfspec.bench.shapes import SHAPES
-from selfspec.bench.step_bound import PassLog, bound_seconds, pass_table
+from selfspec.bench.passes import PassLog
+from selfspec.bench.step_bound import bound_seconds, pass_table
 from selfspec.bench.synthetic import synthetic_model
 from selfspec.bench.traces import TRACE_DIR, ReplayAcceptance, load
 from selfspec.engine.engine import (DEFAULT_DECODE_STEPS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT, Engine,

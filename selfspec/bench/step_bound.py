@@ -2,12 +2,12 @@
 each at the cost it has alone. measured / bound says how much the host (scheduling, sampling, Python between
 passes) and idle gaps took: 1.0 is a run that never waits on the host.
 
-`PassLog` stands in for the engine's runner during a run and counts every pass by what sets its cost: the mode,
-rows and tokens of a decode, draft or verify pass (the CUDA graphs replay these), the packed rows' lengths and
-keys of a prefill pass, the rows, width and nodes of a node-packed tree pass. `bound_seconds` then times each
-distinct pass alone on padding rows (trash blocks), decode and tree passes at a given context length, and adds them
-up. A draft model's own passes run outside the engine's runner and
-are not counted (the bound of `draft-model` is optimistic by their cost).
+`PassLog` (bench/passes.py) stands in for the engine's runner during a run and logs every pass by what sets its
+cost: the mode, rows and tokens of a decode, draft or verify pass (the CUDA graphs replay these), the packed rows'
+lengths and keys of a prefill pass, the rows, width and nodes of a node-packed tree pass. `bound_seconds` then times
+each distinct pass alone on padding rows (trash blocks), decode and tree passes at a given context length, and adds
+them up. A draft model's own passes run outside the engine's runner and are not counted (the bound of `draft-model`
+is optimistic by their cost).
 """
 from __future__ import annotations
 
@@ -22,29 +22,6 @@ from selfspec.engine.engine import Engine
 from selfspec.bench.traces import tree_branches
 from selfspec.model import Packed, TreeLayout
 from selfspec.quant.modes import Mode
-
-
-class PassLog:
-    """A runner that counts each pass (mode, shape) and runs it on the runner it wraps."""
-
-    def __init__(self, runner) -> None:
-        self.runner = runner
-        self.passes: Counter = Counter()
-
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)
-
-    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode,
-                 logits_at: torch.Tensor | None = None, packed: Packed | None = None,
-                 tree: TreeLayout | None = None) -> torch.Tensor:
-        if packed is not None:
-            shape = ("prefill", tuple(packed.lengths), tuple(packed.keys))
-        elif tree is not None:  # a node-packed tree pass: its branch rows, their width, its nodes, shared rows
-            shape = ("tree", *tree.rows.shape, tokens.shape[1], tree.tails is not None)
-        else:
-            shape = tuple(tokens.shape)
-        self.passes[(mode, shape)] += 1
-        return self.runner(tokens, pos, cache, mode, logits_at, packed, tree=tree)
 
 
 def pass_seconds(engine: Engine, mode: Mode, shape: tuple, context: int, repeats: int = 5) -> float:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from selfspec.bench.passes import PassLog, decode_rows
 from selfspec.bench.prompts import essay_prompts
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
@@ -149,30 +150,9 @@ def load(path: Path) -> Trace:
 # ---------------------------------------------------------------- recording
 
 
-class PassLog:
-    """A model (eager or graphed) that logs each decode pass as (rows, tokens per row, distinct draft tokens) (a
-    draft model's packed catch-up of the committed context is not a draft step, and is not logged)."""
-
-    def __init__(self, model, calls: list | None = None) -> None:
-        self.model = model
-        self.calls = [] if calls is None else calls
-
-    def __getattr__(self, name: str):
-        return getattr(self.model, name)
-
-    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode, *args, **kw) -> torch.Tensor:
-        tree = kw.get("tree")
-        if tree is not None:  # its nodes: each sequence's pending token, then its distinct drafts
-            rows, width = tree.rows.shape
-            self.calls.append((rows, width, tokens.shape[1] - 1))
-        elif kw.get("packed") is None:
-            rows, width = tokens.shape
-            self.calls.append((rows, width, rows * (width - 1)))
-        return self.model(tokens, pos, cache, mode, *args, **kw)
-
-
-def round_of(calls: list[tuple[int, int]], accepted: int) -> Round:
-    """A round from the passes it ran (the last one verifies) and the drafts it accepted."""
+def round_of(calls: list[tuple[int, int, int]], accepted: int) -> Round:
+    """A round from the decode passes it ran (`passes.decode_rows`: the last one verifies) and the drafts it
+    accepted."""
     branches, tokens, nodes = calls[-1]
     proposed, steps = branches * (tokens - 1), len(calls) - 1
     kind = "none" if proposed == 0 else "tree" if branches > 1 else "draft" if steps else "lookup"
@@ -196,7 +176,7 @@ def record(llm, prompts: list, gamma: int, max_new_tokens: int, temperature: flo
         llm.fit_draft_vocab(ids)
         for tokens in decode(log, ids, llm.verify_mode, draft, gamma, params, stats):
             if emitted >= 0:
-                rounds.append(round_of(log.calls, len(tokens) - 1))
+                rounds.append(round_of(decode_rows(log.calls), len(tokens) - 1))
             log.calls.clear()
             emitted += len(tokens)
             if emitted >= max_new_tokens:

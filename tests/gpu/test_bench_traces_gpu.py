@@ -9,7 +9,8 @@ if not torch.cuda.is_available():
 
 import selfspec  # noqa: E402
 from selfspec.bench.spec import decode_speed  # noqa: E402
-from selfspec.bench.traces import PassLog, Round, record, replay  # noqa: E402
+from selfspec.bench.passes import PassLog, decode_rows  # noqa: E402
+from selfspec.bench.traces import Round, record, replay  # noqa: E402
 from selfspec.engine.graphs import GraphedModel  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
 
@@ -43,5 +44,5 @@ def test_replay_on_the_graphed_runner_pays_the_recorded_passes():
     timed = rounds[1:] + rounds[:1]  # the untimed run replayed round 0
     expected = [c for r in timed
                 for c in [(1, 1, 0)] * r.draft_steps + [(r.branches, r.verified // r.branches, r.nodes)]]
-    assert log.calls[-len(expected):] == expected
+    assert decode_rows(log.calls)[-len(expected):] == expected
     assert out["accepted"] == sum(r.accepted for r in rounds)
