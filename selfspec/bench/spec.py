@@ -5,6 +5,8 @@ synthetic-weight shape under CUDA graphs (GPU) or on a real model (CPU); against
 the speed the measured step costs and the trace's acceptance predict.
 
 python -m selfspec.bench.spec [--shape llama-3-8b] [--trace selfspec/bench/traces/smollm2-135m.planes.json]
+python -m selfspec.bench.spec --shape qwen2.5-1.5b --draft-shape qwen2.5-0.5b --trace ...draft-model...json
+    (recipe draft-model: its draft steps on a second synthetic model, the draft model's shape)
 python -m selfspec.bench.spec --predict AR_MS DRAFT_MS TOKEN_MS [--trace ...]   (any machine: step costs alone)
 python -m selfspec.bench.spec --tables [--trace-model smollm2-135m] [--shape llama-3-8b | --device cpu] ...
     Quasar's tables (bench/tables.py): tokens/s and acceptance length per recipe and task vs BF16 AR, vs the
@@ -18,6 +20,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +34,9 @@ from selfspec.speculative.decode import decode
 from selfspec.speculative.drafters import draft_modes
 from selfspec.speculative.recipes import PRESETS
 from selfspec.speculative.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from selfspec.engine.graphs import GraphedModel
 
 
 # The draft-model peer (`selfspec bench all`, part draft-peer): Qwen2.5-Coder-0.5B drafting for the 1.5B beside the
@@ -96,7 +102,7 @@ def replayable_traces(trace_dir: Path = TRACE_DIR) -> list[Path]:
     return [p for p in sorted(trace_dir.glob("*.json")) if unreplayable(load(p)) is None]
 
 
-def draft_model(t: Trace, draft_shape: str, max_len: int):
+def draft_model(t: Trace, draft_shape: str, max_len: int) -> GraphedModel:
     """A draft-model trace's drafter: a synthetic model of draft_shape stored for the trace's draft mode, under
     CUDA graphs (a GraphedModel)."""
     from selfspec.bench.synthetic import synthetic_model
