@@ -261,3 +261,24 @@ def test_a_request_whose_tree_cannot_fit_is_refused(llm):
         engine.add_request("a", [3, 4, 5], greedy(8), gamma=4)  # 4 blocks of its own + 3 x 2 for the branches
     out = serve(engine, [([3, 4, 5], greedy(8), 0)], arrivals=[0])  # no drafts, no branches: 3 blocks
     assert out["0"] == (llm.generate([3, 4, 5], greedy(8), gamma=0).token_ids, "length")
+
+
+@pytest.mark.parametrize("name", ["recycle-tree:6", "hybrid-tree"])
+def test_a_tree_recipes_plain_rounds_run_back_to_back(llm, name, monkeypatch):
+    """A tree recipe's plain rounds (gamma 0, or the policy's) run decode_steps steps back to back as a chain
+    recipe's do: each row's text keeps its drafter's history (and, for the recycled tree, its successor table), and
+    tree rounds after the bursts are still AR's tokens."""
+    import selfspec.engine.engine as engine_module
+    from selfspec.speculative.decode import run_steps
+
+    llm.drafter = make_drafter(name)
+    bursts = []
+    monkeypatch.setattr(engine_module, "run_steps", lambda *a: bursts.append(a[4]) or run_steps(*a))
+    requests = [(p, greedy(16), 0 if i < 2 else 4) for i, p in enumerate(REPETITIVE[:4])]
+    refs = [llm.generate(p, params, gamma=0).token_ids for p, params, _ in requests]
+    engine = Engine(llm, max_batch=2, block_size=4, num_blocks=96, max_gamma=4, decode_steps=4)
+    out = serve(engine, requests, arrivals=[0, 0, 1, 1])
+    for i, ref in enumerate(refs):
+        assert out[str(i)] == (ref, "length"), (name, i)
+    assert bursts and max(bursts) == 4 and engine.stats().num_accepted_tokens > 0
+    assert_idle(engine)

@@ -673,8 +673,8 @@ class Engine:
         steps past the first; else 1. No row goes past the longest output still due, nor past the model's
         length; a row stopping inside the burst (EOS, length, a stop string) drops the tokens after its stop."""
         seqs = plan.rounds.get(0, [])
-        if (self.decode_steps == 1 or len(plan.rounds) != 1 or not seqs or self.tree is not None
-                or isinstance(self.cache, PagedQuantKVCache) or (self.waiting and len(self.running) < self.max_batch)
+        if (self.decode_steps == 1 or len(plan.rounds) != 1 or not seqs or isinstance(self.cache, PagedQuantKVCache)
+                or (self.waiting and len(self.running) < self.max_batch)
                 or any(s.row is None or not s.params.greedy for s in seqs)):
             return 1
         steps = min(self.decode_steps, max(s.params.max_new_tokens - len(s.out.token_ids) for s in seqs),
