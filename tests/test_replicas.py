@@ -23,6 +23,10 @@ from selfspec.serve.replicas import REPLICA_LOST, start
 MODEL = "smollm2-135m"
 MAX_BATCH = 4  # per replica: with 24 requests, most wait at the front when one replica is killed
 N_REQUESTS = 24
+# The kill test's requests: long enough that the killed replica is still decoding when it dies (6-token requests, a
+# burst or two of decode steps, were sometimes all done on it by then, and no request was cut), few enough that the
+# survivor serves the rest quickly; still more than both replicas' batches, so some wait at the front.
+KILL_REQUESTS, KILL_TOKENS = 12, 16
 OPENINGS = ["The capital of France is", "Once upon a time", "def fib(n):", "The three states of matter are",
             "Photosynthesis is", "To reverse a string in JavaScript,", "The best way to make pancakes is",
             "SELECT COUNT(*) FROM"]
@@ -85,13 +89,13 @@ def replica_actor_names() -> list[str]:
 
 
 def test_killing_a_replica_loses_no_request_it_had_not_started(url):
-    started = [threading.Event() for _ in range(N_REQUESTS)]
+    started = [threading.Event() for _ in range(KILL_REQUESTS)]
 
     def chat(i: int) -> tuple[str, str | None]:
         """("done", finish reason) or ("failed", message); `started[i]` is set once a replica admitted it."""
         try:
             stream = client(url).chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=6,
+                model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=KILL_TOKENS,
                 temperature=0, stream=True)
             finish = None
             for chunk in stream:  # the first chunk (the role) is sent once a replica admitted the request
@@ -104,15 +108,15 @@ def test_killing_a_replica_loses_no_request_it_had_not_started(url):
 
     names = replica_actor_names()
     assert len(names) == 2
-    with ThreadPoolExecutor(N_REQUESTS) as pool:
-        futures = [pool.submit(chat, i) for i in range(N_REQUESTS)]
+    with ThreadPoolExecutor(KILL_REQUESTS) as pool:
+        futures = [pool.submit(chat, i) for i in range(KILL_REQUESTS)]
         deadline = time.monotonic() + 60
         while sum(e.is_set() for e in started) < MAX_BATCH and time.monotonic() < deadline:
             time.sleep(0.02)
         ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
         started_at_kill = sum(e.is_set() for e in started)
         results = [f.result() for f in futures]
-    assert started_at_kill < N_REQUESTS  # some had not started when the replica died
+    assert started_at_kill < KILL_REQUESTS  # some had not started when the replica died
     failed = [(i, message) for i, (status, message) in enumerate(results) if status == "failed"]
     assert all(started[i].is_set() for i, _ in failed), "a request that had not started was lost"
     assert all(REPLICA_LOST in message for _, message in failed), failed
