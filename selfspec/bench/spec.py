@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec.bench.shapes import SHAPES
-from selfspec.bench.traces import (TASKS, TRACE_DIR, DraftModelReplay, Replay, Round, Trace, TreeReplay, load,
-                                   replay)
+from selfspec.bench.traces import (TASKS, TRACE_DIR, DraftModelReplay, Replay, Round, Trace, TreeReplay, catches_up,
+                                   load, replay)
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES, Mode
@@ -189,7 +189,7 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int,
                     cut = [x.cut(k) for x in rounds]
                     steps = sum(x.draft_steps for x in cut) / len(cut)
                     if drafting is not None:  # the draft model's catch-up steps
-                        steps += sum(x.accepted == x.draft_steps > 0 for x in cut) / len(cut)
+                        steps += sum(map(catches_up, cut)) / len(cut)
                     branches = round(sum(x.branches for x in cut) / len(cut))  # the mean verify pass's shape
                     tokens = round(sum(x.width + 1 for x in cut) / len(cut))
                     verify_ms = pass_ms(gm, r.verify, branches, tokens, context)

@@ -329,6 +329,12 @@ def tree_branches(first: list[int], branches: int, nodes: int, token: int, vocab
     return out
 
 
+def catches_up(r: Round) -> bool:
+    """Whether a draft model's round leaves its cache one token behind: it accepted every draft, so the last one,
+    never fed, is fed by one more step before the next round's (speculative/draft_model.py)."""
+    return r.accepted == r.draft_steps > 0
+
+
 class DraftModelReplay(ChainReplay):
     """Replay of recipe draft-model's rounds: their draft steps run on another model (`draft`, a GraphedModel of
     the draft model's shape, with its own cache). As speculative/draft_model.py does, a round after one that
@@ -346,7 +352,7 @@ class DraftModelReplay(ChainReplay):
         toks, _ = draft_tokens(self.draft, self.cache, [row], torch.tensor([row.pending], device=dev),
                                torch.tensor([[row.length - behind]], device=dev), behind + r.draft_steps, self.mode)
         self.steps += behind + r.draft_steps
-        self.behind = int(r.accepted == r.draft_steps > 0)
+        self.behind = int(catches_up(r))
         return (toks[0, behind:].tolist() + [row.pending] * r.width)[:r.width]
 
 
