@@ -652,14 +652,14 @@ def int8_gemm(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.
     return y
 
 
+PERSISTENT_ROWS = 512  # int8_ctas: from this many rows, one CTA per SM
+
+
 def int8_ctas(tiles: int, m: int, device: torch.device) -> int:
     """CTAs of the int8 GEMM: past PERSISTENT_ROWS rows one per SM, each walking its share of the tiles (H100, 8B
     layers, docs/bench-h100/ab-gemm-persistent.json: 0.92-0.99x the time of a CTA a tile at 1024 and 4096 rows,
     but 1.03-1.15x at 160-256); else a CTA a tile."""
     return min(tiles, _sm_count(device)) if m >= PERSISTENT_ROWS else tiles
-
-
-PERSISTENT_ROWS = 512
 
 
 def int8_pieces(grid: tuple[int, int], k: int, block_k: int, device: torch.device) -> int:
