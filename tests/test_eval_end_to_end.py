@@ -105,6 +105,31 @@ def test_recipe_difference_is_listed(setup, tmp_path, monkeypatch):
     assert "tampered" in (out / "summary.md").read_text()
 
 
+def test_items_cached_by_other_code_are_generated_again(setup, tmp_path, monkeypatch):
+    """The cache keys each item by the code that computes the outputs too: after a change to it, nothing cached is
+    reused (a recipe would otherwise be compared with its verify mode's output from before the change)."""
+    from selfspec.eval import runner
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "results"
+    argv = ["eval", "--model", str(setup / "model"), "--tasks", "gsm8k", "--modes", "w4a4", "--recipes", "",
+            "--limit", "2", "--max-new-tokens", "4", "--out", str(out), "--data", f"gsm8k={setup / 'gsm8k.jsonl'}"]
+    assert main(argv) == 0
+    code = json.loads((out / "w4a4" / "gsm8k.jsonl").read_text().splitlines()[0])["settings"]["code"]
+    assert code == runner.code_version() and len(code) == 16
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args):
+        raise Loaded
+    monkeypatch.setattr(selfspec.loading, "resolve", load)
+    assert main(argv) == 0  # the same code: every item cached, no model loaded
+    monkeypatch.setattr(runner, "code_version", lambda: "another version")
+    with pytest.raises(Loaded):
+        main(argv)
+
+
 def test_humaneval_scoring_runs_the_tests(monkeypatch):
     monkeypatch.setattr(humaneval, "TIMEOUT_S", 1.0)
     item = Item("Test/1", HUMANEVAL[1]["prompt"], HUMANEVAL[1]["test"], {"entry_point": "f1"})

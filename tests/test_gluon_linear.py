@@ -61,3 +61,16 @@ def test_the_int8_gemm_splits_k_under_half_a_wave_and_persists_past_512_rows(mon
     assert gluon_linear.int8_ctas(8 * 224, 1024, cpu) == 132  # gate/up at 1024 rows: persistent
     assert gluon_linear.int8_ctas(2 * 224, 256, cpu) == 448  # at 256 rows: a CTA a tile
     assert gluon_linear.int8_ctas(4 * 32, 512, cpu) == 128  # fewer tiles than SMs
+
+
+def test_the_int8_gemm_takes_short_k_tiles_where_each_sm_has_few_tiles(monkeypatch):
+    """K tiles of 128 (twice the ring slots) up to 4 tiles a SM, of 256 beyond (the sums are exact either way)."""
+    from selfspec.kernels import gluon_linear
+
+    monkeypatch.setattr(gluon_linear, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert gluon_linear.int8_block_k(2 * 224, cpu) == 128  # gate/up at 256 rows: 3.4 a SM
+    assert gluon_linear.int8_block_k(8 * 48, cpu) == 128  # qkv at 1024 rows: 2.9 a SM
+    assert gluon_linear.int8_block_k(8 * 224, cpu) == 256  # gate/up at 1024 rows: 13.6 a SM
+    assert gluon_linear.int8_block_k(32 * 32, cpu) == 256  # o at 4096 rows: 7.8 a SM
+    assert gluon_linear.int8_stages(128) == 2 * gluon_linear.int8_stages(256)

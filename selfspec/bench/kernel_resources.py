@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         attention_table(args.warps, args.max_registers or [tqa.MAX_REGISTERS])
         return
     if args.warp_specialized:
-        print("warp-specialized GEMMs (nibbles: K tiles of 128; bf16: of 64), sm_90")
+        print("warp-specialized GEMMs (nibbles: K tiles of 128; bf16: of 64; w8a8: of 256 unless said), sm_90")
         print("| mode | stages | registers at launch | stack bytes | shared bytes | MMA | wgmma serialized |\n"
               "|---|---|---|---|---|---|---|")
         kernels = [(mode, gll.nibble_stages(FORMATS[mode], 128), compile_warp_specialized(mode))
@@ -268,8 +268,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                         compile_warp_specialized("full", partial=True)))
         kernels += [(f"bf16 split {split}", "-", compile_dense_warp_specialized(64, split)) for split in (1, 4)]
         kernels.append(("bf16 split 4, 64 columns", "-", compile_dense_warp_specialized(64, 4, block_n=64)))
-        kernels += [(f"w8a8{' piece of K' if partial else ''}", "-", compile_int8_warp_specialized(partial))
-                    for partial in (False, True)]
+        kernels += [(f"w8a8{' piece of K' if partial else ''}", gll.int8_stages(gll.INT8_BLOCK_K),
+                     compile_int8_warp_specialized(partial)) for partial in (False, True)]
+        kernels.append(("w8a8, K tiles of 128", gll.int8_stages(gll.INT8_SHORT_BLOCK_K),
+                        compile_int8_warp_specialized(block_k=gll.INT8_SHORT_BLOCK_K)))
         for name, stages, kernel in kernels:
             r = resources(kernel)
             print(f"| {name} | {stages} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} | "

@@ -1,10 +1,12 @@
 """`selfspec eval`: run each task under each mode (autoregressive) and each recipe (speculative), caching
 every item's result as one JSON line in OUT/<config>/<task>.jsonl so an interrupted run resumes where it
-stopped. A cached line is reused only if it was made with the same settings (and did not fail).
+stopped. A cached line is reused only if it was made with the same settings, by the same code (and did not fail).
 Generation runs through the continuous-batching engine; each item is cached as soon as it finishes.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import random
 import time
@@ -226,10 +228,27 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
     return results
 
 
+ARITHMETIC_SOURCES = ("model.py", "kernels", "quant", "cache", "loading")  # what computes a model's outputs
+
+
+@functools.cache
+def code_version() -> str:
+    """A hash of the sources that compute a model's outputs. An item cached by other code is generated again: a
+    kernel whose bits changed would otherwise leave a recipe compared with its verify mode's output from before
+    (seen: two GSM8K items of `planes` against `full` items cached four days and many kernels earlier)."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for name in ARITHMETIC_SOURCES:
+        for path in sorted([root / name] if name.endswith(".py") else (root / name).rglob("*.py")):
+            h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def settings(model: str | None, cfg: EvalConfig, task: str, max_new_tokens: int, chat: bool, gamma: int,
              group_size: int, device: str, tensor_parallel: int = 1) -> dict:
-    """What a cached result depends on besides the item (the tensor-parallel size where above 1)."""
-    s = {"model": model or "default", **asdict(cfg), "group_size": group_size, "device": device}
+    """What a cached result depends on besides the item: the code too (the tensor-parallel size where above 1)."""
+    s = {"model": model or "default", **asdict(cfg), "group_size": group_size, "device": device,
+         "code": code_version()}
     if tensor_parallel > 1:
         s["tensor_parallel"] = tensor_parallel
     s.pop("reference")

@@ -613,7 +613,8 @@ def _int8_ws_kernel(x_desc, w_desc, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr,
 
 INT8_BOX = gl.constexpr(128)  # columns of int8 per TMA box: 128 bytes, the widest a 128-byte swizzle takes
 INT8_BLOCK_N = 128
-INT8_BLOCK_K = 256
+INT8_BLOCK_K = 256  # K tiles where each SM has many tiles to walk; int8_block_k
+INT8_SHORT_BLOCK_K = 128  # where it has few: twice the ring slots, each freed sooner
 
 
 def int8_stages(block_k: int) -> int:
@@ -622,11 +623,11 @@ def int8_stages(block_k: int) -> int:
 
 
 def int8_gemm(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-              r2: torch.Tensor | None, pieces: int | None = None, block_k: int = INT8_BLOCK_K) -> torch.Tensor:
+              r2: torch.Tensor | None, pieces: int | None = None, block_k: int | None = None) -> torch.Tensor:
     """y [M, N] = (xq [M, K] @ q^T) * xs * scale (+ bias, + r2): int8 activation codes with their row scales, int8
     weight codes with their channel scales: _linear_kernel's bits, which its exact int32 sums give whatever the
     tiles and however K is split. K goes in `pieces` CTAs of whole K tiles (default `int8_pieces`), their int32
-    sums added by sum_chunks."""
+    sums added by sum_chunks. K tiles of `block_k` columns (default `int8_block_k`)."""
     m, k = xq.shape
     n = q.shape[0]
     box = INT8_BOX.value
@@ -635,6 +636,7 @@ def int8_gemm(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.
     w_desc = TensorDescriptor.from_tensor(q, [INT8_BLOCK_N, box],
                                           gl.NVMMASharedLayout.get_default_for([INT8_BLOCK_N, box], gl.int8))
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, INT8_BLOCK_N))
+    block_k = int8_block_k(grid[0] * grid[1], xq.device) if block_k is None else block_k
     pieces = int8_pieces(grid, k, block_k, xq.device) if pieces is None else pieces
     piece = triton.cdiv(triton.cdiv(k, pieces), block_k) * block_k
     live = triton.cdiv(k, piece)
@@ -660,6 +662,14 @@ def int8_ctas(tiles: int, m: int, device: torch.device) -> int:
     layers, docs/bench-h100/ab-gemm-persistent.json: 0.92-0.99x the time of a CTA a tile at 1024 and 4096 rows,
     but 1.03-1.15x at 160-256); else a CTA a tile."""
     return min(tiles, _sm_count(device)) if m >= PERSISTENT_ROWS else tiles
+
+
+def int8_block_k(tiles: int, device: torch.device) -> int:
+    """The int8 GEMM's K tile: 128 columns (6 ring slots) where its tiles are at most 4 a SM, else 256 (3 slots).
+    H100, 8B layers (docs/bench-h100/ab-gemm-int8-k128.json): 128 took 0.86-0.94x the time of 256 at 256 rows
+    and 0.91-0.97x on qkv, o and down at 1024 (1.9-2.9 tiles a SM), but 1.07x on gate/up at 1024 (13.6 a SM) and
+    1.02-1.08x at 4096 rows (7.8-54)."""
+    return INT8_SHORT_BLOCK_K if tiles <= 4 * _sm_count(device) else INT8_BLOCK_K
 
 
 def int8_pieces(grid: tuple[int, int], k: int, block_k: int, device: torch.device) -> int:
