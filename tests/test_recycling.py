@@ -17,7 +17,7 @@ from selfspec.quant.modes import prompt_mode
 from selfspec.speculative.decode import decode
 from selfspec.speculative.drafters import NgramDrafter, RecycleTree, TreeDrafter, make_drafter
 from selfspec.speculative.recipes import resolve_recipe
-from selfspec.speculative.recycling import SuccessorTable, grow, text_successors
+from selfspec.speculative.recycling import DEFAULT_WIDTH, SuccessorTable, grow, text_successors
 from selfspec.speculative.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,6 +104,27 @@ def test_recycle_tree_names_and_its_lookup_branch():
     branches = drafter.propose_tree(None, None, Row, 3)
     assert branches[0] == [3, 4, 1]  # the lookup's continuation of (1, 2) first
     assert [9] == branches[1][:1] and all(b[:1] != [3] or b == branches[0] for b in branches)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_recycled_table_read_when_used_equals_one_kept_as_tokens_come(seed):
+    """A row's table takes its text when it is read (rounds that draft nothing leave it to the next round that
+    does): the same table, at every read, as one that read each token as it came, verify rankings interleaved."""
+    rng = random.Random(seed)
+    history, kept = RecycleTree(6).history([1, 2]), SuccessorTable(DEFAULT_WIDTH)
+    kept.read([1, 2])
+    for _ in range(40):
+        if rng.random() < 0.6:
+            tokens = [rng.randrange(6) for _ in range(rng.randint(1, 3))]
+            kept.read(tokens, history.tokens[-1])
+            history.extend(tokens)
+        else:
+            inputs = [rng.randrange(6) for _ in range(rng.randint(1, 3))]
+            ranked = [[rng.randrange(6) for _ in range(2)] for _ in inputs]
+            kept.observe(inputs, ranked)
+            history.table.observe(inputs, ranked)
+        if rng.random() < 0.3:
+            assert history.table.next == kept.next
 
 
 def test_text_successors_rank_by_count_and_seed_the_tree():
