@@ -106,6 +106,17 @@ def test_a_lone_sequences_tree_reads_its_own_row(llm, name):
     assert_idle(engine)
 
 
+def test_the_policy_times_tree_rounds_by_the_tokens_they_verify(llm):
+    """A round of two sequences forks each into a row per branch (up to 4): the policy learns its time as that of
+    a pass of 2 x 4 x (k + 1) tokens, as it prices such rounds (TreeDrafter.verify_tokens), not of 2 x (k + 1); a
+    lone sequence's round, of its nodes and pending token (4 x k + 1)."""
+    llm.drafter = make_drafter("ngram-tree:4")
+    engine = Engine(llm, max_batch=2, block_size=4, num_blocks=80, max_gamma=4)
+    assert engine.policy.pass_tokens(2, 3) == 2 * 4 * 4 and engine.policy.pass_tokens(1, 3) == 4 * 3 + 1
+    serve(engine, [(p, greedy(14), 4) for p in REPETITIVE[:2]], arrivals=[0, 0])
+    assert {1, 2, 2 * 4 * 5, 4 * 4 + 1} == set(engine.policy.verify_cost)
+
+
 def test_engine_tree_sampling_equals_solo_with_the_seed(llm):
     """T > 0: multi-candidate rejection sampling draws the same random numbers per request as solo decoding, so
     a seeded request's tokens are the solo ones (the solo path's distribution test: test_trees.py)."""

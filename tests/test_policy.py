@@ -9,8 +9,9 @@ from selfspec.speculative.policy import GammaPolicy, expected_tokens
 
 def measured(verify: dict[int, float], draft_ratio: float, acceptance: float, batch: int, max_gamma: int = 8,
              **kw):
-    """A policy that has seen plain decoding at `verify`'s sizes and drafts costing draft_ratio x verify(B)."""
-    p = GammaPolicy(max_gamma, **kw)
+    """A policy that has seen plain decoding at `verify`'s sizes and drafts costing draft_ratio x verify(B) (the
+    schedule alone: no floor from the probes' losses unless `probe_budget` is given)."""
+    p = GammaPolicy(max_gamma, **{"probe_budget": 1.0, **kw})
     for tokens, s in verify.items():
         p.observe_round(tokens, 0, 0.0, s)
     p.observe_round(batch, 1, draft_ratio * p.verify_estimate(batch), p.verify_estimate(2 * batch))
@@ -153,13 +154,14 @@ def test_speculation_chosen_on_few_acceptance_trials_only_measures():
 def serve(p: GammaPolicy, rounds: int, batch: int, draft_ratio: float, acceptance: float, rng: random.Random,
           verify=lambda tokens: 1.0) -> list[int]:
     """Let the policy drive `rounds` simulated rounds over `batch` rows: a draft step costs draft_ratio x
-    verify(B), a row accepts each draft with probability `acceptance` until its first rejection, timings jitter
-    by 3%. Returns the k of every round."""
+    verify(B), the verify pass verify(the policy's pass_tokens), a row accepts each draft with probability
+    `acceptance` until its first rejection, timings jitter by 3%. Returns the k of every round."""
     ks = []
     for _ in range(rounds):
         k = p.choose(batch)
         jitter = lambda: rng.uniform(0.97, 1.03)  # noqa: E731
-        p.observe_round(batch, k, k * draft_ratio * verify(batch) * jitter(), verify(batch * (k + 1)) * jitter())
+        p.observe_round(batch, k, k * draft_ratio * verify(batch) * jitter(),
+                        verify(p.pass_tokens(batch, k)) * jitter())
         accepted = []
         for _ in range(batch):
             n = 0
@@ -200,3 +202,39 @@ def test_follows_a_change_of_costs():
     switch = next(i for i, k in enumerate(ks) if k == 0)
     assert switch <= 20
     assert sum(k > 0 for k in ks[switch + 10:]) < 0.01 * len(ks[switch + 10:])
+
+
+def forked_tree(batch: int, k: int) -> int:
+    """A tree of 15 branches forked into rows (TreeDrafter.verify_tokens at batch > 1)."""
+    return batch if k == 0 else batch * 15 * (k + 1)
+
+
+def test_a_tree_round_is_priced_by_the_rows_it_verifies():
+    """Free drafts, acceptance 0.9, verify cost growing with the pass's tokens: a chain of 32 rows speculates, a
+    tree forking 15 rows a sequence does not (one draft verifies 960 tokens, not 64)."""
+    def cost(tokens: int) -> float:
+        return 1 + tokens / 64
+
+    choices = []
+    for pass_tokens in (None, forked_tree):
+        p = GammaPolicy(8, pass_tokens=pass_tokens)
+        for t in (32, 64, 128, 256, 512, 1024):
+            p.observe_round(t, 0, 0.0, cost(t))
+        p.observe_round(32, 1, 0.0, cost(p.pass_tokens(32, 1)))
+        p.observe_acceptance(1, [1] * 900 + [0] * 100)
+        choices.append(p.choose(32))
+    assert choices[0] > 0 and choices[1] == 0
+
+
+def test_drafting_probes_lose_at_most_1pct_of_the_time_however_dear():
+    """The forked tree at batch 32 (a probe verifies 960 tokens, ~9 plain steps' time): probes come no sooner than
+    1% of the time allows (at max_probe_every alone they would lose ~7%), and still come."""
+    def cost(tokens: int) -> float:
+        return 1 + tokens / 64
+
+    ks = serve(GammaPolicy(pass_tokens=forked_tree), 6000, 32, draft_ratio=0.0, acceptance=0.5,
+               rng=random.Random(0), verify=cost)
+    plain = cost(32)
+    lost = sum(cost(forked_tree(32, k)) - expected_tokens(0.5, k) * plain for k in ks[2:] if k)  # past exploration
+    assert 0 < lost < 0.012 * plain * len(ks)
+    assert sum(k > 0 for k in ks[-2000:]) >= 1

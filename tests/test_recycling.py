@@ -127,6 +127,14 @@ def test_the_recycled_table_read_when_used_equals_one_kept_as_tokens_come(seed):
             assert history.table.next == kept.next
 
 
+def test_tree_rounds_verify_their_nodes_or_a_row_per_branch():
+    """What the gamma policy prices a tree round by: a lone sequence of a drafter that forks no rows runs its nodes
+    and pending token in one row; several sequences, or a drafter that forks, a row of k + 1 per branch."""
+    recycled, hybrid = RecycleTree(15), make_drafter("hybrid-tree:4")
+    assert recycled.verify_tokens(1, 5) == 16 and recycled.verify_tokens(32, 1) == 32 * 15 * 2
+    assert hybrid.verify_tokens(1, 3) == 4 * 4 and recycled.verify_tokens(8, 0) == hybrid.verify_tokens(8, 0) == 8
+
+
 def test_text_successors_rank_by_count_and_seed_the_tree():
     base = text_successors([[1, 2, 1, 3, 1, 2], [1, 2, 4]], width=2)
     assert base == {1: (2, 3), 2: (1, 4), 3: (1,)}  # 1 -> 2 three times, -> 3 once

@@ -246,7 +246,8 @@ class Engine:
                       else PagedKVCache(*shape))
         if isinstance(llm.drafter, DraftModel):  # its pool mirrors this one's blocks: allocated up front too
             llm.drafter.store_for(self.cache)
-        self.policy = policy or GammaPolicy(max_gamma if llm.drafter is not None else 0)
+        self.policy = policy or GammaPolicy(max_gamma if llm.drafter is not None else 0,
+                                            pass_tokens=None if tree is None else tree.verify_tokens)
         self.accept = accept
         # Under tensor parallelism no graphs (engine/graphs.py), so no warm-up pass only rank 0 would run.
         on_gpu = llm.model.device.type == "cuda" and self.tp.size == 1

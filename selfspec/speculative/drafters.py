@@ -268,6 +268,16 @@ class TreeDrafter:
         """The most distinct draft tokens a tree of at most k deep holds."""
         return self.branches * k
 
+    def verify_tokens(self, batch: int, k: int) -> int:
+        """The most tokens a round of k drafts over `batch` sequences verifies (the gamma policy prices rounds by
+        it): a lone sequence of a drafter that forks no rows runs its nodes and pending token in its one row;
+        otherwise each sequence's branches run as rows of k + 1 (a plain round: one token a sequence)."""
+        if k == 0:
+            return batch
+        if batch == 1 and not self.forks:
+            return self.max_nodes(k) + 1
+        return batch * self.branches * (k + 1)
+
     def propose_trees(self, model, trees: list, rows: list[Row], k: int, view: RowsView) -> list[list[list[int]]]:
         """Each sequence's branches (rows[i]'s, over trees[i]). `view` makes one batch view of rows of several trees,
         so that draft steps run every sequence at once; by default, each sequence's `propose_tree`."""

@@ -6,7 +6,8 @@ the k in 0..max_gamma with the most tokens per second, and 0 unless speculation 
 `margin`, so speculative serving is never slower than plain decoding of the verify mode at any batch size.
 
 Costs are learned as the engine runs (exponential moving averages):
-- verify cost by tokens in the pass (B * T), interpolated between measured sizes, extrapolated linearly;
+- verify cost by tokens in the pass, interpolated between measured sizes, extrapolated linearly: B(k + 1) for a
+  chain, what `pass_tokens` says for a tree (its branches forked into rows of k + 1: B x branches x (k + 1));
 - draft cost as a ratio to the verify cost of a pass of the same size (B tokens), per batch size
   (the nearest measured batch size stands in for an unmeasured one).
 Exploration: an unmeasured batch size first runs plain decoding once (measures verify(B)); while no draft
@@ -17,7 +18,10 @@ never re-timed): while speculating, a plain round re-times verify(B) every `prob
 plainly, a drafting round re-times the draft step and acceptance every 4 x probe_every rounds. A probe of the
 losing option is a lost round, so probing is cost-bounded:
 - each probe that leaves the choice as it was doubles the interval, up to `max_probe_every` (128 rounds: once
-  backed off, probes are under 0.8% of rounds, whatever they lose);
+  backed off, probes are under 0.8% of rounds);
+- a drafting probe comes no sooner than its estimated loss allows for: `probe_budget` (1%) of the time of the
+  plain rounds before it (a tree whose branches are forked into rows at a large batch verifies B x branches rows and can
+  lose several steps a probe: at one probe in 128 rounds, several % of the time);
 - the interval restarts at its base when the choice changes (a probe, or drift seen by the rounds themselves,
   flipped it) or when the batch size moves by more than a quarter from where the schedule started (the costs
   there are another question); the cost of the cap is latency in following a change the probes alone can see
@@ -39,6 +43,10 @@ finishing (and being replaced) together.
 from __future__ import annotations
 
 import bisect
+import math
+from typing import Callable
+
+PROBE_BUDGET = 0.01  # the most of plain decoding's time drafting probes may lose
 
 
 class Ema:
@@ -57,10 +65,19 @@ def expected_tokens(a: float, k: int) -> float:
     return k + 1.0 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
+def chain_tokens(batch: int, k: int) -> int:
+    """A chain round's verify pass: each row's pending token and its k drafts."""
+    return batch * (k + 1)
+
+
 class GammaPolicy:
     def __init__(self, max_gamma: int = 8, alpha: float = 0.2, margin: float = 0.05, probe_every: int = 16,
-                 max_probe_every: int = 128, min_trials: int = 32):
+                 max_probe_every: int = 128, min_trials: int = 32,
+                 pass_tokens: Callable[[int, int], int] | None = None, probe_budget: float = PROBE_BUDGET):
+        """pass_tokens(B, k): the tokens a round of k drafts over B rows verifies (default B(k + 1), a chain's)."""
         self.max_gamma = max_gamma
+        self.probe_budget = probe_budget
+        self.pass_tokens = pass_tokens or chain_tokens
         self.alpha = alpha
         self.margin = margin
         self.probe_every = probe_every
@@ -84,7 +101,7 @@ class GammaPolicy:
 
     def observe_round(self, batch: int, k: int, draft_s: float, verify_s: float) -> None:
         """A round of k drafts over `batch` rows took draft_s (all k steps) and verify_s."""
-        tokens = batch * (k + 1)
+        tokens = self.pass_tokens(batch, k)
         if tokens not in self.verify_cost:
             self.verify_cost[tokens] = Ema(self.alpha)
             bisect.insort(self.verify_sizes, tokens)
@@ -137,7 +154,8 @@ class GammaPolicy:
         draft step's estimate, where the caller has it."""
         if not k:
             return self.verify_estimate(batch)
-        return k * (self.draft_estimate(batch) if draft is None else draft) + self.verify_estimate(batch * (k + 1))
+        return k * (self.draft_estimate(batch) if draft is None else draft) + self.verify_estimate(
+            self.pass_tokens(batch, k))
 
     def throughput(self, batch: int, k: int, draft: float | None = None) -> float:
         """Estimated tokens per second per row of a round with k drafts (requires measurements)."""
@@ -152,6 +170,8 @@ class GammaPolicy:
         k = self._choose(batch)
         self._follow(batch, k > 0)
         self.since_probe += 1
+        if self.since_probe > self.probe_interval and not self.speculating:  # a drafting probe is due: can it be paid?
+            self.probe_interval = max(self.probe_interval, self._probe_floor(batch))
         probing = self.max_gamma > 0 and self.since_probe > self.probe_interval
         if probing:
             k = 0 if k else self._probe(batch)  # re-time the option not taken, once
@@ -168,6 +188,16 @@ class GammaPolicy:
         if speculating != self.speculating or moved:
             self.speculating, self.schedule_batch, self.since_probe = speculating, batch, 0
             self.probe_interval = self.probe_every if speculating else 4 * self.probe_every
+
+    def _probe_floor(self, batch: int) -> int:
+        """Decoding plainly: the fewest rounds between drafting probes for their estimated loss against plain
+        decoding of the same tokens to stay within `probe_budget` of those rounds' time (0 while unmeasured)."""
+        plain = self.verify_estimate(batch)
+        if not plain or self.acceptance is None or not self.draft_ratio:
+            return 0
+        k = self._probe(batch)
+        lost = self.round_cost(batch, k) - expected_tokens(self.acceptance, k) * plain
+        return math.ceil(lost / plain / self.probe_budget)
 
     def _exploring(self, batch: int) -> bool:
         """Whether plain decoding is measured at this size and drafting is not yet."""
