@@ -74,7 +74,7 @@ def test_three_items_end_to_end_and_resume(setup, tmp_path, capsys, monkeypatch)
     assert summary["baseline"] == "w4a4"
     for recipe in ("qspec", "planes"):
         for task, check in summary["equality"][recipe].items():
-            assert check == {"compared": 3, "identical": 3, "differences": []}, (recipe, task)
+            assert check == {"compared": 3, "identical": 3, "differences": [], "other_code": 0}, (recipe, task)
         assert summary["metrics"][recipe]["gsm8k"]["acceptance_rate"] is not None
     ppl = summary["metrics"]["w4a4"]["ppl"]
     assert ppl["n"] >= 3 and 1 < ppl["score"] < 10_000
@@ -128,6 +128,28 @@ def test_items_cached_by_other_code_are_generated_again(setup, tmp_path, monkeyp
     monkeypatch.setattr(runner, "code_version", lambda: "another version")
     with pytest.raises(Loaded):
         main(argv)
+
+
+def test_a_recipe_is_compared_with_its_verify_mode_only_where_the_same_code_made_both(setup, tmp_path, monkeypatch):
+    """--cached-only reports items whatever code made them, but a recipe's item is compared with its verify mode's
+    only where the same code made both; a run that generates makes the stale side again."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "results"
+    argv = ["eval", "--model", str(setup / "model"), "--tasks", "gsm8k", "--modes", "", "--recipes", "qspec",
+            "--limit", "2", "--max-new-tokens", "4", "--out", str(out), "--data", f"gsm8k={setup / 'gsm8k.jsonl'}"]
+    assert main(argv) == 0
+    path = out / "qspec-ar" / "gsm8k.jsonl"
+    stale = [json.loads(line) for line in path.read_text().splitlines()]
+    for rec in stale:
+        rec["settings"]["code"] = "older"
+    path.write_text("".join(json.dumps(r) + "\n" for r in stale))
+    assert main([*argv, "--cached-only"]) == 0
+    check = json.loads((out / "summary.json").read_text())["equality"]["qspec"]["gsm8k"]
+    assert (check["compared"], check["other_code"]) == (0, 2)
+    assert "(2 by other code: not compared)" in (out / "summary.md").read_text()
+    assert main(argv) == 0  # the verify items made again by this code
+    check = json.loads((out / "summary.json").read_text())["equality"]["qspec"]["gsm8k"]
+    assert (check["compared"], check["identical"], check["other_code"]) == (2, 2, 0)
 
 
 def test_humaneval_scoring_runs_the_tests(monkeypatch):
@@ -205,7 +227,7 @@ def test_tensor_parallel_eval_keeps_its_results_apart(setup, tmp_path, capsys, m
             "--data", f"ppl={setup / 'essays.json'}"]
     assert main([*args, "--out", str(tmp_path / "tp2"), "--tensor-parallel", "2"]) == 0
     tp2 = json.loads((tmp_path / "tp2" / "summary.json").read_text())
-    assert tp2["equality"]["planes"]["gsm8k"] == {"compared": 2, "identical": 2, "differences": []}
+    assert tp2["equality"]["planes"]["gsm8k"] == {"compared": 2, "identical": 2, "differences": [], "other_code": 0}
     records = [json.loads(line) for line in (tmp_path / "tp2" / "planes" / "gsm8k.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["error"] is None and r["stats"]["new_tokens"] >= 1 for r in records)
     assert main([*args, "--out", str(tmp_path / "tp1")]) == 0

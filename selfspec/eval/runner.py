@@ -125,18 +125,21 @@ def generate_batched(llm: LLM, prompts: dict[str, list[int]], params: SamplingPa
 
 
 class ResultCache:
-    """OUT/<config>/<task>.jsonl: one line per item; the last line for an id with matching settings wins."""
+    """OUT/<config>/<task>.jsonl: one line per item; the last line for an id with matching settings wins. With
+    `any_code`, lines made by other code count too (reporting what is cached: the report compares a recipe with its
+    verify mode only where both items came from the same code)."""
 
-    def __init__(self, path: Path, settings: dict):
+    def __init__(self, path: Path, settings: dict, any_code: bool = False):
         self.path, self.settings = path, settings
         self.records: dict[str, dict] = {}
+        wanted = _without_code(settings) if any_code else settings
         if path.is_file():
             for line in path.read_text().splitlines():
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError:  # a line cut short when a run was killed: redo that item
                     continue
-                if rec.get("settings") == settings:
+                if (_without_code(rec.get("settings") or {}) if any_code else rec.get("settings")) == wanted:
                     self.records[rec["id"]] = rec
 
     def add(self, record: dict) -> None:
@@ -149,6 +152,10 @@ class ResultCache:
     def done(self, item_id: str) -> bool:
         """Cached without an error (a failed item is tried again)."""
         return item_id in self.records and not self.records[item_id].get("error")
+
+
+def _without_code(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k != "code"}
 
 
 def check_args(tasks: list[str], limit: int | None, gamma: int, max_new_tokens: int, batch_size: int,
@@ -198,7 +205,7 @@ def run_eval(model: str | None, tasks: list[str], modes: list[str], recipes: lis
         speculative = cfg.draft is not None
         caches = {t: ResultCache(out_dir / cfg.label / f"{t}.jsonl",
                                  settings(model, cfg, t, max_new_tokens, chat, gamma if speculative else 0,
-                                          group_size, device, tensor_parallel))
+                                          group_size, device, tensor_parallel), any_code=cached_only)
                   for t in tasks}
         # A recipe's scores are its verify mode's logits: perplexity has nothing new to measure there.
         todo = {t: [i for i in (ppl_ids if t == "ppl" else [it.id for it in items[t]]) if not caches[t].done(i)]
