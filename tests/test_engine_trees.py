@@ -117,6 +117,17 @@ def test_the_policy_times_tree_rounds_by_the_tokens_they_verify(llm):
     assert {1, 2, 2 * 4 * 5, 4 * 4 + 1} == set(engine.policy.verify_cost)
 
 
+def test_warm_up_timings_keep_a_tree_that_must_lose_from_exploring(llm):
+    """Given the warm-up's pass timings (on the GPU; here made up, a pass costing 1 + tokens / 16), the policy
+    does not explore a tree round at batch 8 (a row per branch: 64 tokens for one draft, a loss even if accepted),
+    and does at batch 1 (a lone sequence's nodes in one row)."""
+    llm.drafter = make_drafter("ngram-tree:4")
+    engine = Engine(llm, max_batch=8, block_size=4, num_blocks=200, max_gamma=4)
+    engine.seed_policy({t: 1 + t / 16 for t in (1, 2, 4, 8, 16, 32, 64, 128)}, {})
+    assert (engine.policy.choose(8), engine.policy.measuring) == (0, False)
+    assert (engine.policy.choose(1), engine.policy.measuring) == (1, True)
+
+
 def test_engine_tree_sampling_equals_solo_with_the_seed(llm):
     """T > 0: multi-candidate rejection sampling draws the same random numbers per request as solo decoding, so
     a seeded request's tokens are the solo ones (the solo path's distribution test: test_trees.py)."""

@@ -238,3 +238,22 @@ def test_drafting_probes_lose_at_most_1pct_of_the_time_however_dear():
     lost = sum(cost(forked_tree(32, k)) - expected_tokens(0.5, k) * plain for k in ks[2:] if k)  # past exploration
     assert 0 < lost < 0.012 * plain * len(ks)
     assert sum(k > 0 for k in ks[-2000:]) >= 1
+
+
+def test_a_round_that_must_lose_is_explored_no_sooner_than_a_probe():
+    """Costs known before any drafting (the engine's warm-up times its passes), acceptance unknown: a chain at
+    batch 32 explores at once; the forked tree, whose one draft verifies 960 tokens and loses ~9 steps even if
+    accepted, decodes plainly and drafts first when a probe's best-case loss fits 1% of the time."""
+    def seeded(pass_tokens) -> GammaPolicy:
+        p = GammaPolicy(8, pass_tokens=pass_tokens)
+        for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+            p.observe_round(t, 0, 0.0, 1 + t / 64)
+        return p
+
+    chain = seeded(None)
+    assert (chain.choose(32), chain.measuring) == (1, True)
+    tree = seeded(forked_tree)
+    ks = [tree.choose(32) for _ in range(1000)]
+    first = next(i for i, k in enumerate(ks) if k)
+    lost = (1 + forked_tree(32, 1) / 64) - 2 * (1 + 32 / 64)  # at every draft accepted, in plain steps' time
+    assert 0.95 * lost / 1.5 / 0.01 <= first <= 1.05 * lost / 1.5 / 0.01 + 1 and ks[first] == 1

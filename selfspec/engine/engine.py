@@ -76,6 +76,15 @@ DEFAULT_PREFILL_WAIT = 8
 DEFAULT_DECODE_STEPS = 4
 
 
+def timed(fn) -> float:
+    """Seconds fn takes on the GPU, synchronized before and after."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def prefill_warm_sizes(max_tokens: int) -> list[int]:
     """Token counts of the prefill passes warm_up runs: one in each tile bucket of the GEMMs (kernels'
     MANY_TOKENS: up to 16, 64, 256 rows, then tile shapes chosen per size) up to max_tokens, and max_tokens."""
@@ -329,13 +338,19 @@ class Engine:
         if draft is not None:
             passes.append((draft, 1))
         most = self.max_batch * (1 if self.tree is None else self.tree.branches)  # a tree verifies a row per branch
-        rows = 1
+        rows, verify_s, draft_s = 1, {}, {}
         while rows <= bucket(most):
             trash = trash_view(self.cache, rows, 1)
             for mode, t in passes:
                 zeros = torch.zeros(rows, t, dtype=torch.long, device=dev)
-                self.runner(zeros, zeros, trash, mode)
+                self.runner(zeros, zeros, trash, mode)  # captured
+                seconds = timed(lambda: self.runner(zeros, zeros, trash, mode))  # replayed
+                if mode == self.llm.verify_mode:
+                    verify_s[rows * t] = seconds
+                else:
+                    draft_s[rows] = seconds
             rows *= 2
+        self.seed_policy(verify_s, draft_s)
         if self.tree is not None and not self.tree.forks:
             self._warm_up_shared_trees()
         with torch.inference_mode():
@@ -344,6 +359,15 @@ class Engine:
                 pos = torch.arange(t, device=dev)[None]
                 self.runner(torch.zeros_like(pos), pos, trash, prompt_mode(self.llm.verify_mode),
                             logits_at=torch.tensor([t - 1], device=dev), packed=Packed.of([t], [t], dev))
+
+    def seed_policy(self, verify_s: dict[int, float], draft_s: dict[int, float]) -> None:
+        """Hand the gamma policy the warm-up's timings (padding rows over a short context, so a little optimistic):
+        verify passes by tokens, draft steps by rows. Where drafting would lose even if every draft were accepted
+        (a tree's rows per branch at large batches), it then explores no sooner than a probe's cost allows."""
+        for tokens, seconds in sorted(verify_s.items()):
+            self.policy.observe_round(tokens, 0, 0.0, seconds)
+        for rows, seconds in sorted(draft_s.items()):
+            self.policy.observe_draft_step(rows, seconds)
 
     def _warm_up_shared_trees(self) -> None:
         """Capture a lone sequence's node-packed tree passes (`_shares_rows`): each rows bucket up to its branches,

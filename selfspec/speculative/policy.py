@@ -11,7 +11,10 @@ Costs are learned as the engine runs (exponential moving averages):
 - draft cost as a ratio to the verify cost of a pass of the same size (B tokens), per batch size
   (the nearest measured batch size stands in for an unmeasured one).
 Exploration: an unmeasured batch size first runs plain decoding once (measures verify(B)); while no draft
-step was ever measured, it then drafts 1 token once (measures the draft ratio and acceptance).
+step was ever measured, it then drafts 1 token once (measures the draft ratio and acceptance), unless drafting
+would lose even if every draft were accepted, by the costs known (the serving engine's warm-up times the passes it
+captures: `observe_round`, `observe_draft_step`), e.g. a tree forked into a row per branch at batch 32: then the
+first drafting round is a probe, which waits as long as its loss requires (below).
 
 Probes keep the estimates fresh (a first measurement may be a slow outlier, and the losing option is otherwise
 never re-timed): while speculating, a plain round re-times verify(B) every `probe_every` rounds; while decoding
@@ -19,9 +22,10 @@ plainly, a drafting round re-times the draft step and acceptance every 4 x probe
 losing option is a lost round, so probing is cost-bounded:
 - each probe that leaves the choice as it was doubles the interval, up to `max_probe_every` (128 rounds: once
   backed off, probes are under 0.8% of rounds);
-- a drafting probe comes no sooner than its estimated loss allows for: `probe_budget` (1%) of the time of the
-  plain rounds before it (a tree whose branches are forked into rows at a large batch verifies B x branches rows and can
-  lose several steps a probe: at one probe in 128 rounds, several % of the time);
+- a drafting probe comes no sooner than its estimated loss (before drafting was measured: at every draft
+  accepted) allows for: `probe_budget` (1%) of the time of the plain rounds before it (a tree whose branches are
+  forked into rows at a large batch verifies B x branches rows and can lose several steps a probe: at one probe in
+  128 rounds, several % of the time);
 - the interval restarts at its base when the choice changes (a probe, or drift seen by the rounds themselves,
   flipped it) or when the batch size moves by more than a quarter from where the schedule started (the costs
   there are another question); the cost of the cap is latency in following a change the probes alone can see
@@ -110,6 +114,13 @@ class GammaPolicy:
         if k and base:
             self.draft_ratio.setdefault(batch, Ema(self.alpha)).update(draft_s / k / base)
 
+    def observe_draft_step(self, batch: int, seconds: float) -> None:
+        """A draft step over `batch` rows took `seconds` (the engine's warm-up times its graphs): its ratio to
+        verify(batch), where that is measured."""
+        base = self.verify_estimate(batch)
+        if base:
+            self.draft_ratio.setdefault(batch, Ema(self.alpha)).update(seconds / base)
+
     def observe_acceptance(self, k: int, accepted: list[int]) -> None:
         """Per-row accepted counts of a round with k drafts. A row accepting n < k drafts saw n successes in
         n + 1 trials, one accepting all k saw k in k: the geometric model's maximum-likelihood estimate."""
@@ -191,13 +202,25 @@ class GammaPolicy:
 
     def _probe_floor(self, batch: int) -> int:
         """Decoding plainly: the fewest rounds between drafting probes for their estimated loss against plain
-        decoding of the same tokens to stay within `probe_budget` of those rounds' time (0 while unmeasured)."""
+        decoding of the same tokens to stay within `probe_budget` of those rounds' time. Before drafting was
+        measured, the loss at the best case: every draft accepted, draft steps free where none was timed."""
         plain = self.verify_estimate(batch)
-        if not plain or self.acceptance is None or not self.draft_ratio:
+        if not plain:
             return 0
+        a = 1.0 if self.acceptance is None else self.acceptance
+        draft = self.draft_estimate(batch) or 0.0
         k = self._probe(batch)
-        lost = self.round_cost(batch, k) - expected_tokens(self.acceptance, k) * plain
-        return math.ceil(lost / plain / self.probe_budget)
+        lost = self.round_cost(batch, k, draft) - expected_tokens(a, k) * plain
+        return max(0, math.ceil(lost / plain / self.probe_budget))
+
+    def _cannot_pay(self, batch: int) -> bool:
+        """Whether drafting loses at this batch size even if every draft were accepted, by the costs known (a draft
+        step free where none was timed; one measured size stands for all, so this needs the larger passes' costs,
+        which the engine's warm-up times): then exploring waits for the probe schedule, whose floor prices it."""
+        plain = self.verify_estimate(batch)
+        draft = self.draft_estimate(batch) or 0.0
+        best = max((k + 1) / self.round_cost(batch, k, draft) for k in range(1, self.max_gamma + 1))
+        return best <= (1 + self.margin) / plain
 
     def _exploring(self, batch: int) -> bool:
         """Whether plain decoding is measured at this size and drafting is not yet."""
@@ -206,8 +229,8 @@ class GammaPolicy:
     def _choose(self, batch: int) -> int:
         if self.max_gamma == 0 or batch not in self.verify_cost:
             return 0  # measure plain decoding at this size first
-        if self._exploring(batch):
-            return 1  # explore: one cheap round measures the draft step and acceptance
+        if self._exploring(batch):  # one cheap round measures the draft step and acceptance, unless it must lose
+            return 0 if self._cannot_pay(batch) else 1
         draft = self.draft_estimate(batch)
         rates = [self.throughput(batch, k, draft) for k in range(self.max_gamma + 1)]
         best = max(range(1, self.max_gamma + 1), key=rates.__getitem__)  # the k >= 1 of the most tokens/s
