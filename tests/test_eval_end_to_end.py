@@ -52,6 +52,12 @@ def eval_args(root, out, *extra):
             "--data", f"math500={root / 'math.json'}", "--data", f"ppl={root / 'essays.json'}", *extra]
 
 
+def gsm8k_args(root, out, modes: str, recipes: str, limit: int, tokens: int) -> list[str]:
+    return ["eval", "--model", str(root / "model"), "--tasks", "gsm8k", "--modes", modes, "--recipes", recipes,
+            "--limit", str(limit), "--max-new-tokens", str(tokens), "--out", str(out),
+            "--data", f"gsm8k={root / 'gsm8k.jsonl'}"]
+
+
 def test_three_items_end_to_end_and_resume(setup, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "results"
@@ -89,8 +95,7 @@ def test_recipe_difference_is_listed(setup, tmp_path, monkeypatch):
     """A speculative text that differs from the verify mode's is reported, not hidden."""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "results"
-    argv = ["eval", "--model", str(setup / "model"), "--tasks", "gsm8k", "--modes", "", "--recipes", "qspec",
-            "--limit", "3", "--max-new-tokens", "6", "--out", str(out), "--data", f"gsm8k={setup / 'gsm8k.jsonl'}"]
+    argv = gsm8k_args(setup, out, "", "qspec", 3, 6)
     assert main(argv) == 0
     path = out / "qspec" / "gsm8k.jsonl"
     first, *rest = path.read_text().splitlines()
@@ -112,8 +117,7 @@ def test_items_cached_by_other_code_are_generated_again(setup, tmp_path, monkeyp
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "results"
-    argv = ["eval", "--model", str(setup / "model"), "--tasks", "gsm8k", "--modes", "w4a4", "--recipes", "",
-            "--limit", "2", "--max-new-tokens", "4", "--out", str(out), "--data", f"gsm8k={setup / 'gsm8k.jsonl'}"]
+    argv = gsm8k_args(setup, out, "w4a4", "", 2, 4)
     assert main(argv) == 0
     code = json.loads((out / "w4a4" / "gsm8k.jsonl").read_text().splitlines()[0])["settings"]["code"]
     assert code == runner.code_version() and len(code) == 16
@@ -135,8 +139,7 @@ def test_a_recipe_is_compared_with_its_verify_mode_only_where_the_same_code_made
     only where the same code made both; a run that generates makes the stale side again."""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "results"
-    argv = ["eval", "--model", str(setup / "model"), "--tasks", "gsm8k", "--modes", "", "--recipes", "qspec",
-            "--limit", "2", "--max-new-tokens", "4", "--out", str(out), "--data", f"gsm8k={setup / 'gsm8k.jsonl'}"]
+    argv = gsm8k_args(setup, out, "", "qspec", 2, 4)
     assert main(argv) == 0
     path = out / "qspec-ar" / "gsm8k.jsonl"
     stale = [json.loads(line) for line in path.read_text().splitlines()]

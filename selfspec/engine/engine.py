@@ -44,6 +44,7 @@ from itertools import accumulate
 
 import torch
 
+from selfspec.bench.device import time_ms
 from selfspec.cache.paged import PagedKVCache, PagedTree, SharedTree, tree_view
 from selfspec.cache.paged_quant import PagedQuantKVCache
 from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, PagedGraphedModel, bucket, trash_view
@@ -74,15 +75,6 @@ DEFAULT_PREFILL_WAIT = 8
 # Plain decoding steps a round may run back to back (`_burst`, speculative/decode.py `run_steps`): the host queues
 # them all and waits once, where one step at a time it waited (and scheduled, and emitted) every step.
 DEFAULT_DECODE_STEPS = 4
-
-
-def timed(fn) -> float:
-    """Seconds fn takes on the GPU, synchronized before and after."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def prefill_warm_sizes(max_tokens: int) -> list[int]:
@@ -344,7 +336,7 @@ class Engine:
             for mode, t in passes:
                 zeros = torch.zeros(rows, t, dtype=torch.long, device=dev)
                 self.runner(zeros, zeros, trash, mode)  # captured
-                seconds = timed(lambda: self.runner(zeros, zeros, trash, mode))  # replayed
+                seconds = time_ms(lambda: self.runner(zeros, zeros, trash, mode), warmup=0, reps=1) / 1e3
                 if mode == self.llm.verify_mode:
                     verify_s[rows * t] = seconds
                 else:
@@ -711,7 +703,7 @@ class Engine:
         """Whether a tree round of `seqs` reads each sequence's own row (SharedTree, a node-packed pass): for a
         drafter that forks no rows, in a round of one sequence, whose pass shapes warm_up captures (larger rounds
         would need a graph per rows x nodes x width: they verify forked rows)."""
-        return self.tree is not None and not self.tree.forks and len(seqs) == 1
+        return self.tree is not None and self.tree.shares_row(len(seqs))
 
     def _tree_round(self, seqs: list[Sequence], k: int) -> RoundResult:
         """A tree drafter's round, every branch verified in one pass: each sequence's branches reading its own

@@ -132,14 +132,15 @@ class ResultCache:
     def __init__(self, path: Path, settings: dict, any_code: bool = False):
         self.path, self.settings = path, settings
         self.records: dict[str, dict] = {}
-        wanted = _without_code(settings) if any_code else settings
+        key = _without_code if any_code else dict
+        wanted = key(settings)
         if path.is_file():
             for line in path.read_text().splitlines():
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError:  # a line cut short when a run was killed: redo that item
                     continue
-                if (_without_code(rec.get("settings") or {}) if any_code else rec.get("settings")) == wanted:
+                if key(rec.get("settings") or {}) == wanted:
                     self.records[rec["id"]] = rec
 
     def add(self, record: dict) -> None:

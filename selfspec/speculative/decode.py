@@ -76,7 +76,7 @@ def decode(model: Transformer, prompt: list[int], verify: Mode, draft: Drafter |
     dev = model.device
     draft = as_drafter(draft)
     tree = isinstance(draft, TreeDrafter)
-    shared = tree and not draft.forks  # its branch rows read one cache row (model.TreeLayout's tails)
+    shared = tree and draft.shares_row(1)  # its branch rows read one cache row (model.TreeLayout's tails)
     gen = make_generator(params, dev)
     rows = draft.branches if tree and draft.forks else 1
     if start and cache is None:

@@ -268,13 +268,18 @@ class TreeDrafter:
         """The most distinct draft tokens a tree of at most k deep holds."""
         return self.branches * k
 
+    def shares_row(self, batch: int) -> bool:
+        """Whether a round over `batch` sequences runs each sequence's branches over its own one cache row (a lone
+        sequence of a drafter that forks no rows: model.TreeLayout's tails), not forked into a row per branch."""
+        return batch == 1 and not self.forks
+
     def verify_tokens(self, batch: int, k: int) -> int:
         """The most tokens a round of k drafts over `batch` sequences verifies (the gamma policy prices rounds by
-        it): a lone sequence of a drafter that forks no rows runs its nodes and pending token in its one row;
-        otherwise each sequence's branches run as rows of k + 1 (a plain round: one token a sequence)."""
+        it): a sequence sharing its row runs its nodes and pending token there; otherwise each sequence's branches
+        run as rows of k + 1 (a plain round: one token a sequence)."""
         if k == 0:
             return batch
-        if batch == 1 and not self.forks:
+        if self.shares_row(batch):
             return self.max_nodes(k) + 1
         return batch * self.branches * (k + 1)
 
