@@ -257,3 +257,13 @@ def test_a_round_that_must_lose_is_explored_no_sooner_than_a_probe():
     first = next(i for i, k in enumerate(ks) if k)
     lost = (1 + forked_tree(32, 1) / 64) - 2 * (1 + 32 / 64)  # at every draft accepted, in plain steps' time
     assert 0.95 * lost / 1.5 / 0.01 <= first <= 1.05 * lost / 1.5 / 0.01 + 1 and ks[first] == 1
+
+
+def test_a_round_estimated_free_can_pay():
+    """Verify costs extrapolated from a larger pass measured cheaper than a smaller one reach 0 (clamped): such a
+    round is taken as able to pay (explored), not divided by."""
+    p = GammaPolicy(4)
+    p.observe_round(8, 0, 0.0, 1.0)
+    p.observe_round(16, 0, 0.0, 0.5)
+    assert p.verify_estimate(8 * 5) == 0.0
+    assert (p.choose(8), p.measuring) == (1, True)

@@ -219,8 +219,9 @@ class GammaPolicy:
         which the engine's warm-up times): then exploring waits for the probe schedule, whose floor prices it."""
         plain = self.verify_estimate(batch)
         draft = self.draft_estimate(batch) or 0.0
-        best = max((k + 1) / self.round_cost(batch, k, draft) for k in range(1, self.max_gamma + 1))
-        return best <= (1 + self.margin) / plain
+        # (k + 1) / cost(k) <= (1 + margin) / plain for every k, multiplied out: an extrapolated cost may be 0
+        return all((k + 1) * plain <= (1 + self.margin) * self.round_cost(batch, k, draft)
+                   for k in range(1, self.max_gamma + 1))
 
     def _exploring(self, batch: int) -> bool:
         """Whether plain decoding is measured at this size and drafting is not yet."""
