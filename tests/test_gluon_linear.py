@@ -19,7 +19,12 @@ def test_many_tokens_of_nibble_formats_with_bf16_activations_take_it():
         assert triton_linear.tile_config(fmt[f], False, 4096, 4096, 128, rows).warp_specialized
         assert not triton_linear.tile_config(fmt[f], False, 4096, 4096, 128, rows - 1).warp_specialized
     assert not triton_linear.tile_config(fmt["INT4"], True, 4096, 4096, 128, 1024).warp_specialized  # w4a8
-    assert not triton_linear.tile_config(fmt["INT8"], False, 4096, 4096, 128, 1024).warp_specialized  # w8a16
+    int8 = triton_linear.WARP_SPECIALIZED_ROWS["int8"]  # w8a16: INT8 codes as 32-bit words, as the decode tiles
+    assert triton_linear.tile_config(fmt["INT8"], False, 4096, 4096, 0, int8).warp_specialized
+    assert not triton_linear.tile_config(fmt["INT8"], False, 4096, 4096, 0, int8 - 1).warp_specialized
+    cfg = triton_linear.tile_config(fmt["INT8"], False, 4096, 4096, 0, 1)
+    assert cfg.block_k == 128 and triton_linear.reads_words(fmt["INT8"], False, 0, cfg)
+    assert not triton_linear.reads_words(fmt["INT8"], True, 0, cfg)  # w8a8: int8 dots, exact
     assert triton_linear.tile_config(fmt["INT8"], True, 4096, 4096, 0, 1024).warp_specialized  # w8a8
     assert not triton_linear.tile_config(fmt["INT8"], True, 4096, 4096, 0, 192).warp_specialized
     assert not triton_linear.tile_config(fmt["FULL"], True, 4096, 4096, 128, 1024).warp_specialized  # planes, int8

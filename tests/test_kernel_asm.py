@@ -111,6 +111,18 @@ def test_plane_words_give_the_signed_int8_codes():
     assert {-128.0, 127.0} <= set(np.concatenate([halves(o).ravel() for o in outs]))  # the ends of the range
 
 
+def test_int8_words_give_the_signed_codes_at_k_4j_plus_t():
+    rng = np.random.default_rng(2)
+    first, a = byte_regs(rng, 4096)
+    second, b = byte_regs(rng, 4096)
+    outs = run_ptx(ptx.INT8_WORDS, [first, second], 4)
+    signed = np.where(np.stack([a, b], 2) >= 128, np.stack([a, b], 2).astype(np.float32) - 256,
+                      np.stack([a, b], 2).astype(np.float32))  # [n, 4 bytes, 2 words]
+    for t, out in enumerate(outs):  # word j holds k = 4j .. 4j + 3, byte t the code at 4j + t
+        assert np.array_equal(halves(out), signed[:, t]), t
+    assert {-128.0, 127.0, 0.0} <= set(np.concatenate([halves(o).ravel() for o in outs]))
+
+
 def byte_regs(rng, n):
     b = rng.integers(0, 256, size=(n, 4), dtype=np.uint64)
     return sum(b[:, i] << np.uint64(8 * i) for i in range(4)).astype(np.uint32), b

@@ -50,19 +50,19 @@ def test_quantized_attention_tile_issues_mma_sync():
 
 
 def test_shape_report_compiles_the_tiles_linear_picks():
-    """--shape: one row per layer GEMM and M, with the tiles `linear` picks (w8a16 at 32 rows: 32 x 128, no spill)."""
+    """--shape: one row per layer GEMM and M, with the tiles `linear` picks (w8a16 at 32 rows: 32 x 128 x 4 warps)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--shape", "llama-3-8b", "--modes",
                           "w8a16", "--m", "32"], env=env, capture_output=True, text=True, check=True).stdout
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
     rows = [r for r in rows if r[1] == "w8a16"]
     assert [r[0].split()[0] for r in rows] == ["qkv", "o", "gate/up", "down"]
-    assert all(r[3].startswith("32 x 128 x 4, 256") and r[5] == "0" and r[6] == "mma.sync" for r in rows)
+    assert all(r[3].startswith("32 x 128 x 4, 128") and r[6] == "mma.sync" for r in rows)
 
 
 def test_warp_specialized_gemms_compile_on_wgmma_without_spills():
-    """The warp-specialized GEMMs (kernels/gluon_linear.py) compile for sm_90 in every nibble format (and with its
-    K chunks in CTAs of their own), for bf16 (K whole and split) and for w8a8 (K whole and a piece of it, K tiles
+    """The warp-specialized GEMMs (kernels/gluon_linear.py) compile for sm_90 in every nibble format and for w8a16's
+    words (and with their K chunks in CTAs of their own), for bf16 (K whole and split) and for w8a8 (K whole and a piece of it, K tiles
     of 256 and 128): wgmma that ptxas does not serialize (it does when registers run short: the kernel then ran at
     the Triton tiles' time), no register spilled at the registers setmaxnreg moves to the consumers, within an
     H100's shared memory."""
@@ -71,8 +71,9 @@ def test_warp_specialized_gemms_compile_on_wgmma_without_spills():
                          capture_output=True, text=True, check=True).stdout
     rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
                                           if line.startswith("| ") and not line.startswith("| mode"))}
-    assert set(rows) == {"w4a16", "upper", "full", "full chunks apart", "bf16 split 1", "bf16 split 4",
-                         "bf16 split 4, 64 columns", "w8a8", "w8a8 piece of K", "w8a8, K tiles of 128"}
+    assert set(rows) == {"w4a16", "upper", "full", "w8a16", "full chunks apart", "w8a16 chunks apart",
+                         "bf16 split 1", "bf16 split 4", "bf16 split 4, 64 columns", "w8a8", "w8a8 piece of K",
+                         "w8a8, K tiles of 128"}
     for mode, (_, stages, _, stack, shared, mma, serialized) in rows.items():
         assert (stages == "-" or int(stages) >= 2) and stack == "0" and int(shared) <= 232448 and mma == "wgmma", mode
         assert serialized == "no", mode

@@ -744,7 +744,7 @@ def test_nibble_codes_by_bytes_in_groups_of_32(storage, mode_name):
     weight = quantize_weight(torch.randn(40, 192), storage, 32)
     fmt = triton_linear.kernel_format(weight, mode)
     cfg = triton_linear.tile_config(fmt, False, 40, 192, 32, 5)
-    assert cfg.block_k == 32 and not triton_linear.reads_words(False, cfg)
+    assert cfg.block_k == 32 and not triton_linear.reads_words(fmt, False, 32, cfg)
     x = torch.randn(5, 192).bfloat16()
     y = triton_linear.linear(x, weight, mode, None)
     assert rel_err(y, linear_oracle(x, weight, mode, None)) < TOL

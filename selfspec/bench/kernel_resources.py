@@ -54,8 +54,9 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
     unless `producer_sums` is False (o's input: no kernel writes its sums)."""
     fmt, act = FORMATS[mode], MODES[mode].act_bits is not None
     nibble = tlin.uses_nibble_kernel(fmt, act, group)
-    words = nibble and tlin.reads_words(act, cfg)
-    w_type = "i16" if words else {tlin.DENSE.value: "bf16", tlin.INT8.value: "i8"}.get(fmt, "u8")
+    words = tlin.reads_words(fmt, act, group, cfg)
+    word_type = "i32" if fmt == tlin.INT8.value else "i16"
+    w_type = word_type if words else {tlin.DENSE.value: "bf16", tlin.INT8.value: "i8"}.get(fmt, "u8")
     if words:
         w_cols = cfg.block_k // 4
     else:
@@ -80,7 +81,7 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
                       ROW_SUMS=row_sums, WORDS=words, ASM=True)
         kernel = tlin._nibble_kernel
     else:
-        consts.update(SHIFT=tlin._shift(fmt) if act else 0, SWAP=cfg.swap)
+        consts.update(SHIFT=tlin._shift(fmt) if act else 0, SWAP=cfg.swap, WORDS=words, ASM=True)
         kernel = tlin._linear_kernel
     sig.update(dict.fromkeys(consts, "constexpr"))
     return triton.compile(ASTSource(kernel, sig, consts), target=H100,
@@ -89,23 +90,31 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
 
 def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in_program: bool = True,
                              partial: bool = False) -> triton.compiler.CompiledKernel:
-    """The warp-specialized nibble GEMM (kernels/gluon_linear.py) for `mode` (w4a16, upper or full), compiled for
-    sm_90 (no launch, no GPU), as `nibble_gemm` launches it (16-byte aligned tensors); `partial`: one K chunk per
-    CTA, its fp32 sum stored (`chunks_apart`)."""
+    """The warp-specialized nibble GEMM (kernels/gluon_linear.py) for `mode` (w4a16, upper, full, or w8a16: INT8
+    codes as 32-bit words), compiled for sm_90 (no launch, no GPU), as `nibble_gemm` launches it (16-byte aligned
+    tensors); `partial`: one K chunk per CTA, its fp32 sum stored (`chunks_apart`)."""
     fmt = FORMATS[mode]
     q = block_k // 4
 
     def desc(dtype: str, shape: list[int], layout: object) -> str:
         return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
 
-    words = desc("i16", [gll.BLOCK_N, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_N, q], gl.int16))
+    word = gl.int32 if fmt == tlin.INT8.value else gl.int16
+    words = desc(str(word).replace("int", "i"), [gll.BLOCK_N, q],
+                 gl.NVMMASharedLayout.get_default_for([gll.BLOCK_N, q], word))
     row_m, row_n = (desc("fp32", [1, rows], gll.ROW_LAYOUT) for rows in (gll.BLOCK_M, gll.BLOCK_N))
     sig = {"x_desc": desc("bf16", [gll.BLOCK_M, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_M, q],
                                                                                           gl.bfloat16)),
            "w_desc": words, "w2_desc": words, "sums_desc": row_m, "scale_desc": row_n, "lo_desc": row_n,
-           "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*fp32" if partial else "*bf16"}
+           "scale_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*fp32" if partial else "*bf16"}
+    if fmt == tlin.INT8.value:  # the words' descriptor stands in for the ones it does not read
+        sig.update(w2_desc=words, sums_desc=words, scale_desc=words, lo_desc=words)
+    else:
+        sig["scale_ptr"] = "constexpr"
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
     consts = dict(CHUNKS=1) if partial else {}  # a launch's 1 is specialized as a constant
+    if fmt != tlin.INT8.value or partial:
+        consts["scale_ptr"] = None
     consts |= dict(FMT=fmt, GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program and not partial,
                    PARTIAL=partial, NARROWS=True,
                    BLOCK_M=gll.BLOCK_M, BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k, STAGES=gll.nibble_stages(fmt, block_k))
@@ -263,9 +272,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         print("| mode | stages | registers at launch | stack bytes | shared bytes | MMA | wgmma serialized |\n"
               "|---|---|---|---|---|---|---|")
         kernels = [(mode, gll.nibble_stages(FORMATS[mode], 128), compile_warp_specialized(mode))
-                   for mode in ("w4a16", "upper", "full")]
-        kernels.append(("full chunks apart", gll.nibble_stages(FORMATS["full"], 128),
-                        compile_warp_specialized("full", partial=True)))
+                   for mode in ("w4a16", "upper", "full", "w8a16")]
+        kernels += [(f"{mode} chunks apart", gll.nibble_stages(FORMATS[mode], 128),
+                     compile_warp_specialized(mode, partial=True)) for mode in ("full", "w8a16")]
         kernels += [(f"bf16 split {split}", "-", compile_dense_warp_specialized(64, split)) for split in (1, 4)]
         kernels.append(("bf16 split 4, 64 columns", "-", compile_dense_warp_specialized(64, 4, block_n=64)))
         kernels += [(f"w8a8{' piece of K' if partial else ''}", gll.int8_stages(gll.INT8_BLOCK_K),

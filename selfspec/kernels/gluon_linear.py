@@ -1,6 +1,8 @@
 """GEMMs for many tokens on Hopper, warp-specialized (Gluon): a loader warp keeps TMA copies in flight while two
 consumer warpgroups run wgmma. The nibble formats' (w4a16, `upper`, `full` with bf16 activations) build their codes
-and apply each group's affine in the consumers; the bf16 one (bf16 weights, and prompt tokens' dequantized weights)
+and apply each group's affine in the consumers; INT8 codes with bf16 activations (w8a16) take the same kernel, read
+as 32-bit words of four codes (k = 4j .. 4j + 3, the quarters' order), one product per chunk and the channel scale
+at the end, as _linear_kernel's word tiles; the bf16 one (bf16 weights, and prompt tokens' dequantized weights)
 and the int8 one (w8a8: int8 codes on both sides, their products summed exactly in int32 over K; persistent CTAs
 past 512 rows) are plain GEMMs in _linear_kernel's arithmetic (at the end of the module).
 
@@ -43,8 +45,8 @@ from selfspec.kernels import ptx
 from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY, launch_options, wait
 from selfspec.kernels.triton_small import ROW_SUM_COLS, sum_chunks
 
-# The nibble formats, as kernels/triton_linear.py numbers them.
-INT4, UPPER, FULL = gl.constexpr(2), gl.constexpr(3), gl.constexpr(4)
+# The formats, as kernels/triton_linear.py numbers them: INT8 codes (per-channel scale) and the nibble formats.
+INT8, INT4, UPPER, FULL = gl.constexpr(1), gl.constexpr(2), gl.constexpr(3), gl.constexpr(4)
 BLOCK_N = 128  # weight rows per CTA: two consumer warpgroups of WARPGROUP_ROWS
 BLOCK_M = 128  # rows of x per CTA
 NARROW = gl.constexpr(32)  # the fewest columns of x a CTA's product takes (M's last tile: 32, 64 or BLOCK_M)
@@ -53,6 +55,7 @@ LOADER_REGISTERS = gl.constexpr(24)
 CONSUMER_REGISTERS = gl.constexpr(240)  # the second consumer warpgroup's; the first (default) gets what is left
 _WORD_NIBBLES = gl.constexpr(ptx.WORD_NIBBLES)
 _PLANE_WORDS = gl.constexpr(ptx.PLANE_WORDS)
+_INT8_WORDS = gl.constexpr(ptx.INT8_WORDS)
 
 
 @gluon.jit
@@ -71,12 +74,15 @@ def _ring_barriers(STAGES: gl.constexpr):
 def _loader(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs,
             ready, free, m0, n0, k_begin, k_end, FMT: gl.constexpr, GROUP: gl.constexpr, BLOCK_K: gl.constexpr):
     """One warp: each K tile's x quarters, words, x's row sums and group affine (scale, lo) into the ring, as its
-    slots come free, for the K tiles from k_begin to k_end."""
+    slots come free, for the K tiles from k_begin to k_end (INT8 codes: the quarters and the words alone)."""
     stages: gl.constexpr = ready.type.shape[0]
     q: gl.constexpr = BLOCK_K // 4
     planes: gl.constexpr = 2 if FMT == FULL else 1
-    nbytes: gl.constexpr = (4 * x_desc.block_type.nbytes + planes * w_desc.block_type.nbytes
-                            + sums_desc.block_type.nbytes + 2 * scale_desc.block_type.nbytes)
+    if FMT == INT8:
+        nbytes: gl.constexpr = 4 * x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    else:
+        nbytes: gl.constexpr = (4 * x_desc.block_type.nbytes + planes * w_desc.block_type.nbytes
+                                + sums_desc.block_type.nbytes + 2 * scale_desc.block_type.nbytes)
     first = k_begin // BLOCK_K
     for j in range(gl.cdiv(k_end - k_begin, BLOCK_K)):
         i = first + j
@@ -89,9 +95,11 @@ def _loader(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, x_bufs, w_b
         tma.async_copy_global_to_shared(w_desc, [n0, i * q], bar, w_bufs.index(slot))
         if FMT == FULL:
             tma.async_copy_global_to_shared(w2_desc, [n0, i * q], bar, w2_bufs.index(slot))
-        tma.async_copy_global_to_shared(sums_desc, [i, m0], bar, sum_bufs.index(slot))
-        tma.async_copy_global_to_shared(scale_desc, [i * BLOCK_K // GROUP, n0], bar, affine_bufs.index(2 * slot))
-        tma.async_copy_global_to_shared(lo_desc, [i * BLOCK_K // GROUP, n0], bar, affine_bufs.index(2 * slot + 1))
+        if FMT != INT8:
+            tma.async_copy_global_to_shared(sums_desc, [i, m0], bar, sum_bufs.index(slot))
+            tma.async_copy_global_to_shared(scale_desc, [i * BLOCK_K // GROUP, n0], bar, affine_bufs.index(2 * slot))
+            tma.async_copy_global_to_shared(lo_desc, [i * BLOCK_K // GROUP, n0], bar,
+                                            affine_bufs.index(2 * slot + 1))
 
 
 @gluon.jit
@@ -100,6 +108,10 @@ def _tile_codes(w_bufs, w2_bufs, slot, row0, layout: gl.constexpr, FMT: gl.const
     register layout of wgmma's first operand."""
     rows: gl.constexpr = WARPGROUP_ROWS
     w = w_bufs.index(slot).slice(row0, rows).load(layout)
+    if FMT == INT8:  # 32-bit words of four codes
+        return gl.inline_asm_elementwise(_INT8_WORDS, "=r,=r,=r,=r,r,r", [w],
+                                         dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True,
+                                         pack=2)
     if FMT == FULL:
         w2 = w2_bufs.index(slot).slice(row0, rows).load(layout)
         return gl.inline_asm_elementwise(_PLANE_WORDS, "=r,=r,=r,=r,r,r", [w, w2],
@@ -118,7 +130,7 @@ def _row(buf, start, length: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem,
+def _consumer(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, scale_ptr,
               bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm,
               FMT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
               PARTIAL: gl.constexpr, NARROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
@@ -128,25 +140,25 @@ def _consumer(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total
     same at any width (tests/gpu compares the bits)."""
     live = M - m0
     if not NARROWS:
-        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, bias_ptr, res_ptr, y_ptr,
-                 row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES,
-                 IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)
+        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
+                 res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
+                 HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)
     elif live <= NARROW:
-        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, bias_ptr, res_ptr, y_ptr,
-                 row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES,
-                 IN_PROGRAM, PARTIAL, NARROW, BLOCK_K)
+        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
+                 res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
+                 HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROW, BLOCK_K)
     elif live <= 2 * NARROW:
-        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, bias_ptr, res_ptr, y_ptr,
-                 row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES,
-                 IN_PROGRAM, PARTIAL, 2 * NARROW, BLOCK_K)
+        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
+                 res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
+                 HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, 2 * NARROW, BLOCK_K)
     else:
-        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, bias_ptr, res_ptr, y_ptr,
-                 row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES,
-                 IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)
+        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
+                 res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
+                 HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)
 
 
 @gluon.jit
-def _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem,
+def _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, scale_ptr,
              bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm,
              FMT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
              PARTIAL: gl.constexpr, WIDTH: gl.constexpr, BLOCK_K: gl.constexpr):
@@ -176,27 +188,36 @@ def _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_
         acc = gl.zeros((rows, WIDTH), gl.float32, acc_layout)
         for k0 in range(k_begin + c * K_CHUNK, gl.minimum(k_end, k_begin + (c + 1) * K_CHUNK), BLOCK_K):
             slot = i % stages
-            d = gl.zeros((rows, WIDTH), gl.float32, acc_layout)
-            for t in gl.static_range(4):
-                d = warpgroup_mma(codes[t], x_bufs.index(4 * slot + t).slice(0, WIDTH).permute((1, 0)), d,
-                                  use_acc=t > 0, is_async=True)
+            if FMT == INT8:  # one product per chunk, as _linear_kernel's dots
+                for t in gl.static_range(4):
+                    acc = warpgroup_mma(codes[t], x_bufs.index(4 * slot + t).slice(0, WIDTH).permute((1, 0)), acc,
+                                        is_async=True)
+            else:
+                d = gl.zeros((rows, WIDTH), gl.float32, acc_layout)
+                for t in gl.static_range(4):
+                    d = warpgroup_mma(codes[t], x_bufs.index(4 * slot + t).slice(0, WIDTH).permute((1, 0)), d,
+                                      use_acc=t > 0, is_async=True)
             # While the tensor cores work: the next tile's codes.
             if i + 1 < tiles:
                 mbarrier.wait(ready.index((i + 1) % stages), ((i + 1) // stages) & 1)
                 following = _tile_codes(w_bufs, w2_bufs, (i + 1) % stages, row0, codes_layout, FMT)
             else:
                 following = codes
-            d = warpgroup_mma_wait(0, deps=(d, ))
-            x_sum = _row(sum_bufs.index(slot), 0, WIDTH, gl.SliceLayout(0, acc_layout))
-            s = _row(affine_bufs.index(2 * slot), row0, rows, gl.SliceLayout(1, acc_layout))
-            lo = _row(affine_bufs.index(2 * slot + 1), row0, rows, gl.SliceLayout(1, acc_layout))
-            if FMT == UPPER:  # triton_linear._group_affine
-                lo = lo + s * 7.5
-                s = s * 16
-            mbarrier.arrive(free.index(slot))
-            # _nibble_chunk's `d * s + x_sum * off`, with the fused multiply-add LLVM gives it there, written out:
-            # left to LLVM, which product it fuses here changed with how M was specialized.
-            acc += gl.fma(d, s[:, None], x_sum[None, :] * (lo - s * offset)[:, None])
+            if FMT == INT8:
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(free.index(slot))
+            else:
+                d = warpgroup_mma_wait(0, deps=(d, ))
+                x_sum = _row(sum_bufs.index(slot), 0, WIDTH, gl.SliceLayout(0, acc_layout))
+                s = _row(affine_bufs.index(2 * slot), row0, rows, gl.SliceLayout(1, acc_layout))
+                lo = _row(affine_bufs.index(2 * slot + 1), row0, rows, gl.SliceLayout(1, acc_layout))
+                if FMT == UPPER:  # triton_linear._group_affine
+                    lo = lo + s * 7.5
+                    s = s * 16
+                mbarrier.arrive(free.index(slot))
+                # _nibble_chunk's `d * s + x_sum * off`, with the fused multiply-add LLVM gives it there, written out:
+                # left to LLVM, which product it fuses here changed with how M was specialized.
+                acc += gl.fma(d, s[:, None], x_sum[None, :] * (lo - s * offset)[:, None])
             codes = following
             i += 1
         if IN_PROGRAM:
@@ -209,6 +230,8 @@ def _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_
     if PARTIAL:  # this chunk's sum, for sum_chunks to add in order
         gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], total, mask=y_mask)
     else:
+        if FMT == INT8:  # the channel scale, after the sum (triton_linear._epilogue)
+            total = total * gl.load(scale_ptr + offs_n, mask=n_mask, other=0)[:, None]
         if HAS_BIAS:
             total += gl.load(bias_ptr + offs_n, mask=n_mask, other=0).to(gl.float32)[:, None]
         y = total.to(gl.bfloat16)
@@ -219,7 +242,7 @@ def _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_
 
 
 @gluon.jit(do_not_specialize=["M"])  # one binary for every M
-def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, bias_ptr, res_ptr, y_ptr,
+def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, scale_ptr, bias_ptr, res_ptr, y_ptr,
                       M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
                       FMT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                       IN_PROGRAM: gl.constexpr, PARTIAL: gl.constexpr, NARROWS: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -233,23 +256,28 @@ def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, b
         y_ptr += gl.program_id(2) * M * stride_ym
     q: gl.constexpr = BLOCK_K // 4
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, BLOCK_M, q], x_desc.layout)
-    w_bufs = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, q], w_desc.layout)
+    if FMT == INT8:  # 32-bit words of four codes; no sums or group affine (the channel scale comes at the end)
+        w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, q], w_desc.layout)
+        sum_bufs = x_bufs
+        affine_bufs = x_bufs
+    else:
+        w_bufs = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, q], w_desc.layout)
+        sum_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], sums_desc.layout)
+        affine_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, BLOCK_N], scale_desc.layout)
     if FMT == FULL:
         w2_bufs = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, q], w2_desc.layout)
     else:
         w2_bufs = w_bufs
-    sum_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], sums_desc.layout)
-    affine_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, BLOCK_N], scale_desc.layout)
     total_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WARPGROUP_ROWS, BLOCK_M], gl.float32)
     total_smem = gl.allocate_shared_memory(gl.float32, [2, WARPGROUP_ROWS, BLOCK_M], total_layout)
     ready, free = _ring_barriers(STAGES)
     # The partitions' arguments are written out here: a tuple kept in a variable loses its constexprs.
     gl.warp_specialize([
-        (_consumer, (x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem.index(0), bias_ptr,
-                     res_ptr, y_ptr, 0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym,
+        (_consumer, (x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem.index(0), scale_ptr,
+                     bias_ptr, res_ptr, y_ptr, 0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym,
                      stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROWS, BLOCK_M, BLOCK_K)),
-        (_consumer, (x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem.index(1), bias_ptr,
-                     res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS,
+        (_consumer, (x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem.index(1), scale_ptr,
+                     bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS,
                      stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROWS, BLOCK_M,
                      BLOCK_K)),
         (_loader, (x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_bufs, sum_bufs,
@@ -259,9 +287,9 @@ def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, b
 
 @triton.jit
 def _nibble_inputs_kernel(x_ptr, sums_ptr, xq_ptr, ts_ptr, K, stride_ts, BLOCK_K: tl.constexpr,
-                          PIECES: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
+                          PIECES: tl.constexpr, TILES: tl.constexpr, SUMS: tl.constexpr, PDL: tl.constexpr):
     """TILES K tiles of one row of x: their columns quartered (column t * BLOCK_K / 4 + j of a tile holds its column
-    4j + t), and the row's sum per tile, its PIECES ROW_SUM_COLS-column sums added in order."""
+    4j + t), and with SUMS the row's sum per tile, its PIECES ROW_SUM_COLS-column sums added in order."""
     wait(PDL)
     row = tl.program_id(0)
     q: tl.constexpr = BLOCK_K // 4
@@ -272,18 +300,20 @@ def _nibble_inputs_kernel(x_ptr, sums_ptr, xq_ptr, ts_ptr, K, stride_ts, BLOCK_K
     j = tl.arange(0, q)[None, None, :]
     v = tl.load(x_ptr + row * K + k0 + 4 * j + t, mask=live[:, None, None])
     tl.store(xq_ptr + row * K + k0 + t * q + j, v, mask=live[:, None, None])
-    first = sums_ptr + row * (K // ROW_SUM_COLS) + tile * PIECES
-    total = tl.load(first, mask=live)
-    for p in tl.static_range(1, PIECES):
-        total = total + tl.load(first + p, mask=live)
-    tl.store(ts_ptr + tile * stride_ts + row, total, mask=live)
+    if SUMS:
+        first = sums_ptr + row * (K // ROW_SUM_COLS) + tile * PIECES
+        total = tl.load(first, mask=live)
+        for p in tl.static_range(1, PIECES):
+            total = total + tl.load(first + p, mask=live)
+        tl.store(ts_ptr + tile * stride_ts + row, total, mask=live)
 
 
-def nibble_inputs(x2: torch.Tensor, sums: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def nibble_inputs(x2: torch.Tensor, sums: torch.Tensor | None,
+                  block_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What the nibble kernel reads of x2 [M, K] (contiguous) and its row sums per ROW_SUM_COLS columns, in one
     launch: x2 with each K tile's columns in the order the decode tiles' dots take them (column t * BLOCK_K / 4 + j
     of a tile holds its column 4j + t), and x's sums per K tile [K / BLOCK_K, M], the pieces added in order as
-    _nibble_chunk adds them, in rows padded to 16 bytes as TMA reads them."""
+    _nibble_chunk adds them, in rows padded to 16 bytes as TMA reads them (None without sums: INT8 codes)."""
     m, k = x2.shape
     tiles = k // block_k
     xq = torch.empty_like(x2)
@@ -291,8 +321,8 @@ def nibble_inputs(x2: torch.Tensor, sums: torch.Tensor, block_k: int) -> tuple[t
     per_program = 8
     _nibble_inputs_kernel[(m, triton.cdiv(tiles, per_program))](
         x2, sums, xq, out, k, out.stride(0), BLOCK_K=block_k, PIECES=block_k // ROW_SUM_COLS.value,
-        TILES=per_program, num_warps=4, **launch_options())
-    return xq, out[:, :m]
+        TILES=per_program, SUMS=sums is not None, num_warps=4, **launch_options())
+    return xq, None if sums is None else out[:, :m]
 
 
 def ring_stages(slot: int, beside: int = 0, most: int = 6) -> int:
@@ -301,21 +331,30 @@ def ring_stages(slot: int, beside: int = 0, most: int = 6) -> int:
 
 
 def nibble_stages(fmt: int, block_k: int) -> int:
-    """The nibble kernel's ring: x quarters, the planes' words, x's row sums and the affine per slot, beside the
-    chunks' sum; at most 4."""
-    planes = 2 if fmt == FULL.value else 1
-    slot = BLOCK_M * block_k * 2 + planes * BLOCK_N * block_k // 2 + (BLOCK_M + 2 * BLOCK_N) * 4
+    """The nibble kernel's ring: x quarters, the planes' words, x's row sums and the affine per slot (INT8 codes: x
+    quarters and the words alone), beside the chunks' sum; at most 4."""
+    if fmt == INT8.value:
+        slot = BLOCK_M * block_k * 2 + BLOCK_N * block_k
+    else:
+        planes = 2 if fmt == FULL.value else 1
+        slot = BLOCK_M * block_k * 2 + planes * BLOCK_N * block_k // 2 + (BLOCK_M + 2 * BLOCK_N) * 4
     return ring_stages(slot, beside=BLOCK_N * BLOCK_M * 4, most=4)
 
 
-def descriptors(x: torch.Tensor, sums: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, scale: torch.Tensor,
-                lo: torch.Tensor, block_k: int) -> tuple:
+def descriptors(x: torch.Tensor, sums: torch.Tensor | None, w: torch.Tensor, w2: torch.Tensor | None,
+                scale: torch.Tensor, lo: torch.Tensor | None, block_k: int) -> tuple:
     """TMA descriptors of the quartered x (boxes of one quarter tile), of the planes as 16-bit words, of x's row
     sums per K tile (boxes of one tile's BLOCK_M rows) and of the group scales and offsets ([N, groups] stored
-    group-major: boxes of BLOCK_N rows of one group)."""
+    group-major: boxes of BLOCK_N rows of one group). INT8 codes (no sums, no lo): x's and the 32-bit words' alone,
+    the words' standing in for the rest (the kernel does not read them)."""
     q = block_k // 4
     x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, q], gl.NVMMASharedLayout.get_default_for([BLOCK_M, q],
                                                                                                gl.bfloat16))
+    if sums is None:
+        words = w.view(torch.int32)
+        w_desc = TensorDescriptor.from_tensor(words, [BLOCK_N, q], gl.NVMMASharedLayout.get_default_for([BLOCK_N, q],
+                                                                                                     gl.int32))
+        return x_desc, w_desc, w_desc, w_desc, w_desc, w_desc
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, q], gl.int16)
     w_desc, w2_desc = (None if t is None else TensorDescriptor.from_tensor(t.view(torch.int16), [BLOCK_N, q], w_layout)
                        for t in (w, w2))
@@ -342,15 +381,17 @@ def runs_on(device: torch.device) -> bool:
 MAX_REGISTERS = 65536 // (3 * 128) // 8 * 8
 
 
-def nibble_gemm(x2: torch.Tensor, sums: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, block_k: int,
-                chunk: int, split_k: int, bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
+def nibble_gemm(x2: torch.Tensor, sums: torch.Tensor | None, fmt: int, tensors: tuple, n: int, group: int,
+                block_k: int, chunk: int, split_k: int, bias: torch.Tensor | None,
+                r2: torch.Tensor | None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ W^T (+ bias, + r2) for a nibble format with bf16 activations and their row sums per
-    ROW_SUM_COLS columns, in the K tile and the K split of the decode config (block_k; split_k chunks of `chunk`
-    columns, triton_linear.k_chunk): the chunks are walked in order, each from zero, and added in order (as the
-    split's partial sums are)."""
+    ROW_SUM_COLS columns, or for INT8 codes (as 32-bit words, sums None; K a multiple of block_k), in the K tile and
+    the K split of the decode config (block_k; split_k chunks of `chunk` columns, triton_linear.k_chunk): the chunks
+    are walked in order, each from zero, and added in order (as the split's partial sums are)."""
     m, k = x2.shape
     w, w2, scale, lo = tensors
     descs = descriptors(*nibble_inputs(x2, sums, block_k), w, w2, scale, lo, block_k)
+    channel = scale if fmt == INT8.value else None
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     flags = dict(FMT=fmt, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=BLOCK_M,
                  BLOCK_N=BLOCK_N, BLOCK_K=block_k, STAGES=nibble_stages(fmt, block_k), num_warps=4,
@@ -358,11 +399,11 @@ def nibble_gemm(x2: torch.Tensor, sums: torch.Tensor, fmt: int, tensors: tuple, 
     if chunks_apart(grid, split_k, x2.device):
         live = triton.cdiv(k, chunk)  # the split's chunks that hold columns (the decode split may run past K)
         part = torch.empty((live, m, n), dtype=torch.float32, device=x2.device)
-        _nibble_ws_kernel[(*grid, live)](*descs, None, None, part, m, n, k, chunk, 1, n, 0, IN_PROGRAM=False,
+        _nibble_ws_kernel[(*grid, live)](*descs, None, None, None, part, m, n, k, chunk, 1, n, 0, IN_PROGRAM=False,
                                          PARTIAL=True, NARROWS=True, **{**flags, "HAS_BIAS": False, "HAS_RES": False})
-        return sum_chunks(part, split_k, bias, r2)
+        return sum_chunks(part, split_k, bias, r2, channel=channel)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
-    _nibble_ws_kernel[grid](*descs, bias, r2, y, m, n, k, chunk, split_k, y.stride(0),
+    _nibble_ws_kernel[grid](*descs, channel, bias, r2, y, m, n, k, chunk, split_k, y.stride(0),
                             0 if r2 is None else r2.stride(0), IN_PROGRAM=split_k > 1, PARTIAL=False,
                             NARROWS=narrows(grid, x2.device), **flags)
     return y

@@ -201,7 +201,7 @@ def _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_pt
 def _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, k_start, k_end, M, N, K,
                   stride_xm, stride_sn, stride_sg, FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SWAP: tl.constexpr):
+                  SWAP: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
     """One K chunk [k_start, k_end) of a [BLOCK_M, BLOCK_N] tile, walked in order from a zero accumulator."""
     if SWAP:  # y^T = W x^T: the weight tile is the dot's left operand, fed to the tensor cores from registers
         acc = _zeros(BLOCK_N, BLOCK_M, FMT, ACT)
@@ -212,7 +212,7 @@ def _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0,
         x_mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0)
         acc = _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg, FMT, ACT,
-                        SHIFT, GROUP, BLOCK_K, SWAP)
+                        SHIFT, GROUP, BLOCK_K, SWAP, WORDS, ASM)
     if SWAP:
         acc = tl.trans(acc)
     return acc
@@ -221,9 +221,13 @@ def _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0,
 @triton.jit
 def _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg,
               FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-              SWAP: tl.constexpr):
-    """acc + the K tile at k0 of x @ W^T (W x^T where SWAP) as read by bytes (TMA; zeros past the edges)."""
-    q = _load_weight(w_desc, w2_desc, n0, k0, FMT, BLOCK_K)
+              SWAP: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
+    """acc + the K tile at k0 of x @ W^T (W x^T where SWAP) as read by TMA (zeros past the edges): bytes, or with
+    WORDS INT8 codes as 32-bit words of four."""
+    if WORDS:
+        q = w_desc.load([n0, k0 // 4])
+    else:
+        q = _load_weight(w_desc, w2_desc, n0, k0, FMT, BLOCK_K)
     if FMT >= INT4:  # BLOCK_K divides GROUP, so the tile lies in one group
         s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
     if ACT and FMT == INT8:  # exact int32 sums over all of K (`_zeros`)
@@ -241,6 +245,15 @@ def _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, n0, k0, N, str
             acc += d * s[:, None] + (lo + SHIFT * s)[:, None] * x_sum[None, :]
         else:
             acc += d * s[None, :] + x_sum[:, None] * (lo + SHIFT * s)[None, :]
+    elif FMT == INT8 and WORDS:  # four dots over x's columns k = 4j + t, as the warp-specialized kernel takes them
+        x0, x1, x2, x3 = _quarters(x)
+        c0, c1, c2, c3 = _int8_word_codes(q, ASM)
+        if SWAP:
+            acc = tl.dot(c0, tl.trans(x0), acc)
+            acc = tl.dot(c3, tl.trans(x3), tl.dot(c2, tl.trans(x2), tl.dot(c1, tl.trans(x1), acc)))
+        else:
+            acc = tl.dot(x0, tl.trans(c0), acc)
+            acc = tl.dot(x3, tl.trans(c3), tl.dot(x2, tl.trans(c2), tl.dot(x1, tl.trans(c1), acc)))
     else:
         if FMT == INT8:
             w = q.to(tl.float32).to(tl.bfloat16)  # via fp32: exact for int8 codes
@@ -259,7 +272,8 @@ def _linear_kernel(
     M, N, K, K_CHUNK, CHUNKS, stride_xm, stride_sn, stride_sg, stride_ym, stride_rm,
     FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, IN_PROGRAM: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, IN_PROGRAM: tl.constexpr, SWAP: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # M tiles vary fastest, so the programs sharing one N tile of W run together and hit it in L2.
     pid_m = tl.program_id(0)
@@ -273,7 +287,7 @@ def _linear_kernel(
         for c in range(0, CHUNKS):
             acc += _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, pid_n * BLOCK_N,
                                  c * K_CHUNK, tl.minimum(K, (c + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn,
-                                 stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
+                                 stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, SWAP, WORDS, ASM)
     else:  # the loop of _linear_chunk written out here: through the helper, decode ran up to 10% slower (H100)
         if SWAP:  # y^T = W x^T: the weight tile is the dot's left operand, fed to the tensor cores from registers
             acc = _zeros(BLOCK_N, BLOCK_M, FMT, ACT)
@@ -285,7 +299,7 @@ def _linear_kernel(
             x_mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0)
             acc = _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, pid_n * BLOCK_N, k0, N, stride_sn,
-                            stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_K, SWAP)
+                            stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_K, SWAP, WORDS, ASM)
         if SWAP:
             acc = tl.trans(acc)
     _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
@@ -365,6 +379,20 @@ def _quarters(x):
     x0, x2 = tl.split(even)
     x1, x3 = tl.split(odd)
     return x0, x1, x2, x3
+
+
+_INT8_WORDS_ASM = tl.constexpr(ptx.INT8_WORDS)
+
+
+@triton.jit
+def _int8_word_codes(w, ASM: tl.constexpr):
+    """bf16 of the signed INT8 codes at k = 4j + t (t = 0..3) of 32-bit words w (word j holds k = 4j .. 4j + 3)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_INT8_WORDS_ASM, "=r,=r,=r,=r,r,r", [w],
+                                         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
+                                         pack=2)
+    return (((w << 24) >> 24).to(tl.float32).to(tl.bfloat16), ((w << 16) >> 24).to(tl.float32).to(tl.bfloat16),
+            ((w << 8) >> 24).to(tl.float32).to(tl.bfloat16), (w >> 24).to(tl.float32).to(tl.bfloat16))
 
 
 _NIBBLES_I8_ASM = tl.constexpr(ptx.NIBBLES_I8)
@@ -605,6 +633,8 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
                                      or (n_tiles * split_k < 256 and split_k < 16)):
             split_k *= 2
         return TileConfig(64 if fmt == FULL.value else 128, block_k, split_k)
+    if fmt == INT8.value and not act:  # INT8 codes as 32-bit words (`reads_words`)
+        return int8_words_config(n, k)
     int4_act = act and fmt >= INT4.value
     block_n = 64 if int4_act or n > 32768 else 32
     if fmt >= INT4.value:
@@ -621,6 +651,18 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
     return TileConfig(block_n, block_k, split_k, swap=int4_act)
 
 
+def int8_words_config(n: int, k: int) -> TileConfig:
+    """w8a16's decode tiles: INT8 codes as 32-bit words in K tiles of 128 (a tile's words one 128-byte TMA box, as
+    the warp-specialized kernel reads them), N tiles of 128, K split into the power of two (at most 8) that keeps
+    about 1024 / N tiles programs of 128 columns. Measured (H200, docs/bench-h200/w8a16-decode-probe-2.json; 8B
+    layers, M = 1 and 16) against the bytes' K tiles of 256 before: qkv 1.005x, o 1.055x, gate/up 1.014x, down 1.016x
+    their time; the bytes' own tiles (N 32, K 256) read as words took 1.19-1.35x. A-B'd alone
+    (docs/bench-h200/ab-gemm-w8a16-words.json): 0.95-1.06x at M = 1, 1.04-1.10x at M = 16."""
+    block_k = 128 if k > 64 else 64
+    split_k = 1 << max(0, (1024 // triton.cdiv(n, 128)).bit_length() - 1)
+    return TileConfig(128, block_k, max(1, min(triton.cdiv(k, block_k), 8, split_k)))
+
+
 # Tiles for many tokens, per kernel kind and M bucket: (largest M of the bucket, tiles of a GEMM whose K is split,
 # tiles of one whose K is not), each tiles (block_m, block_n, warps, stages, the split's K chunks walked in one
 # program[, block_k]), or None for the decode tiles. Measured on an H100 (`python -m selfspec.bench.tune_linear --many`,
@@ -630,10 +672,13 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
 # - bf16 activations (bf16, int8 and nibble weights): warps, stages, N tiles and M tiles up to 32 keep the bits,
 #   but M tiles of 64 or more (where Triton issues Hopper's wgmma instead of mma.sync) changed 4e-5 to 1.5e-3 of
 #   the outputs of integer-coded weights (int8 codes, nibbles, planes) built from bytes, whose mma.sync operands
-#   Triton lays out with kWidth 4: INT8 codes stay there, on mma.sync, M tiles of 32 (`reads_words` says why). The
-#   nibble kernel builds its codes from 16-bit words (kWidth 2, as for bf16 weights), and every wgmma tile tried
-#   kept the bits of its decode tiles: 64 and 128 rows, N tiles 128/256, `full`, upper and w4a16, M = 160 to 1024
-#   (H200 and H100, docs/bench-h200/tune-many-words.json; the GPU tests, up to 8192 rows).
+#   Triton lays out with kWidth 4 (`reads_words` says why). The nibble kernel builds its codes from 16-bit words
+#   and w8a16 from 32-bit ones (kWidth 2, as for bf16 weights), and every wgmma tile tried kept the bits of its
+#   decode tiles: 64 and 128 rows, N tiles 128/256, `full`, upper and w4a16, M = 160 to 1024 (H200 and H100,
+#   docs/bench-h200/tune-many-words.json; the GPU tests, up to 8192 rows, w8a16 too).
+# - w8a16 (INT8 codes as words): 32 x 128 mma.sync tiles up to 32 rows, 64 x 64 wgmma tiles up to 64, the
+#   warp-specialized kernel past that (H200, docs/bench-h200/w8a16-rows-probe.json: at 96-128 rows it took
+#   0.36-0.73x the best Triton tile's time; at 32 rows 1.4-1.7x, at 64 rows 0.87-1.2x).
 #   bf16 weights kept every bit on wgmma tiles (64 to 128 rows, N tiles 128/256, K tiles 64/128, at M = 256 to
 #   4096 on the 8B layers: random, integer-valued and +-1 weights such as the rotation's,
 #   docs/bench-h100/gemm-many-tokens.md): they take them past 64 rows, 64 x 128 up to 256 rows (1.3-1.6x cuBLAS),
@@ -662,7 +707,8 @@ MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
              (256, (64, 128, 4, 4, True, 64), (128, 128, 8, 3, False, 64)),
              (1 << 62, [(128, 256, 8, 3, True, 64), (128, 128, 8, 3, True, 128)],
               [(128, 256, 8, 3, False, 64), (128, 128, 8, 3, False, 64)])],
-    "int8": [(64, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
+    "int8": [(32, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
+             (64, (64, 64, 4, 3, False), (64, 64, 4, 3, False)),
              (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
 }
 
@@ -720,8 +766,9 @@ def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, n: int
 #   tiles: qkv, o, down 1.18-1.30x at 256 rows against 1.32-1.40x, but 1.31-1.44x at 1024-4096 against
 #   1.14-1.41x; `ws-dense.json`);
 # - int8 codes with int8 activations (w8a8 on INT8 storage): 0.65-0.95x cuBLAS BF16 at 256-4096 rows against
-#   0.71-1.20x; at 160 rows slower on gate/up and down (`ws-int8.json`).
-WARP_SPECIALIZED_ROWS = {"nibble": 129, "planes": 129, "bf16": 193, "int8-act": 193}
+#   0.71-1.20x; at 160 rows slower on gate/up and down (`ws-int8.json`);
+# - INT8 codes with bf16 activations (w8a16, the nibble kernel's skeleton on 32-bit words): from 65 rows (above).
+WARP_SPECIALIZED_ROWS = {"nibble": 129, "planes": 129, "bf16": 193, "int8-act": 193, "int8": 65}
 SPLIT_BF16_MOST_ROWS = 512
 
 
@@ -827,13 +874,12 @@ def kernel_inputs(x2: torch.Tensor, mode: Mode, fmt: int, group: int, cfg: TileC
     return _act_quant(x2, mode.act_bits, sums=row_sums)
 
 
-def reads_words(act: bool, cfg: TileConfig) -> bool:
-    """Whether the nibble kernel reads its planes as 16-bit words and builds their bf16 codes in asm, so that they
-    enter mma.sync in its natural k order (Triton's order for operands built from 8-bit values rounds otherwise than
-    wgmma, so wgmma tiles would change the bits): with bf16 activations, in K tiles of 64 and more (each quarter of
-    a tile a dot of K >= 16). INT8 codes stay bytes: as words they took 1.04-1.06x the time at decode (qkv and o,
-    H100) and, on wgmma tiles, only 0.83-1.05x the bytes' mma.sync tiles' at 1024 rows."""
-    return not act and cfg.block_k >= 64
+def reads_words(fmt: int, act: bool, group: int, cfg: TileConfig) -> bool:
+    """Whether a GEMM reads its codes as words and builds their bf16 values in asm, so that they enter mma.sync in
+    its natural k order (Triton's order for operands built from 8-bit values rounds otherwise than wgmma, so wgmma
+    tiles would change the bits): with bf16 activations, in K tiles of 64 and more (each quarter of a tile a dot of
+    K >= 16), the nibble kernel's planes as 16-bit words and INT8 codes as 32-bit ones, four codes a word."""
+    return not act and cfg.block_k >= 64 and (uses_nibble_kernel(fmt, act, group) or fmt == INT8.value)
 
 
 def takes_row_sums(fmt: int, act: bool, group: int, cfg: TileConfig) -> bool:
@@ -869,10 +915,13 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
     w, w2, scale, lo = tensors
     chunk = k_chunk(k, cfg.split_k, cfg.block_k)
     nibble = uses_nibble_kernel(fmt, act, group)
-    words = nibble and reads_words(act, cfg)
+    words = reads_words(fmt, act, group, cfg)
     if cfg.warp_specialized and gluon_linear.runs_on(x2.device):  # before this path's output and partials
         if words and sums is not None and gluon_linear.covers(scale, n):
             return gluon_linear.nibble_gemm(x2, sums, fmt, (w, w2, scale, lo), n, group, cfg.block_k, chunk,
+                                            cfg.split_k, bias, r2)
+        if words and fmt == INT8.value and k % cfg.block_k == 0:  # the quartered x holds whole K tiles
+            return gluon_linear.nibble_gemm(x2, None, fmt, (w, None, scale, None), n, 0, cfg.block_k, chunk,
                                             cfg.split_k, bias, r2)
         if fmt == DENSE.value and w.dtype == torch.bfloat16:
             return gluon_linear.dense_gemm(x2, w, cfg.block_k, chunk, cfg.split_k, bias, r2)
@@ -892,8 +941,9 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
     stride_sn, stride_sg = (0, 0) if lo is None else lo.stride()  # scale has lo's layout
     args = (y, part, counts, m, n, k, chunk, cfg.split_k if cfg.in_program else 1, x2.stride(0), stride_sn,
             stride_sg, y.stride(0), 0 if r2 is None else r2.stride(0))
-    if words:  # the planes' bytes as 16-bit words, four nibble codes each
-        w, w2 = (None if t is None else t.view(torch.int16) for t in (w, w2))
+    if words:  # the planes' bytes as 16-bit words, four nibble codes each; INT8 codes as 32-bit words of four
+        word = torch.int32 if fmt == INT8.value else torch.int16
+        w, w2 = (None if t is None else t.view(word) for t in (w, w2))
         block = [cfg.block_n, cfg.block_k // 4]
     else:
         block = [cfg.block_n, cfg.block_k // 2 if fmt >= INT4.value else cfg.block_k]
@@ -904,7 +954,7 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
                              WORDS=words, ASM=not INTERPRETING, **flags)
     else:
         _linear_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, SHIFT=_shift(fmt) if act else 0,
-                             SWAP=cfg.swap, **flags)
+                             SWAP=cfg.swap, WORDS=words, ASM=not INTERPRETING, **flags)
     return y
 
 

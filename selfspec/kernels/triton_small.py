@@ -296,12 +296,12 @@ def swiglu_handover(gate: torch.Tensor, up: torch.Tensor,
 
 @triton.jit
 def _sum_chunks_kernel(part_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, M, N, stride_rm, SPLIT: tl.constexpr,
-                       LIVE: tl.constexpr, SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+                       LIVE: tl.constexpr, SCALES: tl.constexpr, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y = (0 + part[0] + part[1] + ...) (+ bias) rounded to bf16 (+ res): the warp-specialized nibble GEMM's chunk
     sum and store (kernels/gluon_linear.py), the split's chunks past K (past LIVE) adding their zeros as its
     consumers' do. With SCALES, the int8 GEMM's: int32 pieces added exactly, converted, times the row scale and
-    the channel scale, as its epilogue does."""
+    the channel scale, as its epilogue does; with CHANNEL, INT8 codes' fp32 sums times the channel scale."""
     wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
@@ -315,6 +315,8 @@ def _sum_chunks_kernel(part_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, M,
     if SCALES:
         total = total * tl.load(xs_ptr + offs // N, mask=mask, other=0)
         total = total * tl.load(scale_ptr + offs % N, mask=mask, other=0)
+    elif CHANNEL:
+        total = total * tl.load(scale_ptr + offs % N, mask=mask, other=0)
     if HAS_BIAS:
         total += tl.load(bias_ptr + offs % N, mask=mask, other=0).to(tl.float32)
     y = total.to(tl.bfloat16)
@@ -325,17 +327,19 @@ def _sum_chunks_kernel(part_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, M,
 
 
 def sum_chunks(part: torch.Tensor, split: int, bias: torch.Tensor | None, r2: torch.Tensor | None,
-               scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+               channel: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 sums part [live, M, N] of the first `live` of a split's chunks (the rest hold no columns), added in
-    order, + bias, rounded, + r2 -> y [M, N] bf16. With scales (row scales [M], channel scales [N]): int32 sums,
-    scaled after they are added (the int8 GEMM)."""
+    order, (times `channel`, INT8 codes' channel scales [N],) + bias, rounded, + r2 -> y [M, N] bf16. With scales
+    (row scales [M], channel scales [N]): int32 sums, scaled after they are added (the int8 GEMM)."""
     live, m, n = part.shape
     y = torch.empty((m, n), dtype=torch.bfloat16, device=part.device)
-    xs, scale = scales if scales is not None else (None, None)
+    xs, scale = scales if scales is not None else (None, channel)
     block = 1024
     _sum_chunks_kernel[(triton.cdiv(m * n, block),)](part, xs, scale, bias, r2, y, m, n,
                                                      0 if r2 is None else r2.stride(0), SPLIT=split, LIVE=live,
-                                                     SCALES=scales is not None, HAS_BIAS=bias is not None,
+                                                     SCALES=scales is not None, CHANNEL=channel is not None,
+                                                     HAS_BIAS=bias is not None,
                                                      HAS_RES=r2 is not None, BLOCK=block, num_warps=4,
                                                      **launch_options())
     return y

@@ -466,13 +466,15 @@ def test_model_handovers_keep_the_logits(monkeypatch, storage, mode_name):
         assert rel_err(given, alone.double()) < 1e-3
 
 
-@pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("planes", "upper"), ("int4", "w4a16")])
+@pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("planes", "upper"), ("int4", "w4a16"),
+                                               ("int8", "w8a16")])
 @pytest.mark.parametrize("m", [130, 160, 192, 256])  # last M tile: 32-wide wgmma (2, 32 rows), 64-wide, whole
 @pytest.mark.parametrize("n,k,group", [(4096, 14336, 128), (576, 576, 64)])  # 8B down; SmolLM2 o: 9 of 16 chunks
 def test_nibble_chunks_apart_keep_each_rows_bits(storage, mode_name, m, n, k, group):
     """Where a nibble GEMM's tiles fill half the SMs or fewer (down at up to 256 rows), its K chunks run in CTAs of
     their own and their sums are added in order afterwards (the split's chunks past K as zeros): each row gets the
-    decode tiles' bits, bias and residual included."""
+    decode tiles' bits, bias and residual included. INT8 codes take the same kernel (as words, no sums) where K is
+    whole K tiles (SmolLM2's 576 is not: its Triton tiles)."""
     from selfspec.kernels import gluon_linear
 
     torch.manual_seed(6)
