@@ -62,10 +62,10 @@ def test_shape_report_compiles_the_tiles_linear_picks():
 
 def test_warp_specialized_gemms_compile_on_wgmma_without_spills():
     """The warp-specialized GEMMs (kernels/gluon_linear.py) compile for sm_90 in every nibble format and for w8a16's
-    words (and with their K chunks in CTAs of their own), for bf16 (K whole and split) and for w8a8 (K whole and a piece of it, K tiles
-    of 256 and 128): wgmma that ptxas does not serialize (it does when registers run short: the kernel then ran at
-    the Triton tiles' time), no register spilled at the registers setmaxnreg moves to the consumers, within an
-    H100's shared memory."""
+    words (and with their K chunks in CTAs of their own), for bf16 (K whole and split) and for w8a8 (K whole and a
+    piece of it, K tiles of 256 and 128): wgmma that ptxas does not serialize (it does when registers run short:
+    the kernel then ran at the Triton tiles' time), no register spilled at the registers setmaxnreg moves to the
+    consumers, within an H100's shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--warp-specialized"], env=env,
                          capture_output=True, text=True, check=True).stdout

@@ -259,11 +259,16 @@ def test_a_round_that_must_lose_is_explored_no_sooner_than_a_probe():
     assert 0.95 * lost / 1.5 / 0.01 <= first <= 1.05 * lost / 1.5 / 0.01 + 1 and ks[first] == 1
 
 
-def test_a_round_estimated_free_can_pay():
-    """Verify costs extrapolated from a larger pass measured cheaper than a smaller one reach 0 (clamped): such a
-    round is taken as able to pay (explored), not divided by."""
+def test_noisy_costs_never_price_a_larger_pass_below_a_smaller_one():
+    """A larger pass measured cheaper than a smaller one (noise) would extrapolate to nothing: estimates past it
+    keep the dearest smaller pass's cost. Below the smallest pass measured, a downward extrapolation stops at 0
+    (then a round is taken as able to pay, not divided by)."""
     p = GammaPolicy(4)
     p.observe_round(8, 0, 0.0, 1.0)
     p.observe_round(16, 0, 0.0, 0.5)
-    assert p.verify_estimate(8 * 5) == 0.0
-    assert (p.choose(8), p.measuring) == (1, True)
+    assert p.verify_estimate(8 * 5) == 1.0 and p.verify_estimate(12) == 1.0
+    assert (p.choose(8), p.measuring) == (1, True)  # the 16-token pass (k = 1) was measured cheap: explored
+    q = GammaPolicy(4)
+    q.observe_round(8, 0, 0.0, 1.0)
+    q.observe_round(16, 0, 0.0, 4.0)
+    assert q.verify_estimate(2) == 0.0 and q.verify_estimate(24) == pytest.approx(7.0)

@@ -140,7 +140,9 @@ class GammaPolicy:
 
     def verify_estimate(self, tokens: int) -> float | None:
         """Seconds of a verify pass over `tokens` tokens: measured, interpolated, or extrapolated linearly
-        from the two largest (smallest) measured sizes; one measured size stands for all."""
+        from the two largest (smallest) measured sizes; one measured size stands for all. An estimate never falls
+        below the dearest pass measured over fewer tokens (nor below 0): noisy timings, a larger pass measured
+        cheaper than a smaller one, would otherwise price the passes past them at nearly nothing."""
         sizes = self.verify_sizes
         if not sizes:
             return None
@@ -151,7 +153,8 @@ class GammaPolicy:
             return self.verify_cost[sizes[0]].value
         n0, n1 = sizes[min(max(i - 1, 0), len(sizes) - 2):][:2]
         c0, c1 = self.verify_cost[n0].value, self.verify_cost[n1].value
-        return max(c0 + (c1 - c0) * (tokens - n0) / (n1 - n0), 0.0)
+        floor = max((self.verify_cost[n].value for n in sizes[:i]), default=0.0)
+        return max(c0 + (c1 - c0) * (tokens - n0) / (n1 - n0), floor)
 
     def draft_estimate(self, batch: int) -> float | None:
         if not self.draft_ratio:
