@@ -13,10 +13,12 @@ from selfspec.kernels import gluon_linear as gll
 def compile_decode(split_k: int, block_k: int = 128) -> triton.compiler.CompiledKernel:
     q = block_k // 4
     layout = gl.NVMMASharedLayout.get_default_for([gll.DECODE_BLOCK_N, q], gl.int32)
-    sig = {"x_ptr": "*bf16", "w_desc": f"tensordesc<i32[{gll.DECODE_BLOCK_N}, {q}],{layout!r}>",
+    x_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    sig = {"x_desc": f"tensordesc<bf16[16, {block_k}],{x_layout!r}>",
+           "w_desc": f"tensordesc<i32[{gll.DECODE_BLOCK_N}, {q}],{layout!r}>",
            "scale_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
            "count_ptr": "*i32"}
-    sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "stride_xm", "stride_ym", "stride_rm"), "i32"))
+    sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "stride_ym", "stride_rm"), "i32"))
     consts = dict(HAS_BIAS=False, HAS_RES=False, SPLIT_K=split_k, BLOCK_N=gll.DECODE_BLOCK_N, BLOCK_K=block_k,
                   STAGES=gll.DECODE_STAGES)
     if split_k == 1:
