@@ -61,6 +61,24 @@ def test_pair_speedups_are_per_pair_not_best_of():
     assert (r["speedup_median"], r["speedup_min"], r["speedup_max"]) == pytest.approx((1.05, 0.9, 1.2))
 
 
+def test_bench_recipe_takes_the_pairs_in_turn_ar_first_and_spec_first(llm, monkeypatch):
+    """AB BA AB: drift through the runs hits each side as often first as second in its pair."""
+    from selfspec.bench import serve
+
+    order = []
+
+    def fake_run(engine, prompts, params, gamma):
+        order.append("ar" if gamma == 0 else "spec")
+        return {"tokens_per_s": 1.0, "passes": [], "output_tokens": 1, "ttft_s": {}, "itl_s": {}}
+
+    monkeypatch.setattr(serve, "run_closed_loop", fake_run)
+    monkeypatch.setattr(serve, "bound_seconds", lambda *a: 1.0)
+    monkeypatch.setattr(serve, "pass_table", lambda *a: [])
+    monkeypatch.setattr(serve, "markdown_row", lambda row: "")
+    serve.bench_recipe(llm, random_prompts(2), [1], SamplingParams(max_new_tokens=2), 2, None, repeats=3)
+    assert order[1:] == ["ar", "spec", "spec", "ar", "ar", "spec"]  # after make_engine's warm-up run
+
+
 def test_bench_recipe_reports_best_of_and_each_pair(llm):
     prompts = random_prompts(4)
     params = SamplingParams(max_new_tokens=4)

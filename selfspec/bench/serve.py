@@ -195,8 +195,9 @@ def bench_recipe(llm: selfspec.LLM, pool: list[list[int]], batch_sizes: list[int
                  replay: list[int] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  prefill_wait: int = DEFAULT_PREFILL_WAIT, decode_steps: int = DEFAULT_DECODE_STEPS,
                  requests_per_row: int | None = None) -> list[dict]:
-    """AR and speculative runs alternate on one engine per batch size (`repeats` pairs, so load drift hits both
-    alike); each side reports its fastest run, and the spec/AR ratio of every pair is kept (median, min, max).
+    """AR and speculative runs alternate on one engine per batch size (`repeats` pairs), the pairs in turn AR first
+    and speculative first (AB BA ...), so that a machine's drift through the runs favours neither side; each side
+    reports its fastest run, and the spec/AR ratio of every pair is kept (median, min, max).
     Every run serves the whole prompt pool, or with `requests_per_row` R its first max(8, R * batch) prompts: as
     many waves of requests at every batch size, and a batch-1 run not as long as the pool."""
     rows = []
@@ -206,9 +207,9 @@ def bench_recipe(llm: selfspec.LLM, pool: list[list[int]], batch_sizes: list[int
         engine = make_engine(llm, prompts, b, params.max_new_tokens, max_gamma, replay, prefill_chunk, prefill_wait,
                              decode_steps)
         runs = {"ar": [], "spec": []}
-        for _ in range(repeats):
-            runs["ar"].append(run_closed_loop(engine, prompts, params, 0))
-            runs["spec"].append(run_closed_loop(engine, prompts, params, None))
+        for i in range(repeats):
+            for side in ("ar", "spec") if i % 2 == 0 else ("spec", "ar"):
+                runs[side].append(run_closed_loop(engine, prompts, params, 0 if side == "ar" else None))
         costs = {}  # each pass shape timed once per engine
         context = round(statistics.mean(map(len, prompts)) + params.max_new_tokens / 2)
         for run in (*runs["ar"], *runs["spec"]):
@@ -237,7 +238,7 @@ def bench_recipe(llm: selfspec.LLM, pool: list[list[int]], batch_sizes: list[int
 
 
 def pair_speedups(runs: dict[str, list[dict]]) -> dict:
-    """Spec/AR throughput of each AR/spec pair (run back to back, so drift hits both alike): every ratio, the
+    """Spec/AR throughput of each AR/spec pair (run back to back, in turn AR first and spec first): every ratio, the
     median and the extremes."""
     ratios = [s["tokens_per_s"] / a["tokens_per_s"] for a, s in zip(runs["ar"], runs["spec"])]
     return {"speedup_per_pair": ratios, "speedup_median": statistics.median(ratios),
