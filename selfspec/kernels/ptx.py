@@ -52,6 +52,11 @@ def signed_bytes_to_bf16(out: str, src: str, selector: str) -> str:
             f"sub.bf16x2 {out}, l1, l2;\n")
 
 
+def gather_bytes(out: str, first: str, second: str, t: int) -> str:
+    """Register out: byte t of register `first` in bytes 0 and 1, byte t of `second` in bytes 2 and 3."""
+    return f"prmt.b32 {out}, {first}, {second}, 0x{4 + t}{4 + t}{t}{t};\n"
+
+
 # Four bytes -> their eight nibbles as bf16 128 + c: byte permutes put 0x43 above each nibble (bf16 0x4300 is 128
 # and its 7 mantissa bits count 1s). $0, $1: the low nibbles of bytes 0-1 and 2-3; $2, $3: the high ones.
 NIBBLES = block("lo, hi", split_nibbles("$4") + "prmt.b32 $0, lo, 0x43, 0x4140;\nprmt.b32 $1, lo, 0x43, 0x4342;\n"
@@ -74,17 +79,10 @@ PLANE_WORDS = block("a, b, t, l0, l1, l2", plane_bytes("$4", "$5")
                     + signed_bytes_to_bf16("$0", "a", "0x4240") + signed_bytes_to_bf16("$1", "b", "0x4240")
                     + signed_bytes_to_bf16("$2", "a", "0x4341") + signed_bytes_to_bf16("$3", "b", "0x4341"))
 
-def signed_byte_pair_to_bf16(out: str, first: str, second: str, t: int) -> str:
-    """bf16 of signed byte t of register `first` (low half) and of `second` (high half) into out: the two bytes
-    gathered, 0x43 put above each, then signed_bytes_to_bf16's subtraction."""
-    sel = f"0x{4 + t}{4 + t}{t}{t}"
-    return (f"prmt.b32 g, {first}, {second}, {sel};\nand.b32 l1, g, 0x007f007f;\nor.b32 l1, l1, 0x43004300;\n"
-            f"and.b32 l2, g, 0x00800080;\nor.b32 l2, l2, 0x43004300;\nsub.bf16x2 {out}, l1, l2;\n")
-
-
 # Two 32-bit words of INT8 codes (word j holds k = 4j .. 4j + 3, one signed byte each) -> bf16 of the codes at
-# k = 4j + t, t = 0..3: output t holds word 0's code and word 1's.
-INT8_WORDS = block("g, l1, l2", "".join(signed_byte_pair_to_bf16(f"${t}", "$4", "$5", t) for t in range(4)))
+# k = 4j + t, t = 0..3: output t holds word 0's code and word 1's (byte t of each gathered into bytes 0 and 2).
+INT8_WORDS = block("g, l0, l1, l2", "".join(gather_bytes("g", "$4", "$5", t)
+                                            + signed_bytes_to_bf16(f"${t}", "g", "0x4240") for t in range(4)))
 
 
 # The quantized KV cache's codes for the attention kernel, as exact float16 (register k: 1024 twice).
