@@ -567,6 +567,8 @@ def test_nibble_inputs_quarter_each_k_tile_and_sum_its_pieces_in_order(m):
     q4, four = gluon_linear.nibble_inputs(x, sums, 256)
     assert torch.equal(four, (((sums[:, 0::4] + sums[:, 1::4]) + sums[:, 2::4]) + sums[:, 3::4]).t())
     assert torch.equal(q4[:, 256 + 64 + 5], x[:, 256 + 4 * 5 + 1])
+    words, none = gluon_linear.nibble_inputs(x, None, 128)  # INT8 codes (w8a16): the quarters alone
+    assert none is None and torch.equal(words, q)
 
 
 @pytest.mark.parametrize("live,split", [(3, 3), (9, 16)])  # every chunk; a split running past K (SmolLM2's o)

@@ -317,12 +317,14 @@ def nibble_inputs(x2: torch.Tensor, sums: torch.Tensor | None,
     m, k = x2.shape
     tiles = k // block_k
     xq = torch.empty_like(x2)
-    out = torch.empty((tiles, triton.cdiv(m, 4) * 4), dtype=torch.float32, device=x2.device)
+    out = None if sums is None else torch.empty((tiles, triton.cdiv(m, 4) * 4), dtype=torch.float32,
+                                                device=x2.device)
     per_program = 8
     _nibble_inputs_kernel[(m, triton.cdiv(tiles, per_program))](
-        x2, sums, xq, out, k, out.stride(0), BLOCK_K=block_k, PIECES=block_k // ROW_SUM_COLS.value,
-        TILES=per_program, SUMS=sums is not None, num_warps=4, **launch_options())
-    return xq, None if sums is None else out[:, :m]
+        x2, sums, xq, out, k, 0 if out is None else out.stride(0), BLOCK_K=block_k,
+        PIECES=block_k // ROW_SUM_COLS.value, TILES=per_program, SUMS=sums is not None, num_warps=4,
+        **launch_options())
+    return xq, None if out is None else out[:, :m]
 
 
 def ring_stages(slot: int, beside: int = 0, most: int = 6) -> int:
