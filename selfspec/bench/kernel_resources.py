@@ -99,9 +99,8 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in
     def desc(dtype: str, shape: list[int], layout: object) -> str:
         return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
 
-    word = gl.int32 if fmt == tlin.INT8.value else gl.int16
-    words = desc(str(word).replace("int", "i"), [gll.BLOCK_N, q],
-                 gl.NVMMASharedLayout.get_default_for([gll.BLOCK_N, q], word))
+    word, word_name = (gl.int32, "i32") if fmt == tlin.INT8.value else (gl.int16, "i16")
+    words = desc(word_name, [gll.BLOCK_N, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_N, q], word))
     row_m, row_n = (desc("fp32", [1, rows], gll.ROW_LAYOUT) for rows in (gll.BLOCK_M, gll.BLOCK_N))
     sig = {"x_desc": desc("bf16", [gll.BLOCK_M, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_M, q],
                                                                                           gl.bfloat16)),
