@@ -56,7 +56,7 @@ from selfspec.quant.modes import prompt_mode
 from selfspec.speculative.decode import (GreedyAcceptance, Row, RoundResult, make_generator, pick, run_round,
                                          run_steps, tree_rounds)
 from selfspec.speculative.draft_model import DraftModel
-from selfspec.speculative.drafters import TokenHistory, TreeDrafter
+from selfspec.speculative.drafters import TokenHistory, TreeDrafter, gamma_policy
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.sampling import SEED_RANGE, SamplingParams
 from selfspec.speculative.verify import accept_greedy
@@ -247,8 +247,7 @@ class Engine:
                       else PagedKVCache(*shape))
         if isinstance(llm.drafter, DraftModel):  # its pool mirrors this one's blocks: allocated up front too
             llm.drafter.store_for(self.cache)
-        self.policy = policy or GammaPolicy(max_gamma if llm.drafter is not None else 0,
-                                            pass_tokens=None if tree is None else tree.verify_tokens)
+        self.policy = policy or gamma_policy(llm.drafter, max_gamma)
         self.accept = accept
         # Under tensor parallelism no graphs (engine/graphs.py), so no warm-up pass only rank 0 would run.
         on_gpu = llm.model.device.type == "cuda" and self.tp.size == 1

@@ -20,8 +20,7 @@ from selfspec.quant.smooth import activation_maxima, calibration_tokens, smooth_
 from selfspec.speculative.decode import decode
 from selfspec.speculative.draft_model import DraftModel, check_same_vocabulary
 from selfspec.speculative.draft_vocab import DraftVocabulary, frequent_tokens, reference_texts
-from selfspec.speculative.drafters import HybridDrafter, RecycleTree, SelfDraft, TreeDrafter, make_drafter
-from selfspec.speculative.policy import GammaPolicy
+from selfspec.speculative.drafters import HybridDrafter, RecycleTree, SelfDraft, gamma_policy, make_drafter
 from selfspec.speculative.recipes import Recipe, resolve_recipe
 from selfspec.speculative.recycling import text_successors
 from selfspec.speculative.sampling import SamplingParams
@@ -100,9 +99,7 @@ class LLM:
         # step costs and the acceptance) picks each round's, drafting none where drafting loses.
         # fixed_gamma: draft gamma tokens every round.
         self.fixed_gamma = fixed_gamma
-        tree = self.drafter if isinstance(self.drafter, TreeDrafter) else None
-        self.policy = GammaPolicy(gamma if self.drafter is not None else 0,
-                                  pass_tokens=None if tree is None else tree.verify_tokens)
+        self.policy = gamma_policy(self.drafter, gamma)
 
     def fit_draft_vocab(self, prompt: list[int]) -> None:
         """With a draft vocabulary, its tokens for this prompt's decoding: the prompt's own join the counted ones

@@ -36,6 +36,7 @@ import torch
 
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import Mode, get_mode
+from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.recycling import DEFAULT_WIDTH, RANK_PRIORS, SuccessorTable, grow
 from selfspec.speculative.sampling import sample, to_probs
 
@@ -448,6 +449,13 @@ def draft_modes(name: str) -> list[str]:
     if m is None:
         return [name]
     return [HYBRID_DRAFT] if m.group(1) == "hybrid-tree" else [m.group(2)] if m.group(2) else []
+
+
+def gamma_policy(drafter: Drafter | TreeDrafter | None, max_gamma: int) -> GammaPolicy:
+    """The gamma policy that picks `drafter`'s drafts per round (none without a drafter), pricing a round by the
+    tokens its verify pass runs: a tree's by TreeDrafter.verify_tokens, a chain's B(k + 1)."""
+    return GammaPolicy(max_gamma if drafter is not None else 0,
+                       pass_tokens=drafter.verify_tokens if isinstance(drafter, TreeDrafter) else None)
 
 
 def make_drafter(name: str) -> Drafter | TreeDrafter:
