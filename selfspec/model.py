@@ -16,8 +16,8 @@ from selfspec.cache import KVCache
 from selfspec.cache.quant_kv import QuantKVCache
 from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
-from selfspec.kernels import (Handover, attention_handover, linear, packed_attention_handover, quantized_attention,
-                              quantizes_input, rms_norm, rms_norm_handover, rope_and_store, swiglu_handover)
+from selfspec.kernels import (Handover, attention, linear, packed_attention, quantized_attention, quantizes_input,
+                              rms_norm, rms_norm_handover, rope_and_store, swiglu_handover)
 from selfspec.parallel import SOLO, TensorParallel
 from selfspec.quant.formats import DenseWeight, QuantWeight, quantize_weight
 from selfspec.quant.kv import check_kv_format
@@ -229,16 +229,16 @@ class Attention(nn.Module):
         q = rope_and_store(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), fb.cos, fb.sin, kv.k, kv.v,
                            fb.slots)
         if kv.quant is not None:  # the mode says which planes of a hierarchical cache it reads
-            out, given = quantized_attention(q, kv, fb.pos, fb.mode.kv_upper, fb.packed), None
+            out = quantized_attention(q, kv, fb.pos, fb.mode.kv_upper, fb.packed)
         elif fb.packed is None:
-            out, given = attention_handover(q, kv.k, kv.v, kv.table, fb.pos, fb.mode.prompt,
-                                            tails=None if fb.tree is None else fb.tree.tails)
+            out = attention(q, kv.k, kv.v, kv.table, fb.pos, fb.mode.prompt,
+                            tails=None if fb.tree is None else fb.tree.tails)
         else:
-            out, given = packed_attention_handover(q, kv.k, kv.v, kv.table, fb.pos, fb.packed, fb.mode.prompt)
+            out = packed_attention(q, kv.k, kv.v, kv.table, fb.pos, fb.packed, fb.mode.prompt)
         out = out.transpose(1, 2).reshape(b, t, -1)
         if fb.tree is not None:  # back to the nodes
-            out, given = out.flatten(0, 1)[fb.tree.first][None], given and given.rows(fb.tree.first)
-        return self.wo(out, fb.mode, residual, given)
+            out = out.flatten(0, 1)[fb.tree.first][None]
+        return self.wo(out, fb.mode, residual)
 
 
 class FeedForward(nn.Module):

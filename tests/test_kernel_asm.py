@@ -27,8 +27,20 @@ def f16_values(bits: np.ndarray) -> np.ndarray:
     return np.asarray(bits).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
+def bf16_of_float64(v: np.ndarray) -> np.ndarray:
+    """bf16 bits of float64 values, rounded once to nearest even: through float32 rounded to odd (truncated, its
+    last bit set where inexact), whose extra bits keep the second rounding from changing the result."""
+    f = v.astype(np.float32)
+    bits = f.view(np.uint32).copy()
+    inexact = f.astype(np.float64) != v
+    bits[inexact & (np.abs(f.astype(np.float64)) > np.abs(v))] -= 1  # rounded away from zero: truncate
+    bits[inexact] |= 1
+    return bf16_bits(bits.view(np.float32))
+
+
 def run_ptx(text: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
-    """Run an asm block of and/or/xor/shl/shr/mov/prmt .b32 and sub.bf16x2 / sub.f16x2 on uint32 arrays; operands
+    """Run an asm block of and/or/xor/shl/shr/mov/prmt .b32, sub.bf16x2 / sub.f16x2 and fma.rn.bf16x2 on uint32
+    arrays; operands
     $0.. are the outputs, then the inputs."""
     regs = {f"${outputs + i}": v.astype(np.uint64) for i, v in enumerate(inputs)}
 
@@ -66,6 +78,11 @@ def run_ptx(text: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarra
             for s in (np.uint64(0), np.uint64(16)):
                 diff = values((a[0] >> s) & np.uint64(0xFFFF)) - values((a[1] >> s) & np.uint64(0xFFFF))
                 r = r | (to_bits(diff).astype(np.uint64) << s)
+        elif op == "fma.rn.bf16x2":  # a * b + c exactly (float64), then rounded once to bf16
+            r = np.zeros_like(np.broadcast_to(a[0], np.broadcast(a[0], a[1], a[2]).shape))
+            for s in (np.uint64(0), np.uint64(16)):
+                x, y, z = (bf16_values((v >> s) & np.uint64(0xFFFF)).astype(np.float64) for v in a)
+                r = r | (bf16_of_float64(x * y + z).astype(np.uint64) << s)
         else:
             raise AssertionError(f"instruction {op} not emulated")
         regs[d] = np.asarray(r, dtype=np.uint64) & MASK
@@ -85,11 +102,11 @@ def words(rng, n):
 
 def test_emulator_knows_the_instructions_it_runs():
     for name in ("WORD_NIBBLES", "PLANE_WORDS", "NIBBLES", "NIBBLES_I8", "PLANES", "BYTES_F16",
-                 "NIBBLES_F16", "PLANES_F16"):
+                 "NIBBLES_F16", "PLANES_F16", "AFFINE_NIBBLES", "AFFINE_PLANES"):
         text = getattr(ptx, name)
         ops = set(re.findall(r"^\s*([a-z]+\.[a-z0-9.]+)", text, re.M)) - {".reg"}
         assert ops <= {"and.b32", "or.b32", "xor.b32", "shl.b32", "shr.b32", "mov.b32", "prmt.b32", "sub.bf16x2",
-                       "sub.f16x2"}, name
+                       "sub.f16x2", "fma.rn.bf16x2"}, name
 
 
 def test_word_nibbles_give_the_codes_at_k_4j_to_4j_plus_3():
@@ -168,3 +185,23 @@ def test_attention_blocks_give_the_kv_codes_as_exact_float16():
     odd = (b & np.uint64(0xF0)) | (low >> np.uint64(4))
     for out, codes, first in zip(outs, (even, even, odd, odd), (0, 2, 0, 2)):
         assert np.array_equal(f16_halves(out), codes[:, first:first + 2].astype(np.float32))
+
+
+def test_affine_gives_the_reference_dequantized_weight():
+    """The codes as the builds give them (128 + c of a nibble, q8 - 128 of both planes), with exact_grid's scales
+    and offsets: the bf16 weight the reference rounds (float32 lo + s * q, then bf16), bit for bit."""
+    from selfspec.quant.formats import minmax_quant, upper_affine
+    torch.manual_seed(3)
+    w = torch.randn(64, 256) * torch.logspace(-4, 1, 64)[:, None]  # scales over five decades
+    w[:4, :128] = w[:4, :128] * 1e-4 + torch.tensor([1.0, -3.0, 1e3, 1e-6])[:, None]  # narrow groups far from 0
+    q8, s, lo = minmax_quant(w, 8, 128)
+    views = [(q8, s, lo, ptx.AFFINE_PLANES, -128.0), (q8 >> 4, *upper_affine(s, lo), ptx.AFFINE_NIBBLES, 128.0)]
+    for q, scale, low, text, offset in views:
+        scale, low = (t.repeat_interleave(128, 1).reshape(-1) for t in (scale, low))  # one per code
+        q = q.reshape(-1).float()
+        expect = (q * scale + low).bfloat16().view(torch.int16).numpy().view(np.uint16)
+        regs = [(b[0::2].astype(np.uint32) | (b[1::2].astype(np.uint32) << 16))
+                for b in (bf16_bits((q + offset).numpy()), bf16_bits(scale.numpy()), bf16_bits(low.numpy()))]
+        (out,) = run_ptx(text, regs, 1)
+        got = np.stack([out & 0xFFFF, out >> 16], 1).reshape(-1).astype(np.uint16)
+        assert np.array_equal(got, expect), text

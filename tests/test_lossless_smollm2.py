@@ -8,7 +8,10 @@ by the six gammas, prompts are raw text (short prefills; the chat template would
 prefills per recipe), and NEW_TOKENS = 6 gives every gamma at least one full round of gamma drafts verified in one
 pass (the first token comes from the prefill), most prompts several rounds, with accepts and rejects. Ten prompts,
 not all 20, and two gammas a prompt, not six: every prompt at every gamma took 4.6 of CI's 17 minutes (the 20 took
-11 minutes on the shared CI-sized CPU); each gamma still sees its drafts both accepted and rejected.
+11 minutes on the shared CI-sized CPU); each gamma still sees its drafts accepted, and gammas 4 and 6 rejected too
+(`planes` accepts every draft of its prompts at gammas 1 and 2 since the formats' scales and offsets are bf16,
+quant/formats.exact_grid: 24 of 24; its acceptance over 20 prompts x 24 tokens at gamma 4 is 66%, 64% before; qspec
+rejects at every gamma).
 """
 import pytest
 
@@ -53,7 +56,8 @@ def test_greedy_speculative_equals_ar(llm_and_refs, gamma):
     # fp32 CPU matmuls of k+1 rows vs 1 row may round differently; a flipped near-tie would show here
     # and must be investigated, not tolerated.
     assert not mismatches, f"{len(mismatches)} speculative runs differ from AR at gamma {gamma}: {mismatches[:3]}"
-    assert 0 < accepted < proposed  # drafts were both accepted and rejected: the check exercised both paths
+    assert 0 < accepted  # drafts accepted; and rejected (the rollback path) in rounds of 4 and 6 drafts
+    assert gamma < 4 or accepted < proposed  # (at gammas 1 and 2 `planes` accepts every draft of these prompts)
 
 
 # Recipe ngram: lookup drafts verified by `full`. A prompt that repeats itself (code) makes the lookup match and

@@ -271,8 +271,9 @@ def test_tree_sampling_matches_verify_distribution(sampling_model, name):
 # ---------------------------------------------------------------- SmolLM2
 
 
+# Text the model goes on repeating, so the lookup's trees are accepted (counting: SmolLM2 continues the list).
 SMOLLM2_PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
-                   "The quick brown fox jumps over the lazy dog. The quick brown fox"]
+                   "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"]
 
 
 @pytest.mark.parametrize("name", ["ngram-tree:3", "hybrid-tree:3"])

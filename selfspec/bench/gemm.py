@@ -17,7 +17,7 @@ import torch
 from selfspec.bench.device import copies_past_l2, copy_bandwidth, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import Handover, linear
-from selfspec.kernels.reference import row_sums
+from selfspec.kernels.ops import ROW_SUM_COLS
 from selfspec.quant.act import quantize_per_token
 from selfspec.quant.formats import quantize_weight, storage_supports
 from selfspec.quant.modes import MODES, Mode, prompt_mode
@@ -28,15 +28,14 @@ PAIRS = [("dense", "bf16"), ("int8", "w8a16"), ("int8", "w8a8"), ("int4", "w4a16
 
 
 def handed_over(gemm: str, x: torch.Tensor, mode: Mode) -> Handover | None:
-    """What the model's block hands this GEMM with its input x (model.py): x's row sums (from the norm, swiglu or
-    attention that wrote x), or with int8 activations x's codes (as act_quant makes them) and their sums, which
-    attention does not write (a token's scale needs all its heads): o quantizes its input itself."""
-    if mode.act_bits is None:
-        return Handover(sums=row_sums(x))
-    if gemm == "o":
+    """What the model's block hands this GEMM with its input x (model.py): with int8 activations x's codes (as
+    act_quant makes them) and their sums per ROW_SUM_COLS columns, from the norm or swiglu that wrote x (attention
+    writes none: a token's scale needs all its heads, so o quantizes its input itself); nothing for bf16 x."""
+    if mode.act_bits is None or gemm == "o":
         return None
     codes, scale = quantize_per_token(x, mode.act_bits)
-    return Handover(sums=row_sums(codes), codes=codes, scale=scale, bits=mode.act_bits)
+    sums = codes.float().view(codes.shape[0], -1, ROW_SUM_COLS).sum(-1)
+    return Handover(sums=sums, codes=codes, scale=scale, bits=mode.act_bits)
 
 
 def measure(shape: str, ms: list[int], group_size: int = 128, modes: list[str] | None = None) -> list[dict]:

@@ -47,11 +47,9 @@ class Resources:
     mma: str  # "wgmma", "mma.sync" or "none"
 
 
-def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 128,
-                   producer_sums: bool = True) -> triton.compiler.CompiledKernel:
+def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 128) -> triton.compiler.CompiledKernel:
     """The kernel `_launch` would run for `mode` under `cfg` (K = k), compiled for sm_90 (no launch, no GPU); with
-    its input's row sums where the kernel takes them: act_quant's for int8 activations, the producer's for bf16 ones
-    unless `producer_sums` is False (o's input: no kernel writes its sums)."""
+    its int8 codes' row sums where the kernel takes them."""
     fmt, act = FORMATS[mode], MODES[mode].act_bits is not None
     nibble = tlin.uses_nibble_kernel(fmt, act, group)
     words = tlin.reads_words(fmt, act, group, cfg)
@@ -72,13 +70,12 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
                   else cfg.split_k, IN_PROGRAM=cfg.in_program, PDL=False)
     if fmt != tlin.FULL.value:
         consts["w2_desc"] = None
-    if nibble:  # as the model runs it: with its input's row sums where the kernel takes them
-        row_sums = tlin.takes_row_sums(fmt, act, group, cfg) and (producer_sums or act)
+    if nibble:  # as the model runs it: with its codes' row sums where the kernel takes them
+        row_sums = tlin.takes_row_sums(fmt, act, group, cfg)
         sig["sums_ptr"] = "*fp32" if row_sums else "constexpr"
         if not row_sums:
             consts["sums_ptr"] = None
-        consts.update(TILES=triton.next_power_of_2(tlin.k_chunk(k, cfg.split_k, cfg.block_k) // cfg.block_k),
-                      ROW_SUMS=row_sums, WORDS=words, ASM=True)
+        consts.update(ROW_SUMS=row_sums, WORDS=words, ASM=True)
         kernel = tlin._nibble_kernel
     else:
         consts.update(SHIFT=tlin._shift(fmt) if act else 0, SWAP=cfg.swap, WORDS=words, ASM=True)
@@ -101,13 +98,13 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in
 
     word, word_name = (gl.int32, "i32") if fmt == tlin.INT8.value else (gl.int16, "i16")
     words = desc(word_name, [gll.BLOCK_N, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_N, q], word))
-    row_m, row_n = (desc("fp32", [1, rows], gll.ROW_LAYOUT) for rows in (gll.BLOCK_M, gll.BLOCK_N))
+    row_n = desc("fp32", [1, gll.BLOCK_N], gll.ROW_LAYOUT)
     sig = {"x_desc": desc("bf16", [gll.BLOCK_M, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_M, q],
                                                                                           gl.bfloat16)),
-           "w_desc": words, "w2_desc": words, "sums_desc": row_m, "scale_desc": row_n, "lo_desc": row_n,
+           "w_desc": words, "w2_desc": words, "scale_desc": row_n, "lo_desc": row_n,
            "scale_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*fp32" if partial else "*bf16"}
     if fmt == tlin.INT8.value:  # the words' descriptor stands in for the ones it does not read
-        sig.update(w2_desc=words, sums_desc=words, scale_desc=words, lo_desc=words)
+        sig.update(w2_desc=words, scale_desc=words, lo_desc=words)
     else:
         sig["scale_ptr"] = "constexpr"
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
@@ -168,7 +165,7 @@ def compile_attention(in_program: bool, tails: bool, block_t: int = 16, warps: i
     over one sequence's row), compiled for sm_90 (no launch, no GPU)."""
     kernel = ta._attention_in_program_kernel if in_program else ta._attention_chunk_kernel
     consts = dict(D=dim, BLOCK_D=dim, BLOCK_T=block_t, BLOCK_S=ta.BLOCK_S, CHUNK=ta.CHUNK, TILE_IN_BLOCK=True,
-                  TAILS=tails, PDL=False, **({"SUMS": True} if in_program else {}))
+                  TAILS=tails, PDL=False)
     sig = {}
     for name in kernel.arg_names:
         if name in consts:
@@ -307,7 +304,7 @@ def shape_table(shape: str, modes: list[str], ms: list[int], group: int) -> None
             fmt, act = FORMATS[mode], MODES[mode].act_bits is not None
             for m in ms:
                 cfg = tlin.tile_config(fmt, act, n, k, group if fmt >= tlin.INT4.value else 0, m)
-                r = resources(compile_linear(mode, cfg, k, group, producer_sums=name != "o"))
+                r = resources(compile_linear(mode, cfg, k, group))
                 tiles = (f"{cfg.block_m} x {cfg.block_n} x {cfg.num_warps}, {cfg.block_k}, {cfg.split_k}, "
                          f"{'yes' if cfg.in_program else 'no'}")
                 print(f"| {name} ({n} x {k}) | {mode} | {m} | {tiles} | {r.registers} | {r.stack_bytes} | {r.mma} |")

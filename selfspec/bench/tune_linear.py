@@ -17,8 +17,6 @@ import triton
 from selfspec.bench.device import copies_past_l2, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import triton_linear as tlin
-from selfspec.kernels import Handover
-from selfspec.kernels.reference import row_sums
 from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES
 
@@ -28,11 +26,11 @@ KERNELS = {"bf16": ("dense", "bf16"), "w8a16": ("int8", "w8a16"), "w8a8": ("int8
 
 
 def kernel_inputs(x: torch.Tensor, mode, fmt: int, group: int, n: int) -> tuple:
-    """What the model hands the kernel for activations x (a GEMM of N outputs), as `linear` does for x's rows: x
-    or its int8 codes, their row scales, and the row sums the kernel reads (its producer's, for bf16 x)."""
+    """What the kernel reads for activations x (a GEMM of N outputs), as `linear` does for x's rows: x or its int8
+    codes, their row scales, and the codes' row sums where the kernel reads them (act_quant's)."""
     m, k = x.shape
     cfg = tlin.tile_config(fmt, mode.act_bits is not None, n, k, group, m)
-    return tlin.kernel_inputs(x, mode, fmt, group, cfg, Handover(sums=row_sums(x)))
+    return tlin.kernel_inputs(x, mode, fmt, group, cfg, None)
 
 
 def candidates(group_fmt: bool, nibble_kernel: bool) -> list[tlin.TileConfig]:

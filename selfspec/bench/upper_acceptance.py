@@ -31,7 +31,7 @@ from selfspec.engine.llm import LLM, load
 from selfspec.engine.stats import GenerationStats
 from selfspec.loading import resolve
 from selfspec.model import Linear, Transformer
-from selfspec.quant.formats import (DenseWeight, Int4Weight, Int8PlanesWeight, affine_dequant_, fit_group_size,
+from selfspec.quant.formats import (DenseWeight, Int8PlanesWeight, affine_dequant_, fit_group_size,
                                     minmax_quant)
 from selfspec.quant.modes import MODES
 from selfspec.speculative.policy import expected_tokens
@@ -61,8 +61,15 @@ def upper_nearest(w: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def upper_rtn(w: torch.Tensor, g: int) -> torch.Tensor:
-    """An independent round-to-nearest INT4 (min/max g). Representable: it is the upper plane of full_widened."""
-    return Int4Weight(w, g).dequantize(MODES["w4a16"])
+    """An independent round-to-nearest INT4 (min/max g, float32 scale and offset). Representable: it is the upper
+    plane of full_widened."""
+    n, k = w.shape
+    g = fit_group_size(k, g)
+    wg = w.float().view(n, k // g, g)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-10)
+    q = ((wg - lo[..., None]) / scale[..., None]).round().clamp(0, 15)
+    return affine_dequant_(q.view(n, k), scale, lo)
 
 
 def full_widened(w: torch.Tensor, g: int) -> torch.Tensor:

@@ -34,10 +34,10 @@ def reference_op(op: str, variant: str = "") -> Callable:
 import selfspec.kernels.reference  # noqa: E402,F401  (registers the references)
 import selfspec.kernels.cpu  # noqa: E402,F401  (registers the CPU kernels of the integer formats)
 import selfspec.kernels.gpu  # noqa: E402,F401  (registers the Triton kernels where Triton can run)
-from selfspec.kernels.ops import (Handover, attention, attention_handover, linear, packed_attention,  # noqa: E402
-                                  packed_attention_handover, quantized_attention, quantizes_input, rms_norm,
-                                  rms_norm_handover, rope_and_store, swiglu, swiglu_handover)
+from selfspec.kernels.ops import (Handover, attention, linear, packed_attention, quantized_attention,  # noqa: E402
+                                  quantizes_input, rms_norm, rms_norm_handover, rope_and_store, swiglu,
+                                  swiglu_handover)
 
 __all__ = ["register", "lookup", "reference_op", "Handover", "linear", "quantizes_input", "rms_norm",
-           "rms_norm_handover", "rope_and_store", "attention", "attention_handover", "packed_attention",
-           "packed_attention_handover", "quantized_attention", "swiglu", "swiglu_handover"]
+           "rms_norm_handover", "rope_and_store", "attention", "packed_attention", "quantized_attention", "swiglu",
+           "swiglu_handover"]

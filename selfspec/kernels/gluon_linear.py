@@ -1,33 +1,26 @@
 """GEMMs for many tokens on Hopper, warp-specialized (Gluon): a loader warp keeps TMA copies in flight while two
-consumer warpgroups run wgmma. The nibble formats' (w4a16, `upper`, `full` with bf16 activations) build their codes
-and apply each group's affine in the consumers; INT8 codes with bf16 activations (w8a16) take the same kernel, read
-as 32-bit words of four codes (k = 4j .. 4j + 3, the quarters' order), one product per chunk and the channel scale
-at the end, as _linear_kernel's word tiles; the bf16 one (bf16 weights, and prompt tokens' dequantized weights)
+consumer warpgroups run wgmma. The nibble formats' (w4a16, `upper`, `full` with bf16 activations) dequantize
+their weight tiles in the consumers' registers; INT8 codes with bf16 activations (w8a16) take the same kernel, read
+as 32-bit words of four codes (k = 4j .. 4j + 3, the quarters' order), the channel scale at the end, as
+_linear_kernel's word tiles; the bf16 one (bf16 weights, and prompt tokens' dequantized weights)
 and the int8 one (w8a8: int8 codes on both sides, their products summed exactly in int32 over K; persistent CTAs
 past 512 rows) are plain GEMMs in _linear_kernel's arithmetic (at the end of the module).
 
-_nibble_kernel (kernels/triton_linear.py) builds each K tile's bf16 codes in registers, writes them to shared
-memory for wgmma and waits for each tile's product before its affine, all in the same warps. Here, for one
-[BLOCK_N = 128, BLOCK_M = 128] tile of y^T = W x^T:
-- the loader warp copies each K tile's x (as four quarter tiles, below), the planes' 16-bit words, x's row sums and
-  the tile's group scale and offset into a ring of shared memory;
-- each consumer warpgroup takes 64 weight rows: it builds their bf16 codes from the words in registers, in the
-  layout wgmma takes its first operand in (no trip through shared memory), one tile ahead, while the tensor cores
-  work on the tile before; then it applies the tile's group affine in _nibble_chunk's arithmetic
-      acc += d * s + x_sum * (lo - s * offset)
-  and adds each of the split's chunks into their sum, kept in shared memory (a third accumulator would spill).
+For one [BLOCK_N = 128, BLOCK_M = 128] tile of y^T = W x^T:
+- the loader warp copies each K tile's x (as four quarter tiles, below), the planes' 16-bit words and the tile's
+  group scale and offset into a ring of shared memory;
+- each consumer warpgroup takes 64 weight rows: it builds their bf16 weights from the words in registers (the
+  codes, then lo + s * q in one bf16 fused multiply-add per two: _nibble_chunk's `_weight`), in the layout wgmma
+  takes its first operand in (no trip through shared memory), one tile ahead while the tensor cores work on the
+  tile before, and chains each chunk's wgmma into one accumulator; the split's chunks are added into their sum,
+  kept in shared memory (a third accumulator would spill).
 
-Where its time goes (H100, docs/bench-h100/ws-gemm-*.json): with the affine and the chunks' sums taken out it ran
-at 1.1-1.6x cuBLAS; they cost the rest (1.6-2.6x at 1024 rows), not overlapping the other warpgroup's wgmma.
-Making the warpgroups take turns on the tensor cores, or issuing the next tile's wgmma before a tile's affine
-(two products in flight), measured slower.
-
-The same bits as the decode tiles: _nibble_kernel reads a word's four codes as four dots, over the columns
-k = 4j + t of x for t = 0..3, K tile by K tile, chunk by chunk. Here x comes with each K tile's columns already in
-that order (`nibble_inputs`: column t * BLOCK_K / 4 + j of a tile holds its column 4j + t), so the quarters are four TMA
-boxes and the four dots the same wgmma instructions in the same order; each output's products and adds are the
-decode tiles' (the GPU tests compare every row's bits). The K tile, the chunks of the decode config's split and the
-order of every add are the decode config's; only the tiles differ.
+The same bits as the decode tiles: _nibble_kernel reads a word's four codes (as weights) as four dots, over
+the columns k = 4j + t of x for t = 0..3, K tile by K tile, chunk by chunk. Here x comes with each K tile's columns
+already in that order (`quartered`: column t * BLOCK_K / 4 + j of a tile holds its column 4j + t), so the quarters
+are four TMA boxes and the four dots the same wgmma instructions in the same order; each output's products and adds
+are the decode tiles' (the GPU tests compare every row's bits). The K tile, the chunks of the decode config's split
+and the order of every add are the decode config's; only the tiles differ.
 """
 from __future__ import annotations
 
@@ -43,7 +36,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from selfspec.kernels import ptx
 from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY, launch_options, wait
-from selfspec.kernels.triton_small import ROW_SUM_COLS, sum_chunks
+from selfspec.kernels.triton_small import sum_chunks
 
 # The formats, as kernels/triton_linear.py numbers them: INT8 codes (per-channel scale) and the nibble formats.
 INT8, INT4, UPPER, FULL = gl.constexpr(1), gl.constexpr(2), gl.constexpr(3), gl.constexpr(4)
@@ -56,6 +49,8 @@ CONSUMER_REGISTERS = gl.constexpr(240)  # the second consumer warpgroup's; the f
 _WORD_NIBBLES = gl.constexpr(ptx.WORD_NIBBLES)
 _PLANE_WORDS = gl.constexpr(ptx.PLANE_WORDS)
 _INT8_WORDS = gl.constexpr(ptx.INT8_WORDS)
+_AFFINE_NIBBLES = gl.constexpr(ptx.AFFINE_NIBBLES)
+_AFFINE_PLANES = gl.constexpr(ptx.AFFINE_PLANES)
 
 
 @gluon.jit
@@ -71,10 +66,10 @@ def _ring_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _loader(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs,
-            ready, free, m0, n0, k_begin, k_end, FMT: gl.constexpr, GROUP: gl.constexpr, BLOCK_K: gl.constexpr):
-    """One warp: each K tile's x quarters, words, x's row sums and group affine (scale, lo) into the ring, as its
-    slots come free, for the K tiles from k_begin to k_end (INT8 codes: the quarters and the words alone)."""
+def _loader(x_desc, w_desc, w2_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, m0, n0,
+            k_begin, k_end, FMT: gl.constexpr, GROUP: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One warp: each K tile's x quarters, words and group affine (scale, lo) into the ring, as its slots come free,
+    for the K tiles from k_begin to k_end (INT8 codes: the quarters and the words alone)."""
     stages: gl.constexpr = ready.type.shape[0]
     q: gl.constexpr = BLOCK_K // 4
     planes: gl.constexpr = 2 if FMT == FULL else 1
@@ -82,7 +77,7 @@ def _loader(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, x_bufs, w_b
         nbytes: gl.constexpr = 4 * x_desc.block_type.nbytes + w_desc.block_type.nbytes
     else:
         nbytes: gl.constexpr = (4 * x_desc.block_type.nbytes + planes * w_desc.block_type.nbytes
-                                + sums_desc.block_type.nbytes + 2 * scale_desc.block_type.nbytes)
+                                + 2 * scale_desc.block_type.nbytes)
     first = k_begin // BLOCK_K
     for j in range(gl.cdiv(k_end - k_begin, BLOCK_K)):
         i = first + j
@@ -96,30 +91,46 @@ def _loader(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, x_bufs, w_b
         if FMT == FULL:
             tma.async_copy_global_to_shared(w2_desc, [n0, i * q], bar, w2_bufs.index(slot))
         if FMT != INT8:
-            tma.async_copy_global_to_shared(sums_desc, [i, m0], bar, sum_bufs.index(slot))
             tma.async_copy_global_to_shared(scale_desc, [i * BLOCK_K // GROUP, n0], bar, affine_bufs.index(2 * slot))
             tma.async_copy_global_to_shared(lo_desc, [i * BLOCK_K // GROUP, n0], bar,
                                             affine_bufs.index(2 * slot + 1))
 
 
 @gluon.jit
-def _tile_codes(w_bufs, w2_bufs, slot, row0, layout: gl.constexpr, FMT: gl.constexpr):
-    """The bf16 codes at k = 4j + t (t = 0..3) of the warpgroup's rows of the words in ring slot `slot`, in the
-    register layout of wgmma's first operand."""
+def _tile_weights(w_bufs, w2_bufs, affine_bufs, slot, row0, layout: gl.constexpr, FMT: gl.constexpr):
+    """The bf16 weights at k = 4j + t (t = 0..3) of the warpgroup's rows of ring slot `slot`, in the register layout
+    of wgmma's first operand: INT8 codes as they are (the channel scale comes at the end), the nibble formats'
+    codes dequantized with the tile's group scale and offset (triton_linear._weight)."""
     rows: gl.constexpr = WARPGROUP_ROWS
     w = w_bufs.index(slot).slice(row0, rows).load(layout)
     if FMT == INT8:  # 32-bit words of four codes
-        return gl.inline_asm_elementwise(_INT8_WORDS, "=r,=r,=r,=r,r,r", [w],
-                                         dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True,
-                                         pack=2)
-    if FMT == FULL:
-        w2 = w2_bufs.index(slot).slice(row0, rows).load(layout)
-        return gl.inline_asm_elementwise(_PLANE_WORDS, "=r,=r,=r,=r,r,r", [w, w2],
-                                         dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True,
-                                         pack=2)
-    return gl.inline_asm_elementwise(_WORD_NIBBLES, "=r,=r,=r,=r,r", [w],
-                                     dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True,
-                                     pack=2)
+        weights = gl.inline_asm_elementwise(_INT8_WORDS, "=r,=r,=r,=r,r,r", [w],
+                                            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True,
+                                            pack=2)
+    else:
+        if FMT == FULL:
+            w2 = w2_bufs.index(slot).slice(row0, rows).load(layout)
+            codes = gl.inline_asm_elementwise(_PLANE_WORDS, "=r,=r,=r,=r,r,r", [w, w2],
+                                              dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
+                                              is_pure=True, pack=2)
+        else:
+            codes = gl.inline_asm_elementwise(_WORD_NIBBLES, "=r,=r,=r,=r,r", [w],
+                                              dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
+                                              is_pure=True, pack=2)
+        s = _row(affine_bufs.index(2 * slot), row0, rows, gl.SliceLayout(1, layout))
+        lo = _row(affine_bufs.index(2 * slot + 1), row0, rows, gl.SliceLayout(1, layout))
+        if FMT == UPPER:  # triton_linear._group_affine
+            lo = lo + s * 7.5
+            s = s * 16
+        s = gl.expand_dims(s.to(gl.bfloat16), 1)
+        lo = gl.expand_dims(lo.to(gl.bfloat16), 1)
+        affine: gl.constexpr = _AFFINE_PLANES if FMT == FULL else _AFFINE_NIBBLES
+        c0, c1, c2, c3 = codes
+        weights = (gl.inline_asm_elementwise(affine, "=r,r,r,r", [c0, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
+                   gl.inline_asm_elementwise(affine, "=r,r,r,r", [c1, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
+                   gl.inline_asm_elementwise(affine, "=r,r,r,r", [c2, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
+                   gl.inline_asm_elementwise(affine, "=r,r,r,r", [c3, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2))
+    return weights
 
 
 @gluon.jit
@@ -130,7 +141,7 @@ def _row(buf, start, length: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, scale_ptr,
+def _consumer(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, scale_ptr,
               bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm,
               FMT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
               PARTIAL: gl.constexpr, NARROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
@@ -140,85 +151,65 @@ def _consumer(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total
     same at any width (tests/gpu compares the bits)."""
     live = M - m0
     if not NARROWS:
-        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
+        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
                  res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
                  HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)
     elif live <= NARROW:
-        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
+        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
                  res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
                  HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROW, BLOCK_K)
     elif live <= 2 * NARROW:
-        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
+        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
                  res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
                  HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, 2 * NARROW, BLOCK_K)
     else:
-        _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
+        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
                  res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
                  HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)
 
 
 @gluon.jit
-def _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem, scale_ptr,
+def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, scale_ptr,
              bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm,
              FMT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
              PARTIAL: gl.constexpr, WIDTH: gl.constexpr, BLOCK_K: gl.constexpr):
     """_consumer's product, WIDTH columns from m0, over the CHUNKS chunks of K from k_begin (to k_end); with
-    PARTIAL, the fp32 sum of that one chunk, stored as is. While a tile's wgmma runs, the next tile's codes are
+    PARTIAL, the fp32 sum of that one chunk, stored as is. While a tile's wgmma runs, the next tile's weights are
     built (one tile ahead)."""
     stages: gl.constexpr = ready.type.shape[0]
     rows: gl.constexpr = WARPGROUP_ROWS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, WIDTH, 16])
-    codes_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    weights_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     offs_n = n0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, acc_layout))
     offs_m = m0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, acc_layout))
     n_mask = offs_n < N
     m_mask = offs_m < M
-    offset: gl.constexpr = -128.0 if FMT == FULL else 128.0
     total_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([rows, WIDTH], gl.float32)
     total_smem = total_smem._reinterpret(gl.float32, [rows, WIDTH], total_layout)  # scratch: any width fits
     if IN_PROGRAM:  # the chunks' sum waits in shared memory: a third accumulator in registers would spill
         total_smem.store(gl.zeros((rows, WIDTH), gl.float32, acc_layout))
     tiles = gl.cdiv(k_end - k_begin, BLOCK_K)
     mbarrier.wait(ready.index(0), 0)
-    codes = _tile_codes(w_bufs, w2_bufs, 0, row0, codes_layout, FMT)
+    weights = _tile_weights(w_bufs, w2_bufs, affine_bufs, 0, row0, weights_layout, FMT)
     i = 0
     acc = gl.zeros((rows, WIDTH), gl.float32, acc_layout)  # defined past the loop (one chunk: the total)
     for c in range(0, CHUNKS):
         acc = gl.zeros((rows, WIDTH), gl.float32, acc_layout)
         for k0 in range(k_begin + c * K_CHUNK, gl.minimum(k_end, k_begin + (c + 1) * K_CHUNK), BLOCK_K):
             slot = i % stages
-            if FMT == INT8:  # one product per chunk, as _linear_kernel's dots
-                for t in gl.static_range(4):
-                    acc = warpgroup_mma(codes[t], x_bufs.index(4 * slot + t).slice(0, WIDTH).permute((1, 0)), acc,
-                                        is_async=True)
-            else:
-                d = gl.zeros((rows, WIDTH), gl.float32, acc_layout)
-                for t in gl.static_range(4):
-                    d = warpgroup_mma(codes[t], x_bufs.index(4 * slot + t).slice(0, WIDTH).permute((1, 0)), d,
-                                      use_acc=t > 0, is_async=True)
-            # While the tensor cores work: the next tile's codes.
+            for t in gl.static_range(4):  # one product per chunk, as the decode tiles' dots
+                acc = warpgroup_mma(weights[t], x_bufs.index(4 * slot + t).slice(0, WIDTH).permute((1, 0)), acc,
+                                    is_async=True)
+            # While the tensor cores work: the next tile's weights.
             if i + 1 < tiles:
                 mbarrier.wait(ready.index((i + 1) % stages), ((i + 1) // stages) & 1)
-                following = _tile_codes(w_bufs, w2_bufs, (i + 1) % stages, row0, codes_layout, FMT)
+                following = _tile_weights(w_bufs, w2_bufs, affine_bufs, (i + 1) % stages, row0, weights_layout, FMT)
             else:
-                following = codes
-            if FMT == INT8:
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(free.index(slot))
-            else:
-                d = warpgroup_mma_wait(0, deps=(d, ))
-                x_sum = _row(sum_bufs.index(slot), 0, WIDTH, gl.SliceLayout(0, acc_layout))
-                s = _row(affine_bufs.index(2 * slot), row0, rows, gl.SliceLayout(1, acc_layout))
-                lo = _row(affine_bufs.index(2 * slot + 1), row0, rows, gl.SliceLayout(1, acc_layout))
-                if FMT == UPPER:  # triton_linear._group_affine
-                    lo = lo + s * 7.5
-                    s = s * 16
-                mbarrier.arrive(free.index(slot))
-                # _nibble_chunk's `d * s + x_sum * off`, with the fused multiply-add LLVM gives it there, written out:
-                # left to LLVM, which product it fuses here changed with how M was specialized.
-                acc += gl.fma(d, s[:, None], x_sum[None, :] * (lo - s * offset)[:, None])
-            codes = following
+                following = weights
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(free.index(slot))
+            weights = following
             i += 1
         if IN_PROGRAM:
             total_smem.store(total_smem.load(acc_layout) + acc)
@@ -242,7 +233,7 @@ def _consume(x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_
 
 
 @gluon.jit(do_not_specialize=["M"])  # one binary for every M
-def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, scale_ptr, bias_ptr, res_ptr, y_ptr,
+def _nibble_ws_kernel(x_desc, w_desc, w2_desc, scale_desc, lo_desc, scale_ptr, bias_ptr, res_ptr, y_ptr,
                       M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
                       FMT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                       IN_PROGRAM: gl.constexpr, PARTIAL: gl.constexpr, NARROWS: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -256,13 +247,11 @@ def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, s
         y_ptr += gl.program_id(2) * M * stride_ym
     q: gl.constexpr = BLOCK_K // 4
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, BLOCK_M, q], x_desc.layout)
-    if FMT == INT8:  # 32-bit words of four codes; no sums or group affine (the channel scale comes at the end)
+    if FMT == INT8:  # 32-bit words of four codes; no group affine (the channel scale comes at the end)
         w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, q], w_desc.layout)
-        sum_bufs = x_bufs
         affine_bufs = x_bufs
     else:
         w_bufs = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, q], w_desc.layout)
-        sum_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], sums_desc.layout)
         affine_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, BLOCK_N], scale_desc.layout)
     if FMT == FULL:
         w2_bufs = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, q], w2_desc.layout)
@@ -273,23 +262,22 @@ def _nibble_ws_kernel(x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, s
     ready, free = _ring_barriers(STAGES)
     # The partitions' arguments are written out here: a tuple kept in a variable loses its constexprs.
     gl.warp_specialize([
-        (_consumer, (x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem.index(0), scale_ptr,
+        (_consumer, (x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem.index(0), scale_ptr,
                      bias_ptr, res_ptr, y_ptr, 0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym,
                      stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROWS, BLOCK_M, BLOCK_K)),
-        (_consumer, (x_bufs, w_bufs, w2_bufs, sum_bufs, affine_bufs, ready, free, total_smem.index(1), scale_ptr,
+        (_consumer, (x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem.index(1), scale_ptr,
                      bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS,
                      stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROWS, BLOCK_M,
                      BLOCK_K)),
-        (_loader, (x_desc, w_desc, w2_desc, sums_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_bufs, sum_bufs,
-                   affine_bufs, ready, free, m0, n0, k_begin, k_end, FMT, GROUP, BLOCK_K)),
+        (_loader, (x_desc, w_desc, w2_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free,
+                   m0, n0, k_begin, k_end, FMT, GROUP, BLOCK_K)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
 @triton.jit
-def _nibble_inputs_kernel(x_ptr, sums_ptr, xq_ptr, ts_ptr, K, stride_ts, BLOCK_K: tl.constexpr,
-                          PIECES: tl.constexpr, TILES: tl.constexpr, SUMS: tl.constexpr, PDL: tl.constexpr):
-    """TILES K tiles of one row of x: their columns quartered (column t * BLOCK_K / 4 + j of a tile holds its column
-    4j + t), and with SUMS the row's sum per tile, its PIECES ROW_SUM_COLS-column sums added in order."""
+def _quartered_kernel(x_ptr, xq_ptr, K, BLOCK_K: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
+    """TILES K tiles of one row of x, their columns quartered (column t * BLOCK_K / 4 + j of a tile holds its
+    column 4j + t)."""
     wait(PDL)
     row = tl.program_id(0)
     q: tl.constexpr = BLOCK_K // 4
@@ -300,31 +288,17 @@ def _nibble_inputs_kernel(x_ptr, sums_ptr, xq_ptr, ts_ptr, K, stride_ts, BLOCK_K
     j = tl.arange(0, q)[None, None, :]
     v = tl.load(x_ptr + row * K + k0 + 4 * j + t, mask=live[:, None, None])
     tl.store(xq_ptr + row * K + k0 + t * q + j, v, mask=live[:, None, None])
-    if SUMS:
-        first = sums_ptr + row * (K // ROW_SUM_COLS) + tile * PIECES
-        total = tl.load(first, mask=live)
-        for p in tl.static_range(1, PIECES):
-            total = total + tl.load(first + p, mask=live)
-        tl.store(ts_ptr + tile * stride_ts + row, total, mask=live)
 
 
-def nibble_inputs(x2: torch.Tensor, sums: torch.Tensor | None,
-                  block_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What the nibble kernel reads of x2 [M, K] (contiguous) and its row sums per ROW_SUM_COLS columns, in one
-    launch: x2 with each K tile's columns in the order the decode tiles' dots take them (column t * BLOCK_K / 4 + j
-    of a tile holds its column 4j + t), and x's sums per K tile [K / BLOCK_K, M], the pieces added in order as
-    _nibble_chunk adds them, in rows padded to 16 bytes as TMA reads them (None without sums: INT8 codes)."""
+def quartered(x2: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x2 [M, K] (contiguous) as the nibble kernel reads it: each K tile's columns in the order the decode tiles'
+    dots take them (column t * BLOCK_K / 4 + j of a tile holds its column 4j + t)."""
     m, k = x2.shape
-    tiles = k // block_k
     xq = torch.empty_like(x2)
-    out = None if sums is None else torch.empty((tiles, triton.cdiv(m, 4) * 4), dtype=torch.float32,
-                                                device=x2.device)
     per_program = 8
-    _nibble_inputs_kernel[(m, triton.cdiv(tiles, per_program))](
-        x2, sums, xq, out, k, 0 if out is None else out.stride(0), BLOCK_K=block_k,
-        PIECES=block_k // ROW_SUM_COLS.value, TILES=per_program, SUMS=sums is not None, num_warps=4,
-        **launch_options())
-    return xq, None if out is None else out[:, :m]
+    _quartered_kernel[(m, triton.cdiv(k // block_k, per_program))](x2, xq, k, BLOCK_K=block_k, TILES=per_program,
+                                                                    num_warps=4, **launch_options())
+    return xq
 
 
 def ring_stages(slot: int, beside: int = 0, most: int = 6) -> int:
@@ -333,36 +307,34 @@ def ring_stages(slot: int, beside: int = 0, most: int = 6) -> int:
 
 
 def nibble_stages(fmt: int, block_k: int) -> int:
-    """The nibble kernel's ring: x quarters, the planes' words, x's row sums and the affine per slot (INT8 codes: x
-    quarters and the words alone), beside the chunks' sum; at most 4."""
+    """The nibble kernel's ring: x quarters, the planes' words and the affine per slot (INT8 codes: x quarters and
+    the words alone), beside the chunks' sum; at most 4."""
     if fmt == INT8.value:
         slot = BLOCK_M * block_k * 2 + BLOCK_N * block_k
     else:
         planes = 2 if fmt == FULL.value else 1
-        slot = BLOCK_M * block_k * 2 + planes * BLOCK_N * block_k // 2 + (BLOCK_M + 2 * BLOCK_N) * 4
+        slot = BLOCK_M * block_k * 2 + planes * BLOCK_N * block_k // 2 + 2 * BLOCK_N * 4
     return ring_stages(slot, beside=BLOCK_N * BLOCK_M * 4, most=4)
 
 
-def descriptors(x: torch.Tensor, sums: torch.Tensor | None, w: torch.Tensor, w2: torch.Tensor | None,
-                scale: torch.Tensor, lo: torch.Tensor | None, block_k: int) -> tuple:
-    """TMA descriptors of the quartered x (boxes of one quarter tile), of the planes as 16-bit words, of x's row
-    sums per K tile (boxes of one tile's BLOCK_M rows) and of the group scales and offsets ([N, groups] stored
-    group-major: boxes of BLOCK_N rows of one group). INT8 codes (no sums, no lo): x's and the 32-bit words' alone,
-    the words' standing in for the rest (the kernel does not read them)."""
+def descriptors(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, scale: torch.Tensor,
+                lo: torch.Tensor | None, block_k: int) -> tuple:
+    """TMA descriptors of the quartered x (boxes of one quarter tile), of the planes as 16-bit words and of the
+    group scales and offsets ([N, groups] stored group-major: boxes of BLOCK_N rows of one group). INT8 codes (no
+    lo): x's and the 32-bit words' alone, the words' standing in for the rest (the kernel does not read them)."""
     q = block_k // 4
     x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, q], gl.NVMMASharedLayout.get_default_for([BLOCK_M, q],
                                                                                                gl.bfloat16))
-    if sums is None:
+    if lo is None:
         words = w.view(torch.int32)
         w_desc = TensorDescriptor.from_tensor(words, [BLOCK_N, q], gl.NVMMASharedLayout.get_default_for([BLOCK_N, q],
                                                                                                      gl.int32))
-        return x_desc, w_desc, w_desc, w_desc, w_desc, w_desc
+        return x_desc, w_desc, w_desc, w_desc, w_desc
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, q], gl.int16)
     w_desc, w2_desc = (None if t is None else TensorDescriptor.from_tensor(t.view(torch.int16), [BLOCK_N, q], w_layout)
                        for t in (w, w2))
-    sums_desc = TensorDescriptor.from_tensor(sums, [1, BLOCK_M], ROW_LAYOUT)
     scale_desc, lo_desc = (TensorDescriptor.from_tensor(t.t(), [1, BLOCK_N], ROW_LAYOUT) for t in (scale, lo))
-    return x_desc, w_desc, w2_desc if w2_desc is not None else w_desc, sums_desc, scale_desc, lo_desc
+    return x_desc, w_desc, w2_desc if w2_desc is not None else w_desc, scale_desc, lo_desc
 
 
 ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # one row of fp32, as is
@@ -383,16 +355,15 @@ def runs_on(device: torch.device) -> bool:
 MAX_REGISTERS = 65536 // (3 * 128) // 8 * 8
 
 
-def nibble_gemm(x2: torch.Tensor, sums: torch.Tensor | None, fmt: int, tensors: tuple, n: int, group: int,
-                block_k: int, chunk: int, split_k: int, bias: torch.Tensor | None,
-                r2: torch.Tensor | None) -> torch.Tensor:
-    """y [M, N] = x2 [M, K] @ W^T (+ bias, + r2) for a nibble format with bf16 activations and their row sums per
-    ROW_SUM_COLS columns, or for INT8 codes (as 32-bit words, sums None; K a multiple of block_k), in the K tile and
-    the K split of the decode config (block_k; split_k chunks of `chunk` columns, triton_linear.k_chunk): the chunks
-    are walked in order, each from zero, and added in order (as the split's partial sums are)."""
+def nibble_gemm(x2: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, block_k: int, chunk: int,
+                split_k: int, bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
+    """y [M, N] = x2 [M, K] @ W^T (+ bias, + r2) for a nibble format with bf16 activations, or for INT8 codes (as
+    32-bit words, lo None; K a multiple of block_k), in the K tile and the K split of the decode config (block_k;
+    split_k chunks of `chunk` columns, triton_linear.k_chunk): the chunks are walked in order, each from zero, and
+    added in order (as the split's partial sums are)."""
     m, k = x2.shape
     w, w2, scale, lo = tensors
-    descs = descriptors(*nibble_inputs(x2, sums, block_k), w, w2, scale, lo, block_k)
+    descs = descriptors(quartered(x2, block_k), w, w2, scale, lo, block_k)
     channel = scale if fmt == INT8.value else None
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     flags = dict(FMT=fmt, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=BLOCK_M,

@@ -10,7 +10,7 @@ from selfspec import kernels
 from selfspec.quant.formats import QuantWeight
 from selfspec.quant.modes import Mode
 
-# The width of each row sum that `rms_norm_handover` and `swiglu_handover` write for `linear` (sums [rows, D / 64]).
+# The width of each sum of codes that `rms_norm_handover` and `swiglu_handover` write for `linear` ([rows, D / 64]).
 ROW_SUM_COLS = 64
 
 if TYPE_CHECKING:
@@ -21,22 +21,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Handover:
     """What the op that wrote a linear's input x (a norm, swiglu) computed of each row in its one pass over it, so
-    that the linear does not compute it again:
-    - with bf16 activations, `sums`: x's fp32 sums per ROW_SUM_COLS columns [rows, K / ROW_SUM_COLS], which the
-      nibble GEMMs multiply by their group offsets. They are part of the GEMM's arithmetic: a linear must get them
-      on every call or on none;
-    - for a mode that quantizes activations to `bits`, `codes` (int8 [rows, K]) and `scale` (fp32 [rows, 1]): x
-      quantized per token exactly as the linear would quantize it (quant/act.py), and in `sums` the codes' sums
-      (exact integers) or None. The same values either way, so they may come on some calls and not on others."""
+    that the linear does not compute it again: for a mode that quantizes activations to `bits`, `codes` (int8
+    [rows, K]) and `scale` (fp32 [rows, 1]): x quantized per token exactly as the linear would quantize it
+    (quant/act.py), and in `sums` the codes' sums per ROW_SUM_COLS columns [rows, K / ROW_SUM_COLS] (exact integers)
+    or None. The same values either way, so they may come on some calls and not on others."""
     sums: torch.Tensor | None = None
     codes: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     bits: int | None = None
-
-    def rows(self, index: torch.Tensor) -> Handover:
-        """What it carries of the rows `index` (a tree pass's nodes, model.TreeLayout)."""
-        pick = lambda t: None if t is None else t[index]  # noqa: E731
-        return Handover(pick(self.sums), pick(self.codes), pick(self.scale), self.bits)
 
     def codes_for(self, bits: int | None) -> bool:
         """Whether this carries x's codes at `bits` (a mode's act_bits)."""
@@ -71,7 +63,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float,
                       act_bits: int | None = None) -> tuple[torch.Tensor, Handover | None]:
     """rms_norm, and what it hands the linear that reads its output where the device's GEMMs take it (`Handover`):
-    its row sums, or with act_bits (the linear's `quantizes_input`) its codes. None where the device takes none."""
+    with act_bits (the linear's `quantizes_input`) its codes. None where the device takes none."""
     return kernels.lookup("rms_norm_handover", "", x.device.type)(x, weight, eps, act_bits)
 
 
@@ -106,23 +98,6 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     elsewhere: key p0 + i is read at position tails[b, i] (a tree's branch rows sharing one sequence's row,
     model.TreeLayout). Each key keeps its logical place, so a query gets the bits of a row holding them in order."""
     return kernels.lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt, tails=tails)
-
-
-def attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                       q_pos: torch.Tensor, prompt: bool = False,
-                       tails: torch.Tensor | None = None) -> tuple[torch.Tensor, Handover | None]:
-    """`attention`, and what it hands the output projection (`Handover`: the row sums of its input, the tokens'
-    heads side by side) where the device's GEMMs take it, else None."""
-    return kernels.lookup("attention_handover", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt,
-                                                                    tails=tails)
-
-
-def packed_attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                              q_pos: torch.Tensor, packed: Packed,
-                              prompt: bool = False) -> tuple[torch.Tensor, Handover | None]:
-    """`packed_attention`, and what it hands the output projection (as `attention_handover`)."""
-    return kernels.lookup("packed_attention_handover", "", q.device.type)(q, k_pool, v_pool, table, q_pos, packed,
-                                                                           prompt)
 
 
 def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

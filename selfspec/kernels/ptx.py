@@ -85,6 +85,17 @@ INT8_WORDS = block("g, l0, l1, l2", "".join(gather_bytes("g", "$4", "$5", t)
                                             + signed_bytes_to_bf16(f"${t}", "g", "0x4240") for t in range(4)))
 
 
+def affine(code_offset: str) -> str:
+    """$0: lo + scale * q of two codes, rounded once to bf16 (a fused multiply-add): q = $1 less the build's
+    code_offset (two bf16 halves, exact), scale $2, lo $3 (bf16 pairs). With quant/formats.exact_grid's scales and
+    offsets, lo + scale * q is exact in float32, so this is the reference's dequantized weight, bit for bit."""
+    return block("q, k", f"mov.b32 k, {code_offset};\nsub.bf16x2 q, $1, k;\nfma.rn.bf16x2 $0, q, $2, $3;\n")
+
+
+# The weight a nibble plane's bf16 codes 128 + c stand for, and that of both planes' codes q8 - 128.
+AFFINE_NIBBLES = affine("0x43004300")
+AFFINE_PLANES = affine("0xC300C300")
+
 # The quantized KV cache's codes for the attention kernel, as exact float16 (register k: 1024 twice).
 # Four bytes -> four float16 1024 + byte (0x64 above each byte), less 1024: the bytes as exact float16 integers.
 BYTES_F16 = ("{\n.reg .b32 t, k;\nmov.b32 k, 0x64006400;\nprmt.b32 t, $2, 0x64, 0x4140;\nsub.f16x2 $0, t, k;\n"

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from selfspec.cache.paged import gather_blocks
 from selfspec.cache.quant_kv import quantized_below
 from selfspec.kernels import lookup, register
-from selfspec.kernels.ops import ROW_SUM_COLS, Handover
+from selfspec.kernels.ops import Handover
 from selfspec.quant.act import fake_quantize_per_token
 from selfspec.quant.formats import STORAGES, QuantWeight
 from selfspec.quant.modes import Mode
@@ -78,12 +78,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def row_sums(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, K] summed per ROW_SUM_COLS columns in fp32 [rows, K / ROW_SUM_COLS]: what `rms_norm_handover` and
-    `swiglu_handover` hand to `linear` (up to the order of the adds)."""
-    return x.float().view(x.shape[0], -1, ROW_SUM_COLS).sum(-1)
-
-
 # The references' GEMMs sum and quantize x themselves: no handover (kernels/ops.py says what it is for).
 @register("rms_norm_handover")
 def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float, act_bits: int | None = None) -> tuple:
@@ -120,20 +114,6 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     # Causal, offset by each row's positions: [B, 1, T, S], broadcast over heads.
     mask = torch.arange(k.shape[2], device=q.device) <= q_pos[:, None, :, None]
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
-
-
-@register("attention_handover")
-def attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                       q_pos: torch.Tensor, prompt: bool = False, tails: torch.Tensor | None = None) -> tuple:
-    """The device's `attention`, handing over nothing (kernels/ops.py)."""
-    return lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt, tails=tails), None
-
-
-@register("packed_attention_handover")
-def packed_attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                              q_pos: torch.Tensor, packed: Packed, prompt: bool = False) -> tuple:
-    """The device's `packed_attention`, handing over nothing (kernels/ops.py)."""
-    return lookup("packed_attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, packed, prompt), None
 
 
 @register("packed_attention")

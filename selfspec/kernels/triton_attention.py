@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -42,12 +41,7 @@ from selfspec.cache.paged import KEY_TILE, check_block_size
 from selfspec.errors import SelfspecError
 from selfspec.kernels import register
 from selfspec.kernels.launch import launch_options, wait
-from selfspec.kernels.ops import Handover
 from selfspec.kernels.reference import attention as reference_attention
-from selfspec.kernels.triton_small import ROW_SUM_COLS, piece_sums
-
-if TYPE_CHECKING:
-    from selfspec.model import Packed
 
 # Keys per step of the online softmax: fixed, so every query sums its keys in the same order. H100, 8B heads, 8
 # warps (docs/bench-h100/attention-key-tiles.json): 128 keys took 9.0 us at batch 1 and 1k keys against 11.1 for
@@ -186,17 +180,6 @@ def _merge(m, l, acc, m_c, l_c, acc_c):
     return m_new, l, acc
 
 
-@triton.jit
-def _store_head_sums(out, sums_ptr, token, h, live, H, D: tl.constexpr):
-    """The row sums of the output projection's input (its rows: tokens, each all heads' outputs side by side) per
-    ROW_SUM_COLS columns, for the rows of `out` [rows, BLOCK_D] (bf16: token `token`, head `h`, where `live`):
-    sums [tokens, H * D / ROW_SUM_COLS], head h's at columns h * D / ROW_SUM_COLS on."""
-    per_head: tl.constexpr = D // ROW_SUM_COLS
-    sums = piece_sums(out.to(tl.float32))  # a fixed tree: the split and in-program paths give the same bits
-    i = tl.arange(0, sums.shape[1])[None, :]
-    tl.store(sums_ptr + (token * H + h)[:, None] * per_head + i, sums, mask=live[:, None] & (i < per_head))
-
-
 @triton.jit(do_not_specialize=["T", "S"])  # one binary for every number of queries and keys
 def _attention_chunk_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, tails_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, T, S, BS, W, HKV, N_REP, N_CHUNKS,
@@ -228,9 +211,8 @@ def _attention_chunk_kernel(
 
 @triton.jit(do_not_specialize=["T", "S"])
 def _attention_merge_kernel(
-    pos_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, sums_ptr, T, S, H, N_CHUNKS, stride_ob, stride_oh, stride_ot,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, SUMS: tl.constexpr,
-    PDL: tl.constexpr,
+    pos_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, T, S, H, N_CHUNKS, stride_ob, stride_oh, stride_ot,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
     wait(PDL)
     pid_t = tl.program_id(0)
@@ -253,17 +235,15 @@ def _attention_merge_kernel(
     out = (acc / l[:, None]).to(tl.bfloat16)
     o_mask = (offs_t < T)[:, None] & (offs_d < D)[None, :]
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_t[:, None] * stride_ot + offs_d[None, :], out, mask=o_mask)
-    if SUMS:
-        _store_head_sums(out, sums_ptr, b * T + offs_t, h, offs_t < T, H, D)
 
 
 @triton.jit(do_not_specialize=["T", "S"])
 def _attention_in_program_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, tails_ptr, pos_ptr, o_ptr, sums_ptr, T, S, BS, W, HKV, N_REP, qk_scale,
+    q_ptr, k_ptr, v_ptr, table_ptr, tails_ptr, pos_ptr, o_ptr, T, S, BS, W, HKV, N_REP, qk_scale,
     stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_ot,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    TILE_IN_BLOCK: tl.constexpr, TAILS: tl.constexpr, SUMS: tl.constexpr, PDL: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, TAILS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait(PDL)
     pid_r = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the last tiles read the most keys, so start first
@@ -293,8 +273,6 @@ def _attention_in_program_kernel(
     out = (acc / l[:, None]).to(tl.bfloat16)
     tl.store(o_ptr + b * stride_ob + h[:, None] * stride_oh + t[:, None] * stride_ot + offs_d[None, :], out,
              mask=live[:, None] & (offs_d < D)[None, :])
-    if SUMS:
-        _store_head_sums(out, sums_ptr, b * T + t, h, live, HKV * N_REP, D)
 
 
 @register("attention", "", "cuda")
@@ -305,31 +283,7 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     the reference attention, reading the keys in place. tiles: PROMPT_TILES for prompt tokens, else
     PREFILL_TILES from PREFILL_MIN_T queries on, else (WIDE_)VERIFY_TILES or DECODE_TILES (`_tiles`; read at each
     call, so a script may set them)."""
-    return _attention(q, k_pool, v_pool, table, q_pos, prompt, tiles, tails=tails)[0]
-
-
-@register("attention_handover", "", "cuda")
-def attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                       q_pos: torch.Tensor, prompt: bool = False,
-                       tails: torch.Tensor | None = None) -> tuple[torch.Tensor, Handover | None]:
-    """`attention`, and the output projection's input row sums (kernels/ops.py `Handover`; its rows: the tokens,
-    each all heads' outputs side by side) where D is a multiple of ROW_SUM_COLS; none for prompt tokens, whose
-    output projection reads no sums (integer weights run dequantized: triton_linear.prompt_linear)."""
-    out, sums = _attention(q, k_pool, v_pool, table, q_pos, prompt, None, sums=not prompt, tails=tails)
-    return out, None if sums is None else Handover(sums=sums)
-
-
-@register("packed_attention_handover", "", "cuda")
-def packed_attention_handover(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                              q_pos: torch.Tensor, packed: Packed,
-                              prompt: bool = False) -> tuple[torch.Tensor, Handover | None]:
-    """kernels/ops.py `packed_attention` (its rows padded to [B, T] for one call, as the reference does), and the
-    output projection's input row sums of the packed tokens."""
-    rows = packed.pad_heads(q)
-    out, given = attention_handover(rows, k_pool, v_pool, table, packed.pad(q_pos), prompt)
-    if given is None:
-        return packed.unpad_heads(out), None
-    return packed.unpad_heads(out), Handover(sums=packed.unpad(given.sums.view(rows.shape[0], rows.shape[2], -1))[0])
+    return _attention(q, k_pool, v_pool, table, q_pos, prompt, tiles, tails=tails)
 
 
 def _tiles(b: int, hkv: int, t: int, n_rep: int, prompt: bool, tails: bool = False) -> Tiles:
@@ -347,10 +301,10 @@ def _tiles(b: int, hkv: int, t: int, n_rep: int, prompt: bool, tails: bool = Fal
 
 
 def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-               q_pos: torch.Tensor, prompt: bool, tiles: Tiles | None, sums: bool = False,
-               tails: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               q_pos: torch.Tensor, prompt: bool, tiles: Tiles | None,
+               tails: torch.Tensor | None = None) -> torch.Tensor:
     if not q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16:  # bf16 only: others take the reference
-        return reference_attention(q, k_pool, v_pool, table, q_pos, tails=tails), None
+        return reference_attention(q, k_pool, v_pool, table, q_pos, tails=tails)
     b, h, t, d = q.shape
     tiles = tiles or _tiles(b, k_pool.shape[1], t, h // k_pool.shape[1], prompt, tails is not None)
     if tiles.block_t < 16 or tiles.block_t & (tiles.block_t - 1):
@@ -366,9 +320,6 @@ def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
     block_d = triton.next_power_of_2(d)
     # Written token-major: the output projection's input [B, T, H * D] is then a view, not a copy.
     out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
-    row_sums = None
-    if sums and d % ROW_SUM_COLS.value == 0:
-        row_sums = torch.empty((b * t, h * d // ROW_SUM_COLS.value), dtype=torch.float32, device=q.device)
     args = (t, s, bs, w, hkv, h // hkv)
     strides = (math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3])
     if tails is not None and tails.shape != pos.shape:
@@ -380,9 +331,8 @@ def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
     n_tiles = triton.cdiv(t * (h // hkv), tiles.block_t)
     if tiles.in_program:
         _attention_in_program_kernel[(n_tiles, b * hkv)](
-            q, k_pool, v_pool, table, tails, pos, out, row_sums, *args, *strides, *out.stride()[:3],
-            SUMS=row_sums is not None, **consts)
-        return out, row_sums
+            q, k_pool, v_pool, table, tails, pos, out, *args, *strides, *out.stride()[:3], **consts)
+        return out
     n_chunks = triton.cdiv(s, CHUNK)
     m = torch.empty((b * h, n_chunks, t), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
@@ -390,8 +340,7 @@ def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
     _attention_chunk_kernel[(n_tiles, b * hkv, n_chunks)](
         q, k_pool, v_pool, table, tails, pos, m, l, acc, *args, n_chunks, *strides, **consts)
     _attention_merge_kernel[(triton.cdiv(t, MERGE_BLOCK_T), b * h)](
-        pos, m, l, acc, out, row_sums, t, s, h, n_chunks, *out.stride()[:3],
-        D=d, BLOCK_D=block_d, BLOCK_T=MERGE_BLOCK_T, CHUNK=CHUNK, SUMS=row_sums is not None, num_warps=4,
-        **launch_options(),
+        pos, m, l, acc, out, t, s, h, n_chunks, *out.stride()[:3],
+        D=d, BLOCK_D=block_d, BLOCK_T=MERGE_BLOCK_T, CHUNK=CHUNK, num_warps=4, **launch_options(),
     )
-    return out, row_sums
+    return out

@@ -10,11 +10,12 @@ _linear_kernel, specialised at compile time by how it reads W (FMT) and whether 
   apply the group's affine per K tile:
       y = sx * sum_tiles(s * dot(xq, q - shift) + (lo + shift * s) * sum(xq))
   where unsigned weight codes are shifted into the signed int8 range and the shift is folded into the offset.
-_nibble_kernel covers the nibble formats (w4a16, upper, full; w4a8 and w4a4 with the same act_quant): it feeds the
-tensor cores the codes themselves and applies each group's affine after the dot, which keeps it bound by memory
-rather than by converting every weight through fp32. With bf16 activations it reads the planes as 16-bit words and
-builds the bf16 codes in one asm block, so that they enter mma.sync in its natural k order: from 8-bit values
-Triton builds dot operands in another order (kWidth 4), which rounds a dot's sums otherwise than wgmma does.
+_nibble_kernel covers the nibble formats (w4a16, upper, full; w4a8 and w4a4 with the same act_quant). With bf16
+activations it reads the planes as 16-bit words, builds the bf16 codes in one asm block (in mma.sync's natural k
+order: from 8-bit values Triton builds dot operands in another order, kWidth 4, which rounds a dot's sums otherwise
+than wgmma does) and makes each weight lo + s * q with a bf16 fused multiply-add, exactly the weight the reference
+dequantizes (quant/formats.exact_grid), then runs bf16 dots as the bf16 GEMM does. With int8 activations it feeds
+the int8 tensor cores the codes and applies each group's affine after the dot.
 Both kernels read their weight tiles by TMA (tensor descriptors, zeros past the edges): Hopper's copy engine keeps
 more bytes in flight per SM than per-thread loads do.
 
@@ -60,7 +61,7 @@ FULL = tl.constexpr(4)  # both planes: q8 = 16 * upper + lower
 
 INT8_ACT_MAX_K = 1 << 16  # int8 dots summed in int32 over all of K: |sum| <= 128 * 128 * K stays below 2^31
 BLOCK_M = 16  # decode's M tile (M <= 16); the smallest tl.dot tile
-MAX_TILES_PER_PROGRAM = 16  # _nibble_kernel keeps a row sum and an offset per K tile of its range in registers
+MAX_TILES_PER_PROGRAM = 16  # the most K tiles a nibble decode program walks (decode_config, as tuned)
 SMS = 132  # streaming multiprocessors of an H100 SXM (and an H200): programs per wave at one per SM
 
 
@@ -130,8 +131,8 @@ def _group_affine(scale_ptr, lo_ptr, offs_n, g, N, stride_sn, stride_sg, FMT: tl
     mask = offs_n < N
     s = tl.load(scale_ptr + offs_n * stride_sn + g * stride_sg, mask=mask, other=0)
     lo = tl.load(lo_ptr + offs_n * stride_sn + g * stride_sg, mask=mask, other=0)
-    if FMT == UPPER:  # Int8PlanesWeight.upper_affine: scale 16 s, lo + 7.5 s
-        lo = lo + s * 7.5
+    if FMT == UPPER:  # Int8PlanesWeight.upper_affine: scale 16 s, lo + 7.5 s rounded to bf16
+        lo = (lo + s * 7.5).to(tl.bfloat16).to(tl.float32)
         s = s * 16
     return s, lo
 
@@ -407,107 +408,89 @@ def _int8_codes(b, ASM: tl.constexpr):
     return (b & 15).to(tl.int8), (b >> 4).to(tl.int8)
 
 
-@triton.jit
-def _nibble_dot(xe, xo, b, acc, ASM: tl.constexpr):
-    """acc + x @ (128 + codes)^T for one tile of nibble bytes b [BLOCK_N, BLOCK_K / 2]: byte j holds k = 2j (low
-    nibble) and 2j + 1 (high), so the even and odd columns of x meet the two nibbles without interleaving them."""
-    lo, hi = _codes(b, ASM)
-    acc = tl.dot(xe, tl.trans(lo), acc)
-    return tl.dot(xo, tl.trans(hi), acc)
+_AFFINE_NIBBLES_ASM = tl.constexpr(ptx.AFFINE_NIBBLES)
+_AFFINE_PLANES_ASM = tl.constexpr(ptx.AFFINE_PLANES)
 
 
 @triton.jit
-def _widen_k(a, b):
-    """a [M, G] and b [G, N] -> [M, 2G] and [2G, N] with zero columns / rows interleaved: the same a @ b, for a
-    dot's K >= 16."""
-    a = tl.reshape(tl.join(a, tl.zeros_like(a)), (a.shape[0], 2 * a.shape[1]))
-    b = tl.reshape(tl.permute(tl.join(b, tl.zeros_like(b)), (0, 2, 1)), (2 * b.shape[0], b.shape[1]))
-    return a, b
+def _weight(c, s, lo, FMT: tl.constexpr, ASM: tl.constexpr):
+    """The bf16 weight lo + s * q of codes c as the builds give them (128 + q of a nibble plane, q8 - 128 of both
+    planes), s and lo [BLOCK_N, 1] of the rows' group: exact in float32 on quant/formats.exact_grid's values, then
+    rounded once, as the reference dequantizes (a bf16 fused multiply-add on the GPU; its twin in float32 here)."""
+    s2 = tl.broadcast_to(s.to(tl.bfloat16), c.shape)
+    lo2 = tl.broadcast_to(lo.to(tl.bfloat16), c.shape)  # UPPER's lo + 7.5 s rounded as upper_affine does
+    if ASM:
+        if FMT == FULL:
+            return tl.inline_asm_elementwise(_AFFINE_PLANES_ASM, "=r,r,r,r", [c, s2, lo2], dtype=tl.bfloat16,
+                                             is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(_AFFINE_NIBBLES_ASM, "=r,r,r,r", [c, s2, lo2], dtype=tl.bfloat16,
+                                         is_pure=True, pack=2)
+    offset: tl.constexpr = -128.0 if FMT == FULL else 128.0
+    return ((c.to(tl.float32) - offset) * s2.to(tl.float32) + lo2.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
 def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, k_start, k_end, M,
                   N, K, stride_xm, stride_sn, stride_sg, FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
-                  ROW_SUMS: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_SUMS: tl.constexpr,
+                  WORDS: tl.constexpr, ASM: tl.constexpr):
     """One K chunk [k_start, k_end) of a [BLOCK_M, BLOCK_N] tile of _nibble_kernel, from a zero accumulator."""
     # K is a multiple of GROUP and BLOCK_K divides GROUP: no K mask.
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_start + tl.arange(0, BLOCK_K)[None, :]
     x_mask = (offs_m < M)[:, None]
-    if not ACT and not ROW_SUMS:
-        tiles = tl.arange(0, TILES)
-        sums = tl.zeros((BLOCK_M, TILES), dtype=tl.float32)  # row sums of x per K tile
-        offsets = tl.zeros((TILES, BLOCK_N), dtype=tl.float32)  # what multiplies them: lo - s * code offset
-    if ROW_SUMS:  # the producer's sums of x per ROW_SUM_COLS columns [M, K / ROW_SUM_COLS]
+    if ROW_SUMS:  # act_quant's sums of the codes per ROW_SUM_COLS columns [M, K / ROW_SUM_COLS]
         sum_ptrs = sums_ptr + offs_m * (K // ROW_SUM_COLS) + k_start // ROW_SUM_COLS
     if ACT and not ROW_SUMS:
         ones = tl.full((BLOCK_K // 2, BLOCK_N), 1, tl.int8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Each tile's group affine is loaded one tile ahead: used at once, its load would stall every tile on a
-    # memory round trip (the pipeliner only prefetches the dot operands). The group is clamped to the last one:
-    # a program past K (split-K's remainder) and every program's last tile load a group they do not use.
     last_group = K // GROUP - 1
-    s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, tl.minimum(k_start // GROUP, last_group), N,
-                                    stride_sn, stride_sg, FMT)
-    i = 0
+    if ACT:  # the affine, used after the dot, loaded one tile ahead: at once, its load would stall every tile
+        s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, tl.minimum(k_start // GROUP, last_group), N,
+                                        stride_sn, stride_sg, FMT)
+    # The weights' rows as a column of their own arange: the group affine is then loaded straight into the layout
+    # the weight tile is built in (the pipeliner prefetches it with the words), not moved there through shared
+    # memory from the epilogue's.
+    rows = (n0 + tl.arange(0, BLOCK_N))[:, None]
     for k0 in range(k_start, k_end, BLOCK_K):  # this program's K range, in order
-        s, lo = s_next, lo_next  # BLOCK_K divides GROUP: one group per tile
-        g_next = tl.minimum((k0 + BLOCK_K) // GROUP, last_group)
-        s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, g_next, N, stride_sn, stride_sg, FMT)
         x = tl.load(x_ptrs, mask=x_mask, other=0)
-        if WORDS:  # bf16 activations: the planes as 16-bit words, four codes each
-            x0, x1, x2, x3 = _quarters(x)
-            w = w_desc.load([n0, k0 // 4])
-            if FMT == FULL:
-                c0, c1, c2, c3 = _plane_word_codes(w, w2_desc.load([n0, k0 // 4]), ASM)
-                offset = -128.0
-            else:
-                c0, c1, c2, c3 = _word_codes(w, ASM)
-                offset = CODE_OFFSET
-            d = tl.dot(x0, tl.trans(c0))
-            d = tl.dot(x3, tl.trans(c3), tl.dot(x2, tl.trans(c2), tl.dot(x1, tl.trans(c1), d)))
-        else:
+        if ACT:  # int8 codes 0..15 on int8 tensor cores, exact int32 sums per tile, then the group's affine
+            s, lo = s_next, lo_next  # BLOCK_K divides GROUP: one group per tile
+            s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, tl.minimum((k0 + BLOCK_K) // GROUP, last_group),
+                                            N, stride_sn, stride_sg, FMT)
             xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
-            b = w_desc.load([n0, k0 // 2])
-            if ACT:  # int8 codes 0..15 on int8 tensor cores, exact int32 sums per tile
-                lo_c, hi_c = _int8_codes(b, ASM)
-                d = tl.dot(xo, tl.trans(hi_c), tl.dot(xe, tl.trans(lo_c), out_dtype=tl.int32), out_dtype=tl.int32)
-                d = d.to(tl.float32)
-            elif FMT == FULL:  # the lower plane has the upper plane's layout
-                even, odd = _plane_codes(b, w2_desc.load([n0, k0 // 2]), ASM)
-                d = tl.dot(xo, tl.trans(odd), tl.dot(xe, tl.trans(even)))
-                offset = -128.0
-            else:
-                d = _nibble_dot(xe, xo, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), ASM)
-                offset = CODE_OFFSET
-        if ROW_SUMS:  # the tile's row sums, its ROW_SUM_COLS-column pieces added in order
-            x_sum = tl.load(sum_ptrs, mask=offs_m < M, other=0)
-            for j in tl.static_range(1, BLOCK_K // ROW_SUM_COLS):
-                x_sum += tl.load(sum_ptrs + j, mask=offs_m < M, other=0)
-            sum_ptrs += BLOCK_K // ROW_SUM_COLS
-            if ACT:  # the codes' sums: exact integers, as the dot with ones below gives them
-                acc += d * s[None, :] + x_sum[:, None] * lo[None, :]
-            else:
-                acc += d * s[None, :] + x_sum[:, None] * (lo - s * offset)[None, :]
-        elif ACT:  # exact int32 sums from the int8 tensor cores (a dot with ones) measured faster here
-            x_sum = tl.dot(xo, ones, tl.dot(xe, ones, out_dtype=tl.int32), out_dtype=tl.int32).to(tl.float32)
-            acc += d * s[None, :] + x_sum * lo[None, :]
+            lo_c, hi_c = _int8_codes(w_desc.load([n0, k0 // 2]), ASM)
+            d = tl.dot(xo, tl.trans(hi_c), tl.dot(xe, tl.trans(lo_c), out_dtype=tl.int32), out_dtype=tl.int32)
+            if ROW_SUMS:  # the tile's sums, its ROW_SUM_COLS-column pieces added in order
+                x_sum = tl.load(sum_ptrs, mask=offs_m < M, other=0)[:, None]
+                for j in tl.static_range(1, BLOCK_K // ROW_SUM_COLS):
+                    x_sum += tl.load(sum_ptrs + j, mask=offs_m < M, other=0)[:, None]
+                sum_ptrs += BLOCK_K // ROW_SUM_COLS
+            else:  # exact int32 sums from the int8 tensor cores (a dot with ones) measured faster here
+                x_sum = tl.dot(xo, ones, tl.dot(xe, ones, out_dtype=tl.int32), out_dtype=tl.int32).to(tl.float32)
+            acc += d.to(tl.float32) * s[None, :] + x_sum * lo[None, :]
         else:
-            acc += d * s[None, :]
-            sums = tl.where(tiles[None, :] == i, tl.sum(x.to(tl.float32), axis=1)[:, None], sums)
-            offsets = tl.where(tiles[:, None] == i, (lo - s * offset)[None, :], offsets)
+            s, lo = _group_affine(scale_ptr, lo_ptr, rows, k0 // GROUP, N, stride_sn, stride_sg, FMT)  # [BLOCK_N, 1]
+            if WORDS:  # the planes as 16-bit words, four codes each, met by x's columns k = 4j + t
+                x0, x1, x2, x3 = _quarters(x)
+                w = w_desc.load([n0, k0 // 4])
+                if FMT == FULL:
+                    c0, c1, c2, c3 = _plane_word_codes(w, w2_desc.load([n0, k0 // 4]), ASM)
+                else:
+                    c0, c1, c2, c3 = _word_codes(w, ASM)
+                acc = tl.dot(x0, tl.trans(_weight(c0, s, lo, FMT, ASM)), acc)
+                acc = tl.dot(x1, tl.trans(_weight(c1, s, lo, FMT, ASM)), acc)
+                acc = tl.dot(x2, tl.trans(_weight(c2, s, lo, FMT, ASM)), acc)
+                acc = tl.dot(x3, tl.trans(_weight(c3, s, lo, FMT, ASM)), acc)
+            else:  # bytes (K tiles under 64): the even and the odd columns of x meet the low and the high nibbles
+                xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+                b = w_desc.load([n0, k0 // 2])
+                if FMT == FULL:  # the lower plane has the upper plane's layout
+                    even, odd = _plane_codes(b, w2_desc.load([n0, k0 // 2]), ASM)
+                else:
+                    even, odd = _codes(b, ASM)
+                acc = tl.dot(xe, tl.trans(_weight(even, s, lo, FMT, ASM)), acc)
+                acc = tl.dot(xo, tl.trans(_weight(odd, s, lo, FMT, ASM)), acc)
         x_ptrs += BLOCK_K
-        i += 1
-    if not ACT and not ROW_SUMS:
-        if TILES < 16:  # TILES is a power of two: widen it to 16
-            sums, offsets = _widen_k(sums, offsets)
-        if TILES < 8:
-            sums, offsets = _widen_k(sums, offsets)
-        if TILES < 4:
-            sums, offsets = _widen_k(sums, offsets)
-        if TILES < 2:
-            sums, offsets = _widen_k(sums, offsets)
-        acc += tl.dot(sums, offsets, input_precision="ieee")
     return acc
 
 
@@ -517,21 +500,20 @@ def _nibble_kernel(
     M, N, K, K_CHUNK, CHUNKS, stride_xm, stride_sn, stride_sg, stride_ym, stride_rm,
     FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    IN_PROGRAM: tl.constexpr, TILES: tl.constexpr, ROW_SUMS: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr,
-    PDL: tl.constexpr,
+    IN_PROGRAM: tl.constexpr, ROW_SUMS: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Nibble formats: INT4, UPPER and FULL with bf16 activations, INT4 and UPPER with int8 activation codes
-    (ACT). A K tile lies in one quant group, whose affine is applied after the dot:
-        x . (lo + s q) = s (x . q) + lo sum(x)
-    so the tensor cores read exact integer codes and no weight is scaled or converted through fp32 (which would
-    bound the kernel by conversions, not by memory). The weight tiles come by TMA (w_desc, w2_desc: the
-    descriptors of the nibble planes), which keeps more bytes in flight than per-thread loads. sum(x) per K tile:
-    with ROW_SUMS, read from sums_ptr (x's row sums per ROW_SUM_COLS columns, written by the kernel that wrote x,
-    or by act_quant for int8 codes) and added per tile; else, with bf16 activations, summed here and kept per K tile
-    (each row's sum of x, each column's offset) and added once after the loop as one small fp32 product (TILES, a
-    power of two, covers this program's tiles); with int8 activations, exact from an int8 dot with ones.
-    Same grid, split-K and chunks in a program as _linear_kernel; every row goes through the same instructions
-    whatever M is."""
+    (ACT). A K tile lies in one quant group.
+    - bf16 activations: each weight tile dequantized in registers to the bf16 the reference rounds (`_weight`: one
+      bf16 fused multiply-add per two codes), then bf16 dots into one fp32 accumulator per chunk, as a bf16 GEMM:
+      no per-tile affine, so the warp-specialized kernel can chain its wgmma over K the same way.
+    - int8 activations: exact int32 dots of the codes per K tile, then the group's affine in fp32,
+          x . (lo + s q) = s (x . q) + lo sum(x)
+      sum(x) per K tile read from sums_ptr with ROW_SUMS (act_quant's sums of the codes per ROW_SUM_COLS columns),
+      else exact from an int8 dot with ones.
+    The weight tiles come by TMA (w_desc, w2_desc: the descriptors of the nibble planes), which keeps more bytes in
+    flight than per-thread loads. Same grid, split-K and chunks in a program as _linear_kernel; every row goes
+    through the same instructions whatever M is."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -544,12 +526,11 @@ def _nibble_kernel(
         for c in range(0, CHUNKS):
             acc += _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0,
                                  c * K_CHUNK, tl.minimum(K, (c + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn,
-                                 stride_sg, FMT, ACT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, TILES, ROW_SUMS, WORDS,
-                                 ASM)
+                                 stride_sg, FMT, ACT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, ROW_SUMS, WORDS, ASM)
     else:
         acc = _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, pid_k * K_CHUNK,
                             tl.minimum(K, (pid_k + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn, stride_sg, FMT, ACT,
-                            GROUP, BLOCK_M, BLOCK_N, BLOCK_K, TILES, ROW_SUMS, WORDS, ASM)
+                            GROUP, BLOCK_M, BLOCK_N, BLOCK_K, ROW_SUMS, WORDS, ASM)
     _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
             stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
 
@@ -835,9 +816,7 @@ def _tensors(weight: QuantWeight, fmt: int) -> tuple:
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None,
            residual: torch.Tensor | None = None, handover: Handover | None = None) -> torch.Tensor:
     """The reference `linear` (any leading dims), on the Triton kernel where it covers the case. handover (from the
-    kernel that wrote x, kernels/ops.py): x's row sums per ROW_SUM_COLS columns, which the nibble kernel takes (with
-    bf16 activations, K tiles of whole pieces) in place of summing each K tile of x in every program; or x's codes,
-    taken in place of act_quant's."""
+    kernel that wrote x, kernels/ops.py): x's int8 codes (and their row sums), taken in place of act_quant's."""
     weight.check(mode)
     fmt = kernel_format(weight, mode)
     if fmt is None or x.dtype != torch.bfloat16 or (residual is not None and residual.dtype != torch.bfloat16):
@@ -860,13 +839,12 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
 
 def kernel_inputs(x2: torch.Tensor, mode: Mode, fmt: int, group: int, cfg: TileConfig,
                   handover: Handover | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """What the kernel reads for activations x2 under cfg: (x2 or its int8 codes, their row scales, the row sums
-    it reads or None), where the kernel takes sums (`takes_row_sums`): with int8 activations the codes and their
-    sums from the kernel that wrote x2 (`handover`), else from act_quant; with bf16 ones x2's sums from the kernel
-    that wrote x2."""
-    row_sums = takes_row_sums(fmt, mode.act_bits is not None, group, cfg)
+    """What the kernel reads for activations x2 under cfg: (x2 or its int8 codes, their row scales, the codes' row
+    sums where the kernel takes them (`takes_row_sums`), else None): the codes and their sums from the kernel that
+    wrote x2 (`handover`), else from act_quant; bf16 activations as they are."""
     if mode.act_bits is None:
-        return x2, None, handover.sums if handover is not None and row_sums else None
+        return x2, None, None
+    row_sums = takes_row_sums(fmt, True, group, cfg)
     if handover is not None and handover.codes_for(mode.act_bits):
         if handover.codes.shape != x2.shape:
             raise ValueError(f"codes of shape {tuple(handover.codes.shape)} for x of {tuple(x2.shape)}")
@@ -883,15 +861,15 @@ def reads_words(fmt: int, act: bool, group: int, cfg: TileConfig) -> bool:
 
 
 def takes_row_sums(fmt: int, act: bool, group: int, cfg: TileConfig) -> bool:
-    """Whether a GEMM reads its input's row sums (which its group offsets multiply) instead of summing each K tile
-    of x in every program: the nibble kernel, in K tiles made of whole ROW_SUM_COLS-column pieces. With bf16
-    activations they are `linear`'s sums, from the kernel that wrote x; with int8 ones the codes' sums, from
-    act_quant, in many-token tiles only: in decode's 16-row tiles the dot with ones on the int8 tensor cores was
-    the faster (w4a8 and w4a4 at 16 and 32 rows took 1.04-1.19x the time reading sums, 0.77-0.89x at 160 and 256;
-    H200, `selfspec bench ab gemm`). Both give the same exact integers, so the same bits."""
-    if not uses_nibble_kernel(fmt, act, group) or min(group, 128) % ROW_SUM_COLS.value:
+    """Whether a GEMM reads its int8 codes' row sums (which its group offsets multiply) instead of summing each K
+    tile of them in every program: the nibble kernel with int8 activations, in K tiles made of whole
+    ROW_SUM_COLS-column pieces, in many-token tiles only: in decode's 16-row tiles the dot with ones on the int8
+    tensor cores was the faster (w4a8 and w4a4 at 16 and 32 rows took 1.04-1.19x the time reading sums, 0.77-0.89x
+    at 160 and 256; H200, `selfspec bench ab gemm`). Both give the same exact integers, so the same bits. (With
+    bf16 activations the nibble kernels dequantize the weight and take no sums.)"""
+    if not act or not uses_nibble_kernel(fmt, act, group) or min(group, 128) % ROW_SUM_COLS.value:
         return False
-    return not act or cfg.block_m > BLOCK_M
+    return cfg.block_m > BLOCK_M
 
 
 def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt: int, act: bool,
@@ -917,12 +895,12 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
     nibble = uses_nibble_kernel(fmt, act, group)
     words = reads_words(fmt, act, group, cfg)
     if cfg.warp_specialized and gluon_linear.runs_on(x2.device):  # before this path's output and partials
-        if words and sums is not None and gluon_linear.covers(scale, n):
-            return gluon_linear.nibble_gemm(x2, sums, fmt, (w, w2, scale, lo), n, group, cfg.block_k, chunk,
-                                            cfg.split_k, bias, r2)
+        if words and nibble and gluon_linear.covers(scale, n):
+            return gluon_linear.nibble_gemm(x2, fmt, (w, w2, scale, lo), n, group, cfg.block_k, chunk, cfg.split_k,
+                                            bias, r2)
         if words and fmt == INT8.value and k % cfg.block_k == 0:  # the quartered x holds whole K tiles
-            return gluon_linear.nibble_gemm(x2, None, fmt, (w, None, scale, None), n, 0, cfg.block_k, chunk,
-                                            cfg.split_k, bias, r2)
+            return gluon_linear.nibble_gemm(x2, fmt, (w, None, scale, None), n, 0, cfg.block_k, chunk, cfg.split_k,
+                                            bias, r2)
         if fmt == DENSE.value and w.dtype == torch.bfloat16:
             return gluon_linear.dense_gemm(x2, w, cfg.block_k, chunk, cfg.split_k, bias, r2)
         if fmt == INT8.value and act:
@@ -949,8 +927,7 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
         block = [cfg.block_n, cfg.block_k // 2 if fmt >= INT4.value else cfg.block_k]
     descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
     if nibble:
-        tiles = triton.next_power_of_2(chunk // cfg.block_k)
-        _nibble_kernel[grid](x2, xs, sums, *descs, scale, lo, bias, r2, *args, TILES=tiles, ROW_SUMS=sums is not None,
+        _nibble_kernel[grid](x2, xs, sums, *descs, scale, lo, bias, r2, *args, ROW_SUMS=sums is not None,
                              WORDS=words, ASM=not INTERPRETING, **flags)
     else:
         _linear_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, SHIFT=_shift(fmt) if act else 0,
@@ -959,12 +936,11 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
 
 
 # ---------------------------------------------------------------- prompt tokens (Mode.prompt)
-# A prompt's tokens go through one arithmetic and generated tokens through another, each batch invariant: integer
-# weights with bf16 activations are dequantized to bf16 (as the reference rounds them) and run through the bf16
-# GEMM above, whose tiles keep every row's bits from 1 to 8192 rows, mma.sync or wgmma alike. So a prompt prefilled
-# in one piece or in chunks of any size, alone or packed with others, gets the same bits; decode and verify passes
-# keep the integer kernels' exact group affine (their tiles cannot grow past 32 rows without changing bits:
-# docs/bench-h100/gemm-many-tokens.md).
+# A prompt's tokens go through one order of adds and generated tokens through another, each batch invariant: integer
+# weights with bf16 activations are dequantized to bf16 (as the reference rounds them) into a scratch and run through
+# the bf16 GEMM above, whose tiles keep every row's bits from 1 to 8192 rows, mma.sync or wgmma alike. So a prompt
+# prefilled in one piece or in chunks of any size, alone or packed with others, gets the same bits; decode and verify
+# passes multiply by the same bf16 weights in the integer kernels (their K tiles, split and k order).
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}  # per device: the largest weight dequantized so far, reused
 

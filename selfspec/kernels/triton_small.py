@@ -11,10 +11,10 @@ from selfspec.kernels import ops, register
 from selfspec.kernels.launch import launch_options, wait
 from selfspec.kernels.reference import rope_and_store as reference_rope_and_store
 
-# The producers of a GEMM's input (rms_norm, swiglu) can also write its row sums per this many columns, which the
-# nibble GEMMs need for their group offsets (triton_linear): summed once per row here, not once per N tile there.
+# The producers of a GEMM's input (rms_norm, swiglu) can also write its int8 codes and their row sums per this many
+# columns, which the nibble GEMMs with int8 activations need for their group offsets (triton_linear): summed once
+# per row here, not once per N tile there.
 ROW_SUM_COLS = tl.constexpr(ops.ROW_SUM_COLS)
-_PIECE_HALVINGS = tl.constexpr(ops.ROW_SUM_COLS.bit_length() - 1)
 
 
 def _warps(block: int) -> int:
@@ -23,9 +23,9 @@ def _warps(block: int) -> int:
 
 @triton.jit
 def store_row_sums(y, sums_ptr, first, count):
-    """The fp32 sums of the values y [BLOCK] (as rounded for storage) per ROW_SUM_COLS columns, stored as the sums
-    first .. first + BLOCK / ROW_SUM_COLS of a row that has `count`: a GEMM reading y takes them instead of
-    summing its tiles of y itself (triton_linear's nibble kernel)."""
+    """The fp32 sums of the values y [BLOCK] (codes) per ROW_SUM_COLS columns, stored as the sums first .. first +
+    BLOCK / ROW_SUM_COLS of a row that has `count`: a GEMM reading y takes them instead of summing its tiles of y
+    itself (triton_linear's nibble kernel)."""
     n: tl.constexpr = y.shape[0] // ROW_SUM_COLS
     sums = tl.sum(tl.reshape(y.to(tl.float32), (n, ROW_SUM_COLS)), axis=1)
     idx = first + tl.arange(0, n)
@@ -52,17 +52,6 @@ def row_codes(v, scale, QMAX: tl.constexpr):
 
 
 @triton.jit
-def piece_sums(v):
-    """v [R, C] fp32 -> [R, C / ROW_SUM_COLS]: each ROW_SUM_COLS-column piece summed as a fixed tree (adjacent
-    columns, then adjacent pairs, ...), whatever the layout v is held in: kernels laid out differently get the same
-    bits from the same values."""
-    for _ in tl.static_range(_PIECE_HALVINGS):
-        a, b = tl.split(tl.reshape(v, [v.shape[0], v.shape[1] // 2, 2]))
-        v = a + b
-    return v
-
-
-@triton.jit
 def store_row_codes(y, q_ptr, s_ptr, sums_ptr, row, D, offs, mask, QMAX: tl.constexpr, SUMS: tl.constexpr):
     """A whole row's per-token codes and scale, as act_quant makes them from y (zeros past D change no max and no
     sum), and with SUMS the codes' sums: what a producer hands an int8-activation linear."""
@@ -78,6 +67,7 @@ def store_row_codes(y, q_ptr, s_ptr, sums_ptr, row, D, offs, mask, QMAX: tl.cons
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, sums_ptr, q_ptr, s_ptr, D, stride_x, eps, QMAX: tl.constexpr,
                      BLOCK: tl.constexpr, SUMS: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
+    """One row's norm; with QUANT its per-token codes and scale too (and with SUMS the codes' sums)."""
     wait(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -89,8 +79,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, sums_ptr, q_ptr, s_ptr, D, stride_x, e
     tl.store(y_ptr + row * D + offs, y, mask=mask)
     if QUANT:
         store_row_codes(y, q_ptr, s_ptr, sums_ptr, row, D, offs, mask, QMAX, SUMS)
-    elif SUMS:
-        store_row_sums(y, sums_ptr + row * (D // ROW_SUM_COLS), 0, D // ROW_SUM_COLS)
 
 
 def _sums_buffer(rows: int, d: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -101,12 +89,12 @@ def _sums_buffer(rows: int, d: int, like: torch.Tensor) -> torch.Tensor | None:
 
 
 def _handover_buffers(rows: int, d: int, like: torch.Tensor, act_bits: int | None) -> ops.Handover:
-    """Empty buffers for what a producer of x [rows, d] hands its linear: its row sums, or with act_bits its codes,
-    their scales and the codes' sums."""
-    sums = _sums_buffer(rows, d, like)
+    """Empty buffers for what a producer of x [rows, d] hands its linear: with act_bits its codes, their scales and
+    the codes' sums; nothing for bf16 activations."""
     if act_bits is None:
-        return ops.Handover(sums=sums)
-    return ops.Handover(sums=sums, codes=torch.empty((rows, d), dtype=torch.int8, device=like.device),
+        return ops.Handover()
+    return ops.Handover(sums=_sums_buffer(rows, d, like),
+                        codes=torch.empty((rows, d), dtype=torch.int8, device=like.device),
                         scale=torch.empty((rows, 1), dtype=torch.float32, device=like.device), bits=act_bits)
 
 
@@ -143,8 +131,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @register("rms_norm_handover", "", "cuda")
 def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float,
                       act_bits: int | None = None) -> tuple[torch.Tensor, ops.Handover | None]:
-    """rms_norm, and (kernels/ops.py `Handover`) its output's fp32 row sums per ROW_SUM_COLS columns, or with act_bits
-    its per-token codes, scales and the codes' sums (sums None where D is not a multiple of ROW_SUM_COLS)."""
+    """rms_norm, and (kernels/ops.py `Handover`) with act_bits its output's per-token codes, scales and the codes'
+    sums per ROW_SUM_COLS columns (sums None where D is not a multiple of it); None without act_bits."""
     return _rms_norm(x, weight, eps, handover=True, act_bits=act_bits)
 
 
@@ -230,17 +218,13 @@ def _swiglu_values(g_ptr, u_ptr, offs, mask, dtype: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, y_ptr, sums_ptr, H, stride_g, stride_u, BLOCK: tl.constexpr, SUMS: tl.constexpr,
-                   PDL: tl.constexpr):
+def _swiglu_kernel(g_ptr, u_ptr, y_ptr, H, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
     y = _swiglu_values(g_ptr + row * stride_g, u_ptr + row * stride_u, offs, mask, y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * H + offs, y, mask=mask)
-    if SUMS:
-        store_row_sums(y, sums_ptr + row * (H // ROW_SUM_COLS), tl.program_id(1) * (BLOCK // ROW_SUM_COLS),
-                       H // ROW_SUM_COLS)
 
 
 @triton.jit
@@ -275,9 +259,8 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, handover: bool,
                                              u2.stride(0), QMAX=qmax(act_bits), BLOCK=block,
                                              SUMS=out.sums is not None, num_warps=_warps(block), **launch_options())
     else:
-        _swiglu_kernel[(g2.shape[0], triton.cdiv(h, 1024))](g2, u2, y, out.sums, h, g2.stride(0), u2.stride(0),
-                                                            BLOCK=1024, SUMS=out.sums is not None, num_warps=4,
-                                                            **launch_options())
+        _swiglu_kernel[(g2.shape[0], triton.cdiv(h, 1024))](g2, u2, y, h, g2.stride(0), u2.stride(0), BLOCK=1024,
+                                                            num_warps=4, **launch_options())
     return y.view(gate.shape), _given(out)
 
 

@@ -58,14 +58,30 @@ def group_major(t: torch.Tensor) -> torch.Tensor:
 
 def minmax_quant(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric round-to-nearest per group: returns (q uint8 [N, K], scale [N, G], lo [N, G]), scale and lo
-    group-major."""
+    group-major, float32 holding bf16 values (`exact_grid`), so that every w = lo + scale * q is exact in float32
+    and rounds once to bf16: the value a bf16 fused multiply-add gives, which the GPU kernels dequantize with."""
     n, k = w.shape
     wg = w.float().view(n, k // group_size, group_size)
     lo, hi = wg.amin(-1), wg.amax(-1)
     qmax = 2**bits - 1
-    scale = ((hi - lo) / qmax).clamp_min(1e-10)
+    scale, lo = exact_grid(lo, hi, qmax)
     q = ((wg - lo[..., None]) / scale[..., None]).round().clamp(0, qmax)
     return q.view(n, k).to(torch.uint8), group_major(scale), group_major(lo)
+
+
+def exact_grid(lo: torch.Tensor, hi: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, lo) in bf16 values covering [lo, hi] in qmax steps, with lo rounded down onto a multiple of 2^(e - 9)
+    (e: the exponent of the scale first chosen) and the scale at least 2^-10 |lo|: then lo + scale * q spans at most
+    23 bits for every code q < 256 (the scale may grow one binade while it is rounded up), exact in float32. The
+    range stays covered (the scale is taken from the lowered lo), so no value lies more than half a step off."""
+    s0 = torch.maximum((hi - lo) / qmax, lo.abs() * 2.0**-10).clamp_min(1e-10)
+    grid = torch.exp2(torch.floor(torch.log2(s0)) - 9)
+    lo_ulp = torch.exp2(torch.floor(torch.log2(lo.abs().clamp_min(1e-30))) - 7)  # lo's bf16 spacing
+    step = torch.maximum(grid, lo_ulp)
+    lo = torch.floor(lo / step) * step
+    s = torch.maximum((hi - lo) / qmax, s0)
+    s_ulp = torch.exp2(torch.floor(torch.log2(s)) - 7)  # s's bf16 spacing
+    return torch.ceil(s / s_ulp) * s_ulp, lo
 
 
 class QuantWeight(nn.Module):
@@ -237,8 +253,9 @@ class Int8PlanesWeight(QuantWeight):
 
 def upper_affine(scale: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, lo) of the INT8 codes' upper nibbles read as INT4 codes: 16 s, and lo + 7.5 s (the midpoint of
-    the lower nibble's range, which makes the truncation round-to-nearest)."""
-    return scale * 16, lo + scale * 7.5
+    the lower nibble's range, which makes the truncation round-to-nearest) rounded to bf16 (exact in float32 on
+    `exact_grid`'s values, then rounded once), as the kernels' bf16 multiply-add takes it."""
+    return scale * 16, (lo + scale * 7.5).bfloat16().float()
 
 
 def permute_k(t: torch.Tensor) -> torch.Tensor:
