@@ -12,8 +12,8 @@ For one [BLOCK_N = 128, BLOCK_M = 128] tile of y^T = W x^T:
 - each consumer warpgroup takes 64 weight rows: it builds their bf16 weights from the words in registers (the
   codes, then lo + s * q in one bf16 fused multiply-add per two: _nibble_chunk's `_weight`), in the layout wgmma
   takes its first operand in (no trip through shared memory), one tile ahead while the tensor cores work on the
-  tile before, and chains each chunk's wgmma into one accumulator; the split's chunks are added into their sum,
-  kept in shared memory (a third accumulator would spill).
+  tile before, and chains each chunk's wgmma into one accumulator; the split's chunks are added into their sum, a
+  second accumulator.
 
 The same bits as the decode tiles: _nibble_kernel reads a word's four codes (as weights) as four dots, over
 the columns k = 4j + t of x for t = 0..3, K tile by K tile, chunk by chunk. Here x comes with each K tile's columns
@@ -141,7 +141,7 @@ def _row(buf, start, length: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, scale_ptr,
+def _consumer(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
               bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm,
               FMT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
               PARTIAL: gl.constexpr, NARROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
@@ -151,25 +151,25 @@ def _consumer(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, sca
     same at any width (tests/gpu compares the bits)."""
     live = M - m0
     if not NARROWS:
-        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
+        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr, bias_ptr,
                  res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
                  HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)
     elif live <= NARROW:
-        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
+        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr, bias_ptr,
                  res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
                  HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROW, BLOCK_K)
     elif live <= 2 * NARROW:
-        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
+        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr, bias_ptr,
                  res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
                  HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, 2 * NARROW, BLOCK_K)
     else:
-        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, scale_ptr, bias_ptr,
+        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr, bias_ptr,
                  res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
                  HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)
 
 
 @gluon.jit
-def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, scale_ptr,
+def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
              bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm,
              FMT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
              PARTIAL: gl.constexpr, WIDTH: gl.constexpr, BLOCK_K: gl.constexpr):
@@ -185,10 +185,7 @@ def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, scal
     offs_m = m0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, acc_layout))
     n_mask = offs_n < N
     m_mask = offs_m < M
-    total_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([rows, WIDTH], gl.float32)
-    total_smem = total_smem._reinterpret(gl.float32, [rows, WIDTH], total_layout)  # scratch: any width fits
-    if IN_PROGRAM:  # the chunks' sum waits in shared memory: a third accumulator in registers would spill
-        total_smem.store(gl.zeros((rows, WIDTH), gl.float32, acc_layout))
+    total = gl.zeros((rows, WIDTH), gl.float32, acc_layout)  # the chunks' sum (IN_PROGRAM)
     tiles = gl.cdiv(k_end - k_begin, BLOCK_K)
     mbarrier.wait(ready.index(0), 0)
     weights = _tile_weights(w_bufs, w2_bufs, affine_bufs, 0, row0, weights_layout, FMT)
@@ -212,10 +209,8 @@ def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem, scal
             weights = following
             i += 1
         if IN_PROGRAM:
-            total_smem.store(total_smem.load(acc_layout) + acc)
-    if IN_PROGRAM:
-        total = total_smem.load(acc_layout)
-    else:
+            total = total + acc
+    if not IN_PROGRAM:
         total = acc
     y_mask = n_mask[:, None] & m_mask[None, :]
     if PARTIAL:  # this chunk's sum, for sum_chunks to add in order
@@ -257,15 +252,13 @@ def _nibble_ws_kernel(x_desc, w_desc, w2_desc, scale_desc, lo_desc, scale_ptr, b
         w2_bufs = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, q], w2_desc.layout)
     else:
         w2_bufs = w_bufs
-    total_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WARPGROUP_ROWS, BLOCK_M], gl.float32)
-    total_smem = gl.allocate_shared_memory(gl.float32, [2, WARPGROUP_ROWS, BLOCK_M], total_layout)
     ready, free = _ring_barriers(STAGES)
     # The partitions' arguments are written out here: a tuple kept in a variable loses its constexprs.
     gl.warp_specialize([
-        (_consumer, (x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem.index(0), scale_ptr,
+        (_consumer, (x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
                      bias_ptr, res_ptr, y_ptr, 0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym,
                      stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROWS, BLOCK_M, BLOCK_K)),
-        (_consumer, (x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, total_smem.index(1), scale_ptr,
+        (_consumer, (x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
                      bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS,
                      stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROWS, BLOCK_M,
                      BLOCK_K)),
@@ -301,20 +294,20 @@ def quartered(x2: torch.Tensor, block_k: int) -> torch.Tensor:
     return xq
 
 
-def ring_stages(slot: int, beside: int = 0, most: int = 6) -> int:
-    """Ring slots of `slot` bytes that fit in shared memory beside `beside` bytes, barriers and layout scratch."""
-    return min(most, (SHARED_MEMORY - beside - 8192) // slot)
+def ring_stages(slot: int, most: int = 6) -> int:
+    """Ring slots of `slot` bytes that fit in shared memory beside barriers and layout scratch."""
+    return min(most, (SHARED_MEMORY - 8192) // slot)
 
 
 def nibble_stages(fmt: int, block_k: int) -> int:
     """The nibble kernel's ring: x quarters, the planes' words and the affine per slot (INT8 codes: x quarters and
-    the words alone), beside the chunks' sum; at most 4."""
+    the words alone); at most 4."""
     if fmt == INT8.value:
         slot = BLOCK_M * block_k * 2 + BLOCK_N * block_k
     else:
         planes = 2 if fmt == FULL.value else 1
         slot = BLOCK_M * block_k * 2 + planes * BLOCK_N * block_k // 2 + 2 * BLOCK_N * 4
-    return ring_stages(slot, beside=BLOCK_N * BLOCK_M * 4, most=4)
+    return ring_stages(slot, most=4)
 
 
 def descriptors(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, scale: torch.Tensor,
