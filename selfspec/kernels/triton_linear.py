@@ -444,7 +444,9 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
         ones = tl.full((BLOCK_K // 2, BLOCK_N), 1, tl.int8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     last_group = K // GROUP - 1
-    if ACT:  # the affine, used after the dot, loaded one tile ahead: at once, its load would stall every tile
+    # int8 activations: the affine, used after the dot, loaded one tile ahead (at once, its load would stall every
+    # tile), its group clamped to the last one: a program's last tile loads a group it does not use.
+    if ACT:
         s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, tl.minimum(k_start // GROUP, last_group), N,
                                         stride_sn, stride_sg, FMT)
     # The weights' rows as a column of their own arange: the group affine is then loaded straight into the layout
