@@ -103,7 +103,7 @@ def qmax(act_bits: int | None) -> float:
     return 2.0 ** (act_bits - 1) - 1 if act_bits else 0.0
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, handover: bool,
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
               act_bits: int | None = None) -> tuple[torch.Tensor, ops.Handover | None]:
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
@@ -111,7 +111,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, handover: bool,
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(d)
-    out = _handover_buffers(x2.shape[0], d, x, act_bits) if handover else ops.Handover()
+    out = _handover_buffers(x2.shape[0], d, x, act_bits)
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, out.sums, out.codes, out.scale, d, x2.stride(0), eps,
                                     QMAX=qmax(act_bits), BLOCK=block, SUMS=out.sums is not None,
                                     QUANT=out.codes is not None, num_warps=_warps(block), **launch_options())
@@ -125,7 +125,7 @@ def _given(out: ops.Handover) -> ops.Handover | None:
 
 @register("rms_norm", "", "cuda")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms_norm(x, weight, eps, handover=False)[0]
+    return _rms_norm(x, weight, eps)[0]
 
 
 @register("rms_norm_handover", "", "cuda")
@@ -133,7 +133,7 @@ def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float,
                       act_bits: int | None = None) -> tuple[torch.Tensor, ops.Handover | None]:
     """rms_norm, and (kernels/ops.py `Handover`) with act_bits its output's per-token codes, scales and the codes'
     sums per ROW_SUM_COLS columns (sums None where D is not a multiple of it); None without act_bits."""
-    return _rms_norm(x, weight, eps, handover=True, act_bits=act_bits)
+    return _rms_norm(x, weight, eps, act_bits)
 
 
 @triton.jit
@@ -244,7 +244,7 @@ def _swiglu_codes_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, sums_ptr, H, stride_
 CODES_MAX_COLS = 32768
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor, handover: bool,
+def _swiglu(gate: torch.Tensor, up: torch.Tensor,
             act_bits: int | None = None) -> tuple[torch.Tensor, ops.Handover | None]:
     h = gate.shape[-1]
     g2, u2 = (z.reshape(-1, h) for z in (gate, up))
@@ -252,7 +252,7 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, handover: bool,
     y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     if act_bits is not None and h > CODES_MAX_COLS:
         act_bits = None
-    out = _handover_buffers(g2.shape[0], h, gate, act_bits) if handover else ops.Handover()
+    out = _handover_buffers(g2.shape[0], h, gate, act_bits)
     if out.codes is not None:
         block = triton.next_power_of_2(h)
         _swiglu_codes_kernel[(g2.shape[0],)](g2, u2, y, out.codes, out.scale, out.sums, h, g2.stride(0),
@@ -267,14 +267,14 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, handover: bool,
 @register("swiglu", "", "cuda")
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up [..., H]: rows may be strided (the two halves of one fused gate/up output), not copied."""
-    return _swiglu(gate, up, handover=False)[0]
+    return _swiglu(gate, up)[0]
 
 
 @register("swiglu_handover", "", "cuda")
 def swiglu_handover(gate: torch.Tensor, up: torch.Tensor,
                     act_bits: int | None = None) -> tuple[torch.Tensor, ops.Handover | None]:
     """swiglu, and what it hands its linear (as `rms_norm_handover`)."""
-    return _swiglu(gate, up, handover=True, act_bits=act_bits)
+    return _swiglu(gate, up, act_bits)
 
 
 @triton.jit
