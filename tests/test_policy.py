@@ -1,5 +1,6 @@
 """Gamma policy: expected tokens, cost estimates, exploration order, the choice with given costs, and the probe
 schedule against a simulated engine."""
+import bisect
 import random
 
 import pytest
@@ -272,3 +273,23 @@ def test_noisy_costs_never_price_a_larger_pass_below_a_smaller_one():
     q.observe_round(8, 0, 0.0, 1.0)
     q.observe_round(16, 0, 0.0, 4.0)
     assert q.verify_estimate(2) == 0.0 and q.verify_estimate(24) == pytest.approx(7.0)
+
+
+def test_estimates_follow_every_observation():
+    """verify_estimate keeps its floors (the dearest smaller pass) between observations: on random observations,
+    each estimate equals the definition recomputed from the costs as they stand."""
+    rng = random.Random(7)
+    p = GammaPolicy(4)
+    for _ in range(300):
+        p.observe_round(rng.randrange(1, 64), 0, 0.0, rng.uniform(0.5, 2.0))
+        tokens = rng.randrange(1, 80)
+        sizes = p.verify_sizes
+        cost = {n: p.verify_cost[n].value for n in sizes}
+        i = bisect.bisect_left(sizes, tokens)
+        if tokens in cost or len(sizes) == 1:
+            expected = cost.get(tokens, cost[sizes[0]])
+        else:
+            n0, n1 = sizes[min(max(i - 1, 0), len(sizes) - 2):][:2]
+            line = cost[n0] + (cost[n1] - cost[n0]) * (tokens - n0) / (n1 - n0)
+            expected = max(line, max((cost[n] for n in sizes[:i]), default=0.0))
+        assert p.verify_estimate(tokens) == expected

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from itertools import accumulate
 from typing import Callable
 
 PROBE_BUDGET = 0.01  # the most of plain decoding's time drafting probes may lose
@@ -92,6 +93,7 @@ class GammaPolicy:
         self.trials = Ema(alpha)  # ... and acceptance trials per round (accepted + 1 if a draft was rejected)
         self.verify_cost: dict[int, Ema] = {}  # tokens in the pass -> seconds
         self.verify_sizes: list[int] = []  # its keys, sorted (a choice reads them max_gamma + 1 times)
+        self._floors: list[float] | None = None  # the dearest cost among verify_sizes[:i + 1]; None: out of date
         self.draft_ratio: dict[int, Ema] = {}  # batch size -> draft step seconds / verify(B tokens) seconds
         self.last_gamma = 0
         self.measuring = False  # the last choice drafts only to measure (module docstring)
@@ -110,6 +112,7 @@ class GammaPolicy:
             self.verify_cost[tokens] = Ema(self.alpha)
             bisect.insort(self.verify_sizes, tokens)
         self.verify_cost[tokens].update(verify_s)
+        self._floors = None
         base = self.verify_estimate(batch)
         if k and base:
             self.draft_ratio.setdefault(batch, Ema(self.alpha)).update(draft_s / k / base)
@@ -153,7 +156,9 @@ class GammaPolicy:
             return self.verify_cost[sizes[0]].value
         n0, n1 = sizes[min(max(i - 1, 0), len(sizes) - 2):][:2]
         c0, c1 = self.verify_cost[n0].value, self.verify_cost[n1].value
-        floor = max((self.verify_cost[n].value for n in sizes[:i]), default=0.0)
+        if self._floors is None:  # a prefix maximum once per observation, not a scan per estimate
+            self._floors = list(accumulate((self.verify_cost[n].value for n in sizes), max))
+        floor = self._floors[i - 1] if i else 0.0
         return max(c0 + (c1 - c0) * (tokens - n0) / (n1 - n0), floor)
 
     def draft_estimate(self, batch: int) -> float | None:
