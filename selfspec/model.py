@@ -96,10 +96,11 @@ class TreeLayout:
 
     @classmethod
     def of(cls, trees: list[tuple[int, int, list[list[int]]]], device: torch.device | str = "cpu",
-           shared: bool = False) -> tuple[TreeLayout, torch.Tensor, torch.Tensor]:
+           shared: bool = False, width: int = 0) -> tuple[TreeLayout, torch.Tensor, torch.Tensor]:
         """trees: (pending token, its position, branches) per sequence, a branch's tokens following the pending
         one; a sequence's rows are its branches in order (one row if it has none). Returns the layout, the nodes'
-        tokens [N] and positions [N]. shared: the branch rows share their sequence's cache row (`tails`)."""
+        tokens [N] and positions [N]. shared: the branch rows share their sequence's cache row (`tails`). width: rows
+        at least this wide (a captured graph's: its longest branch + 1 where that is more)."""
         tokens, pos, rows, roots = [], [], [], []
         for pending, length, branches in trees:
             root, index = len(tokens), {}
@@ -115,7 +116,7 @@ class TreeLayout:
                     row.append(node)
                 rows.append(row)
                 roots.append(root)
-        width = max(map(len, rows))
+        width = max(width, *map(len, rows))
         rows = [r + [r[-1]] * (width - len(r)) for r in rows]
         first = {}
         for i, row in enumerate(rows):

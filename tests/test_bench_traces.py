@@ -12,8 +12,8 @@ from conftest import tiny_model
 from selfspec.bench import tables
 from selfspec.bench.spec import decode_speed, predict, predicted_speedup, replayable_traces, unreplayable
 from selfspec.bench.passes import PassLog, decode_rows
-from selfspec.bench.traces import (FIELDS, TASKS, TRACE_DIR, DraftModelReplay, Round, Trace, from_json, load, record,
-                                   record_trace, replay, trace_path)
+from selfspec.bench.traces import (FIELDS, TASKS, TRACE_DIR, DraftModelReplay, ReplayAcceptance, Round, Trace,
+                                   from_json, load, record, record_trace, replay, trace_path)
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES
@@ -222,3 +222,15 @@ def test_tables_smoke_fills_every_table(tiny, tmp_path):
     assert again.trace("planes", None, 1.0, 3) == cells.trace("planes", None, 1.0, 3)
     with pytest.raises(AssertionError, match="recorded although"):
         tables.Cells(refuse, "tiny", prompts, 7, tmp_path / "traces", tmp_path / "again").trace("planes", None, 0, 3)
+
+
+def test_replayed_acceptance_gives_a_tree_round_one_count():
+    """The serving benchmark's replay gives a tree round one recorded count, on its longest branch (the first of
+    them), capped at that branch's length: a count per branch would make the round the best of several recorded
+    rounds."""
+    acc = ReplayAcceptance([2, 0, 5])
+    targets = [[10, 11], [20, 21, 22], [30, 31, 32, 33]]
+    assert acc.tree([[1], [2, 3], [4, 5, 6]], targets) == (2, 2, 32)
+    assert acc.tree([[1, 2, 3], [4, 5, 6]], targets[2:] + targets[2:]) == (0, 0, 30)
+    assert acc.tree([[7, 8]], [[40, 41, 42]]) == (0, 2, 42)  # 5, capped at the branch's 2
+    assert acc.i == 3

@@ -176,7 +176,9 @@ def test_a_recycled_tree_serves_through_the_pass_log_and_its_tree_passes_are_tim
         r = run_closed_loop(engine, prompts, params, 4)
         assert r["tokens"] == refs
         trees = {shape: n for (_, shape), n in r["passes"].items() if shape[0] == "tree"}
-        assert trees and all(shared and rows >= 1 and nodes >= width for _, rows, width, nodes, shared in trees)
+        # rows as wide as the deepest round (max_gamma 4 and the pending token: the engine's one width of graphs)
+        assert trees and all(shared and rows >= 1 and nodes >= 1 and width == 5
+                             for _, rows, width, nodes, shared in trees)
         costs = {}
         assert bound_seconds(engine, r["passes"], 20, costs) > 0 and len(costs) == len(r["passes"])
     finally:

@@ -1,5 +1,6 @@
-"""Token trees in the serving engine: each sequence forked into branch rows over its paged blocks (PagedTree), every
-branch of every row verified in one pass. Greedy engine output == AR of the verify mode for ngram-tree:4, hybrid-tree
+"""Token trees in the serving engine: each sequence forked into branch rows over its paged blocks (PagedTree), or
+for a drafter that forks no rows its nodes stored once in its own blocks (SharedTree), every branch of every row
+verified in one pass. Greedy engine output == AR of the verify mode for ngram-tree:4, hybrid-tree
 and tree:upper:3 as requests join at different times (tiny model, block size 4: branches start inside a shared partial
 block); sampling: engine == solo for the same seed; the fork's rows read the committed KV and copy exactly; the pool
 is empty at the end and no block has two owners after any step; an abort mid-stream leaves the others exact; the
@@ -13,11 +14,12 @@ import pytest
 import torch
 
 from conftest import fail_from, tiny_model
+from selfspec.bench.traces import ReplayAcceptance
 from selfspec.cache.paged import PagedKVCache, PagedTree, tree_view
 from selfspec.engine.engine import Engine
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
-from selfspec.speculative.drafters import make_drafter
+from selfspec.speculative.drafters import SHARED_TREE_BATCH, make_drafter
 from selfspec.speculative.recipes import resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
 from test_engine import assert_blocks_owned_once, assert_idle, prompts
@@ -86,8 +88,24 @@ def test_engine_trees_greedy_equal_ar_as_requests_join(llm, name, monkeypatch):
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens
     assert_idle(engine)
     assert max(trees) > 1  # a round over several sequences' trees: one verify pass for all their branches
+    # ... each sequence's nodes over its own blocks where the drafter forks no rows, else a row per branch
+    assert all(passes.shared) and bool(passes.shared) == (not llm.drafter.forks)
     if name not in ("ngram-tree:4", "recycle-tree:6"):  # ... whose draft steps ran together
         assert max(rows for rows, mode in passes.seen if mode == llm.drafter.mode) > llm.drafter.branches
+
+
+def test_replayed_acceptance_takes_one_count_a_sequence_a_tree_round(llm, monkeypatch):
+    """The serving benchmark's replayed acceptance through the engine's shared tree rounds of several sequences:
+    one recorded count per sequence and round (not one per branch), so replayed rounds accept what the trace's
+    rounds did."""
+    llm.drafter = make_drafter("recycle-tree:6")
+    acc = ReplayAcceptance([3, 0, 1, 2])
+    engine = Engine(llm, max_batch=3, block_size=4, num_blocks=96, max_gamma=4, accept=acc)
+    counted, tree_round = [], Engine._tree_round
+    monkeypatch.setattr(Engine, "_tree_round",
+                        lambda self, seqs, k: counted.append(len(seqs)) or tree_round(self, seqs, k))
+    serve(engine, [(p, greedy(12), 4) for p in REPETITIVE[:3]], arrivals=[0, 0, 0])
+    assert max(counted) == 3 and acc.i == sum(counted)
 
 
 @pytest.mark.parametrize("name", ["ngram-tree:4", "recycle-tree:6"])
@@ -107,20 +125,23 @@ def test_a_lone_sequences_tree_reads_its_own_row(llm, name):
 
 
 def test_the_policy_times_tree_rounds_by_the_tokens_they_verify(llm):
-    """A round of two sequences forks each into a row per branch (up to 4): the policy learns its time as that of
-    a pass of 2 x 4 x (k + 1) tokens, as it prices such rounds (TreeDrafter.verify_tokens), not of 2 x (k + 1); a
-    lone sequence's round, of its nodes and pending token (4 x k + 1)."""
+    """The policy learns a tree round's time as that of a pass of the tokens it prices such rounds by
+    (TreeDrafter.verify_tokens): a drafter that forks no rows, in a round of up to SHARED_TREE_BATCH sequences,
+    runs each one's nodes and pending token (2 x (4 x k + 1)); past that, and for a drafter that forks, each
+    sequence's branches as rows of k + 1."""
     llm.drafter = make_drafter("ngram-tree:4")
     engine = Engine(llm, max_batch=2, block_size=4, num_blocks=80, max_gamma=4)
-    assert engine.policy.pass_tokens(2, 3) == 2 * 4 * 4 and engine.policy.pass_tokens(1, 3) == 4 * 3 + 1
+    assert engine.policy.pass_tokens(2, 3) == 2 * (4 * 3 + 1) and engine.policy.pass_tokens(1, 3) == 4 * 3 + 1
+    assert engine.policy.pass_tokens(SHARED_TREE_BATCH + 1, 3) == (SHARED_TREE_BATCH + 1) * 4 * 4
+    assert make_drafter("tree:upper:3").verify_tokens(2, 3) == 2 * 3 * 4
     serve(engine, [(p, greedy(14), 4) for p in REPETITIVE[:2]], arrivals=[0, 0])
-    assert {1, 2, 2 * 4 * 5, 4 * 4 + 1} == set(engine.policy.verify_cost)
+    assert {1, 2, 2 * (4 * 4 + 1), 4 * 4 + 1} == set(engine.policy.verify_cost)
 
 
 def test_warm_up_timings_keep_a_tree_that_must_lose_from_exploring(llm):
     """Given the warm-up's pass timings (on the GPU; here made up, a pass costing 1 + tokens / 16), the policy
-    does not explore a tree round at batch 8 (a row per branch: 64 tokens for one draft, a loss even if accepted),
-    and does at batch 1 (a lone sequence's nodes in one row)."""
+    does not explore a tree round at batch 8 (each sequence's 4 nodes and pending token: 40 tokens for one draft
+    a row, a loss even if accepted), and does at batch 1 (5 tokens)."""
     llm.drafter = make_drafter("ngram-tree:4")
     engine = Engine(llm, max_batch=8, block_size=4, num_blocks=200, max_gamma=4)
     engine.seed_policy({t: 1 + t / 16 for t in (1, 2, 4, 8, 16, 32, 64, 128)}, {})

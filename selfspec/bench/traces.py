@@ -363,7 +363,8 @@ def replay(rounds: list[Round], mode: Mode | None) -> ChainReplay | TreeReplay:
 
 class ReplayAcceptance:
     """Greedy acceptance of the serving engine's rounds from accepted counts: round i accepts min(trace[i], k)
-    drafts; the next token is the verify pass's own argmax there. Cycles through the trace."""
+    drafts (a tree round: on its longest branch); the next token is the verify pass's own argmax there. Cycles
+    through the trace."""
 
     def __init__(self, accepted: list[int]) -> None:
         self.accepted = accepted
@@ -373,6 +374,13 @@ class ReplayAcceptance:
         n = min(self.accepted[self.i % len(self.accepted)], len(drafts))
         self.i += 1
         return n, target[n]
+
+    def tree(self, branches: list[list[int]], targets: list[list[int]]) -> tuple[int, int, int]:
+        """A tree round (decode.py `accept_branches`) is one recorded round: its count goes to the longest branch
+        (the first of them), not one count to each branch, whose best would be the best of several rounds."""
+        best = max(range(len(branches)), key=lambda i: (len(branches[i]), -i))
+        n, nxt = self(branches[best], targets[best])
+        return best, n, nxt
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:

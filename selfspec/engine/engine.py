@@ -9,9 +9,11 @@ for all their tokens (`_burst`, speculative/decode.py `run_steps`). k comes from
 (speculative/policy.py) unless a request asks for its own, which is capped at the engine's max_gamma (the server's
 --gamma); rows are grouped by k and each group runs its own batched passes. In a round the policy drafts only to
 measure (GammaPolicy.measuring), its greedy rows emit one token each, so that they stay in lockstep (`_round`). With
-a tree drafter, a round with drafts forks each sequence into a row per branch over its blocks (cache/paged.py
-`PagedTree`) and verifies every branch of the group in one pass (speculative/decode.py `tree_rounds`); the branch
-rows' blocks are budgeted with the round's and freed after it.
+a tree drafter, a round with drafts verifies every branch of the group in one pass (speculative/decode.py
+`tree_rounds`): a drafter that forks no rows (lookups, recycled rankings), in a round of up to SHARED_TREE_BATCH
+sequences, stores each sequence's nodes once past its length in its own blocks (cache/paged.py `SharedTree`); else
+each sequence is forked into a row per branch over its blocks (`PagedTree`), whose blocks are budgeted with the
+round's and freed after it.
 
 KV blocks follow current need, as in vLLM's scheduler: each step gives every running sequence, oldest first, the
 blocks its passes will write (its prefill chunk; k + 1 positions of its round). When the pool runs short, the
@@ -56,7 +58,7 @@ from selfspec.quant.modes import prompt_mode
 from selfspec.speculative.decode import (GreedyAcceptance, Row, RoundResult, make_generator, pick, run_round,
                                          run_steps, tree_rounds)
 from selfspec.speculative.draft_model import DraftModel
-from selfspec.speculative.drafters import TokenHistory, TreeDrafter, gamma_policy
+from selfspec.speculative.drafters import SHARED_TREE_BATCH, TokenHistory, TreeDrafter, gamma_policy
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.sampling import SEED_RANGE, SamplingParams
 from selfspec.speculative.verify import accept_greedy
@@ -100,8 +102,8 @@ def branch_blocks(drafter, block_size: int, k: int | None, length: int | None = 
     """KV blocks a tree drafter's round of k drafts at `length` takes beyond the k + 1 positions of a chain's
     (length None: the worst case): as forked rows, the blocks of positions length..length+k for each branch but
     the first (PagedTree); a drafter that forks no rows may instead store its nodes past position length+k in the
-    sequence's own blocks (SharedTree, a round of one sequence), so the more of the two. 0 for other drafters: what
-    a pool sized per request adds for trees."""
+    sequence's own blocks (SharedTree, in a round of up to SHARED_TREE_BATCH sequences), so the more of the two. 0
+    for other drafters: what a pool sized per request adds for trees."""
     if not isinstance(drafter, TreeDrafter) or not k:
         return 0
     offset = block_size - 1 if length is None else length % block_size
@@ -361,22 +363,28 @@ class Engine:
             self.policy.observe_draft_step(rows, seconds)
 
     def _warm_up_shared_trees(self) -> None:
-        """Capture a lone sequence's node-packed tree passes (`_shares_rows`): each rows bucket up to its branches,
-        nodes bucket (from 16) up to its most nodes at max_gamma, and width up to max_gamma + 1 (1: nothing
-        proposed), on padding rows."""
-        dev, gamma = self.llm.model.device, min(self.policy.max_gamma, MAX_GRAPHED_TOKENS - 1)
-        most_nodes = max(MAX_GRAPHED_TOKENS, bucket(self.tree.max_nodes(gamma) + 1))
+        """Capture the node-packed tree passes of rounds whose sequences read their own rows (`_shares_rows`, up to
+        SHARED_TREE_BATCH sequences): each rows bucket up to their branches, each nodes bucket (from 16, at least
+        the rows) up to their most nodes at max_gamma, at the one width `_tree_width`, on padding rows."""
+        dev = self.llm.model.device
+        gamma = self._tree_width() - 1
+        most = min(self.max_batch, SHARED_TREE_BATCH)
+        most_nodes = max(MAX_GRAPHED_TOKENS, bucket(most * (self.tree.max_nodes(gamma) + 1)))
         rows = 1
-        while rows <= bucket(self.tree.branches):
+        while rows <= bucket(most * self.tree.branches):
             nodes = max(MAX_GRAPHED_TOKENS, rows)
             while nodes <= most_nodes:
                 tokens = torch.zeros(1, nodes, dtype=torch.long, device=dev)
-                for width in range(1, gamma + 2):
-                    layout = TreeLayout(*(torch.zeros(shape, dtype=torch.long, device=dev)
-                                          for shape in ((rows, width), nodes, (rows, width))))
-                    self.runner(tokens, tokens, trash_view(self.cache, rows, 1), self.llm.verify_mode, tree=layout)
+                layout = TreeLayout(*(torch.zeros(shape, dtype=torch.long, device=dev)
+                                      for shape in ((rows, gamma + 1), nodes, (rows, gamma + 1))))
+                self.runner(tokens, tokens, trash_view(self.cache, rows, 1), self.llm.verify_mode, tree=layout)
                 nodes *= 2
             rows *= 2
+
+    def _tree_width(self) -> int:
+        """The width of a shared tree pass's rows: the deepest round's (max_gamma drafts and the pending token), so
+        that one width of graphs serves every round."""
+        return min(self.policy.max_gamma, MAX_GRAPHED_TOKENS - 1) + 1
 
     # ---------------------------------------------------------------- the scheduler
 
@@ -700,8 +708,8 @@ class Engine:
 
     def _shares_rows(self, seqs: list[Sequence]) -> bool:
         """Whether a tree round of `seqs` reads each sequence's own row (SharedTree, a node-packed pass): for a
-        drafter that forks no rows, in a round of one sequence, whose pass shapes warm_up captures (larger rounds
-        would need a graph per rows x nodes x width: they verify forked rows)."""
+        drafter that forks no rows, in a round of up to SHARED_TREE_BATCH sequences, whose pass shapes warm_up
+        captures (larger rounds verify forked rows)."""
         return self.tree is not None and self.tree.shares_row(len(seqs))
 
     def _tree_round(self, seqs: list[Sequence], k: int) -> RoundResult:
@@ -716,7 +724,8 @@ class Engine:
                 trees.append(SharedTree(self.cache, s.id) if shared
                              else PagedTree(self.cache, s.id, self.tree.branches))
             return tree_rounds(self.runner, trees, [s.row for s in seqs], k, self.tree, self.llm.verify_mode,
-                               lambda spans: tree_view(trees, spans), self.accept, "shared" if shared else "forked")
+                               lambda spans: tree_view(trees, spans), self.accept, "shared" if shared else "forked",
+                               self._tree_width() if shared else 0)
         finally:
             for t in trees:
                 t.release()

@@ -206,7 +206,8 @@ def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verif
 
 @torch.inference_mode()
 def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: TreeDrafter, verify: Mode,
-                view: RowsView, accept: GreedyAcceptance = accept_greedy, layout: str = "packed") -> RoundResult:
+                view: RowsView, accept: GreedyAcceptance = accept_greedy, layout: str = "packed",
+                pad_to: int = 0) -> RoundResult:
     """One round of a tree drafter over a batch of sequences, as forked chains: trees[i] holds rows[i]'s branch
     rows (a solo KVCache of a row per branch, or the engine's PagedTree), each holding the sequence's committed KV,
     and `view(spans)` is one batch view of rows spans[i] of each trees[i]. The drafter proposes every sequence's
@@ -214,7 +215,8 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
     as a chain, every branch of every sequence in one verify pass. `layout`: "forked", each row its own tokens;
     "packed", each node once through every op but attention, which runs the branches as rows over their own KV
     (model.TreeLayout); "shared" (for a drafter that `forks` no rows), packed with trees[i] one cache row (row 0)
-    that every branch row reads, each node's KV stored once past the committed length (TreeLayout's tails).
+    that every branch row reads, each node's KV stored once past the committed length (TreeLayout's tails);
+    `pad_to`: their rows padded to that width (the engine's graphs are captured at one width).
     The batch-invariant kernels make each row's verify the chain verify bit for bit, so the winning row's KV is
     already AR's, and only the positions it commits are copied to the other rows (shared: its accepted drafts moved
     to their positions): no tree-attention mask and no re-run. Greedy: the longest accepted branch wins (ties: the
@@ -232,7 +234,7 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
     shared = layout == "shared"
     if layout != "forked":  # each node once (model.TreeLayout)
         packed, nodes, node_pos = TreeLayout.of([(row.pending, row.length, branches)
-                                                 for row, branches in zip(rows, proposed)], dev, shared)
+                                                 for row, branches in zip(rows, proposed)], dev, shared, pad_to)
         logits = model(nodes[None], node_pos[None], view([(0, len(branches)) for branches in proposed]), verify,
                        tree=packed)[0]
         nodes, at = packed.host_tokens, packed.host_rows  # each branch row's nodes
@@ -259,9 +261,7 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
     for tree, row, branches, end in zip(trees, rows, proposed, ends):
         start = end - len(branches)
         if row.params.greedy:
-            results = [accept(b, t) for b, t in zip(branches, targets[start:end])]
-            best = max(range(len(branches)), key=lambda i: (results[i][0], -i))
-            n, nxt = results[best]
+            best, n, nxt = accept_branches(accept, branches, targets[start:end])
         else:
             best, n, nxt = accept_tree_sampling(branches, to_probs(logits[torch.tensor(at[start:end], device=dev)],
                                                                    row.params), row.gen)
@@ -277,6 +277,19 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
     out = [advance(row, b, n, nxt, t1 - t0, t2 - t1, max(map(len, branches)))
            for row, branches, (b, n, nxt) in zip(rows, proposed, chosen)]
     return RoundResult(out, t1 - t0, t2 - t1, width, [len(b) for b, _, _ in chosen], [n for _, n, _ in chosen])
+
+
+def accept_branches(accept: GreedyAcceptance, branches: list[list[int]], targets: list[list[int]]
+                    ) -> tuple[int, int, int]:
+    """A greedy tree round's (branch, accepted drafts, next token): the longest accepted branch, ties to the first.
+    An acceptance with a rule of its own for trees (`tree`: a benchmark's replay of one recorded count a round)
+    decides instead."""
+    rule = getattr(accept, "tree", None)
+    if rule is not None:
+        return rule(branches, targets)
+    results = [accept(b, t) for b, t in zip(branches, targets)]
+    best = max(range(len(branches)), key=lambda i: (results[i][0], -i))
+    return (best, *results[best])
 
 
 def one_hot(drafts: list[int], logits: torch.Tensor) -> torch.Tensor:

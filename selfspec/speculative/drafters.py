@@ -47,6 +47,10 @@ LOOKUP_NAME = re.compile(r"(ngram|hybrid)(?::(\d+)-(\d+))?")  # hybrid: a lookup
 TREE_NAME = re.compile(r"(ngram-tree|hybrid-tree|recycle-tree|tree:([\w-]+?))(?::(\d+))?")
 DEFAULT_NGRAM = (1, 3)  # (min_n, max_n)
 DEFAULT_BRANCHES = 4
+# Rounds of up to this many sequences run a drafter's shared trees (each sequence's nodes once, over its own blocks);
+# larger rounds fork a row per branch. The engine captures a graph per shape of them, each keeping the logits of
+# every node it runs: ~0.9 GB of them at 8 sequences of 16 nodes for an 8B model's vocabulary of 128k.
+SHARED_TREE_BATCH = 8
 HYBRID_DRAFT = "upper"  # the hybrids' self-draft mode: the cheap half of the planes storage
 TREE_NAMES = "ngram-tree[:B], tree:MODE[:B] (e.g. tree:upper:4), hybrid-tree[:B] or recycle-tree[:N]"
 RowsView = Callable[[list[tuple[int, int]]], object]  # spans[i]: rows start..stop-1 of tree i -> one batch view
@@ -270,18 +274,19 @@ class TreeDrafter:
         return self.branches * k
 
     def shares_row(self, batch: int) -> bool:
-        """Whether a round over `batch` sequences runs each sequence's branches over its own one cache row (a lone
-        sequence of a drafter that forks no rows: model.TreeLayout's tails), not forked into a row per branch."""
-        return batch == 1 and not self.forks
+        """Whether a round over `batch` sequences runs each sequence's branches over its own one cache row (a drafter
+        that forks no rows, in a round of up to SHARED_TREE_BATCH sequences: model.TreeLayout's tails), not forked
+        into a row per branch."""
+        return not self.forks and batch <= SHARED_TREE_BATCH
 
     def verify_tokens(self, batch: int, k: int) -> int:
         """The most tokens a round of k drafts over `batch` sequences verifies (the gamma policy prices rounds by
-        it): a sequence sharing its row runs its nodes and pending token there; otherwise each sequence's branches
+        it): sequences sharing their rows run their nodes and pending tokens; otherwise each sequence's branches
         run as rows of k + 1 (a plain round: one token a sequence)."""
         if k == 0:
             return batch
         if self.shares_row(batch):
-            return self.max_nodes(k) + 1
+            return batch * (self.max_nodes(k) + 1)
         return batch * self.branches * (k + 1)
 
     def propose_trees(self, model, trees: list, rows: list[Row], k: int, view: RowsView) -> list[list[list[int]]]:

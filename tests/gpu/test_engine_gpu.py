@@ -72,10 +72,11 @@ def test_smollm2_batched_greedy_equals_solo(recipe, vocab):
     check_batched_equals_solo(llm, prompts, [16 + 3 * i % 33 for i in range(40)])
 
 
-@pytest.mark.parametrize("draft", ["hybrid-tree", "ngram-tree:4", "hybrid"])
+@pytest.mark.parametrize("draft", ["hybrid-tree", "ngram-tree:4", "recycle-tree", "hybrid"])
 def test_tiny_model_tree_drafters_batched_greedy_equals_solo(draft):
-    """Every branch of every row in one verify pass over the paged cache (PagedTree), under CUDA graphs warmed up
-    to max_batch x branches rows: each request's tokens are its solo AR ones, and no pass captures a new graph."""
+    """Every branch of every row in one verify pass over the paged cache (PagedTree; for a drafter that forks no rows,
+    in rounds of up to SHARED_TREE_BATCH sequences, SharedTree), under CUDA graphs warmed up to max_batch x
+    branches rows: each request's tokens are its solo AR ones, and no pass captures a new graph."""
     cfg, sd, _ = tiny_model("qwen2", seed=3, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                             num_key_value_heads=2)
     llm = build(cfg, sd, None, resolve_recipe("hybrid", draft=draft), group_size=32, device="cuda")
