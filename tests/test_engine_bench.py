@@ -6,6 +6,7 @@ import torch
 from conftest import tiny_model
 from selfspec.bench.serve import (HEADER, bench_recipe, make_engine, markdown_row, pair_speedups, percentiles,
                                   read_json_array_head, run_closed_loop)
+from selfspec.bench.traces import ReplayAcceptance, Round, serve_replay
 from selfspec.engine.llm import build
 from selfspec.speculative.recipes import resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
@@ -45,12 +46,42 @@ def test_replayed_acceptance_runs_through_the_engine(llm):
     verify and rollback: the engine's accepted-draft count is the trace's, round for round."""
     trace = [2, 0, 3, 1, 5]
     prompts = random_prompts(5)
-    engine = make_engine(llm, prompts, 3, 8, 4, trace)
+    engine = make_engine(llm, prompts, 3, 8, 4, ReplayAcceptance(trace))
     r = run_closed_loop(engine, prompts, SamplingParams(max_new_tokens=8, ignore_eos=True), 3)
     rounds = engine.accept.i
     assert rounds == engine.stats().num_row_rounds > 0
     assert engine.stats().num_accepted_tokens == sum(min(trace[i % len(trace)], 3) for i in range(rounds))
     assert r["output_tokens"] == 5 * 8 and r["mean_gamma"] == 3
+
+
+@pytest.mark.parametrize("rounds", [
+    [Round("tree", 9, 0, 4, 16, 2, nodes=6), Round("none", 0, 0, 1, 1, 0), Round("tree", 5, 0, 2, 8, 3, nodes=4)],
+    [Round("lookup", 2, 0, 1, 3, 1), Round("none", 0, 0, 1, 1, 0), Round("lookup", 3, 0, 1, 4, 3)],
+], ids=["trees", "lookups"])
+def test_rounds_with_no_draft_step_are_replayed_whole(llm, rounds, monkeypatch):
+    """A lookup or tree trace on random prompts: the engine's drafter is the trace's replay, each sequence's round
+    the trace's next with its recorded shape and count, so the engine proposes and accepts what the recorded rounds
+    did (trees in shared rounds of several sequences)."""
+    from selfspec.engine.engine import Engine
+
+    drafter = llm.drafter
+    llm.drafter = replay = serve_replay(rounds)
+    sizes, tree_round = [], Engine._tree_round
+    monkeypatch.setattr(Engine, "_tree_round",
+                        lambda self, seqs, k: sizes.append(len(seqs)) or tree_round(self, seqs, k))
+    try:
+        prompts = random_prompts(5)
+        engine = make_engine(llm, prompts, 3, 10, 3, replay)
+        start = replay.i
+        run_closed_loop(engine, prompts, SamplingParams(max_new_tokens=10, ignore_eos=True), 3)
+    finally:
+        llm.drafter = drafter
+    replayed = [rounds[i % len(rounds)].cut(3) for i in range(start, replay.i)]
+    s = engine.stats()
+    assert len(replayed) > 3 and not replay.due
+    assert s.num_draft_tokens == sum(r.width for r in replayed if r.proposed)
+    assert s.num_accepted_tokens == sum(r.accepted for r in replayed)
+    assert (max(sizes, default=0) > 1) == (rounds[0].kind == "tree")
 
 
 def test_pair_speedups_are_per_pair_not_best_of():

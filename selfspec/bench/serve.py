@@ -8,8 +8,10 @@ gamma policy choose. Every request's tokens are checked against a solo greedy ru
 With `--shape` (e.g. llama-3-8b, on the GPU) the model is a synthetic-weight model of that shape (randn * 0.02,
 labelled synthetic in every output), prompts are random token ids (`--prompt-tokens`), and each greedy round's
 acceptance is replayed from a trace recorded on a real model (bench/traces.py): the engine drafts, verifies, accepts
-and rolls back for real, only the number of accepted drafts comes from the trace. Its tokens mean nothing, so there
-is no solo check.
+and rolls back for real, only the number of accepted drafts comes from the trace. A drafter that runs no model step
+(a lookup, a recycled tree) would find nothing in random prompts: its rounds are replayed whole, each with its
+recorded shape (tokens proposed; a tree's branches and nodes) and count (traces.ServeReplay). Its tokens mean
+nothing, so there is no solo check.
 
 selfspec bench serve [--model M | --shape S [--prompt-tokens 512] [--trace FILE]] [--recipes planes qspec]
                      [--datasets sharegpt gsm8k humaneval mtbench] [--batch-sizes 1 8 16 32] [--requests 64]
@@ -38,13 +40,14 @@ from selfspec.bench.shapes import SHAPES
 from selfspec.bench.passes import PassLog
 from selfspec.bench.step_bound import bound_seconds, pass_table
 from selfspec.bench.synthetic import synthetic_model
-from selfspec.bench.traces import TRACE_DIR, ReplayAcceptance, load
+from selfspec.bench.traces import TRACE_DIR, ReplayAcceptance, load, serve_replay
 from selfspec.engine.engine import (DEFAULT_DECODE_STEPS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT, Engine,
                                     branch_blocks)
 from selfspec.engine.llm import LLM
 from selfspec.errors import SelfspecError
 from selfspec.eval.data import package_file
 from selfspec.speculative.recipes import PRESETS
+from selfspec.speculative.decode import GreedyAcceptance
 from selfspec.speculative.sampling import SamplingParams
 from selfspec.speculative.verify import accept_greedy
 
@@ -122,17 +125,17 @@ def percentiles(xs: list[float]) -> dict[str, float]:
 
 
 def make_engine(llm: selfspec.LLM, prompts: list[list[int]], batch: int, max_new_tokens: int, max_gamma: int,
-                replay: list[int] | None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                accept: GreedyAcceptance | None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                 prefill_wait: int = DEFAULT_PREFILL_WAIT, decode_steps: int = DEFAULT_DECODE_STEPS) -> Engine:
     """An engine for `batch` requests in flight, its CUDA graphs captured (on the GPU) and its prefill kernels
-    compiled (one untimed pass of `batch` prompts, one token each) before any run is timed; `replay`: the
-    accepted-draft counts greedy rounds replay (None: real acceptance)."""
+    compiled (one untimed pass of `batch` prompts, one token each) before any run is timed; `accept`: the greedy
+    rounds' replayed acceptance (`replayed`; None: real acceptance)."""
     block_size = 16
     blocks_per_seq = -(-(max(map(len, prompts)) + max_new_tokens + max_gamma + 1) // block_size)
     blocks_per_seq += branch_blocks(llm.drafter, block_size, max_gamma)
     engine = Engine(llm, max_batch=batch, block_size=block_size, num_blocks=batch * blocks_per_seq,
                     max_queue=len(prompts), prefill_chunk=prefill_chunk, prefill_wait=prefill_wait,
-                    max_gamma=max_gamma, accept=accept_greedy if replay is None else ReplayAcceptance(replay),
+                    max_gamma=max_gamma, accept=accept or accept_greedy,
                     decode_steps=decode_steps)
     engine.warm_up()
     run_closed_loop(engine, prompts[:batch], SamplingParams(max_new_tokens=1, ignore_eos=True), 0)
@@ -192,7 +195,7 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
 
 def bench_recipe(llm: selfspec.LLM, pool: list[list[int]], batch_sizes: list[int], params: SamplingParams,
                  max_gamma: int, refs: list[list[int]] | None, repeats: int = 1,
-                 replay: list[int] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 accept: GreedyAcceptance | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  prefill_wait: int = DEFAULT_PREFILL_WAIT, decode_steps: int = DEFAULT_DECODE_STEPS,
                  requests_per_row: int | None = None) -> list[dict]:
     """AR and speculative runs alternate on one engine per batch size (`repeats` pairs), the pairs in turn AR first
@@ -204,7 +207,7 @@ def bench_recipe(llm: selfspec.LLM, pool: list[list[int]], batch_sizes: list[int
     for b in batch_sizes:
         n = len(pool) if requests_per_row is None else min(len(pool), max(8, requests_per_row * b))
         prompts = pool[:n]
-        engine = make_engine(llm, prompts, b, params.max_new_tokens, max_gamma, replay, prefill_chunk, prefill_wait,
+        engine = make_engine(llm, prompts, b, params.max_new_tokens, max_gamma, accept, prefill_chunk, prefill_wait,
                              decode_steps)
         runs = {"ar": [], "spec": []}
         for i in range(repeats):
@@ -219,7 +222,7 @@ def bench_recipe(llm: selfspec.LLM, pool: list[list[int]], batch_sizes: list[int
             run["of_step_bound"] = run["tokens_per_s"] / run["step_bound_tokens_per_s"]
         ar, spec = (max(runs[side], key=lambda r: r["tokens_per_s"]) for side in ("ar", "spec"))
         row = {"recipe": llm.recipe.name, "draft": llm.recipe.draft, "verify": llm.recipe.verify, "batch": b,
-               "requests": n, "synthetic": replay is not None, "ar": ar, "spec": spec,
+               "requests": n, "synthetic": accept is not None, "ar": ar, "spec": spec,
                "speedup": spec["tokens_per_s"] / ar["tokens_per_s"],
                "tokens_per_s_all_runs": {side: [r["tokens_per_s"] for r in rs] for side, rs in runs.items()}}
         row |= pair_speedups(runs)
@@ -304,10 +307,17 @@ def synthetic_llm(shape: str, recipe: str, max_gamma: int, group_size: int, devi
     return LLM(model, None, r, max_gamma, f"{shape} (SYNTHETIC weights, randn * 0.02)")
 
 
-def replay_trace(path: Path) -> tuple[str, list[int]]:
-    """A trace's name and its accepted-draft counts, every task's rounds in turn."""
+def replayed(llm: LLM, path: Path) -> tuple[str, GreedyAcceptance]:
+    """A trace's name and the greedy acceptance that replays it, every task's rounds in turn. Self-draft rounds run
+    the recipe's own drafter, their accepted counts replayed; rounds with no draft step (lookups, recycled trees)
+    would find nothing to propose in random prompts, so llm's drafter becomes their replay (traces.ServeReplay):
+    each round's recorded shape and count."""
     t = load(path)
-    return f"{t.recipe} {t.label()}", t.accepted()
+    rounds = t.rounds()
+    if any(r.draft_steps for r in rounds):
+        return f"{t.recipe} {t.label()}", ReplayAcceptance(t.accepted())
+    llm.drafter = serve_replay(rounds)  # the engines built after this take its policy
+    return f"{t.recipe} {t.label()}, rounds replayed whole (shape and count)", llm.drafter
 
 
 def run(args: argparse.Namespace) -> None:
@@ -342,25 +352,24 @@ def measure(args: argparse.Namespace) -> dict:
         raise SelfspecError("recipe draft-model needs real weights (a real draft model): give --model, not --shape")
     if args.shape and torch.device(args.device).type != "cuda":
         raise SelfspecError(f"--shape {args.shape} builds a full-size model: run it with --device cuda")
-    rows, refs, replayed = [], None, {}
+    rows, refs, traces = [], None, {}
     for name in args.recipes:
         if args.shape:
             llm = synthetic_llm(args.shape, name, args.max_gamma, args.group_size, args.device)
             gen = torch.Generator().manual_seed(args.seed)
             prompts = torch.randint(0, llm.model.cfg.vocab_size, (args.requests, args.prompt_tokens),
                                     generator=gen).tolist()
-            trace_name, replay = replay_trace(args.trace or TRACE_DIR / f"smollm2-135m.{name}.json")
-            replayed[name] = trace_name
+            traces[name], accept = replayed(llm, args.trace or TRACE_DIR / f"smollm2-135m.{name}.json")
             params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
         else:
             llm = selfspec.load(args.model, name, gamma=args.max_gamma, group_size=args.group_size, device=args.device,
                                 draft_model=args.draft_model if name == "draft-model" else None)
             prompts = prompt_pool(llm, args.datasets, args.requests, args.max_prompt_tokens, args.seed)
-            replay, params = None, SamplingParams(max_new_tokens=args.max_new_tokens)
+            accept, params = None, SamplingParams(max_new_tokens=args.max_new_tokens)
             llm.generate(prompts[0], SamplingParams(max_new_tokens=2), gamma=1)  # warm-up
             if not args.no_check:
                 refs = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
-        rows += bench_recipe(llm, prompts, args.batch_sizes, params, args.max_gamma, refs, args.repeats, replay,
+        rows += bench_recipe(llm, prompts, args.batch_sizes, params, args.max_gamma, refs, args.repeats, accept,
                              args.prefill_chunk, args.prefill_wait, args.decode_steps, args.requests_per_row)
         description = llm.description
         del llm  # before the next recipe's model is built
@@ -369,7 +378,7 @@ def measure(args: argparse.Namespace) -> dict:
               "max_new_tokens": args.max_new_tokens, "prefill_chunk": args.prefill_chunk,
               "prefill_wait": args.prefill_wait, "decode_steps": args.decode_steps, "rows": rows}
     if args.shape:
-        result |= {"prompt_tokens": args.prompt_tokens, "acceptance_replayed_from": replayed}
+        result |= {"prompt_tokens": args.prompt_tokens, "acceptance_replayed_from": traces}
     else:
         result["datasets"] = args.datasets
     return result

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -359,6 +360,82 @@ class DraftModelReplay(ChainReplay):
 def replay(rounds: list[Round], mode: Mode | None) -> ChainReplay | TreeReplay:
     """The replaying drafter of a trace's rounds: tree rounds need a cache row per branch (tree_round)."""
     return TreeReplay(rounds, mode) if any(r.branches > 1 for r in rounds) else ChainReplay(rounds, mode)
+
+
+class ServeReplay:
+    """The serving benchmark's drafter over synthetic weights for a trace whose rounds ran no draft step (lookups,
+    recycled or looked-up trees): on random prompts the recorded drafter would find nothing to propose, so each
+    sequence's round is the trace's next one (cycling, cut to the round's k), with its recorded shape (a lookup's
+    tokens; a tree's branches and nodes, `tree_branches`) and its recorded accepted count. It is the engine's
+    greedy acceptance too: the engine judges a round's rows in the order it proposed them, so the counts follow the
+    proposals through a queue (a plain round, which proposed nothing, accepts nothing)."""
+
+    def __init__(self, rounds: list[Round]) -> None:
+        if not rounds or any(r.draft_steps for r in rounds):
+            raise SelfspecError("a serving replay replays rounds with no draft step (lookups, recycled trees); this "
+                                "trace's rounds pay draft steps or there are none: replay its accepted counts on the "
+                                "recipe's own drafter (ReplayAcceptance)")
+        self.rounds = rounds
+        self.i = 0
+        self.due: deque[Round] = deque()
+
+    def next_rounds(self, n: int, k: int) -> list[Round]:
+        """The next n rounds, cut to k drafts, queued for their acceptance (the last round's are all judged)."""
+        self.due.clear()
+        for _ in range(n):
+            self.due.append(self.rounds[self.i % len(self.rounds)].cut(k))
+            self.i += 1
+        return list(self.due)
+
+    def history(self, tokens: list[int]) -> TokenHistory | None:
+        return None
+
+    def _accepted(self, longest: int) -> int:
+        return min(self.due.popleft().accepted, longest) if self.due else 0
+
+    def __call__(self, drafts: list[int], target: list[int]) -> tuple[int, int]:
+        n = self._accepted(len(drafts))
+        return n, target[n]
+
+    def tree(self, branches: list[list[int]], targets: list[list[int]]) -> tuple[int, int, int]:
+        """Its count on the first branch, the longest (`tree_branches`)."""
+        n = self._accepted(len(branches[0]))
+        return 0, n, targets[0][n]
+
+
+class ServeChainReplay(ServeReplay):
+    """Lookup rounds: a row proposes its round's recorded count of tokens (their values do not matter)."""
+
+    def propose(self, model, cache, rows, pending: torch.Tensor, lengths: torch.Tensor, k: int) -> Proposal:
+        rounds = self.next_rounds(len(rows), k)
+        tokens = pending[:, None].expand(-1, k).contiguous()
+        return Proposal(tokens, [r.width if r.proposed else 0 for r in rounds], [None] * len(rows))
+
+
+class ServeTreeReplay(ServeReplay, TreeDrafter):
+    """Tree rounds: a row proposes its round's branches and nodes, each sequence's nodes over its own blocks."""
+
+    def __init__(self, rounds: list[Round]) -> None:
+        super().__init__(rounds)
+        self.branches = max(r.branches for r in rounds)
+        self._most_nodes: dict[int, int] = {}
+
+    def max_nodes(self, k: int) -> int:
+        """The most nodes `tree_branches` builds for a round cut to k: its own, or a node per branch past the first
+        (a deep tree cut short keeps its branches)."""
+        if k not in self._most_nodes:
+            self._most_nodes[k] = max(max(c.nodes, c.width + c.branches - 1) for c in (r.cut(k) for r in self.rounds))
+        return self._most_nodes[k]
+
+    def propose_trees(self, model, trees: list, rows: list, k: int, view) -> list[list[list[int]]]:
+        vocab = model.cfg.vocab_size
+        return [tree_branches([row.pending] * r.width, r.branches, r.nodes, row.pending, vocab) if r.proposed else []
+                for row, r in zip(rows, self.next_rounds(len(rows), k))]
+
+
+def serve_replay(rounds: list[Round]) -> ServeChainReplay | ServeTreeReplay:
+    """The serving replay of rounds with no draft step: trees where any round is one."""
+    return ServeTreeReplay(rounds) if any(r.branches > 1 for r in rounds) else ServeChainReplay(rounds)
 
 
 class ReplayAcceptance:
