@@ -214,3 +214,15 @@ def test_a_recycled_tree_serves_through_the_pass_log_and_its_tree_passes_are_tim
         assert bound_seconds(engine, r["passes"], 20, costs) > 0 and len(costs) == len(r["passes"])
     finally:
         llm.drafter = drafter
+
+
+@pytest.mark.parametrize("shape", [("tree", 3, 9, 3, True), ("tree", 4, 9, 20, True), ("tree", 2, 5, 9, False),
+                                   ("tree", 16, 9, 128, True)])
+def test_tree_pass_shapes_of_several_sequences_are_timed(llm, shape):
+    """A shared tree pass of several sequences logs rows padded to the engine's one width, possibly wider than its
+    nodes are deep (three sequences proposing nothing: 3 rows of 9 over 3 nodes): the bound rebuilds a pass of that
+    shape within its blocks and times it."""
+    from selfspec.bench.step_bound import pass_seconds
+
+    engine = make_engine(llm, random_prompts(2), 2, 4, 8, None)
+    assert pass_seconds(engine, llm.verify_mode, shape, context=45, repeats=1) > 0

@@ -19,7 +19,6 @@ import torch
 
 from selfspec.cache.paged import PagedBatchView
 from selfspec.engine.engine import Engine
-from selfspec.bench.traces import tree_branches
 from selfspec.model import Packed, TreeLayout
 from selfspec.quant.modes import Mode
 
@@ -33,14 +32,14 @@ def pass_seconds(engine: Engine, mode: Mode, shape: tuple, context: int, repeats
         pos = torch.cat([torch.arange(k - n, k) for n, k in zip(lengths, keys)]).to(dev)[None]
         args = (torch.zeros_like(pos), pos, PagedBatchView(engine.cache, table), mode,
                 torch.arange(len(lengths), device=dev), Packed.of(list(lengths), list(keys), dev))
-    elif shape[0] == "tree":  # one sequence's tree of these rows, width and nodes (bench/traces.tree_branches)
-        _, rows, t, nodes, shared = shape
-        context = min(context, engine.max_len - nodes)
-        branches = tree_branches([0] * (t - 1), rows, nodes - 1, 0, engine.llm.model.cfg.vocab_size)
-        tree, toks, pos = TreeLayout.of([(0, context, branches)], dev, shared)
-        table = torch.zeros(1 if shared else rows, engine.cache.blocks_for(context + nodes), dtype=torch.long,
-                            device=dev)
-        args = (toks[None], pos[None], PagedBatchView(engine.cache, table.expand(rows, -1)), mode, None, None, tree)
+    elif shape[0] == "tree":  # rows of this width over these nodes (several sequences' trees, rows padded): a
+        _, rows, t, nodes, shared = shape  # sequence a row, the draft nodes dealt out among them as chains
+        context = min(context, engine.max_len - t)
+        drafts = nodes - rows  # each row holds its sequence's pending token: nodes <= rows x width
+        depths = [drafts // rows + (i < drafts % rows) for i in range(rows)]
+        tree, toks, pos = TreeLayout.of([(0, context, [[0] * d] if d else []) for d in depths], dev, shared, t)
+        table = torch.zeros(rows, engine.cache.blocks_for(context + t), dtype=torch.long, device=dev)
+        args = (toks[None], pos[None], PagedBatchView(engine.cache, table), mode, None, None, tree)
     else:
         rows, t = shape
         context = min(context, engine.max_len - t)

@@ -16,21 +16,19 @@ would lose even if every draft were accepted, by the costs known (the serving en
 captures: `observe_round`, `observe_draft_step`), e.g. a tree forked into a row per branch at batch 32: then the
 first drafting round is a probe, which waits as long as its loss requires (below).
 
-Probes keep the estimates fresh (a first measurement may be a slow outlier, and the losing option is otherwise
-never re-timed): while speculating, a plain round re-times verify(B) every `probe_every` rounds; while decoding
-plainly, a drafting round re-times the draft step and acceptance every 4 x probe_every rounds. A probe of the
-losing option is a lost round, so probing is cost-bounded:
-- each probe that leaves the choice as it was doubles the interval, up to `max_probe_every` (128 rounds: once
-  backed off, probes are under 0.8% of rounds);
-- a drafting probe comes no sooner than its estimated loss (before drafting was measured: at every draft
-  accepted) allows for: `probe_budget` (1%) of the time of the plain rounds before it (a tree whose branches are
-  forked into rows at a large batch verifies B x branches rows and can lose several steps a probe: at one probe in
-  128 rounds, several % of the time);
+Probes keep the estimates fresh (a first measurement may be a slow outlier or an unlucky sample, and the losing
+option is otherwise never re-timed). A probe of the losing option is a lost round, so probing is cost-bounded:
+- while speculating, a plain round re-times verify(B) every `probe_every` rounds, each probe that leaves the choice
+  as it was doubling the interval, up to `max_probe_every` (128 rounds: once backed off, under 0.8% of rounds);
+- while decoding plainly, a drafting round re-times the draft step and acceptance every max(probe_every,
+  L / `probe_budget`) rounds, L its estimated loss against plain decoding of the same tokens, in plain rounds
+  (before drafting was measured: at every draft accepted). So drafting probes lose at most 1% of the time however
+  dear (a tree forked into B x branches rows at a large batch can lose several steps a probe), and come every
+  probe_every rounds where they cost little (a lone sequence's tree of 16 nodes: a few % of a step), so that one
+  unlucky exploration round does not keep a cheap drafter off for hundreds of rounds;
 - the interval restarts at its base when the choice changes (a probe, or drift seen by the rounds themselves,
   flipped it) or when the batch size moves by more than a quarter from where the schedule started (the costs
-  there are another question); the cost of the cap is latency in following a change the probes alone can see
-  (e.g. drafts getting cheaper while decoding plainly: a few capped intervals, as each probe moves the
-  estimates by alpha);
+  there are another question);
 - a drafting probe runs the k estimated to lose the least time against plain decoding of the same tokens,
   k * draft(B) + verify(B * (k+1)) - E(k) * verify(B), not the k of the best throughput. Each extra draft
   costs a draft step and a wider verify and adds a^k tokens, so when speculation loses by a wide margin (drafts
@@ -195,7 +193,9 @@ class GammaPolicy:
         if probing:
             k = 0 if k else self._probe(batch)  # re-time the option not taken, once
             self.since_probe = 0
-            self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)  # undone if the choice flips
+            # Plain probes back off (undone if the choice flips); drafting probes wait for their loss's budget alone.
+            self.probe_interval = (min(2 * self.probe_interval, self.max_probe_every) if self.speculating
+                                   else self.probe_every)
         self.last_gamma = k
         self.measuring = k > 0 and (exploring or probing or self.num_trials < self.min_trials)
         return k
@@ -206,7 +206,7 @@ class GammaPolicy:
         moved = max(batch, self.schedule_batch) > 1.25 * min(batch, self.schedule_batch)
         if speculating != self.speculating or moved:
             self.speculating, self.schedule_batch, self.since_probe = speculating, batch, 0
-            self.probe_interval = self.probe_every if speculating else 4 * self.probe_every
+            self.probe_interval = self.probe_every
 
     def _probe_floor(self, batch: int) -> int:
         """Decoding plainly: the fewest rounds between drafting probes for their estimated loss against plain
