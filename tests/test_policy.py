@@ -305,3 +305,25 @@ def test_estimates_follow_every_observation():
             line = cost[n0] + (cost[n1] - cost[n0]) * (tokens - n0) / (n1 - n0)
             expected = max(line, max((cost[n] for n in sizes[:i]), default=0.0))
         assert p.verify_estimate(tokens) == expected
+
+
+def test_an_unlucky_exploration_does_not_keep_a_cheap_tree_off():
+    """A lone sequence's tree (16 nodes a round whatever its depth, a 16-token pass costing 1.06 steps, free drafts,
+    acceptance 0.55) whose exploration round accepted nothing: drafting probes, each losing 6% of a step, come every
+    probe_every rounds, so speculation starts within a few of them and holds."""
+    def shared(batch: int, k: int) -> int:
+        return batch if k == 0 else batch * 16
+
+    def cost(tokens: int) -> float:
+        return 1 + tokens / 256
+
+    for seed in range(3):
+        p = GammaPolicy(8, pass_tokens=shared)
+        for t in (1, 2, 4, 8, 16, 32):
+            p.observe_round(t, 0, 0.0, cost(t))
+        assert p.choose(1) == 1  # the exploration ...
+        p.observe_round(1, 1, 0.0, cost(16))
+        p.observe_acceptance(1, [0])  # ... accepts nothing
+        ks = serve(p, 1000, 1, draft_ratio=0.0, acceptance=0.55, rng=random.Random(seed), verify=cost)
+        first = next(i for i, k in enumerate(ks) if k >= 2)
+        assert first <= 3 * p.probe_every and sum(k >= 2 for k in ks[first:]) >= 0.9 * len(ks[first:])
