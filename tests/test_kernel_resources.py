@@ -88,3 +88,26 @@ def test_attention_kernels_compile_with_tails():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "mma.sync", "True", "mma.sync"]
+
+
+def test_the_k_loop_of_a_decode_tile_issues_its_mma_instructions():
+    """mma_loop finds a decode tile's K loop in its SASS: each warp issues its share of the tile's m16n8k16 MMAs per
+    K tile (BLOCK_M 16 x BLOCK_N x BLOCK_K over 16 x 8 x 16), among the instructions that build the weights; the
+    --shape report gives the count."""
+    code = ("from selfspec.bench import kernel_resources as kr\n"
+            "from selfspec.kernels import triton_linear as tlin\n"
+            "for mode, n in (('full', 28672), ('upper', 6144), ('w4a16', 28672)):\n"
+            "    cfg = tlin.decode_config(kr.FORMATS[mode], False, n, 4096, 128)\n"
+            "    loop = kr.mma_loop(kr.compile_linear(mode, cfg))\n"
+            "    share = (cfg.block_n // 8) * (cfg.block_k // 16) // cfg.num_warps\n"
+            "    print(loop.ops['HMMA'], share, loop.instructions, loop.ops.get('HFMA2', 0))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        mma, share, instructions, fmas = map(int, line.split())
+        assert mma == share and instructions > 4 * mma and fmas > 0  # the bf16 FMAs that dequantize
+    out = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--shape", "llama-3-8b", "--modes",
+                          "upper", "--m", "1"], env=env, capture_output=True, text=True, check=True).stdout
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    rows = [r for r in rows if r[1] == "upper"]
+    assert len(rows) == 4 and all(int(r[7].split()[0]) > 0 for r in rows)

@@ -9,7 +9,9 @@ python -m selfspec.bench.kernel_resources --mode full --tiles 16x128x4 32x128x4 
 python -m selfspec.bench.kernel_resources --attention [--warps 4 8] [--max-registers 168 128]  (Llama-3-8B heads)
 python -m selfspec.bench.kernel_resources --warp-specialized  (kernels/gluon_linear.py: per nibble format, and bf16)
 python -m selfspec.bench.kernel_resources --shape llama-3-8b --modes full w4a16 --m 1 32 160   (the tiles `linear`
-    picks for each layer GEMM of the shape at each M, as the model runs them)
+    picks for each layer GEMM of the shape at each M, as the model runs them, and the instructions their K loop
+    issues: a decode tile streaming its weights at an H200's 4.8 TB/s has ~3.5 lane-instructions a weight to spend
+    on half-byte codes, ~7 on bytes)
 """
 from __future__ import annotations
 
@@ -215,6 +217,39 @@ def resources(kernel: triton.compiler.CompiledKernel) -> Resources:
     return Resources(field["REG"], field["STACK"], kernel.metadata.shared, mma)
 
 
+@dataclass(frozen=True)
+class Loop:
+    instructions: int  # SASS instructions a warp issues per trip
+    ops: dict[str, int]  # by opcode (HMMA, LOP3, PRMT, ...)
+
+
+def mma_loop(kernel: triton.compiler.CompiledKernel) -> Loop:
+    """The innermost loop of the kernel's SASS that issues tensor-core instructions (a GEMM's K loop): the shortest
+    backward branch whose body holds an MMA. What a decode tile issues per K tile, against what the SMs can issue
+    while the weights stream (docs/gpu.md, session 13)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    code = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
+            for m in [re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)] if m]
+    best = None
+    for at, op, line in code:
+        target = re.search(r"BRA (0x[0-9a-f]+)", line)
+        if op != "BRA" or target is None or int(target.group(1), 16) >= at:
+            continue
+        body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= at]
+        if any(o in ("HMMA", "HGMMA", "IMMA", "IGMMA") for o in body) and (best is None or len(body) < len(best)):
+            best = body
+    if best is None:
+        raise ValueError("the kernel has no loop that issues MMA instructions")
+    ops: dict[str, int] = {}
+    for o in best:
+        ops[o] = ops.get(o, 0) + 1
+    return Loop(len(best), ops)
+
+
 def wgmma_serialized(kernel: triton.compiler.CompiledKernel) -> bool:
     """Whether ptxas serializes the kernel's wgmma (its C7511 warning: too few registers for the wgmma pipeline, so
     each wgmma waits for the one before): the kernel's PTX through the bundled ptxas again, which reports it."""
@@ -298,16 +333,20 @@ def shape_table(shape: str, modes: list[str], ms: list[int], group: int) -> None
     """Registers and spills of the tile config `linear` picks (triton_linear.tile_config) per layer GEMM, mode and M."""
     print(f"{shape}: the tiles linear picks, quantization group {group}, sm_90")
     print("| GEMM (N x K) | mode | M | tiles (M x N x warps, K tile, split, chunks in a program) | registers | "
-          "stack bytes | MMA |\n|---|---|---|---|---|---|---|")
+          "stack bytes | MMA | K loop: instructions a warp (lane-instructions a weight) |\n"
+          "|---|---|---|---|---|---|---|---|")
     for name, n, k in layer_gemms(SHAPES[shape]):
         for mode in modes:
             fmt, act = FORMATS[mode], MODES[mode].act_bits is not None
             for m in ms:
                 cfg = tlin.tile_config(fmt, act, n, k, group if fmt >= tlin.INT4.value else 0, m)
-                r = resources(compile_linear(mode, cfg, k, group))
+                kernel = compile_linear(mode, cfg, k, group)
+                r, loop = resources(kernel), mma_loop(kernel)
                 tiles = (f"{cfg.block_m} x {cfg.block_n} x {cfg.num_warps}, {cfg.block_k}, {cfg.split_k}, "
                          f"{'yes' if cfg.in_program else 'no'}")
-                print(f"| {name} ({n} x {k}) | {mode} | {m} | {tiles} | {r.registers} | {r.stack_bytes} | {r.mma} |")
+                per_weight = loop.instructions * cfg.num_warps * 32 / (cfg.block_n * cfg.block_k)
+                print(f"| {name} ({n} x {k}) | {mode} | {m} | {tiles} | {r.registers} | {r.stack_bytes} | {r.mma} | "
+                      f"{loop.instructions} ({per_weight:.2f}) |")
 
 
 def attention_table(warps: list[int], max_registers: list[int | None]) -> None:
