@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections import Counter
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -203,14 +204,18 @@ def compile_quant_attention(fmt: str, upper: bool, block_r: int, warps: int, dim
                           options=dict(num_warps=warps, num_stages=tqa.NUM_STAGES, maxnreg=max_registers))
 
 
-def resources(kernel: triton.compiler.CompiledKernel) -> Resources:
-    """What ptxas gave the compiled kernel (cuobjdump's resource usage of its cubin)."""
+def cuobjdump(kernel: triton.compiler.CompiledKernel, flag: str) -> str:
+    """What Triton's bundled cuobjdump prints with `flag` for the kernel's cubin."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resources(kernel: triton.compiler.CompiledKernel) -> Resources:
+    """What ptxas gave the compiled kernel (cuobjdump's resource usage of its cubin)."""
+    usage = cuobjdump(kernel, "--dump-resource-usage")
     field = {name: int(value) for name, value in re.findall(r"(REG|STACK):(\d+)", usage)}
     ptx = kernel.asm["ptx"]
     mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
@@ -227,11 +232,7 @@ def mma_loop(kernel: triton.compiler.CompiledKernel) -> Loop:
     """The innermost loop of the kernel's SASS that issues tensor-core instructions (a GEMM's K loop): the shortest
     backward branch whose body holds an MMA. What a decode tile issues per K tile, against what the SMs can issue
     while the weights stream (docs/gpu.md, session 13)."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    sass = cuobjdump(kernel, "-sass")
     code = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
             for m in [re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)] if m]
     best = None
@@ -244,10 +245,7 @@ def mma_loop(kernel: triton.compiler.CompiledKernel) -> Loop:
             best = body
     if best is None:
         raise ValueError("the kernel has no loop that issues MMA instructions")
-    ops: dict[str, int] = {}
-    for o in best:
-        ops[o] = ops.get(o, 0) + 1
-    return Loop(len(best), ops)
+    return Loop(len(best), dict(Counter(best)))
 
 
 def wgmma_serialized(kernel: triton.compiler.CompiledKernel) -> bool:

@@ -37,7 +37,7 @@ from selfspec.bench.prompts import essay_prompts
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import Mode
-from selfspec.speculative.decode import decode
+from selfspec.speculative.decode import GreedyAcceptance, decode
 from selfspec.speculative.draft_model import DraftModel
 from selfspec.speculative.drafters import Proposal, TokenHistory, TreeDrafter, draft_tokens
 from selfspec.speculative.recipes import PRESETS
@@ -288,6 +288,14 @@ class Replay:
         n = min(self.current.accepted, len(drafts))
         return n, target[n]
 
+    def branches_of(self, model, cache, row, r: Round) -> list[list[int]]:
+        """Round r's tree from row: its branches, the first as long as the longest (its draft steps run on cache),
+        the others forking at the root with the rest of its distinct tokens (at least one each); [] if it proposed
+        nothing."""
+        if r.proposed == 0:
+            return []
+        return tree_branches(self.drafts(model, cache, row, r), r.branches, r.nodes, row.pending, model.cfg.vocab_size)
+
 
 class ChainReplay(Replay):
     """Replay of chain rounds (self-draft, lookup) through run_round."""
@@ -309,13 +317,7 @@ class TreeReplay(Replay, TreeDrafter):
         self.forks = any(r.draft_steps for r in rounds if r.branches > 1)
 
     def propose_tree(self, model, cache, row, k: int) -> list[list[int]]:
-        """The round's shape: its branches, the first as long as the longest, the others forking at the root with
-        the rest of its distinct tokens (at least one each)."""
-        r = self.next_round(k)
-        if r.proposed == 0:
-            return []
-        return tree_branches(self.drafts(model, cache.rows(0, 1), row, r), r.branches, r.nodes, row.pending,
-                             model.cfg.vocab_size)
+        return self.branches_of(model, cache.rows(0, 1), row, self.next_round(k))
 
 
 def tree_branches(first: list[int], branches: int, nodes: int, token: int, vocab: int) -> list[list[int]]:
@@ -362,45 +364,33 @@ def replay(rounds: list[Round], mode: Mode | None) -> ChainReplay | TreeReplay:
     return TreeReplay(rounds, mode) if any(r.branches > 1 for r in rounds) else ChainReplay(rounds, mode)
 
 
-class ServeReplay:
+class ServeReplay(Replay):
     """The serving benchmark's drafter over synthetic weights for a trace whose rounds ran no draft step (lookups,
     recycled or looked-up trees): on random prompts the recorded drafter would find nothing to propose, so each
-    sequence's round is the trace's next one (cycling, cut to the round's k), with its recorded shape (a lookup's
-    tokens; a tree's branches and nodes, `tree_branches`) and its recorded accepted count. It is the engine's
-    greedy acceptance too: the engine judges a round's rows in the order it proposed them, so the counts follow the
+    sequence's round is the trace's next one (Replay's cycling, cut to the round's k), with its recorded shape (a
+    lookup's tokens; a tree's branches and nodes) and its recorded accepted count. It is the engine's greedy
+    acceptance too: the engine judges a round's rows in the order it proposed them, so the counts follow the
     proposals through a queue (a plain round, which proposed nothing, accepts nothing)."""
 
     def __init__(self, rounds: list[Round]) -> None:
-        if not rounds or any(r.draft_steps for r in rounds):
+        if any(r.draft_steps for r in rounds):
             raise SelfspecError("a serving replay replays rounds with no draft step (lookups, recycled trees); this "
-                                "trace's rounds pay draft steps or there are none: replay its accepted counts on the "
-                                "recipe's own drafter (ReplayAcceptance)")
-        self.rounds = rounds
-        self.i = 0
+                                "trace's rounds pay draft steps: replay its accepted counts on the recipe's own "
+                                "drafter (ReplayAcceptance)")
+        super().__init__(rounds, None)
         self.due: deque[Round] = deque()
 
     def next_rounds(self, n: int, k: int) -> list[Round]:
         """The next n rounds, cut to k drafts, queued for their acceptance (the last round's are all judged)."""
-        self.due.clear()
-        for _ in range(n):
-            self.due.append(self.rounds[self.i % len(self.rounds)].cut(k))
-            self.i += 1
+        self.due = deque(self.next_round(k) for _ in range(n))
         return list(self.due)
 
-    def history(self, tokens: list[int]) -> TokenHistory | None:
-        return None
-
-    def _accepted(self, longest: int) -> int:
-        return min(self.due.popleft().accepted, longest) if self.due else 0
-
     def __call__(self, drafts: list[int], target: list[int]) -> tuple[int, int]:
-        n = self._accepted(len(drafts))
+        n = min(self.due.popleft().accepted, len(drafts)) if self.due else 0
         return n, target[n]
 
     def tree(self, branches: list[list[int]], targets: list[list[int]]) -> tuple[int, int, int]:
-        """Its count on the first branch, the longest (`tree_branches`)."""
-        n = self._accepted(len(branches[0]))
-        return 0, n, targets[0][n]
+        return on_longest(self, branches, targets)
 
 
 class ServeChainReplay(ServeReplay):
@@ -409,7 +399,7 @@ class ServeChainReplay(ServeReplay):
     def propose(self, model, cache, rows, pending: torch.Tensor, lengths: torch.Tensor, k: int) -> Proposal:
         rounds = self.next_rounds(len(rows), k)
         tokens = pending[:, None].expand(-1, k).contiguous()
-        return Proposal(tokens, [r.width if r.proposed else 0 for r in rounds], [None] * len(rows))
+        return Proposal(tokens, [r.width for r in rounds], [None] * len(rows))  # a round that proposed none: 0
 
 
 class ServeTreeReplay(ServeReplay, TreeDrafter):
@@ -428,9 +418,7 @@ class ServeTreeReplay(ServeReplay, TreeDrafter):
         return self._most_nodes[k]
 
     def propose_trees(self, model, trees: list, rows: list, k: int, view) -> list[list[list[int]]]:
-        vocab = model.cfg.vocab_size
-        return [tree_branches([row.pending] * r.width, r.branches, r.nodes, row.pending, vocab) if r.proposed else []
-                for row, r in zip(rows, self.next_rounds(len(rows), k))]
+        return [self.branches_of(model, None, row, r) for row, r in zip(rows, self.next_rounds(len(rows), k))]
 
 
 def serve_replay(rounds: list[Round]) -> ServeChainReplay | ServeTreeReplay:
@@ -453,11 +441,14 @@ class ReplayAcceptance:
         return n, target[n]
 
     def tree(self, branches: list[list[int]], targets: list[list[int]]) -> tuple[int, int, int]:
-        """A tree round (decode.py `accept_branches`) is one recorded round: its count goes to the longest branch
-        (the first of them), not one count to each branch, whose best would be the best of several rounds."""
-        best = max(range(len(branches)), key=lambda i: (len(branches[i]), -i))
-        n, nxt = self(branches[best], targets[best])
-        return best, n, nxt
+        return on_longest(self, branches, targets)
+
+
+def on_longest(accept: GreedyAcceptance, branches: list[list[int]], targets: list[list[int]]) -> tuple[int, int, int]:
+    """A tree round judged as one recorded round (decode.py `accept_branches`): its count goes to its longest branch
+    (the first of them), not one count to each branch, whose best would be the best of several rounds."""
+    best = max(range(len(branches)), key=lambda i: (len(branches[i]), -i))
+    return (best, *accept(branches[best], targets[best]))
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
