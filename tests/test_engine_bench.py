@@ -35,6 +35,7 @@ def test_closed_loop_serves_every_prompt_as_solo_greedy_would(llm):
         r = run_closed_loop(engine, prompts, params, gamma)
         assert r["tokens"] == refs
         assert r["output_tokens"] == 7 * 6 and r["tokens_per_s"] > 0
+        assert r["graph_captures"] == 0 and 0 < r["slowest_step_s"] < r["wall_s"]  # CPU: no graphs
         # A burst's tokens (engine decode_steps) arrive together: many intervals are 0, not all.
         assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] and 0 <= r["itl_s"]["p50"] < r["itl_s"]["p99"]
         if gamma is not None:
@@ -120,6 +121,8 @@ def test_bench_recipe_reports_best_of_and_each_pair(llm):
     assert row["speedup"] == pytest.approx(max(runs["spec"]) / max(runs["ar"]))
     assert row["speedup_per_pair"] == pytest.approx([s / a for a, s in zip(runs["ar"], runs["spec"])])
     assert row["speedup_min"] <= row["speedup_median"] <= row["speedup_max"]
+    assert [len(p) for p in row["passes_all_runs"].values()] == [3, 3]  # every run's passes, not the best's alone
+    assert row["spec"]["passes"] in row["passes_all_runs"]["spec"]
     cells = markdown_row(row).split(" | ")
     assert len(cells) == HEADER.splitlines()[0].count(" | ") + 1
     assert cells[5] == f"{row['speedup_median']:.2f}x ({row['speedup_min']:.2f}-{row['speedup_max']:.2f}, 3 pairs)"

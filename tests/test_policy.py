@@ -27,10 +27,16 @@ def test_expected_tokens():
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
-def test_acceptance_is_the_geometric_mle():
-    p = GammaPolicy()
-    p.observe_acceptance(4, [4, 1])  # 5 successes in 4 + 2 trials
-    assert p.acceptance == pytest.approx(5 / 6)
+def test_acceptance_is_the_geometric_estimate_with_a_prior_over_decaying_rounds():
+    p = GammaPolicy(alpha=0.25)
+    assert p.acceptance is None
+    p.observe_acceptance(4, [4, 1])  # 5 successes in 4 + 2 trials, and one of each of prior
+    assert p.acceptance == pytest.approx(6 / 8)
+    p.observe_acceptance(2, [0, 0, 0])  # 3 failures; the first round's weight is now 3/4
+    assert p.acceptance == pytest.approx((0.75 * 5 + 1) / (0.75 * 6 + 3 + 2))
+    q = GammaPolicy()
+    q.observe_acceptance(1, [0])  # one round that accepted nothing is not taken for certain
+    assert q.acceptance == pytest.approx(1 / 3)
 
 
 def test_zero_when_draft_costs_as_much_as_verify():
@@ -146,14 +152,14 @@ def test_measuring_flags_exploration_and_drafting_probes_not_chosen_speculation(
 
 
 def test_speculation_chosen_on_few_acceptance_trials_only_measures():
-    """One exploration round whose 8 rows all accepted its draft estimates acceptance 1: the speculation chosen on
+    """One exploration round whose 8 rows all accepted its draft estimates acceptance 0.9: the speculation chosen on
     it measures (its greedy rows stay in lockstep in the engine) until min_trials trials were seen."""
     p = GammaPolicy(4, min_trials=64)
     p.observe_round(8, 0, 0.0, 1.0)
     assert (p.choose(8), p.measuring) == (1, True)  # exploration
     p.observe_round(8, 1, 0.3, 1.0)
     p.observe_acceptance(1, [1] * 8)
-    assert p.acceptance == 1.0 and p.num_trials == 8
+    assert p.acceptance == pytest.approx(9 / 10) and p.num_trials == 8
     flags = []
     for _ in range(3):
         k = p.choose(8)

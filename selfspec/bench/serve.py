@@ -151,6 +151,8 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
     next_i = 0
     start = engine.stats()
     log = engine.runner = PassLog(engine.runner)
+    captures = getattr(log.runner, "captures", 0)
+    slowest = 0.0
     t0 = time.perf_counter()
 
     def submit() -> None:
@@ -165,8 +167,10 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
         while next_i < min(batch, len(prompts)):
             submit()
         while engine.has_work():
+            before = time.perf_counter()
             outs = engine.step()
             now = time.perf_counter()
+            slowest = max(slowest, now - before)
             for o in outs:
                 n = len(o.new_token_ids)
                 if n and o.request_id not in first:
@@ -190,6 +194,8 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
             "acceptance": accepted / drafted if drafted else None,
             "mean_gamma": drafted / row_rounds if row_rounds else 0.0,
             "preemptions": s.num_preemptions - start.num_preemptions,
+            # A stall's cause: a pass shape the warm-up did not capture (an outlier run's slowest step).
+            "graph_captures": getattr(log.runner, "captures", 0) - captures, "slowest_step_s": slowest,
             "tokens": [tokens[str(i)] for i in range(len(prompts))], "passes": log.passes}
 
 
@@ -224,7 +230,8 @@ def bench_recipe(llm: selfspec.LLM, pool: list[list[int]], batch_sizes: list[int
         row = {"recipe": llm.recipe.name, "draft": llm.recipe.draft, "verify": llm.recipe.verify, "batch": b,
                "requests": n, "synthetic": accept is not None, "ar": ar, "spec": spec,
                "speedup": spec["tokens_per_s"] / ar["tokens_per_s"],
-               "tokens_per_s_all_runs": {side: [r["tokens_per_s"] for r in rs] for side, rs in runs.items()}}
+               "tokens_per_s_all_runs": {side: [r["tokens_per_s"] for r in rs] for side, rs in runs.items()},
+               "passes_all_runs": {side: [r["passes"] for r in rs] for side, rs in runs.items()}}  # an outlier's why
         row |= pair_speedups(runs)
         if refs is not None:  # batched greedy (AR and speculative) == solo greedy, request by request
             row["mismatches"] = sum(t != r for rs in runs.values() for run in rs

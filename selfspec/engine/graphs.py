@@ -166,6 +166,11 @@ class _Graphed:
         return self.model.device
 
     @property
+    def captures(self) -> int:
+        """Graphs captured so far (one capture stalls the engine for its eager run and the recording)."""
+        return len(self._graphs)
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
@@ -257,6 +262,10 @@ class PagedGraphedModel(_Graphed):
         graph.fill(tokens, pos, cache.table, logits_at, packed)
         graph.graph.replay()
         return graph.logits[:len(logits_at)]
+
+    @property
+    def captures(self) -> int:
+        return len(self._graphs) + len(self._prompts)
 
     def _static(self, view: PagedBatchView | PagedQuantBatchView,
                 rows: int) -> tuple[PagedBatchView | PagedQuantBatchView, int]:

@@ -96,7 +96,9 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     (Mode.prompt), which a device may run in their own arithmetic, the same for every prompt token.
     tails [B, T]: row b's keys from its first query's position p0 = q_pos[b, 0] on are its queries' own, stored
     elsewhere: key p0 + i is read at position tails[b, i] (a tree's branch rows sharing one sequence's row,
-    model.TreeLayout). Each key keeps its logical place, so a query gets the bits of a row holding them in order."""
+    model.TreeLayout). Each key keeps its logical place, so a query gets the bits of a row holding them in order.
+    A query of such a row at a position not past its predecessor's is a branch's padding: a device may leave its
+    output undefined (the model drops it), and skips its tiles."""
     return kernels.lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt, tails=tails)
 
 

@@ -89,7 +89,7 @@ PREFILL_MIN_T = 256
 
 
 @triton.jit
-def _tile_rows(pos_ptr, pid_r, b, kv_h, T, S, N_REP, BLOCK_T: tl.constexpr):
+def _tile_rows(pos_ptr, pid_r, b, kv_h, T, S, N_REP, BLOCK_T: tl.constexpr, TAILS: tl.constexpr):
     """A tile's rows: their queries t, heads h, whether they exist, and their positions (clamped to the table)."""
     # Query-major (query, head) pairs of one kv head, so the N_REP heads that share it read each key once. A
     # pair's tile is fixed by its own query and head, whatever T is.
@@ -97,6 +97,10 @@ def _tile_rows(pos_ptr, pid_r, b, kv_h, T, S, N_REP, BLOCK_T: tl.constexpr):
     t = r // N_REP
     h = kv_h * N_REP + r % N_REP
     live = t < T
+    if TAILS:  # a tile of a branch row's padding (queries not past their predecessor, a suffix) is not computed
+        t0 = pid_r * BLOCK_T // N_REP
+        if t0 > 0 and t0 < T:
+            live = live & (tl.load(pos_ptr + b * T + t0) > tl.load(pos_ptr + b * T + t0 - 1))
     # Padding rows read key 0 only (no NaN); a position past the table's S keys reads all S of them.
     pos = tl.minimum(tl.load(pos_ptr + b * T + t, mask=live, other=0), S - 1)
     return t, h, live, pos
@@ -193,7 +197,7 @@ def _attention_chunk_kernel(
     c = tl.program_id(2)
     b = bkv // HKV
     kv_h = bkv % HKV
-    t, h, live, pos = _tile_rows(pos_ptr, pid_r, b, kv_h, T, S, N_REP, BLOCK_T)
+    t, h, live, pos = _tile_rows(pos_ptr, pid_r, b, kv_h, T, S, N_REP, BLOCK_T, TAILS)
     offs_d = tl.arange(0, BLOCK_D)
     end = tl.minimum(tl.max(pos, axis=0) + 1, (c + 1) * CHUNK)  # keys this program reads
     if c * CHUNK < end:  # else no row of this tile reaches the chunk: the merge skips it
@@ -250,7 +254,7 @@ def _attention_in_program_kernel(
     bkv = tl.program_id(1)
     b = bkv // HKV
     kv_h = bkv % HKV
-    t, h, live, pos = _tile_rows(pos_ptr, pid_r, b, kv_h, T, S, N_REP, BLOCK_T)
+    t, h, live, pos = _tile_rows(pos_ptr, pid_r, b, kv_h, T, S, N_REP, BLOCK_T, TAILS)
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
                 mask=live[:, None] & (offs_d < D)[None, :], other=0)
