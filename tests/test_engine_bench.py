@@ -101,7 +101,8 @@ def test_bench_recipe_takes_the_pairs_in_turn_ar_first_and_spec_first(llm, monke
 
     def fake_run(engine, prompts, params, gamma):
         order.append("ar" if gamma == 0 else "spec")
-        return {"tokens_per_s": 1.0, "passes": [], "output_tokens": 1, "ttft_s": {}, "itl_s": {}}
+        return {"tokens_per_s": 1.0, "passes": [], "output_tokens": 1, "ttft_s": {}, "itl_s": {}, "mean_gamma": 0.0,
+                "graph_captures": 0, "slowest_step_s": 0.0}
 
     monkeypatch.setattr(serve, "run_closed_loop", fake_run)
     monkeypatch.setattr(serve, "bound_seconds", lambda *a: 1.0)
@@ -121,8 +122,8 @@ def test_bench_recipe_reports_best_of_and_each_pair(llm):
     assert row["speedup"] == pytest.approx(max(runs["spec"]) / max(runs["ar"]))
     assert row["speedup_per_pair"] == pytest.approx([s / a for a, s in zip(runs["ar"], runs["spec"])])
     assert row["speedup_min"] <= row["speedup_median"] <= row["speedup_max"]
-    assert [len(p) for p in row["passes_all_runs"].values()] == [3, 3]  # every run's passes, not the best's alone
-    assert row["spec"]["passes"] in row["passes_all_runs"]["spec"]
+    assert [len(rs) for rs in row["all_runs"].values()] == [3, 3]  # every run's passes, not the best's alone
+    assert row["spec"]["passes"] in [r["passes"] for r in row["all_runs"]["spec"]]
     cells = markdown_row(row).split(" | ")
     assert len(cells) == HEADER.splitlines()[0].count(" | ") + 1
     assert cells[5] == f"{row['speedup_median']:.2f}x ({row['speedup_min']:.2f}-{row['speedup_max']:.2f}, 3 pairs)"

@@ -142,6 +142,10 @@ def make_engine(llm: selfspec.LLM, prompts: list[list[int]], batch: int, max_new
     return engine
 
 
+# What each run keeps beside the best run's whole record: an outlier's why (its passes, a stall's graph captures).
+ALL_RUNS_KEYS = ("tokens_per_s", "mean_gamma", "graph_captures", "slowest_step_s", "passes")
+
+
 def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingParams, gamma: int | None) -> dict:
     """Keep engine.max_batch requests in flight until every prompt is served; return metrics and each request's
     tokens. The engine is idle before and after; its counters are read as differences."""
@@ -231,7 +235,7 @@ def bench_recipe(llm: selfspec.LLM, pool: list[list[int]], batch_sizes: list[int
                "requests": n, "synthetic": accept is not None, "ar": ar, "spec": spec,
                "speedup": spec["tokens_per_s"] / ar["tokens_per_s"],
                "tokens_per_s_all_runs": {side: [r["tokens_per_s"] for r in rs] for side, rs in runs.items()},
-               "passes_all_runs": {side: [r["passes"] for r in rs] for side, rs in runs.items()}}  # an outlier's why
+               "all_runs": {side: [{key: r[key] for key in ALL_RUNS_KEYS} for r in rs] for side, rs in runs.items()}}
         row |= pair_speedups(runs)
         if refs is not None:  # batched greedy (AR and speculative) == solo greedy, request by request
             row["mismatches"] = sum(t != r for rs in runs.values() for run in rs
