@@ -55,34 +55,56 @@ def test_replayed_acceptance_runs_through_the_engine(llm):
     assert r["output_tokens"] == 5 * 8 and r["mean_gamma"] == 3
 
 
-@pytest.mark.parametrize("rounds", [
-    [Round("tree", 9, 0, 4, 16, 2, nodes=6), Round("none", 0, 0, 1, 1, 0), Round("tree", 5, 0, 2, 8, 3, nodes=4)],
-    [Round("lookup", 2, 0, 1, 3, 1), Round("none", 0, 0, 1, 1, 0), Round("lookup", 3, 0, 1, 4, 3)],
+@pytest.mark.parametrize("tasks", [
+    [[Round("tree", 9, 0, 4, 16, 2, nodes=6), Round("none", 0, 0, 1, 1, 0)], [Round("tree", 5, 0, 2, 8, 3, nodes=4)]],
+    [[Round("lookup", 2, 0, 1, 3, 1), Round("none", 0, 0, 1, 1, 0)], [Round("lookup", 3, 0, 1, 4, 3)]],
 ], ids=["trees", "lookups"])
-def test_rounds_with_no_draft_step_are_replayed_whole(llm, rounds, monkeypatch):
+def test_rounds_with_no_draft_step_are_replayed_whole(llm, tasks, monkeypatch):
     """A lookup or tree trace on random prompts: the engine's drafter is the trace's replay, each sequence's round
-    the trace's next with its recorded shape and count, so the engine proposes and accepts what the recorded rounds
-    did (trees in shared rounds of several sequences)."""
+    the recorded one at its place in the text with its recorded shape and the rest of its count, so the engine
+    proposes and accepts what those rounds did (trees in shared rounds of several sequences)."""
     from selfspec.engine.engine import Engine
 
     drafter = llm.drafter
-    llm.drafter = replay = serve_replay(rounds)
+    llm.drafter = replay = serve_replay(tasks)
     sizes, tree_round = [], Engine._tree_round
     monkeypatch.setattr(Engine, "_tree_round",
                         lambda self, seqs, k: sizes.append(len(seqs)) or tree_round(self, seqs, k))
+    handed, take = [], replay.take
+    monkeypatch.setattr(replay, "take", lambda r, k: handed.append(take(r, k)) or handed[-1])
     try:
         prompts = random_prompts(5)
         engine = make_engine(llm, prompts, 3, 10, 3, replay)
-        start = replay.i
+        handed.clear()
         run_closed_loop(engine, prompts, SamplingParams(max_new_tokens=10, ignore_eos=True), 3)
     finally:
         llm.drafter = drafter
-    replayed = [rounds[i % len(rounds)].cut(3) for i in range(start, replay.i)]
     s = engine.stats()
-    assert len(replayed) > 3 and not replay.due
-    assert s.num_draft_tokens == sum(r.width for r in replayed if r.proposed)
-    assert s.num_accepted_tokens == sum(r.accepted for r in replayed)
-    assert (max(sizes, default=0) > 1) == (rounds[0].kind == "tree")
+    assert len(handed) > 3 and not replay.due
+    assert s.num_draft_tokens == sum(r.width for r in handed if r.proposed)
+    assert s.num_accepted_tokens == sum(r.accepted for r in handed)
+    assert (max(sizes, default=0) > 1) == (tasks[0][0].kind == "tree")
+
+
+def test_a_served_sequence_reads_the_recorded_text_from_a_tasks_start():
+    """The k-th sequence seen starts at task k's first round (mod the tasks); at generated token g it gets the round
+    whose tokens hold its text position, accepting what remains of that round's run; past the trace it cycles."""
+    from types import SimpleNamespace
+
+    from selfspec.engine.stats import GenerationStats
+
+    a = [Round("lookup", 3, 0, 1, 4, 2), Round("none", 0, 0, 1, 1, 0)]  # text positions 0-2, then 3
+    b = [Round("lookup", 4, 0, 1, 5, 4)]  # 4-8
+    replay = serve_replay([a, b])
+    rows = [SimpleNamespace(stats=GenerationStats(prompt_tokens=10), length=10) for _ in range(3)]
+    assert [replay.round_at(r) for r in rows] == [a[0], b[0], a[0]]  # tasks in turn
+    rows[0].length = 11  # one plain step in: one of a[0]'s two accepted drafts remains
+    assert replay.round_at(rows[0]) == Round("lookup", 3, 0, 1, 4, 1)
+    rows[0].length = 13
+    assert replay.round_at(rows[0]) == a[1]
+    rows[1].length = 16  # position 4 + 6 = 10: past the trace's 9 positions, so 1 (a[0] with 1 left)
+    assert replay.round_at(rows[1]) == Round("lookup", 3, 0, 1, 4, 1)
+    assert replay.next_rounds(rows[:1], 1) == [a[1].cut(1)] and replay.i == 1
 
 
 def test_pair_speedups_are_per_pair_not_best_of():

@@ -309,8 +309,8 @@ def test_prompt_attention_equals_the_prompt_cut_into_pieces():
 
 def test_attention_dispatcher_takes_verify_tiles_for_batched_verify_passes():
     """Speed only (every tiling gives the same bits, tests/gpu): 32-row 4-warp tiles where a batch's verify pass
-    has more rows per kv head than a 16-row tile holds (from batch 32 not split over the keys); 16-row tiles for
-    decode steps and for small batches."""
+    has more rows per kv head than a 16-row tile holds (from batch 32 not split over the keys, but a tree's); 16-row
+    tiles for decode steps and for small batches."""
     tiles = triton_attention._tiles
     assert tiles(32, 8, 5, 4, prompt=False) == triton_attention.WIDE_VERIFY_TILES  # no split: fills the GPU
     assert tiles(16, 8, 5, 4, prompt=False) == triton_attention.VERIFY_TILES
@@ -319,6 +319,9 @@ def test_attention_dispatcher_takes_verify_tiles_for_batched_verify_passes():
     assert tiles(1, 8, 5, 4, prompt=False) == triton_attention.DECODE_TILES  # 8 kv heads: too few programs
     assert tiles(1, 8, 300, 4, prompt=False) == triton_attention.PREFILL_TILES
     assert tiles(32, 8, 5, 4, prompt=True) == triton_attention.PROMPT_TILES
+    # A tree's branch rows (tails): split 32-row tiles at any batch, never in-program.
+    assert tiles(1, 8, 9, 4, prompt=False, tails=True) == triton_attention.VERIFY_TILES
+    assert tiles(32, 8, 9, 4, prompt=False, tails=True) == triton_attention.VERIFY_TILES
 
 
 @pytest.mark.parametrize("in_program", [False, True])

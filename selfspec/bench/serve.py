@@ -9,9 +9,10 @@ With `--shape` (e.g. llama-3-8b, on the GPU) the model is a synthetic-weight mod
 labelled synthetic in every output), prompts are random token ids (`--prompt-tokens`), and each greedy round's
 acceptance is replayed from a trace recorded on a real model (bench/traces.py): the engine drafts, verifies, accepts
 and rolls back for real, only the number of accepted drafts comes from the trace. A drafter that runs no model step
-(a lookup, a recycled tree) would find nothing in random prompts: its rounds are replayed whole, each with its
-recorded shape (tokens proposed; a tree's branches and nodes) and count (traces.ServeReplay). Its tokens mean
-nothing, so there is no solo check.
+(a lookup, a recycled tree) would find nothing in random prompts: its rounds are replayed whole, each sequence
+reading the recorded text from a task's start, its round there with its recorded shape (tokens proposed; a tree's
+branches and nodes) and the rest of its count (traces.ServeReplay). Its tokens mean nothing, so there is no solo
+check.
 
 selfspec bench serve [--model M | --shape S [--prompt-tokens 512] [--trace FILE]] [--recipes planes qspec]
                      [--datasets sharegpt gsm8k humaneval mtbench] [--batch-sizes 1 8 16 32] [--requests 64]
@@ -322,13 +323,13 @@ def replayed(llm: LLM, path: Path) -> tuple[str, GreedyAcceptance]:
     """A trace's name and the greedy acceptance that replays it, every task's rounds in turn. Self-draft rounds run
     the recipe's own drafter, their accepted counts replayed; rounds with no draft step (lookups, recycled trees)
     would find nothing to propose in random prompts, so llm's drafter becomes their replay (traces.ServeReplay):
-    each round's recorded shape and count."""
+    the recorded round at each sequence's place in the recorded text, its shape and what remains of its count."""
     t = load(path)
     rounds = t.rounds()
     if any(r.draft_steps for r in rounds):
         return f"{t.recipe} {t.label()}", ReplayAcceptance(t.accepted())
-    llm.drafter = serve_replay(rounds)  # the engines built after this take its policy
-    return f"{t.recipe} {t.label()}, rounds replayed whole (shape and count)", llm.drafter
+    llm.drafter = serve_replay(list(t.tasks.values()))  # the engines built after this take its policy
+    return f"{t.recipe} {t.label()}, rounds replayed whole at each sequence's place in the text", llm.drafter
 
 
 def run(args: argparse.Namespace) -> None:

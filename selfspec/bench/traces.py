@@ -24,9 +24,11 @@ one model (bench/spec.py skips it).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -259,7 +261,11 @@ class Replay:
         self.verified = 0
 
     def next_round(self, k: int) -> Round:
-        r = self.rounds[self.i % len(self.rounds)].cut(k)
+        return self.take(self.rounds[self.i % len(self.rounds)], k)
+
+    def take(self, r: Round, k: int) -> Round:
+        """Round r, cut to k, as this round's (counted in `i`, its verified tokens in `verified`)."""
+        r = r.cut(k)
         self.i += 1
         self.current = r
         self.verified += r.verified
@@ -366,23 +372,40 @@ def replay(rounds: list[Round], mode: Mode | None) -> ChainReplay | TreeReplay:
 
 class ServeReplay(Replay):
     """The serving benchmark's drafter over synthetic weights for a trace whose rounds ran no draft step (lookups,
-    recycled or looked-up trees): on random prompts the recorded drafter would find nothing to propose, so each
-    sequence's round is the trace's next one (Replay's cycling, cut to the round's k), with its recorded shape (a
-    lookup's tokens; a tree's branches and nodes) and its recorded accepted count. It is the engine's greedy
-    acceptance too: the engine judges a round's rows in the order it proposed them, so the counts follow the
-    proposals through a queue (a plain round, which proposed nothing, accepts nothing)."""
+    recycled or looked-up trees): on random prompts the recorded drafter would find nothing to propose, so a
+    sequence's round is the recorded one at its place in the recorded text, with its recorded shape (a lookup's
+    tokens; a tree's branches and nodes) and what remains of its accepted run. The k-th sequence seen reads from the
+    start of task k (mod the tasks, then on through the trace, cycling), its generated token g at text position
+    start + g: a plain step moves through the text as it would on the real prompt, so a stretch where drafting does
+    not pay passes while the policy decodes plainly (handing out rounds in trace order made it wait for the policy
+    to draft through it). It is the engine's greedy acceptance too: the engine judges a round's rows in the order
+    it proposed them, so the counts follow the proposals through a queue (a plain round, which proposed nothing,
+    accepts nothing)."""
 
-    def __init__(self, rounds: list[Round]) -> None:
+    def __init__(self, tasks: list[list[Round]]) -> None:
+        rounds = [r for rs in tasks for r in rs]
         if any(r.draft_steps for r in rounds):
             raise SelfspecError("a serving replay replays rounds with no draft step (lookups, recycled trees); this "
                                 "trace's rounds pay draft steps: replay its accepted counts on the recipe's own "
                                 "drafter (ReplayAcceptance)")
         super().__init__(rounds, None)
+        self.text = list(accumulate((r.accepted + 1 for r in rounds), initial=0))  # each round's first position
+        self.task_starts = list(accumulate((sum(r.accepted + 1 for r in rs) for rs in tasks[:-1]), initial=0))
+        self.origins: dict[int, tuple[GenerationStats, int]] = {}  # a sequence's (stats, first text position)
         self.due: deque[Round] = deque()
 
-    def next_rounds(self, n: int, k: int) -> list[Round]:
-        """The next n rounds, cut to k drafts, queued for their acceptance (the last round's are all judged)."""
-        self.due = deque(self.next_round(k) for _ in range(n))
+    def round_at(self, row) -> Round:
+        """The recorded round at row's place in the text, accepting what remains of its accepted run there."""
+        stats, origin = self.origins.setdefault(  # the stats object kept: its id names the sequence while it lives
+            id(row.stats), (row.stats, self.task_starts[len(self.origins) % len(self.task_starts)]))
+        p = (origin + row.length - stats.prompt_tokens) % self.text[-1]
+        i = bisect.bisect_right(self.text, p) - 1
+        r = self.rounds[i]
+        return replace(r, accepted=self.text[i] + r.accepted - p)
+
+    def next_rounds(self, rows: list, k: int) -> list[Round]:
+        """Each row's round, cut to k drafts, queued for their acceptance (the last round's are all judged)."""
+        self.due = deque(self.take(self.round_at(row), k) for row in rows)
         return list(self.due)
 
     def __call__(self, drafts: list[int], target: list[int]) -> tuple[int, int]:
@@ -397,7 +420,7 @@ class ServeChainReplay(ServeReplay):
     """Lookup rounds: a row proposes its round's recorded count of tokens (their values do not matter)."""
 
     def propose(self, model, cache, rows, pending: torch.Tensor, lengths: torch.Tensor, k: int) -> Proposal:
-        rounds = self.next_rounds(len(rows), k)
+        rounds = self.next_rounds(rows, k)
         tokens = pending[:, None].expand(-1, k).contiguous()
         return Proposal(tokens, [r.width for r in rounds], [None] * len(rows))  # a round that proposed none: 0
 
@@ -405,9 +428,9 @@ class ServeChainReplay(ServeReplay):
 class ServeTreeReplay(ServeReplay, TreeDrafter):
     """Tree rounds: a row proposes its round's branches and nodes, each sequence's nodes over its own blocks."""
 
-    def __init__(self, rounds: list[Round]) -> None:
-        super().__init__(rounds)
-        self.branches = max(r.branches for r in rounds)
+    def __init__(self, tasks: list[list[Round]]) -> None:
+        super().__init__(tasks)
+        self.branches = max(r.branches for r in self.rounds)
         self._most_nodes: dict[int, int] = {}
 
     def max_nodes(self, k: int) -> int:
@@ -418,12 +441,13 @@ class ServeTreeReplay(ServeReplay, TreeDrafter):
         return self._most_nodes[k]
 
     def propose_trees(self, model, trees: list, rows: list, k: int, view) -> list[list[list[int]]]:
-        return [self.branches_of(model, None, row, r) for row, r in zip(rows, self.next_rounds(len(rows), k))]
+        return [self.branches_of(model, None, row, r) for row, r in zip(rows, self.next_rounds(rows, k))]
 
 
-def serve_replay(rounds: list[Round]) -> ServeChainReplay | ServeTreeReplay:
-    """The serving replay of rounds with no draft step: trees where any round is one."""
-    return ServeTreeReplay(rounds) if any(r.branches > 1 for r in rounds) else ServeChainReplay(rounds)
+def serve_replay(tasks: list[list[Round]]) -> ServeChainReplay | ServeTreeReplay:
+    """The serving replay of tasks' rounds with no draft step: trees where any round is one."""
+    trees = any(r.branches > 1 for rs in tasks for r in rs)
+    return ServeTreeReplay(tasks) if trees else ServeChainReplay(tasks)
 
 
 class ReplayAcceptance:

@@ -294,12 +294,16 @@ def _tiles(b: int, hkv: int, t: int, n_rep: int, prompt: bool, tails: bool = Fal
     """The dispatcher's tiles for b rows of t queries over hkv kv heads (speed only: all give the same bits, but
     PROMPT_TILES, prompt tokens' own arithmetic). Rows with tails (a tree's branches) take VERIFY_TILES at any
     batch: H100, 8B heads, 6 branch rows x 6 queries, 1k keys (docs/bench-h100/attention-tails-probe.log): 19.2 us
-    against 41.3 for DECODE_TILES, whose gathered tail tiles are slow on 8 warps."""
+    against 41.3 for DECODE_TILES, whose gathered tail tiles are slow on 8 warps. Never in-program: a tree pass of
+    4 sequences (32 branch rows over 600 keys, H200, under the engine's graphs) took 102 us a layer there, each
+    program walking every key of its row alone."""
     if prompt:
         return PROMPT_TILES
     if t >= PREFILL_MIN_T:
         return PREFILL_TILES
-    if t * n_rep > DECODE_TILES.block_t and (tails or b * hkv >= VERIFY_MIN_HEADS):
+    if t * n_rep > DECODE_TILES.block_t and tails:
+        return VERIFY_TILES
+    if t * n_rep > DECODE_TILES.block_t and b * hkv >= VERIFY_MIN_HEADS:
         return WIDE_VERIFY_TILES if b * hkv >= WIDE_VERIFY_MIN_HEADS else VERIFY_TILES
     return DECODE_TILES
 
