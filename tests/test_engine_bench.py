@@ -40,6 +40,7 @@ def test_closed_loop_serves_every_prompt_as_solo_greedy_would(llm):
         assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] and 0 <= r["itl_s"]["p50"] < r["itl_s"]["p99"]
         if gamma is not None:
             assert r["mean_gamma"] == gamma
+            assert r["drafting_share"] == (gamma > 0)
 
 
 def test_replayed_acceptance_runs_through_the_engine(llm):
@@ -124,7 +125,7 @@ def test_bench_recipe_takes_the_pairs_in_turn_ar_first_and_spec_first(llm, monke
     def fake_run(engine, prompts, params, gamma):
         order.append("ar" if gamma == 0 else "spec")
         return {"tokens_per_s": 1.0, "passes": [], "output_tokens": 1, "ttft_s": {}, "itl_s": {}, "mean_gamma": 0.0,
-                "graph_captures": 0, "slowest_step_s": 0.0}
+                "drafting_share": 0.0, "graph_captures": 0, "slowest_step_s": 0.0, "policy_end": {}}
 
     monkeypatch.setattr(serve, "run_closed_loop", fake_run)
     monkeypatch.setattr(serve, "bound_seconds", lambda *a: 1.0)

@@ -144,7 +144,8 @@ def make_engine(llm: selfspec.LLM, prompts: list[list[int]], batch: int, max_new
 
 
 # What each run keeps beside the best run's whole record: an outlier's why (its passes, a stall's graph captures).
-ALL_RUNS_KEYS = ("tokens_per_s", "mean_gamma", "graph_captures", "slowest_step_s", "passes")
+ALL_RUNS_KEYS = ("tokens_per_s", "mean_gamma", "drafting_share", "graph_captures", "slowest_step_s", "policy_end",
+                 "passes")
 
 
 def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingParams, gamma: int | None) -> dict:
@@ -201,6 +202,10 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
             "preemptions": s.num_preemptions - start.num_preemptions,
             # A stall's cause: a pass shape the warm-up did not capture (an outlier run's slowest step).
             "graph_captures": getattr(log.runner, "captures", 0) - captures, "slowest_step_s": slowest,
+            # What the policy chose on and from: the share of row rounds that drafted, its estimates at the end.
+            "drafting_share": (s.num_drafts - start.num_drafts) / row_rounds if row_rounds else 0.0,
+            "policy_end": {"acceptance": engine.policy.acceptance,
+                           "verify_ms": {t: e.value * 1e3 for t, e in sorted(engine.policy.verify_cost.items())}},
             "tokens": [tokens[str(i)] for i in range(len(prompts))], "passes": log.passes}
 
 
