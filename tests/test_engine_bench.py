@@ -87,6 +87,22 @@ def test_rounds_with_no_draft_step_are_replayed_whole(llm, tasks, monkeypatch):
     assert (max(sizes, default=0) > 1) == (tasks[0][0].kind == "tree")
 
 
+def test_a_tree_round_that_proposed_nothing_is_a_plain_step(llm):
+    """Every sequence of a tree round proposed nothing: the round runs the plain decoding pass (1 token a row), not a
+    tree pass padded to the graphs' width, which costs more and would be priced as a plain step by the policy."""
+    drafter = llm.drafter
+    llm.drafter = replay = serve_replay([[Round("tree", 0, 0, 2, 2, 0, nodes=0)]])
+    try:
+        prompts = random_prompts(3)
+        engine = make_engine(llm, prompts, 2, 5, 3, replay)
+        r = run_closed_loop(engine, prompts, SamplingParams(max_new_tokens=5, ignore_eos=True), 3)
+    finally:
+        llm.drafter = drafter
+    shapes = [p[1] for p in r["passes"]]
+    assert replay.i > 0 and r["output_tokens"] == 3 * 5
+    assert not [s for s in shapes if s[0] == "tree"] and {s[1] for s in shapes if s[0] != "prefill"} == {1}
+
+
 def test_a_served_sequence_reads_the_recorded_text_from_a_tasks_start():
     """The k-th sequence seen starts at task k's first round (mod the tasks); at generated token g it gets the round
     whose tokens hold its text position, accepting what remains of that round's run; past the trace it cycles."""

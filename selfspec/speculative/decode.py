@@ -232,7 +232,7 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
     if layout not in TREE_LAYOUTS:
         raise SelfspecError(f"unknown tree layout '{layout}'; choose from {', '.join(TREE_LAYOUTS)}")
     shared = layout == "shared"
-    if layout != "forked":  # each node once (model.TreeLayout)
+    if layout != "forked" and width:  # each node once (model.TreeLayout); nothing proposed: a plain step, below
         packed, nodes, node_pos = TreeLayout.of([(row.pending, row.length, branches)
                                                  for row, branches in zip(rows, proposed)], dev, shared, pad_to)
         logits = model(nodes[None], node_pos[None], view([(0, len(branches)) for branches in proposed]), verify,
