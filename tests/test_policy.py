@@ -28,7 +28,7 @@ def test_expected_tokens():
 
 
 def test_acceptance_is_the_geometric_estimate_with_a_prior_over_decaying_rounds():
-    p = GammaPolicy(acceptance_alpha=0.25)
+    p = GammaPolicy(alpha=0.25)
     assert p.acceptance is None
     p.observe_acceptance(4, [4, 1])  # 5 successes in 4 + 2 trials, and one of each of prior
     assert p.acceptance == pytest.approx(6 / 8)

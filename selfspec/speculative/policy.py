@@ -75,21 +75,20 @@ def chain_tokens(batch: int, k: int) -> int:
 
 
 class GammaPolicy:
-    def __init__(self, max_gamma: int = 8, alpha: float = 0.2, acceptance_alpha: float = 0.05, margin: float = 0.05,
-                 probe_every: int = 16, max_probe_every: int = 128, min_trials: int = 32,
+    def __init__(self, max_gamma: int = 8, alpha: float = 0.2, margin: float = 0.05, probe_every: int = 16,
+                 max_probe_every: int = 128, min_trials: int = 32,
                  pass_tokens: Callable[[int, int], int] | None = None, probe_budget: float = PROBE_BUDGET):
         """pass_tokens(B, k): the tokens a round of k drafts over B rows verifies (default B(k + 1), a chain's)."""
         self.max_gamma = max_gamma
         self.probe_budget = probe_budget
         self.pass_tokens = pass_tokens or chain_tokens
-        self.alpha = alpha  # the costs' moving averages
-        self.acceptance_alpha = acceptance_alpha  # the acceptance's decay a round (`acceptance`)
+        self.alpha = alpha
         self.margin = margin
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
         self.min_trials = min_trials
         self.num_trials = 0  # acceptance trials seen, all rounds together
-        self.successes = 0.0  # accepted drafts, a round's weight decaying by 1 - acceptance_alpha a round ...
+        self.successes = 0.0  # accepted drafts, a round's weight decaying by 1 - alpha a round ...
         self.tries = 0.0  # ... and acceptance trials (accepted + 1 where a draft was rejected)
         self.verify_cost: dict[int, Ema] = {}  # tokens in the pass -> seconds
         self.verify_sizes: list[int] = []  # its keys, sorted (a choice reads them max_gamma + 1 times)
@@ -129,7 +128,7 @@ class GammaPolicy:
         n + 1 trials, one accepting all k saw k in k (the geometric model's likelihood)."""
         if k and accepted:
             trials = sum(n + (n < k) for n in accepted)
-            keep = 1 - self.acceptance_alpha
+            keep = 1 - self.alpha
             self.successes = keep * self.successes + sum(accepted)
             self.tries = keep * self.tries + trials
             self.num_trials += trials
@@ -140,10 +139,7 @@ class GammaPolicy:
         a first round that accepted nothing is not taken for certain. Acceptance comes in bursts (a lookup or a
         recycled tree matches a stretch of text, then nothing), and a drafting probe is rare while decoding plainly:
         taken as is, one probe that met no burst estimated 0, and with it every later probe ran the least
-        informative k = 1 (`_probe`) and kept drafting off where it pays (a tree at batch 1: 1.2 to 2.4x). For the
-        same bursts a round's weight decays by 1 - acceptance_alpha (~20 rounds of memory, the costs' ~5): a short
-        memory stopped drafting at every lull (recycled trees at an H200's batch-1 costs, simulated through the
-        recorded texts: 1.51x `full` AR at 0.2, 1.65x at 0.05, always drafting 1.68x)."""
+        informative k = 1 (`_probe`) and kept drafting off where it pays (a tree at batch 1: 1.2 to 2.4x)."""
         if not self.num_trials:
             return None
         return (self.successes + 1) / (self.tries + 2)
