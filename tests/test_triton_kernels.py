@@ -702,6 +702,22 @@ def test_linear_ignores_row_sums_where_its_kernel_sums_itself():
                            triton_linear.linear(x, weight, mode, None)), mode_name
 
 
+@pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("int4", "w4a8")])
+def test_x_by_tma_in_64_row_tiles_reads_rows_past_m_as_zeros(storage, mode_name):
+    """`full` and the int8-activation formats load x's 64-row tiles by TMA (x_by_tma): 70 rows over two M tiles,
+    the second mostly past M, give the reference's linear, and a row alone (63 rows of zeros) its bits among 70."""
+    torch.manual_seed(13)
+    mode = MODES[mode_name]
+    weight = quantize_weight(torch.randn(32, 256), storage, 128)
+    cfg = triton_linear.TileConfig(block_n=16, block_k=64, split_k=2, block_m=64)
+    assert triton_linear.x_by_tma(triton_linear.kernel_format(weight, mode), mode.act_bits is not None, cfg)
+    x = torch.randn(70, 256).bfloat16()
+    y = launch(x, weight, mode, cfg)
+    assert rel_err(y, linear_oracle(x, weight, mode, None)) < TOL
+    for i in (0, 66):
+        assert torch.equal(launch(x[i:i + 1], weight, mode, cfg), y[i:i + 1])
+
+
 @pytest.mark.parametrize("storage,mode_name", [("int4", "w4a16"), ("planes", "full"), ("planes", "w4a8")])
 def test_group_affine_in_any_layout_and_groups_over_several_tiles(storage, mode_name):
     """The formats store scale and lo group-major; the kernels read any layout (row-major copies give the same

@@ -73,12 +73,15 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
                   else cfg.split_k, IN_PROGRAM=cfg.in_program, PDL=False)
     if fmt != tlin.FULL.value:
         consts["w2_desc"] = None
-    if nibble:  # as the model runs it: with its codes' row sums where the kernel takes them
+    if nibble:  # as the model runs it: with its codes' row sums where the kernel takes them, x by TMA where it is
         row_sums = tlin.takes_row_sums(fmt, act, group, cfg)
         sig["sums_ptr"] = "*fp32" if row_sums else "constexpr"
         if not row_sums:
             consts["sums_ptr"] = None
-        consts.update(ROW_SUMS=row_sums, WORDS=words, ASM=True)
+        x_desc = tlin.x_by_tma(fmt, act, cfg)
+        if x_desc:
+            sig["x_ptr"] = f"tensordesc<{'i8' if act else 'bf16'}[{cfg.block_m}, {cfg.block_k}]>"
+        consts.update(ROW_SUMS=row_sums, WORDS=words, ASM=True, X_DESC=x_desc)
         kernel = tlin._nibble_kernel
     else:
         consts.update(SHIFT=tlin._shift(fmt) if act else 0, SWAP=cfg.swap, WORDS=words, ASM=True)

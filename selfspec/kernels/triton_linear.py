@@ -433,11 +433,13 @@ def _weight(c, s, lo, FMT: tl.constexpr, ASM: tl.constexpr):
 def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, k_start, k_end, M,
                   N, K, stride_xm, stride_sn, stride_sg, FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_SUMS: tl.constexpr,
-                  WORDS: tl.constexpr, ASM: tl.constexpr):
-    """One K chunk [k_start, k_end) of a [BLOCK_M, BLOCK_N] tile of _nibble_kernel, from a zero accumulator."""
+                  WORDS: tl.constexpr, ASM: tl.constexpr, X_DESC: tl.constexpr):
+    """One K chunk [k_start, k_end) of a [BLOCK_M, BLOCK_N] tile of _nibble_kernel, from a zero accumulator. X_DESC:
+    x_ptr is x's tensor descriptor (x's tiles by TMA, rows past M zeros), not a pointer."""
     # K is a multiple of GROUP and BLOCK_K divides GROUP: no K mask.
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_start + tl.arange(0, BLOCK_K)[None, :]
-    x_mask = (offs_m < M)[:, None]
+    if not X_DESC:
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_start + tl.arange(0, BLOCK_K)[None, :]
+        x_mask = (offs_m < M)[:, None]
     if ROW_SUMS:  # act_quant's sums of the codes per ROW_SUM_COLS columns [M, K / ROW_SUM_COLS]
         sum_ptrs = sums_ptr + offs_m * (K // ROW_SUM_COLS) + k_start // ROW_SUM_COLS
     if ACT and not ROW_SUMS:
@@ -454,7 +456,10 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
     # memory from the epilogue's.
     rows = (n0 + tl.arange(0, BLOCK_N))[:, None]
     for k0 in range(k_start, k_end, BLOCK_K):  # this program's K range, in order
-        x = tl.load(x_ptrs, mask=x_mask, other=0)
+        if X_DESC:  # one TMA copy a tile: no per-thread addresses, which took a fifth of the decode loop's issue
+            x = x_ptr.load([tl.min(offs_m, axis=0), k0])
+        else:
+            x = tl.load(x_ptrs, mask=x_mask, other=0)
         if ACT:  # int8 codes 0..15 on int8 tensor cores, exact int32 sums per tile, then the group's affine
             s, lo = s_next, lo_next  # BLOCK_K divides GROUP: one group per tile
             s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, tl.minimum((k0 + BLOCK_K) // GROUP, last_group),
@@ -492,7 +497,8 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
                     even, odd = _codes(b, ASM)
                 acc = tl.dot(xe, tl.trans(_weight(even, s, lo, FMT, ASM)), acc)
                 acc = tl.dot(xo, tl.trans(_weight(odd, s, lo, FMT, ASM)), acc)
-        x_ptrs += BLOCK_K
+        if not X_DESC:
+            x_ptrs += BLOCK_K
     return acc
 
 
@@ -503,6 +509,7 @@ def _nibble_kernel(
     FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     IN_PROGRAM: tl.constexpr, ROW_SUMS: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    X_DESC: tl.constexpr = False,
 ):
     """Nibble formats: INT4, UPPER and FULL with bf16 activations, INT4 and UPPER with int8 activation codes
     (ACT). A K tile lies in one quant group.
@@ -528,13 +535,21 @@ def _nibble_kernel(
         for c in range(0, CHUNKS):
             acc += _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0,
                                  c * K_CHUNK, tl.minimum(K, (c + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn,
-                                 stride_sg, FMT, ACT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, ROW_SUMS, WORDS, ASM)
+                                 stride_sg, FMT, ACT, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, ROW_SUMS, WORDS, ASM, X_DESC)
     else:
         acc = _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, pid_k * K_CHUNK,
                             tl.minimum(K, (pid_k + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn, stride_sg, FMT, ACT,
-                            GROUP, BLOCK_M, BLOCK_N, BLOCK_K, ROW_SUMS, WORDS, ASM)
+                            GROUP, BLOCK_M, BLOCK_N, BLOCK_K, ROW_SUMS, WORDS, ASM, X_DESC)
     _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
             stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
+
+
+def x_by_tma(fmt: int, act: bool, cfg: TileConfig) -> bool:
+    """Whether the nibble kernel loads x's tiles by TMA (X_DESC) in this config: the 64-row tiles of `full` and of
+    the int8-activation formats. H200, Llama-3-8B GEMMs at 96 rows (docs/bench-h200/ab-gemm-x-by-tma.log): `full`
+    0.93-0.97x the per-thread loads' time, w4a8 0.92-0.95x (the 64-row `full` tile had spilled x's addresses); at
+    1-64 rows every format 0.95-1.12x, w4a16 and `upper` at 96 up to 1.09x: they keep per-thread loads."""
+    return cfg.block_m >= 64 and (fmt == FULL.value or act)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -929,8 +944,10 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
         block = [cfg.block_n, cfg.block_k // 2 if fmt >= INT4.value else cfg.block_k]
     descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
     if nibble:
-        _nibble_kernel[grid](x2, xs, sums, *descs, scale, lo, bias, r2, *args, ROW_SUMS=sums is not None,
-                             WORDS=words, ASM=not INTERPRETING, **flags)
+        x_desc = x_by_tma(fmt, act, cfg) and _tma_ready(x2)
+        x_arg = TensorDescriptor.from_tensor(x2, [cfg.block_m, cfg.block_k]) if x_desc else x2
+        _nibble_kernel[grid](x_arg, xs, sums, *descs, scale, lo, bias, r2, *args, ROW_SUMS=sums is not None,
+                             WORDS=words, ASM=not INTERPRETING, X_DESC=x_desc, **flags)
     else:
         _linear_kernel[grid](x2, xs, *descs, scale, lo, bias, r2, *args, SHIFT=_shift(fmt) if act else 0,
                              SWAP=cfg.swap, WORDS=words, ASM=not INTERPRETING, **flags)
