@@ -151,6 +151,18 @@ def test_measuring_flags_exploration_and_drafting_probes_not_chosen_speculation(
     assert flags(s, 5) == [(3, False)] * 4 + [(0, False)]  # speculating: chosen rounds, then a plain probe
 
 
+def test_a_plain_round_of_several_steps_counts_each_step_toward_the_probes():
+    """The engine runs a plain round as up to decode_steps steps back to back: each counts as a round of the probe
+    schedule, so a drafting probe comes after probe_every steps, not probe_every bursts (4x later, 4x under the
+    probes' time budget)."""
+    q = measured({n: 1.0 for n in (1, 2, 4, 8, 16)}, draft_ratio=1.0, acceptance=0.8, batch=1, probe_every=8)
+    ks = []
+    for _ in range(4):
+        ks.append(q.choose(1))
+        q.observe_round(1, ks[-1], 0.0, 1.0, steps=4 if ks[-1] == 0 else 1)
+    assert ks == [0, 0, 1, 0]  # 4 + 4 steps, then the 9th: a probe (one at a step a choice: the 9th choice)
+
+
 def test_speculation_chosen_on_few_acceptance_trials_only_measures():
     """One exploration round whose 8 rows all accepted its draft estimates acceptance 0.9: the speculation chosen on
     it measures (its greedy rows stay in lockstep in the engine) until min_trials trials were seen."""

@@ -677,7 +677,7 @@ class Engine:
         else:
             result = run_round(self.runner, self.cache.view([s.id for s in seqs]), rows, k, self.llm.drafter,
                                self.llm.verify_mode, self.accept, lockstep)
-        self.policy.observe_round(len(rows), result.k, result.draft_s, result.verify_s / steps)
+        self.policy.observe_round(len(rows), result.k, result.draft_s, result.verify_s / steps, steps)
         self.policy.observe_acceptance(k, result.accepted)
         c = self.counters
         c.num_row_rounds += len(rows) * steps

@@ -18,7 +18,8 @@ captures: `observe_round`, `observe_draft_step`), e.g. a tree forked into a row 
 first drafting round is a probe, which waits as long as its loss requires (below).
 
 Probes keep the estimates fresh (a first measurement may be a slow outlier or an unlucky sample, and the losing
-option is otherwise never re-timed). A probe of the losing option is a lost round, so probing is cost-bounded:
+option is otherwise never re-timed). A probe of the losing option is a lost round, so probing is cost-bounded (a
+plain round the engine runs as several steps back to back counts each step as a round: `observe_round`):
 - while speculating, a plain round re-times verify(B) every `probe_every` rounds, each probe that leaves the choice
   as it was doubling the interval, up to `max_probe_every` (128 rounds: once backed off, under 0.8% of rounds);
 - while decoding plainly, a drafting round re-times the draft step and acceptance every max(probe_every,
@@ -104,8 +105,10 @@ class GammaPolicy:
 
     # ---------------------------------------------------------------- observations
 
-    def observe_round(self, batch: int, k: int, draft_s: float, verify_s: float) -> None:
-        """A round of k drafts over `batch` rows took draft_s (all k steps) and verify_s."""
+    def observe_round(self, batch: int, k: int, draft_s: float, verify_s: float, steps: int = 1) -> None:
+        """A round of k drafts over `batch` rows took draft_s (all k steps) and verify_s (a step's, where a plain
+        round ran `steps` steps back to back: the engine's bursts, each step a round of the probe schedule)."""
+        self.since_probe += steps - 1
         tokens = self.pass_tokens(batch, k)
         if tokens not in self.verify_cost:
             self.verify_cost[tokens] = Ema(self.alpha)
