@@ -456,7 +456,7 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
     # memory from the epilogue's.
     rows = (n0 + tl.arange(0, BLOCK_N))[:, None]
     for k0 in range(k_start, k_end, BLOCK_K):  # this program's K range, in order
-        if X_DESC:  # one TMA copy a tile: no per-thread addresses, which took a fifth of the decode loop's issue
+        if X_DESC:  # one TMA copy a tile (`x_by_tma`): no per-thread addresses, which a 64-row tile spilled
             x = x_ptr.load([tl.min(offs_m, axis=0), k0])
         else:
             x = tl.load(x_ptrs, mask=x_mask, other=0)
