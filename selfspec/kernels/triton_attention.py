@@ -301,10 +301,11 @@ def _tiles(b: int, hkv: int, t: int, n_rep: int, prompt: bool, tails: bool = Fal
         return PROMPT_TILES
     if t >= PREFILL_MIN_T:
         return PREFILL_TILES
-    if t * n_rep > DECODE_TILES.block_t and tails:
-        return VERIFY_TILES
-    if t * n_rep > DECODE_TILES.block_t and b * hkv >= VERIFY_MIN_HEADS:
-        return WIDE_VERIFY_TILES if b * hkv >= WIDE_VERIFY_MIN_HEADS else VERIFY_TILES
+    if t * n_rep > DECODE_TILES.block_t:
+        if tails:
+            return VERIFY_TILES
+        if b * hkv >= VERIFY_MIN_HEADS:
+            return WIDE_VERIFY_TILES if b * hkv >= WIDE_VERIFY_MIN_HEADS else VERIFY_TILES
     return DECODE_TILES
 
 
