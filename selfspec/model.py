@@ -17,7 +17,7 @@ from selfspec.cache.quant_kv import QuantKVCache
 from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
 from selfspec.kernels import (Handover, attention, linear, packed_attention, quantized_attention, quantizes_input,
-                              rms_norm, rms_norm_handover, rope_and_store, swiglu_handover)
+                              rms_norm, rms_norm_handover, rope_and_store, swiglu_handover, tree_attention)
 from selfspec.parallel import SOLO, TensorParallel
 from selfspec.quant.formats import DenseWeight, QuantWeight, quantize_weight
 from selfspec.quant.kv import check_kv_format
@@ -87,10 +87,13 @@ class TreeLayout:
     it (a node past the trees', padding: entry 0). tails [R, T], where the branch rows share their sequence's cache
     row instead (`of(shared=True)`): each node's KV is stored once, a sequence's nodes in node order from its
     pending token's position, and a branch row reads its own keys there (kernels/ops.py `attention`'s tails), each
-    in its chain's place: the chain's bits, and no committed key copied or read from memory once per branch."""
+    in its chain's place: the chain's bits, and no committed key copied or read from memory once per branch.
+    starts [S + 1], with tails: each sequence's first node (its pending token), then N; attention then runs each
+    node's query once at its `first` entry (kernels/ops.py `tree_attention`)."""
     rows: torch.Tensor
     first: torch.Tensor
     tails: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
     host_rows: list[list[int]] = field(default_factory=list, compare=False)  # as the host built them: no copy back
     host_tokens: list[int] = field(default_factory=list, compare=False)
 
@@ -101,9 +104,10 @@ class TreeLayout:
         one; a sequence's rows are its branches in order (one row if it has none). Returns the layout, the nodes'
         tokens [N] and positions [N]. shared: the branch rows share their sequence's cache row (`tails`). width: rows
         at least this wide (a captured graph's: its longest branch + 1 where that is more)."""
-        tokens, pos, rows, roots = [], [], [], []
+        tokens, pos, rows, roots, starts = [], [], [], [], []
         for pending, length, branches in trees:
             root, index = len(tokens), {}
+            starts.append(root)
             tokens.append(pending)
             pos.append(length)
             for branch in branches or [[]]:
@@ -125,11 +129,14 @@ class TreeLayout:
         n, cut = len(tokens), len(rows) * width
         # A node's tail: its sequence's pending token's position + its index among the sequence's nodes.
         tails = [pos[root] + node - root for row, root in zip(rows, roots) for node in row] if shared else []
-        # One copy to the device: the rows, first, tokens, positions and tails side by side.
-        flat = torch.tensor([x for r in rows for x in r] + [first[i] for i in range(n)] + tokens + pos + tails,
-                            device=device)
+        starts = starts + [n] if shared else []
+        # One copy to the device: the rows, first, tokens, positions, tails and starts side by side.
+        flat = torch.tensor([x for r in rows for x in r] + [first[i] for i in range(n)] + tokens + pos + tails
+                            + starts, device=device)
+        end = cut + 3 * n + len(tails)
         layout = cls(flat[:cut].view(len(rows), width), flat[cut:cut + n],
-                     flat[cut + 3 * n:].view(len(rows), width) if shared else None, rows, tokens)
+                     flat[cut + 3 * n:end].view(len(rows), width) if shared else None,
+                     flat[end:] if shared else None, rows, tokens)
         return layout, flat[cut + n:cut + 2 * n], flat[cut + 2 * n:cut + 3 * n]
 
 
@@ -231,6 +238,8 @@ class Attention(nn.Module):
                            fb.slots)
         if kv.quant is not None:  # the mode says which planes of a hierarchical cache it reads
             out = quantized_attention(q, kv, fb.pos, fb.mode.kv_upper, fb.packed)
+        elif fb.tree is not None and fb.tree.starts is not None:  # each node's query once
+            out = tree_attention(q, kv.k, kv.v, kv.table, fb.pos, fb.tree)
         elif fb.packed is None:
             out = attention(q, kv.k, kv.v, kv.table, fb.pos, fb.mode.prompt,
                             tails=None if fb.tree is None else fb.tree.tails)

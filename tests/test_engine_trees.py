@@ -325,3 +325,20 @@ def test_a_tree_recipes_plain_rounds_run_back_to_back(llm, name, monkeypatch):
         assert out[str(i)] == (ref, "length"), (name, i)
     assert bursts and max(bursts) == 4 and engine.stats().num_accepted_tokens > 0
     assert_idle(engine)
+
+
+def test_shared_tree_rounds_are_timed_by_their_own_passes(llm, monkeypatch):
+    """The warm-up (on the GPU) times a shared tree round of b sequences at k drafts by its own pass, every branch
+    row a chain of k + 1 queries over a real context, keyed as the policy prices it (verify_tokens(b, k)): here
+    run through the CPU model with the timer replaced, every pass built and run."""
+    from selfspec.engine import engine as engine_module
+
+    llm.drafter = make_drafter("ngram-tree:4")
+    engine = Engine(llm, max_batch=3, block_size=4, num_blocks=120, max_gamma=4)
+    runs = []
+    monkeypatch.setattr(engine_module, "time_ms", lambda fn, warmup, reps: runs.append(fn().shape) or 2.0)
+    seconds = engine._time_shared_trees(4, 3)
+    assert set(seconds) == {engine.tree.verify_tokens(b, k) for b in (1, 2, 3) for k in range(1, 5)}
+    assert set(seconds.values()) == {2e-3} and len(runs) == 12
+    assert all(shape[-2] == n for shape, n in zip(runs, [engine.tree.verify_tokens(b, k) for b in (1, 2, 3)
+                                                          for k in range(1, 5)]))

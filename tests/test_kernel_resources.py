@@ -91,6 +91,18 @@ def test_attention_kernels_compile_with_tails():
     assert out.split() == ["False", "mma.sync"] * 2 + ["True", "mma.sync"] * 2
 
 
+def test_tree_attention_kernel_compiles_on_mma_sync():
+    """The tree attention's kernel (each node's query once, kernels/triton_attention.py) compiles for sm_90 at the
+    verify tiles and at 16 rows, on mma.sync, within a thread's registers."""
+    code = ("from selfspec.bench.kernel_resources import compile_tree_attention, resources\n"
+            "for rows, warps in ((32, 4), (16, 8)):\n"
+            "    r = resources(compile_tree_attention(rows, warps))\n"
+            "    print(r.mma, 0 < r.registers <= 255)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["mma.sync", "True"] * 2
+
+
 def test_the_k_loop_of_a_decode_tile_issues_its_mma_instructions():
     """mma_loop finds a decode tile's K loop in its SASS: each warp issues its share of the tile's m16n8k16 MMAs per
     K tile (BLOCK_M 16 x BLOCK_N x BLOCK_K over 16 x 8 x 16), among the instructions that build the weights; the

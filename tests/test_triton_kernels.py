@@ -1053,3 +1053,30 @@ def test_model_hands_its_producers_work_to_the_gemms(monkeypatch, storage, mode_
     assert all(handover.codes is not None for _, handover in took if handover is not None)
     keep = False
     assert torch.equal(triton_logits, logits_per_token([1, 3]))
+
+
+@pytest.mark.parametrize("tiles", [triton_attention.VERIFY_TILES, triton_attention.Tiles(16)])
+def test_tree_attention_gives_each_node_its_branch_rows_bits(tiles):
+    """A shared tree pass with each node's query once (tree_attention): every node gets, bit for bit, what
+    `attention` gives it in the first branch row holding it; two sequences of 6 and 8 nodes, the second's own keys
+    crossing a chunk end (512), rows padded past their branches; and so again laid out as a captured graph pads it
+    (padding nodes, starts padded with zeros)."""
+    from selfspec.model import TreeLayout
+
+    torch.manual_seed(21)
+    trees = [(11, 300, [[5, 6, 7], [5, 8], [9]]), (12, 509, [[1, 2, 3, 4], [1, 2, 5], [6, 7]])]
+    layout, _, node_pos = TreeLayout.of(trees, shared=True, width=6)
+    assert layout.starts.tolist() == [0, 6, 14]
+    k, v = kv_cache(2, 2, 640, 32)
+    table = torch.tensor([[0]] * 3 + [[1]] * 3)  # each sequence's branch rows read its row
+    node_q = torch.randn(len(node_pos), 4, 32).bfloat16()
+    q = node_q[layout.rows].permute(0, 2, 1, 3)  # [R, H, T, D]: a node's query in every row holding it
+    pos = node_pos[layout.rows]
+    rows = triton_attention.attention(q, k, v, table, pos, tiles=triton_attention.VERIFY_TILES, tails=layout.tails)
+    b, t = layout.first // layout.rows.shape[1], layout.first % layout.rows.shape[1]
+    padded = replace(layout, first=torch.cat([layout.first, torch.zeros(10, dtype=torch.long)]),
+                     starts=torch.cat([layout.starts, torch.zeros(5, dtype=torch.long)]))
+    for tree in (layout, padded):
+        out = triton_attention.tree_attention(q, k, v, table, pos, tree, tiles)
+        assert torch.equal(out[b, :, t], rows[b, :, t])
+    assert rel_err(out[b, :, t].float(), reference.attention(q, k, v, table, pos, tails=layout.tails)[b, :, t]) < TOL

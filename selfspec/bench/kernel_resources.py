@@ -170,14 +170,23 @@ def compile_attention(in_program: bool, tails: bool, block_t: int = 16, warps: i
     """The bf16 attention's chunk kernel (or its in-program kernel), with or without tails (a tree's branch rows
     over one sequence's row), compiled for sm_90 (no launch, no GPU)."""
     kernel = ta._attention_in_program_kernel if in_program else ta._attention_chunk_kernel
+    return _compile_bf16_attention(kernel, dict(TAILS=tails), block_t, warps, dim)
+
+
+def compile_tree_attention(block_t: int = 32, warps: int = 4, dim: int = 128) -> triton.compiler.CompiledKernel:
+    """The tree attention's chunk kernel (each node's query once), compiled for sm_90 (no launch, no GPU)."""
+    return _compile_bf16_attention(ta._tree_chunk_kernel, {}, block_t, warps, dim)
+
+
+def _compile_bf16_attention(kernel, flags: dict, block_t: int, warps: int, dim: int) -> triton.compiler.CompiledKernel:
     consts = dict(D=dim, BLOCK_D=dim, BLOCK_T=block_t, BLOCK_S=ta.BLOCK_S, CHUNK=ta.CHUNK, TILE_IN_BLOCK=True,
-                  TAILS=tails, PDL=False)
+                  PDL=False, **flags)
     sig = {}
     for name in kernel.arg_names:
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = "*i64" if name in ("table_ptr", "tails_ptr", "pos_ptr") else (
+            sig[name] = "*i64" if name in ("table_ptr", "tails_ptr", "pos_ptr", "first_ptr", "starts_ptr") else (
                 "*bf16" if name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr") else "*fp32")
         else:
             sig[name] = "fp32" if name == "qk_scale" else "i32"

@@ -112,6 +112,17 @@ def branch_blocks(drafter, block_size: int, k: int | None, length: int | None = 
     return forked if drafter.forks else max(forked, -(-(offset + drafter.max_nodes(k) + 1) // block_size) - chain)
 
 
+def _even_branches(drafts: int, branches: int, k: int) -> list[list[int]]:
+    """`drafts` distinct tokens as up to `branches` branches of at most k tokens, as even as they go: a tree of that
+    many nodes, for timing its pass."""
+    n = min(branches, drafts)
+    sizes = [drafts // n + (i < drafts % n) for i in range(n)] if n else []
+    if any(size > k for size in sizes):
+        raise SelfspecError(f"{drafts} drafts do not fit {branches} branches of {k} tokens")
+    tokens = iter(range(1, drafts + 1))
+    return [[next(tokens) for _ in range(size)] for size in sizes]
+
+
 class QueueFull(SelfspecError):
     """The waiting queue is at max_queue; retry later."""
 
@@ -343,9 +354,9 @@ class Engine:
                 else:
                     draft_s[rows] = seconds
             rows *= 2
-        self.seed_policy(verify_s, draft_s)
         if self.tree is not None and not self.tree.forks:
-            self._warm_up_shared_trees()
+            verify_s |= self._warm_up_shared_trees()  # a tree round priced by its own pass, not a chain's
+        self.seed_policy(verify_s, draft_s)
         with torch.inference_mode():
             for t in prefill_warm_sizes(min(self.prefill_chunk, self.max_len, self.cache.max_pass)):
                 trash = trash_view(self.cache, 1, max(1, self.cache.blocks_for(t)))
@@ -362,10 +373,11 @@ class Engine:
         for rows, seconds in sorted(draft_s.items()):
             self.policy.observe_draft_step(rows, seconds)
 
-    def _warm_up_shared_trees(self) -> None:
+    def _warm_up_shared_trees(self) -> dict[int, float]:
         """Capture the node-packed tree passes of rounds whose sequences read their own rows (`_shares_rows`, up to
         SHARED_TREE_BATCH sequences): each rows bucket up to their branches, each nodes bucket (from 16, at least
-        the rows) up to their most nodes at max_gamma, at the one width `_tree_width`, on padding rows."""
+        the rows) up to their most nodes at max_gamma, at the one width `_tree_width`, on padding rows. Returns
+        their times (`_time_shared_trees`)."""
         dev = self.llm.model.device
         gamma = self._tree_width() - 1
         most = min(self.max_batch, SHARED_TREE_BATCH)
@@ -376,10 +388,29 @@ class Engine:
             while nodes <= most_nodes:
                 tokens = torch.zeros(1, nodes, dtype=torch.long, device=dev)
                 layout = TreeLayout(*(torch.zeros(shape, dtype=torch.long, device=dev)
-                                      for shape in ((rows, gamma + 1), nodes, (rows, gamma + 1))))
+                                      for shape in ((rows, gamma + 1), nodes, (rows, gamma + 1), 2)))
                 self.runner(tokens, tokens, trash_view(self.cache, rows, 1), self.llm.verify_mode, tree=layout)
                 nodes *= 2
             rows *= 2
+        return self._time_shared_trees(gamma, most)
+
+    def _time_shared_trees(self, gamma: int, most: int) -> dict[int, float]:
+        """Seconds of a shared tree round of b sequences (1..most) at k drafts (1..gamma), keyed as the policy
+        prices it (tree.verify_tokens(b, k)): its captured pass over `context` keys (trash blocks), each sequence's
+        nodes as branches of up to k tokens. Chain passes on padding rows at position 0 priced a tree round at
+        batch 4-8 2-4x too cheap (its attention over the context), so its first rounds lost."""
+        width = self._tree_width()
+        context = min(1024, self.max_len // 2)
+        seconds = {}
+        for b in range(1, most + 1):
+            for k in range(1, gamma + 1):
+                nodes = self.tree.verify_tokens(b, k)
+                branches = _even_branches(nodes // b - 1, self.tree.branches, k)
+                layout, tokens, pos = TreeLayout.of([(0, context, branches)] * b, self.llm.model.device, True, width)
+                view = trash_view(self.cache, len(layout.host_rows), self.cache.blocks_for(context + nodes // b))
+                run = lambda: self.runner(tokens[None], pos[None], view, self.llm.verify_mode, tree=layout)  # noqa: E731
+                seconds[nodes] = time_ms(run, warmup=1, reps=3) / 1e3
+        return seconds
 
     def _tree_width(self) -> int:
         """The width of a shared tree pass's rows: the deepest round's (max_gamma drafts and the pending token), so

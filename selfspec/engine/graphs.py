@@ -27,8 +27,10 @@ import torch
 from selfspec.cache import KVCache
 from selfspec.cache.paged import PagedBatchView, PagedKVCache
 from selfspec.cache.paged_quant import PagedQuantBatchView, PagedQuantKVCache
+from selfspec.errors import SelfspecError
 from selfspec.model import Packed, Transformer, TreeLayout
 from selfspec.quant.modes import Mode
+from selfspec.speculative.drafters import SHARED_TREE_BATCH
 
 MAX_GRAPHED_TOKENS = 16  # decode steps: AR (1), draft (1), verify (gamma + 1)
 # Prompt passes pad their tokens to a multiple of this (powers of two below it): the many-token GEMM tiles are 128
@@ -94,9 +96,12 @@ class _TreeGraph:
         dev = model.device
         self.tokens = torch.zeros(1, nodes, dtype=torch.long, device=dev)
         self.pos = torch.zeros_like(self.tokens)
+        # Shared rows: up to SHARED_TREE_BATCH sequences' starts (padding sequences' zeros: no nodes).
         self.tree = TreeLayout(torch.zeros(rows, width, dtype=torch.long, device=dev),
                                torch.zeros(nodes, dtype=torch.long, device=dev),
-                               torch.zeros(rows, width, dtype=torch.long, device=dev) if shared else None)
+                               torch.zeros(rows, width, dtype=torch.long, device=dev) if shared else None,
+                               torch.zeros(min(rows, SHARED_TREE_BATCH) + 1, dtype=torch.long, device=dev)
+                               if shared else None)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = model(self.tokens, self.pos, cache, mode, tree=self.tree)
@@ -108,6 +113,10 @@ class _TreeGraph:
         pad_into(self.tree.first, tree.first)
         if tree.tails is not None:
             pad_into(self.tree.tails, tree.tails)
+            if len(tree.starts) > len(self.tree.starts):
+                raise SelfspecError(f"a graphed tree pass of shared rows holds at most {SHARED_TREE_BATCH} sequences, "
+                                    f"got {len(tree.starts) - 1}")
+            pad_into(self.tree.starts, tree.starts)
         self.graph.replay()
         return self.logits[:, :tokens.shape[1]]
 

@@ -15,7 +15,7 @@ ROW_SUM_COLS = 64
 
 if TYPE_CHECKING:
     from selfspec.cache.kv import LayerKV
-    from selfspec.model import Packed
+    from selfspec.model import Packed, TreeLayout
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,14 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     A query of such a row at a position not past its predecessor's is a branch's padding: a device may leave its
     output undefined (the model drops it), and skips its tiles."""
     return kernels.lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, prompt, tails=tails)
+
+
+def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                   q_pos: torch.Tensor, tree: TreeLayout) -> torch.Tensor:
+    """`attention` of a tree pass whose branch rows share their sequence's cache row (model.TreeLayout with tails
+    and starts): q [R, Hq, T, D] and q_pos [R, T] in branch rows. Only the entries tree.first names (each node's
+    first) are defined, each with the bits `attention` gives it; a device may compute each node's query once."""
+    return kernels.lookup("tree_attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, tree)
 
 
 def packed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

@@ -16,7 +16,7 @@ from selfspec.quant.modes import Mode
 
 if TYPE_CHECKING:
     from selfspec.cache.kv import LayerKV
-    from selfspec.model import Packed
+    from selfspec.model import Packed, TreeLayout
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None,
@@ -114,6 +114,13 @@ def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     # Causal, offset by each row's positions: [B, 1, T, S], broadcast over heads.
     mask = torch.arange(k.shape[2], device=q.device) <= q_pos[:, None, :, None]
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+
+
+@register("tree_attention")
+def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                   q_pos: torch.Tensor, tree: TreeLayout) -> torch.Tensor:
+    """The device's `attention` over every branch row (each node's query run in every row holding it)."""
+    return lookup("attention", "", q.device.type)(q, k_pool, v_pool, table, q_pos, tails=tree.tails)
 
 
 @register("packed_attention")

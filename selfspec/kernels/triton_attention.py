@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -42,6 +43,9 @@ from selfspec.errors import SelfspecError
 from selfspec.kernels import register
 from selfspec.kernels.launch import launch_options, wait
 from selfspec.kernels.reference import attention as reference_attention
+
+if TYPE_CHECKING:
+    from selfspec.model import TreeLayout
 
 # Keys per step of the online softmax: fixed, so every query sums its keys in the same order. H100, 8B heads, 8
 # warps (docs/bench-h100/attention-key-tiles.json): 128 keys took 9.0 us at batch 1 and 1k keys against 11.1 for
@@ -213,6 +217,90 @@ def _attention_chunk_kernel(
         tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=live[:, None])
 
 
+@triton.jit(do_not_specialize=["T", "S", "N_SEQ"])
+def _tree_chunk_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, tails_ptr, pos_ptr, first_ptr, starts_ptr, m_ptr, l_ptr, acc_ptr, T, S, BS, W, HKV,
+    N_REP, N_CHUNKS, N_SEQ, qk_scale, stride_qb, stride_qh, stride_qt, stride_kn, stride_kh, stride_ks, stride_vn,
+    stride_vh, stride_vs, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHUNK: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    """_attention_chunk_kernel for a shared tree pass, each node's query once: a tile's rows are (node, head)
+    pairs of one sequence's nodes, each at the entry `first` names (its branch row b, query t). The prefix's key
+    tiles (below the pending token's position, shared by every branch) are read once for all; a tile holding a
+    branch's own keys runs once per branch among the tile's rows, the other rows' scores all masked (a fully masked
+    tile leaves a row's state bit for bit). So each node gets the bits of its branch row in `_attention_chunk_kernel`
+    (the same keys, tiles and order), with its ancestors' queries not recomputed in every branch. Programs go
+    through the sequences' tiles in order (starts [N_SEQ + 1]; a padding sequence, starts not rising, has none)."""
+    wait(PDL)
+    kv_h = tl.program_id(1)
+    c = tl.program_id(2)
+    per_tile = BLOCK_T // N_REP  # nodes a tile holds
+    seq = -1
+    tile = tl.program_id(0)
+    for s in range(0, N_SEQ):  # this program's sequence and its tile there
+        count = (tl.maximum(tl.load(starts_ptr + s + 1) - tl.load(starts_ptr + s), 0).to(tl.int32) + per_tile - 1)
+        count = count // per_tile
+        hit = (seq < 0) & (tile < count)
+        tile = tl.where((seq < 0) & ~hit, tile - count, tile)
+        seq = tl.where(hit, s, seq)
+    lo = tl.load(starts_ptr + seq, mask=seq >= 0, other=0)
+    hi = tl.load(starts_ptr + seq + 1, mask=seq >= 0, other=0)
+    r = tl.arange(0, BLOCK_T)
+    slot = r // N_REP
+    n = lo + tile * per_tile + slot
+    live = (n < hi) & (slot < per_tile)
+    h = kv_h * N_REP + r % N_REP
+    e = tl.load(first_ptr + n, mask=live, other=0)
+    b = e // T
+    t = e % T
+    root = tl.load(first_ptr + lo, mask=lo < hi, other=0)  # the pending token: its row's table, its position
+    base = tl.load(pos_ptr + root)
+    table_row = table_ptr + (root // T) * W
+    pos = tl.minimum(tl.load(pos_ptr + e, mask=live, other=0), S - 1)
+    end = tl.minimum(tl.max(pos, axis=0) + 1, (c + 1) * CHUNK)
+    start = c * CHUNK
+    if (start < end) & (lo < hi):
+        offs_d = tl.arange(0, BLOCK_D)
+        q = tl.load(q_ptr + b[:, None] * stride_qb + h[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
+                    mask=live[:, None] & (offs_d < D)[None, :], other=0)
+        k_head = k_ptr + kv_h * stride_kh
+        v_head = v_ptr + kv_h * stride_vh
+        m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        mid = tl.minimum(end, start + tl.maximum(base - start, 0) // BLOCK_S * BLOCK_S)
+        for s0 in range(start, mid, BLOCK_S):  # the prefix: every branch's
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            kv_mask = (offs_s < end)[:, None] & (offs_d < D)[None, :]
+            if TILE_IN_BLOCK:
+                block = tl.load(table_row + s0 // BS)
+            else:
+                block = tl.load(table_row + offs_s // BS, mask=offs_s < end, other=0)[:, None]
+            at = offs_s % BS
+            k = tl.load(k_head + block * stride_kn + at[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0)
+            v = tl.load(v_head + block * stride_vn + at[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0)
+            m_i, l_i, acc = _softmax_step(q, k, v, pos, offs_s, qk_scale, m_i, l_i, acc)
+        b_lo = tl.min(tl.where(live, b, 1 << 30), axis=0)
+        b_hi = tl.max(tl.where(live, b, -1), axis=0)
+        for s0 in range(mid, end, BLOCK_S):  # the tiles holding the branches' own keys, each branch in turn
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            kv_mask = (offs_s < end)[:, None] & (offs_d < D)[None, :]
+            own = (offs_s >= base) & (offs_s < end)
+            for bb in range(b_lo, b_hi + 1):
+                at = tl.where(own, tl.load(tails_ptr + bb * T + offs_s - base, mask=own, other=0), offs_s)
+                block = tl.load(table_row + at // BS, mask=offs_s < end, other=0)[:, None]
+                slot_s = at % BS
+                k = tl.load(k_head + block * stride_kn + slot_s[:, None] * stride_ks + offs_d[None, :], mask=kv_mask,
+                            other=0)
+                v = tl.load(v_head + block * stride_vn + slot_s[:, None] * stride_vs + offs_d[None, :], mask=kv_mask,
+                            other=0)
+                m_i, l_i, acc = _softmax_step(q, k, v, tl.where(b == bb, pos, -1), offs_s, qk_scale, m_i, l_i, acc)
+        row = ((b * HKV * N_REP + h) * N_CHUNKS + c) * T + t  # partials [B * H, N_CHUNKS, T], as the chunk kernel's
+        tl.store(m_ptr + row, m_i, mask=live)
+        tl.store(l_ptr + row, l_i, mask=live)
+        tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=live[:, None])
+
+
 @triton.jit(do_not_specialize=["T", "S"])
 def _attention_merge_kernel(
     pos_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, T, S, H, N_CHUNKS, stride_ob, stride_oh, stride_ot,
@@ -349,6 +437,39 @@ def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
     _attention_chunk_kernel[(n_tiles, b * hkv, n_chunks)](
         q, k_pool, v_pool, table, tails, pos, m, l, acc, *args, n_chunks, *strides, **consts)
     _attention_merge_kernel[(triton.cdiv(t, MERGE_BLOCK_T), b * h)](
+        pos, m, l, acc, out, t, s, h, n_chunks, *out.stride()[:3],
+        D=d, BLOCK_D=block_d, BLOCK_T=MERGE_BLOCK_T, CHUNK=CHUNK, num_warps=4, **launch_options(),
+    )
+    return out
+
+
+@register("tree_attention", "", "cuda")
+def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                   q_pos: torch.Tensor, tree: TreeLayout, tiles: Tiles = VERIFY_TILES) -> torch.Tensor:
+    """kernels/ops.py `tree_attention`, each node's query once (`_tree_chunk_kernel`): q [R, H, T, D] and q_pos
+    [R, T] in branch rows; tree.starts: each sequence's nodes consecutive from its pending token (a sequence's branch
+    rows read its table row). Only the entries tree.first names are written, each the bits `attention` gives it."""
+    if not q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16:
+        return reference_attention(q, k_pool, v_pool, table, q_pos, tails=tree.tails)
+    r, h, t, d = q.shape
+    hkv, bs, w = k_pool.shape[1], k_pool.shape[2], table.shape[1]
+    s, block_d, n_rep = w * bs, triton.next_power_of_2(d), h // hkv
+    check_block_size(bs)
+    q, table, pos, tails = q.contiguous(), table.contiguous(), q_pos.contiguous(), tree.tails.contiguous()
+    out = torch.empty((r, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    n_chunks = triton.cdiv(s, CHUNK)
+    m = torch.empty((r * h, n_chunks, t), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty((r * h, n_chunks, t, block_d), dtype=torch.float32, device=q.device)
+    n_seq = len(tree.starts) - 1
+    # Enough programs for every sequence's tiles: a sequence's last tile is the only one not full.
+    n_tiles = triton.cdiv(len(tree.first), tiles.block_t // n_rep) + n_seq
+    _tree_chunk_kernel[(n_tiles, hkv, n_chunks)](
+        q, k_pool, v_pool, table, tails, pos, tree.first, tree.starts, m, l, acc, t, s, bs, w, hkv, n_rep, n_chunks,
+        n_seq, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3],
+        D=d, BLOCK_D=block_d, BLOCK_T=tiles.block_t, BLOCK_S=BLOCK_S, CHUNK=CHUNK, TILE_IN_BLOCK=bs % BLOCK_S == 0,
+        num_warps=tiles.warps, num_stages=2, **launch_options())
+    _attention_merge_kernel[(triton.cdiv(t, MERGE_BLOCK_T), r * h)](
         pos, m, l, acc, out, t, s, h, n_chunks, *out.stride()[:3],
         D=d, BLOCK_D=block_d, BLOCK_T=MERGE_BLOCK_T, CHUNK=CHUNK, num_warps=4, **launch_options(),
     )

@@ -340,6 +340,39 @@ def test_attention_tails_give_the_rows_in_order_bits(t, start):
         assert torch.equal(triton_attention.attention(q, moved_k, moved_v, rows, pos, tiles=tiles, tails=tails), base)
 
 
+@pytest.mark.parametrize("tiles", [triton_attention.VERIFY_TILES, SPLIT_16])
+def test_tree_attention_gives_each_node_its_branch_rows_bits(tiles):
+    """Each node's query once (tree_attention) == the branch rows' `attention` with tails at each node's first
+    entry, bit for bit: 8B heads, 4 sequences of trees (up to 15 branches, up to 4 deep) over 600-1500 keys of a
+    paged cache, rows padded as a graph pads them."""
+    from selfspec.model import TreeLayout
+
+    torch.manual_seed(5)
+    gen = torch.Generator().manual_seed(5)
+    trees = []
+    for i, length in enumerate([600, 1023, 1280, 1500]):
+        chains = [[int(x) for x in torch.randint(1, 4, (int(torch.randint(1, 5, (1,), generator=gen)),),
+                                                 generator=gen)] for _ in range(15)]
+        branches = sorted({tuple(c) for c in chains})[:15]
+        trees.append((i, length, [list(b) for b in branches]))
+    layout, _, node_pos = TreeLayout.of(trees, DEV, shared=True, width=8)
+    k = torch.randn(4, 8, 2048, 128, device=DEV).bfloat16()
+    v = torch.randn(4, 8, 2048, 128, device=DEV).bfloat16()
+    k_pool, v_pool, seq_table = scatter_to_pool(k, v, 16, gen)
+    per_seq = [len(branches) for _, _, branches in trees]
+    table = seq_table.repeat_interleave(torch.tensor(per_seq, device=DEV), 0)  # each branch row: its sequence's
+    q = torch.randn(len(node_pos), 32, 128, device=DEV).bfloat16()[layout.rows].permute(0, 2, 1, 3)
+    pos = node_pos[layout.rows]
+    rows = triton_attention.attention(q, k_pool, v_pool, table, pos, tiles=triton_attention.VERIFY_TILES,
+                                      tails=layout.tails)
+    b, t = layout.first // layout.rows.shape[1], layout.first % layout.rows.shape[1]
+    padded = replace(layout, first=torch.cat([layout.first, torch.zeros(20, dtype=torch.long, device=DEV)]),
+                     starts=torch.cat([layout.starts, torch.zeros(4, dtype=torch.long, device=DEV)]))
+    for tree in (layout, padded):
+        out = triton_attention.tree_attention(q, k_pool, v_pool, table, pos, tree, tiles)
+        assert torch.equal(out[b, :, t], rows[b, :, t])
+
+
 def test_attention_prefill_equals_the_prompt_cut_into_pieces_and_decode_bitwise():
     """A 2048-query prompt in one call == the same queries in pieces (the cache holding the earlier keys), each
     piece through the dispatcher (split below PREFILL_MIN_T queries), and == each query decoded alone."""
