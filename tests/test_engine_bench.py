@@ -260,12 +260,20 @@ def test_a_recycled_tree_serves_through_the_pass_log_and_its_tree_passes_are_tim
 
 
 @pytest.mark.parametrize("shape", [("tree", 3, 9, 3, True), ("tree", 4, 9, 20, True), ("tree", 2, 5, 9, False),
-                                   ("tree", 16, 9, 128, True)])
+                                   ("tree", 16, 9, 128, True), ("tree", 12, 9, 10, True)])
 def test_tree_pass_shapes_of_several_sequences_are_timed(llm, shape):
     """A shared tree pass of several sequences logs rows padded to the engine's one width, possibly wider than its
     nodes are deep (three sequences proposing nothing: 3 rows of 9 over 3 nodes): the bound rebuilds a pass of that
     shape within its blocks and times it."""
     from selfspec.bench.step_bound import pass_seconds
+    from selfspec.speculative.drafters import SHARED_TREE_BATCH
 
     engine = make_engine(llm, random_prompts(2), 2, 4, 8, None)
+    runner, layouts = engine.runner, []
+    engine.runner = lambda *args: layouts.append(args[-1]) or runner(*args)
     assert pass_seconds(engine, llm.verify_mode, shape, context=45, repeats=1) > 0
+    _, rows, width, nodes, shared = shape
+    tree = layouts[-1]
+    assert tree.rows.shape == (rows, width) and len(tree.first) == nodes
+    # shared rows: as many sequences as a round of them holds (a graph's static starts hold no more)
+    assert tree.starts is None if not shared else len(tree.starts) - 1 == min(rows, SHARED_TREE_BATCH)

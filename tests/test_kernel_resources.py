@@ -92,10 +92,10 @@ def test_attention_kernels_compile_with_tails():
 
 
 def test_tree_attention_kernel_compiles_on_mma_sync():
-    """The tree attention's kernel (each node's query once, kernels/triton_attention.py) compiles for sm_90 at the
-    verify tiles and at 16 rows, on mma.sync, within a thread's registers."""
+    """The tree attention's kernel (each node's query once, kernels/triton_attention.py) compiles for sm_90 at its
+    tiles (TREE_TILES, WIDE_TREE_TILES), on mma.sync, within a thread's registers."""
     code = ("from selfspec.bench.kernel_resources import compile_tree_attention, resources\n"
-            "for rows, warps in ((32, 4), (16, 8)):\n"
+            "for rows, warps in ((16, 4), (32, 4)):\n"
             "    r = resources(compile_tree_attention(rows, warps))\n"
             "    print(r.mma, 0 < r.registers <= 255)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -173,7 +173,7 @@ def compile_attention(in_program: bool, tails: bool, block_t: int = 16, warps: i
     return _compile_bf16_attention(kernel, dict(TAILS=tails), block_t, warps, dim)
 
 
-def compile_tree_attention(block_t: int = 32, warps: int = 4, dim: int = 128) -> triton.compiler.CompiledKernel:
+def compile_tree_attention(block_t: int = 16, warps: int = 4, dim: int = 128) -> triton.compiler.CompiledKernel:
     """The tree attention's chunk kernel (each node's query once), compiled for sm_90 (no launch, no GPU)."""
     return _compile_bf16_attention(ta._tree_chunk_kernel, {}, block_t, warps, dim)
 

@@ -21,6 +21,7 @@ from selfspec.cache.paged import PagedBatchView
 from selfspec.engine.engine import Engine
 from selfspec.model import Packed, TreeLayout
 from selfspec.quant.modes import Mode
+from selfspec.speculative.drafters import SHARED_TREE_BATCH
 
 
 def pass_seconds(engine: Engine, mode: Mode, shape: tuple, context: int, repeats: int = 5) -> float:
@@ -33,11 +34,13 @@ def pass_seconds(engine: Engine, mode: Mode, shape: tuple, context: int, repeats
         args = (torch.zeros_like(pos), pos, PagedBatchView(engine.cache, table), mode,
                 torch.arange(len(lengths), device=dev), Packed.of(list(lengths), list(keys), dev))
     elif shape[0] == "tree":  # rows of this width over these nodes (several sequences' trees, rows padded): a
-        _, rows, t, nodes, shared = shape  # sequence a row, the draft nodes dealt out among them as chains
-        context = min(context, engine.max_len - t)
-        drafts = nodes - rows  # each row holds its sequence's pending token: nodes <= rows x width
+        _, rows, t, nodes, shared = shape  # sequence a row (shared rows: up to SHARED_TREE_BATCH sequences, their
+        context = min(context, engine.max_len - t)  # rows dealt out among them), the draft nodes dealt out as chains
+        seqs = min(rows, SHARED_TREE_BATCH) if shared else rows
+        drafts = nodes - seqs  # each sequence holds its pending token: nodes <= rows x width
         depths = [drafts // rows + (i < drafts % rows) for i in range(rows)]
-        tree, toks, pos = TreeLayout.of([(0, context, [[0] * d] if d else []) for d in depths], dev, shared, t)
+        trees = [(0, context, [[j + 1] * d for j, d in enumerate(depths[i::seqs])]) for i in range(seqs)]
+        tree, toks, pos = TreeLayout.of(trees, dev, shared, t)
         table = torch.zeros(rows, engine.cache.blocks_for(context + t), dtype=torch.long, device=dev)
         args = (toks[None], pos[None], PagedBatchView(engine.cache, table), mode, None, None, tree)
     else:

@@ -443,14 +443,25 @@ def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
     return out
 
 
+# Tree passes, each node's query once: H200, 8B heads, B sequences of 16-node trees over 600 / 1,100 keys, per layer
+# under CUDA graphs (docs/bench-h200/tree-attention-probe.log): 16 rows on 4 warps 19.6 / 23.0 us at B = 1 against
+# 21.0 / 37.1 for the branch rows (VERIFY_TILES), 52.3 / 73.7 at B = 4 against 71.4 / 117.2; from 128 nodes (B = 8)
+# 32-row tiles, 93.6 / 113.4 against 154.1 / 220.3 (16 rows: 94.9 / 132.3).
+TREE_TILES = Tiles(16, warps=4)
+WIDE_TREE_TILES = Tiles(32, warps=4)
+WIDE_TREE_NODES = 128  # nodes in the pass from which it takes WIDE_TREE_TILES
+
+
 @register("tree_attention", "", "cuda")
 def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                   q_pos: torch.Tensor, tree: TreeLayout, tiles: Tiles = VERIFY_TILES) -> torch.Tensor:
+                   q_pos: torch.Tensor, tree: TreeLayout, tiles: Tiles | None = None) -> torch.Tensor:
     """kernels/ops.py `tree_attention`, each node's query once (`_tree_chunk_kernel`): q [R, H, T, D] and q_pos
     [R, T] in branch rows; tree.starts: each sequence's nodes consecutive from its pending token (a sequence's branch
-    rows read its table row). Only the entries tree.first names are written, each the bits `attention` gives it."""
+    rows read its table row). Only the entries tree.first names are written, each the bits `attention` gives it.
+    tiles: TREE_TILES, or WIDE_TREE_TILES from WIDE_TREE_NODES nodes (speed only: every tile gives the same bits)."""
     if not q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16:
         return reference_attention(q, k_pool, v_pool, table, q_pos, tails=tree.tails)
+    tiles = tiles or (WIDE_TREE_TILES if len(tree.first) >= WIDE_TREE_NODES else TREE_TILES)
     r, h, t, d = q.shape
     hkv, bs, w = k_pool.shape[1], k_pool.shape[2], table.shape[1]
     s, block_d, n_rep = w * bs, triton.next_power_of_2(d), h // hkv

@@ -340,7 +340,7 @@ def test_attention_tails_give_the_rows_in_order_bits(t, start):
         assert torch.equal(triton_attention.attention(q, moved_k, moved_v, rows, pos, tiles=tiles, tails=tails), base)
 
 
-@pytest.mark.parametrize("tiles", [triton_attention.VERIFY_TILES, SPLIT_16])
+@pytest.mark.parametrize("tiles", [None, triton_attention.VERIFY_TILES, SPLIT_16, triton_attention.TREE_TILES])
 def test_tree_attention_gives_each_node_its_branch_rows_bits(tiles):
     """Each node's query once (tree_attention) == the branch rows' `attention` with tails at each node's first
     entry, bit for bit: 8B heads, 4 sequences of trees (up to 15 branches, up to 4 deep) over 600-1500 keys of a
