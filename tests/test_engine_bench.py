@@ -70,7 +70,7 @@ def test_rounds_with_no_draft_step_are_replayed_whole(llm, tasks, monkeypatch):
     llm.drafter = replay = serve_replay(tasks)
     sizes, tree_round = [], Engine._tree_round
     monkeypatch.setattr(Engine, "_tree_round",
-                        lambda self, seqs, k: sizes.append(len(seqs)) or tree_round(self, seqs, k))
+                        lambda self, seqs, k, lock: sizes.append(len(seqs)) or tree_round(self, seqs, k, lock))
     handed, take = [], replay.take
     monkeypatch.setattr(replay, "take", lambda r, k: handed.append(take(r, k)) or handed[-1])
     try:

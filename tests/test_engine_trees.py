@@ -80,7 +80,7 @@ def test_engine_trees_greedy_equal_ar_as_requests_join(llm, name, monkeypatch):
     engine.runner = passes = Passes(llm.model)
     trees, tree_round = [], Engine._tree_round
     monkeypatch.setattr(Engine, "_tree_round",
-                        lambda self, seqs, k: trees.append(len(seqs)) or tree_round(self, seqs, k))
+                        lambda self, seqs, k, lock: trees.append(len(seqs)) or tree_round(self, seqs, k, lock))
     out = serve(engine, requests, arrivals=[0, 0, 1, 1, 2, 3, 4, 4])
     for i, ref in enumerate(refs):
         assert out[str(i)] == (ref, "length"), (name, i)
@@ -103,7 +103,7 @@ def test_replayed_acceptance_takes_one_count_a_sequence_a_tree_round(llm, monkey
     engine = Engine(llm, max_batch=3, block_size=4, num_blocks=96, max_gamma=4, accept=acc)
     counted, tree_round = [], Engine._tree_round
     monkeypatch.setattr(Engine, "_tree_round",
-                        lambda self, seqs, k: counted.append(len(seqs)) or tree_round(self, seqs, k))
+                        lambda self, seqs, k, lock: counted.append(len(seqs)) or tree_round(self, seqs, k, lock))
     serve(engine, [(p, greedy(12), 4) for p in REPETITIVE[:3]], arrivals=[0, 0, 0])
     assert max(counted) == 3 and acc.i == sum(counted)
 
@@ -342,3 +342,34 @@ def test_shared_tree_rounds_are_timed_by_their_own_passes(llm, monkeypatch):
     assert set(seconds.values()) == {2e-3} and len(runs) == 12
     assert all(shape[-2] == n for shape, n in zip(runs, [engine.tree.verify_tokens(b, k) for b in (1, 2, 3)
                                                           for k in range(1, 5)]))
+
+
+@pytest.mark.parametrize("name", ["ngram-tree:4", "hybrid-tree"])
+def test_measuring_tree_rounds_keep_greedy_rows_in_lockstep(llm, name):
+    """Tree rounds drafting only to measure (an exploration round or a probe), shared rows or forked: each greedy row
+    emits one token a round (its solo greedy output), so requests of one length started together finish at one step
+    and their successors' prompts are prefilled together again; the accepted drafts still reach the policy."""
+    from test_engine import Drafts3
+
+    llm.drafter = make_drafter(name)
+    ps = [(p * 3)[:12] for p in REPETITIVE]  # one prompt length, text the lookups match
+    refs = [llm.generate(p, greedy(16), gamma=0).token_ids for p in ps]
+    ends = {}
+    for measuring in (True, False):
+        engine = Engine(llm, max_batch=4, block_size=4, num_blocks=96, max_gamma=3, policy=Drafts3(measuring))
+        for i, p in enumerate(ps):
+            engine.add_request(str(i), p, greedy(16))
+        finished, step = {}, 0
+        while engine.has_work():
+            for o in engine.step():
+                if o.finished:
+                    finished[o.request_id] = (step, o.generation)
+            step += 1
+        assert [finished[str(i)][1].token_ids for i in range(4)] == refs
+        ends[measuring] = {s for s, _ in finished.values()}
+        s = engine.stats()
+        assert s.num_accepted_tokens > 0 and (s.num_lockstep_rows > 0) == measuring
+        emitted = [g.stats.draft_accepted for _, g in finished.values()]
+        assert (max(emitted) == 0) == measuring
+        assert_idle(engine)
+    assert len(ends[True]) == 1 and len(ends[False]) > 1

@@ -699,12 +699,12 @@ class Engine:
         for s in seqs:  # a tree sharing its sequence's row stores its nodes in the sequence's own blocks
             self.cache.extend(s.id, self.tree.max_nodes(k) + 1 if shared else max(k + 1, steps))
         rows = [s.row for s in seqs]
-        held = measuring and k > 0 and len(seqs) > 1 and self.tree is None  # a tree's rounds commit what they accept
+        held = measuring and k > 0 and len(seqs) > 1
         lockstep = [held and s.gamma is None and s.params.greedy for s in seqs]
         if steps > 1:
             result = run_steps(self.runner, self.cache.view([s.id for s in seqs]), rows, self.llm.verify_mode, steps)
         elif self.tree is not None and k:
-            result = self._tree_round(seqs, k)
+            result = self._tree_round(seqs, k, lockstep)
         else:
             result = run_round(self.runner, self.cache.view([s.id for s in seqs]), rows, k, self.llm.drafter,
                                self.llm.verify_mode, self.accept, lockstep)
@@ -743,7 +743,7 @@ class Engine:
         captures (larger rounds verify forked rows)."""
         return self.tree is not None and self.tree.shares_row(len(seqs))
 
-    def _tree_round(self, seqs: list[Sequence], k: int) -> RoundResult:
+    def _tree_round(self, seqs: list[Sequence], k: int, lockstep: list[bool]) -> RoundResult:
         """A tree drafter's round, every branch verified in one pass: each sequence's branches reading its own
         blocks (SharedTree, each node run once; `_shares_rows`), or each sequence forked into its branch rows
         (PagedTree), the winner's committed KV copied into the sequence's own blocks, the branch blocks given
@@ -756,7 +756,7 @@ class Engine:
                              else PagedTree(self.cache, s.id, self.tree.branches))
             return tree_rounds(self.runner, trees, [s.row for s in seqs], k, self.tree, self.llm.verify_mode,
                                lambda spans: tree_view(trees, spans), self.accept, "shared" if shared else "forked",
-                               self._tree_width() if shared else 0)
+                               self._tree_width() if shared else 0, lockstep)
         finally:
             for t in trees:
                 t.release()

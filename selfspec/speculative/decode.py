@@ -207,7 +207,7 @@ def advance(row: Row, drafts: list[int], n: int, nxt: int, draft_s: float, verif
 @torch.inference_mode()
 def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: TreeDrafter, verify: Mode,
                 view: RowsView, accept: GreedyAcceptance = accept_greedy, layout: str = "packed",
-                pad_to: int = 0) -> RoundResult:
+                pad_to: int = 0, lockstep: list[bool] | None = None) -> RoundResult:
     """One round of a tree drafter over a batch of sequences, as forked chains: trees[i] holds rows[i]'s branch
     rows (a solo KVCache of a row per branch, or the engine's PagedTree), each holding the sequence's committed KV,
     and `view(spans)` is one batch view of rows spans[i] of each trees[i]. The drafter proposes every sequence's
@@ -221,7 +221,8 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
     already AR's, and only the positions it commits are copied to the other rows (shared: its accepted drafts moved
     to their positions): no tree-attention mask and no re-run. Greedy: the longest accepted branch wins (ties: the
     first). Sampling: multi-candidate rejection sampling down the branches (verify.py). A drafter with `ranks` gets
-    each branch row's ranking of the positions it ran (`observe`). Rows are updated only once the verify pass
+    each branch row's ranking of the positions it ran (`observe`). A greedy row flagged in `lockstep` commits only
+    the verify pass's token at its pending position, as `run_round`'s. Rows are updated only once the verify pass
     succeeded."""
     dev = model.device
     t0 = time.perf_counter()
@@ -257,14 +258,17 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
         for row, branches, end in zip(rows, proposed, ends):
             for r, b in zip(at[end - len(branches):end], branches):
                 draft.observe(row, [nodes[i] for i in r[:len(b) + 1]], [ranked[i] for i in r[:len(b) + 1]])
-    chosen = []
-    for tree, row, branches, end in zip(trees, rows, proposed, ends):
+    chosen, accepted = [], []
+    for tree, row, branches, end, lock in zip(trees, rows, proposed, ends, lockstep or [False] * len(rows)):
         start = end - len(branches)
         if row.params.greedy:
             best, n, nxt = accept_branches(accept, branches, targets[start:end])
         else:
             best, n, nxt = accept_tree_sampling(branches, to_probs(logits[torch.tensor(at[start:end], device=dev)],
                                                                    row.params), row.gen)
+        accepted.append((len(branches[best]), n))
+        if lock and row.params.greedy:  # the plain decoding step's token, at the pending position of every row
+            best, n, nxt = 0, 0, targets[start][0]
         if shared:  # the accepted drafts from their tails (nodes in order from the pending token's position)
             path = at[start + best]
             tree.move_positions(0, [row.length + i - path[0] for i in path[1:n + 1]],
@@ -276,7 +280,7 @@ def tree_rounds(model: Runner, trees: list, rows: list[Row], k: int, draft: Tree
     # A tree round counts as rejected when it accepted fewer drafts than its deepest branch (GenerationStats).
     out = [advance(row, b, n, nxt, t1 - t0, t2 - t1, max(map(len, branches)))
            for row, branches, (b, n, nxt) in zip(rows, proposed, chosen)]
-    return RoundResult(out, t1 - t0, t2 - t1, width, [len(b) for b, _, _ in chosen], [n for _, n, _ in chosen])
+    return RoundResult(out, t1 - t0, t2 - t1, width, [p for p, _ in accepted], [n for _, n in accepted])
 
 
 def accept_branches(accept: GreedyAcceptance, branches: list[list[int]], targets: list[list[int]]
