@@ -345,3 +345,23 @@ def test_an_unlucky_exploration_does_not_keep_a_cheap_tree_off():
         ks = serve(p, 1000, 1, draft_ratio=0.0, acceptance=0.55, rng=random.Random(seed), verify=cost)
         first = next(i for i, k in enumerate(ks) if k >= 2)
         assert first <= 3 * p.probe_every and sum(k >= 2 for k in ks[first:]) >= 0.9 * len(ks[first:])
+
+
+def test_a_drafter_without_draft_steps_pays_its_proposing_once_a_round():
+    """A lookup or a recycled tree proposes on the host once a round, whatever k: priced per draft, its time read k
+    times over (k = 5: five proposings), and the policy drafted less than pays. gamma_policy gives each drafter its
+    rule: draft steps for a draft mode, one proposing for a lookup or a recycled tree."""
+    from selfspec.speculative.drafters import gamma_policy, make_drafter
+
+    per_round = GammaPolicy(8, draft_steps=lambda k: 1)
+    per_draft = GammaPolicy(8)
+    for p in (per_round, per_draft):
+        p.observe_round(1, 0, 0.0, 4.0)
+        p.observe_round(6, 0, 0.0, 5.0)
+        p.observe_round(1, 5, 0.5, 5.0)  # five drafts proposed in 0.5
+    # verify(3 tokens) = 4.4, between the passes of 1 and 6 tokens
+    assert per_round.draft_estimate(1) == pytest.approx(0.5)
+    assert per_round.round_cost(1, 5) == pytest.approx(5.5) and per_round.round_cost(1, 2) == pytest.approx(4.9)
+    assert per_draft.draft_estimate(1) == pytest.approx(0.1) and per_draft.round_cost(1, 2) == pytest.approx(4.6)
+    assert [gamma_policy(make_drafter(n), 8).draft_steps(5) for n in ("ngram", "recycle-tree", "upper", "hybrid")] == \
+        [1, 1, 5, 5]

@@ -370,6 +370,23 @@ def replay(rounds: list[Round], mode: Mode | None) -> ChainReplay | TreeReplay:
     return TreeReplay(rounds, mode) if any(r.branches > 1 for r in rounds) else ChainReplay(rounds, mode)
 
 
+class RecordedText:
+    """A trace's tasks' rounds laid end to end as one text: the round at a text position, accepting what remains of
+    its accepted run there, and each task's first position."""
+
+    def __init__(self, tasks: list[list[Round]]) -> None:
+        self.rounds = [r for rs in tasks for r in rs]
+        self.starts = list(accumulate((r.accepted + 1 for r in self.rounds), initial=0))  # each round's first position
+        self.task_starts = list(accumulate((sum(r.accepted + 1 for r in rs) for rs in tasks[:-1]), initial=0))
+
+    def round_at(self, p: int) -> Round:
+        """The round at text position p (cycling through the text)."""
+        p %= self.starts[-1]
+        i = bisect.bisect_right(self.starts, p) - 1
+        r = self.rounds[i]
+        return replace(r, accepted=self.starts[i] + r.accepted - p)
+
+
 class ServeReplay(Replay):
     """The serving benchmark's drafter over synthetic weights for a trace whose rounds ran no draft step (lookups,
     recycled or looked-up trees): on random prompts the recorded drafter would find nothing to propose, so a
@@ -389,19 +406,15 @@ class ServeReplay(Replay):
                                 "trace's rounds pay draft steps: replay its accepted counts on the recipe's own "
                                 "drafter (ReplayAcceptance)")
         super().__init__(rounds, None)
-        self.text = list(accumulate((r.accepted + 1 for r in rounds), initial=0))  # each round's first position
-        self.task_starts = list(accumulate((sum(r.accepted + 1 for r in rs) for rs in tasks[:-1]), initial=0))
+        self.text = RecordedText(tasks)
         self.origins: dict[int, tuple[GenerationStats, int]] = {}  # a sequence's (stats, first text position)
         self.due: deque[Round] = deque()
 
     def round_at(self, row) -> Round:
         """The recorded round at row's place in the text, accepting what remains of its accepted run there."""
         stats, origin = self.origins.setdefault(  # the stats object kept: its id names the sequence while it lives
-            id(row.stats), (row.stats, self.task_starts[len(self.origins) % len(self.task_starts)]))
-        p = (origin + row.length - stats.prompt_tokens) % self.text[-1]
-        i = bisect.bisect_right(self.text, p) - 1
-        r = self.rounds[i]
-        return replace(r, accepted=self.text[i] + r.accepted - p)
+            id(row.stats), (row.stats, self.text.task_starts[len(self.origins) % len(self.text.task_starts)]))
+        return self.text.round_at(origin + row.length - stats.prompt_tokens)
 
     def next_rounds(self, rows: list, k: int) -> list[Round]:
         """Each row's round, cut to k drafts, queued for their acceptance (the last round's are all judged)."""

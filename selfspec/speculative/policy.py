@@ -1,7 +1,8 @@
 """Gamma policy: how many tokens to draft this round, from measured acceptance and measured step costs.
 
 With per-token acceptance a and k drafts a round emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per row and costs
-k * draft(B) + verify(B * (k+1) tokens); plain decoding (k = 0) emits 1 token for verify(B). The policy picks
+k * draft(B) + verify(B * (k+1) tokens) (a drafter that runs no draft step, a lookup or a recycled tree, pays its
+proposing once a round whatever k: `draft_steps`); plain decoding (k = 0) emits 1 token for verify(B). The policy picks
 the k in 0..max_gamma with the most tokens per second, and 0 unless speculation beats plain decoding by
 `margin`, so speculative serving is never slower than plain decoding of the verify mode at any batch size.
 
@@ -78,9 +79,13 @@ def chain_tokens(batch: int, k: int) -> int:
 class GammaPolicy:
     def __init__(self, max_gamma: int = 8, alpha: float = 0.2, margin: float = 0.05, probe_every: int = 16,
                  max_probe_every: int = 128, min_trials: int = 32,
-                 pass_tokens: Callable[[int, int], int] | None = None, probe_budget: float = PROBE_BUDGET):
-        """pass_tokens(B, k): the tokens a round of k drafts over B rows verifies (default B(k + 1), a chain's)."""
+                 pass_tokens: Callable[[int, int], int] | None = None, probe_budget: float = PROBE_BUDGET,
+                 draft_steps: Callable[[int], int] | None = None):
+        """pass_tokens(B, k): the tokens a round of k drafts over B rows verifies (default B(k + 1), a chain's);
+        draft_steps(k): the draft steps such a round pays (default k; a drafter proposing on the host alone: 1, its
+        proposing time once a round)."""
         self.max_gamma = max_gamma
+        self.draft_steps = draft_steps or (lambda k: k)
         self.probe_budget = probe_budget
         self.pass_tokens = pass_tokens or chain_tokens
         self.alpha = alpha
@@ -117,7 +122,7 @@ class GammaPolicy:
         self._floors = None
         base = self.verify_estimate(batch)
         if k and base:
-            self.draft_ratio.setdefault(batch, Ema(self.alpha)).update(draft_s / k / base)
+            self.draft_ratio.setdefault(batch, Ema(self.alpha)).update(draft_s / self.draft_steps(k) / base)
 
     def observe_draft_step(self, batch: int, seconds: float) -> None:
         """A draft step over `batch` rows took `seconds` (the engine's warm-up times its graphs): its ratio to
@@ -181,7 +186,7 @@ class GammaPolicy:
         draft step's estimate, where the caller has it."""
         if not k:
             return self.verify_estimate(batch)
-        return k * (self.draft_estimate(batch) if draft is None else draft) + self.verify_estimate(
+        return self.draft_steps(k) * (self.draft_estimate(batch) if draft is None else draft) + self.verify_estimate(
             self.pass_tokens(batch, k))
 
     def throughput(self, batch: int, k: int, draft: float | None = None) -> float:

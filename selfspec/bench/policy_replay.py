@@ -1,0 +1,111 @@
+"""The gamma policy alone through a trace's recorded texts, at pass costs measured on a GPU: what it chooses for a
+lone sequence and the throughput that gives, against plain decoding and against drafting k every round. No model
+runs: a round's acceptance is the trace's round at the sequence's place in the text (traces.ServeReplay's rule,
+the serving benchmark's), its cost the measured pass of its node bucket (a round that proposed nothing: a plain
+step), and plain rounds run as the engine's bursts of `burst` steps. So a policy change can be weighed in seconds
+before a GPU lease (the engine's own rounds on the GPU then say whether the costs and the rule held).
+
+python -m selfspec.bench.policy_replay --trace selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json \
+    --plain-ms 4.69 --tree-ms 16:5.77 32:6.4 [--draft-ms 0.2] [--tokens 128] [--sequences 8] [--runs 4]
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+from dataclasses import dataclass
+
+from selfspec.bench.traces import RecordedText, load
+from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, bucket
+from selfspec.errors import SelfspecError
+from selfspec.speculative.drafters import TreeDrafter, gamma_policy
+from selfspec.speculative.policy import GammaPolicy
+
+
+@dataclass(frozen=True)
+class Costs:
+    plain_s: float  # a plain decoding step
+    tree_s: dict[int, float]  # a tree pass by its graph's nodes bucket (16, 32, ...)
+    draft_s: float = 0.0  # a drafting round's host time (proposing its tree)
+
+    def round_s(self, nodes: int) -> float:
+        """A tree pass over `nodes` nodes (the pending token's included): its bucket's time, or the largest
+        bucket's past them."""
+        size = max(MAX_GRAPHED_TOKENS, bucket(nodes))
+        known = sorted(self.tree_s)
+        return self.tree_s[known[min(bisect.bisect_left(known, size), len(known) - 1)]]
+
+
+def replay(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, sequences: int, burst: int = 4,
+           fixed_k: int | None = None) -> tuple[float, int, int]:
+    """Seconds, tokens and drafting rounds of `sequences` sequences of `tokens` tokens each, one after the other on
+    one policy (sequence s reads the text from task s's start, cycling), each round's k the policy's (or fixed_k)."""
+    seconds, drafting = 0.0, 0
+    for s in range(sequences):
+        p, made = text.task_starts[s % len(text.task_starts)], 0
+        while made < tokens:
+            k = policy.choose(1) if fixed_k is None else fixed_k
+            if k == 0:  # a burst of plain steps
+                steps = min(burst, tokens - made)
+                seconds += steps * costs.plain_s
+                policy.observe_round(1, 0, 0.0, costs.plain_s, steps)
+                p, made = p + steps, made + steps
+                continue
+            drafting += 1
+            r = text.round_at(p).cut(k)
+            if not r.proposed:  # nothing proposed: the plain pass, booked as one (decode.py `tree_rounds`)
+                seconds += costs.draft_s + costs.plain_s
+                policy.observe_round(1, 0, costs.draft_s, costs.plain_s)
+                policy.observe_acceptance(k, [0])
+                p, made = p + 1, made + 1
+                continue
+            verify = costs.round_s(r.nodes + 1)
+            seconds += costs.draft_s + verify
+            policy.observe_round(1, k, costs.draft_s, verify)
+            policy.observe_acceptance(k, [r.accepted])
+            p, made = p + r.accepted + 1, made + r.accepted + 1
+    return seconds, sequences * tokens, drafting
+
+
+def seeded_policy(costs: Costs, drafter: TreeDrafter, max_gamma: int) -> GammaPolicy:
+    """The engine's policy for `drafter` as its warm-up leaves it: plain steps and every tree round (by the tokens it
+    verifies, `verify_tokens(1, k)`) priced from the costs."""
+    policy = gamma_policy(drafter, max_gamma)
+    policy.observe_round(1, 0, 0.0, costs.plain_s)
+    for k in range(1, max_gamma + 1):
+        n = drafter.verify_tokens(1, k)
+        policy.observe_round(n, 0, 0.0, costs.round_s(n))
+    return policy
+
+
+def main(argv: list[str] | None = None) -> None:
+    from selfspec.bench.traces import ServeTreeReplay
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--plain-ms", type=float, required=True)
+    ap.add_argument("--tree-ms", nargs="+", required=True, help="NODES:MS per graph bucket, e.g. 16:5.77 32:6.4")
+    ap.add_argument("--draft-ms", type=float, default=0.0)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--sequences", type=int, default=8)
+    ap.add_argument("--runs", type=int, default=4, help="runs on one policy, as bench serve's repeats")
+    ap.add_argument("--max-gamma", type=int, default=8)
+    args = ap.parse_args(argv)
+    try:
+        tree_s = {int(n): float(ms) / 1e3 for n, ms in (x.split(":") for x in args.tree_ms)}
+    except ValueError:
+        raise SelfspecError(f"--tree-ms takes NODES:MS pairs, got {' '.join(args.tree_ms)}") from None
+    costs = Costs(args.plain_ms / 1e3, tree_s, args.draft_ms / 1e3)
+    tasks = list(load(args.trace).tasks.values())
+    text, drafter = RecordedText(tasks), ServeTreeReplay(tasks)
+    plain = args.sequences * args.tokens * costs.plain_s
+    print(f"{args.trace}: {args.sequences} sequences x {args.tokens} tokens a run, {args.runs} runs on one policy")
+    print("| policy | speed over plain decoding, per run | drafting rounds |\n|---|---|---|")
+    for name, fixed in [("policy", None), *((f"k = {k} every round", k) for k in (1, 3, 5, args.max_gamma))]:
+        policy = seeded_policy(costs, drafter, args.max_gamma)
+        runs = [replay(policy, text, costs, args.tokens, args.sequences, fixed_k=fixed) for _ in range(args.runs)]
+        print(f"| {name} | {', '.join(f'{plain / s:.2f}x' for s, _, _ in runs)} | "
+              f"{', '.join(str(d) for _, _, d in runs)} |")
+
+
+if __name__ == "__main__":
+    main()
