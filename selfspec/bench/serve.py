@@ -240,7 +240,6 @@ def bench_recipe(llm: selfspec.LLM, pool: list[list[int]], batch_sizes: list[int
         row = {"recipe": llm.recipe.name, "draft": llm.recipe.draft, "verify": llm.recipe.verify, "batch": b,
                "requests": n, "synthetic": accept is not None, "ar": ar, "spec": spec,
                "speedup": spec["tokens_per_s"] / ar["tokens_per_s"],
-               "tokens_per_s_all_runs": {side: [r["tokens_per_s"] for r in rs] for side, rs in runs.items()},
                "all_runs": {side: [{key: r[key] for key in ALL_RUNS_KEYS} for r in rs] for side, rs in runs.items()}}
         row |= pair_speedups(runs)
         if refs is not None:  # batched greedy (AR and speculative) == solo greedy, request by request
