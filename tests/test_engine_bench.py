@@ -163,6 +163,9 @@ def test_bench_recipe_reports_best_of_and_each_pair(llm):
     assert row["speedup_min"] <= row["speedup_median"] <= row["speedup_max"]
     assert [len(rs) for rs in row["all_runs"].values()] == [3, 3]  # every run's passes, not the best's alone
     assert row["spec"]["passes"] in [r["passes"] for r in row["all_runs"]["spec"]]
+    end = row["all_runs"]["spec"][-1]["policy_end"]  # what the policy priced passes and draft steps at, by size
+    assert set(end) == {"acceptance", "verify_ms", "draft_ms"} and all(v > 0 for v in end["verify_ms"].values())
+    assert all(v >= 0 for v in end["draft_ms"].values())
     cells = markdown_row(row).split(" | ")
     assert len(cells) == HEADER.splitlines()[0].count(" | ") + 1
     assert cells[5] == f"{row['speedup_median']:.2f}x ({row['speedup_min']:.2f}-{row['speedup_max']:.2f}, 3 pairs)"

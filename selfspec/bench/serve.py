@@ -195,6 +195,7 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
     drafted, accepted = s.num_draft_tokens - start.num_draft_tokens, s.num_accepted_tokens - start.num_accepted_tokens
     row_rounds = s.num_row_rounds - start.num_row_rounds
     total = sum(map(len, tokens.values()))
+    policy = engine.policy
     return {"requests": len(prompts), "output_tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
             "ttft_s": percentiles([first[r] - submitted[r] for r in first]), "itl_s": percentiles(itl),
             "acceptance": accepted / drafted if drafted else None,
@@ -204,8 +205,10 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
             "graph_captures": getattr(log.runner, "captures", 0) - captures, "slowest_step_s": slowest,
             # What the policy chose on and from: the share of row rounds that drafted, its estimates at the end.
             "drafting_share": (s.num_drafts - start.num_drafts) / row_rounds if row_rounds else 0.0,
-            "policy_end": {"acceptance": engine.policy.acceptance,
-                           "verify_ms": {t: e.value * 1e3 for t, e in sorted(engine.policy.verify_cost.items())}},
+            "policy_end": {"acceptance": policy.acceptance,
+                           "verify_ms": {t: e.value * 1e3 for t, e in sorted(policy.verify_cost.items())},
+                           # a draft step's (a proposing's, for a drafter without steps) estimate by batch size
+                           "draft_ms": {b: policy.draft_estimate(b) * 1e3 for b in sorted(policy.draft_ratio)}},
             "tokens": [tokens[str(i)] for i in range(len(prompts))], "passes": log.passes}
 
 
