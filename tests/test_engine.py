@@ -132,6 +132,17 @@ def test_sampling_rows_share_the_batch_with_greedy_rows(llm):
     assert_idle(engine)
 
 
+def finish_steps(engine: Engine) -> dict[str, tuple[int, object]]:
+    """Step the engine until idle: each request's (step it finished at, its generation)."""
+    finished, step = {}, 0
+    while engine.has_work():
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = (step, o.generation)
+        step += 1
+    return finished
+
+
 class Drafts3(GammaPolicy):
     """Drafts 3 tokens every round: to measure only (as a drafting probe does while decoding plainly), or not."""
 
@@ -158,12 +169,7 @@ def test_measuring_rounds_keep_greedy_rows_in_lockstep(llm):
         engine = Engine(llm, max_batch=5, block_size=4, num_blocks=64, max_gamma=3, policy=policy)
         for i, p in enumerate(ps):
             engine.add_request(str(i), p, greedy(16) if i < 4 else sampling)
-        finished, step = {}, 0
-        while engine.has_work():
-            for o in engine.step():
-                if o.finished:
-                    finished[o.request_id] = (step, o.generation)
-            step += 1
+        finished = finish_steps(engine)
         assert [finished[str(i)][1].token_ids for i in range(4)] == refs
         runs[measuring] = finished, engine.stats(), policy
         assert_idle(engine)

@@ -349,7 +349,7 @@ def test_measuring_tree_rounds_keep_greedy_rows_in_lockstep(llm, name):
     """Tree rounds drafting only to measure (an exploration round or a probe), shared rows or forked: each greedy row
     emits one token a round (its solo greedy output), so requests of one length started together finish at one step
     and their successors' prompts are prefilled together again; the accepted drafts still reach the policy."""
-    from test_engine import Drafts3
+    from test_engine import Drafts3, finish_steps
 
     llm.drafter = make_drafter(name)
     ps = [(p * 3)[:12] for p in REPETITIVE]  # one prompt length, text the lookups match
@@ -359,12 +359,7 @@ def test_measuring_tree_rounds_keep_greedy_rows_in_lockstep(llm, name):
         engine = Engine(llm, max_batch=4, block_size=4, num_blocks=96, max_gamma=3, policy=Drafts3(measuring))
         for i, p in enumerate(ps):
             engine.add_request(str(i), p, greedy(16))
-        finished, step = {}, 0
-        while engine.has_work():
-            for o in engine.step():
-                if o.finished:
-                    finished[o.request_id] = (step, o.generation)
-            step += 1
+        finished = finish_steps(engine)
         assert [finished[str(i)][1].token_ids for i in range(4)] == refs
         ends[measuring] = {s for s, _ in finished.values()}
         s = engine.stats()

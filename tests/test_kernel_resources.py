@@ -11,12 +11,23 @@ import pytest
 pytest.importorskip("triton")
 
 
+def compiling_env() -> dict[str, str]:
+    """This process's environment less TRITON_INTERPRET: a child process compiles the kernels."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
 def report(*args: str) -> list[list[str]]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compiling_env()
     out = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", *args], env=env,
                          capture_output=True, text=True, check=True).stdout
     return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
             if line.startswith("| ") and line[2].isdigit()]
+
+
+def run_code(code: str) -> str:
+    """What `code` prints, run in a process of its own that compiles (not interprets) the kernels."""
+    return subprocess.run([sys.executable, "-c", code], env=compiling_env(), capture_output=True, text=True,
+                          check=True).stdout
 
 
 def test_decode_and_many_token_nibble_tiles_fit_registers():
@@ -28,7 +39,7 @@ def test_decode_and_many_token_nibble_tiles_fit_registers():
 
 
 def test_bad_tiles_say_what_to_write():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compiling_env()
     run = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--tiles", "64x128"], env=env,
                          capture_output=True, text=True)
     assert run.returncode != 0 and "BLOCK_MxBLOCK_NxWARPS" in run.stderr
@@ -50,7 +61,7 @@ def test_quantized_attention_tile_issues_mma_sync():
 
 def test_shape_report_compiles_the_tiles_linear_picks():
     """--shape: one row per layer GEMM and M, with the tiles `linear` picks (w8a16 at 32 rows: 32 x 128 x 4 warps)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compiling_env()
     out = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--shape", "llama-3-8b", "--modes",
                           "w8a16", "--m", "32"], env=env, capture_output=True, text=True, check=True).stdout
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
@@ -65,7 +76,7 @@ def test_warp_specialized_gemms_compile_on_wgmma_without_spills():
     piece of it, K tiles of 256 and 128): wgmma that ptxas does not serialize (it does when registers run short:
     the kernel then ran at the Triton tiles' time), no register spilled at the registers setmaxnreg moves to the
     consumers, within an H100's shared memory."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compiling_env()
     out = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--warp-specialized"], env=env,
                          capture_output=True, text=True, check=True).stdout
     rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
@@ -86,8 +97,7 @@ def test_attention_kernels_compile_with_tails():
             "for p in (False, True):\n"
             "    for rows, warps in ((16, 8), (32, 4)):\n"
             "        print(p, resources(compile_attention(p, True, rows, warps)).mma)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    out = run_code(code)
     assert out.split() == ["False", "mma.sync"] * 2 + ["True", "mma.sync"] * 2
 
 
@@ -98,8 +108,7 @@ def test_tree_attention_kernel_compiles_on_mma_sync():
             "for rows, warps in ((16, 4), (32, 4)):\n"
             "    r = resources(compile_tree_attention(rows, warps))\n"
             "    print(r.mma, 0 < r.registers <= 255)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    out = run_code(code)
     assert out.split() == ["mma.sync", "True"] * 2
 
 
@@ -114,13 +123,12 @@ def test_the_k_loop_of_a_decode_tile_issues_its_mma_instructions():
             "    loop = kr.mma_loop(kr.compile_linear(mode, cfg))\n"
             "    share = (cfg.block_n // 8) * (cfg.block_k // 16) // cfg.num_warps\n"
             "    print(loop.ops['HMMA'], share, loop.instructions, loop.ops.get('HFMA2', 0))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    out = run_code(code)
     for line in out.splitlines():
         mma, share, instructions, fmas = map(int, line.split())
         assert mma == share and instructions > 4 * mma and fmas > 0  # the bf16 FMAs that dequantize
     out = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--shape", "llama-3-8b", "--modes",
-                          "upper", "--m", "1"], env=env, capture_output=True, text=True, check=True).stdout
+                          "upper", "--m", "1"], env=compiling_env(), capture_output=True, text=True, check=True).stdout
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
     rows = [r for r in rows if r[1] == "upper"]
     assert len(rows) == 4 and all(int(r[7].split()[0]) > 0 for r in rows)
