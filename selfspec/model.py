@@ -16,6 +16,7 @@ from selfspec.cache import KVCache
 from selfspec.cache.quant_kv import QuantKVCache
 from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
+from selfspec.host import long_tensor
 from selfspec.kernels import (Handover, attention, linear, packed_attention, quantized_attention, quantizes_input,
                               rms_norm, rms_norm_handover, rope_and_store, swiglu_handover, tree_attention)
 from selfspec.parallel import SOLO, TensorParallel
@@ -131,8 +132,8 @@ class TreeLayout:
         tails = [pos[root] + node - root for row, root in zip(rows, roots) for node in row] if shared else []
         starts = starts + [n] if shared else []
         # One copy to the device: the rows, first, tokens, positions, tails and starts side by side.
-        flat = torch.tensor([x for r in rows for x in r] + [first[i] for i in range(n)] + tokens + pos + tails
-                            + starts, device=device)
+        flat = long_tensor([x for r in rows for x in r] + [first[i] for i in range(n)] + tokens + pos + tails + starts,
+                           device)
         end = cut + 3 * n + len(tails)
         layout = cls(flat[:cut].view(len(rows), width), flat[cut:cut + n],
                      flat[cut + 3 * n:end].view(len(rows), width) if shared else None,

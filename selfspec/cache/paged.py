@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec.errors import SelfspecError
+from selfspec.host import long_tensor
 
 if TYPE_CHECKING:
     from selfspec.cache.kv import LayerKV
@@ -89,8 +90,8 @@ class BlockPool:
     def padded_tables(self, seqs: list[str]) -> torch.Tensor:
         """The block tables of rows `seqs` [B, W] on the CPU, padded with the trash block to the longest."""
         width = max(len(self.tables[s]) for s in seqs)
-        return torch.tensor([self.tables[s] + [TRASH] * (width - len(self.tables[s])) for s in seqs],
-                            dtype=torch.long)
+        return long_tensor([b for s in seqs for b in self.tables[s] + [TRASH] * (width - len(self.tables[s]))]
+                           ).view(len(seqs), width)
 
 
 class PagedKVCache(BlockPool):
@@ -172,7 +173,7 @@ class SharedTree:
     def __init__(self, cache: PagedKVCache, seq: str):
         self.cache = cache
         self.blocks = cache.tables[seq]
-        self.table = torch.tensor([self.blocks], dtype=torch.long, device=cache.k.device)
+        self.table = long_tensor(self.blocks, cache.k.device)[None]
 
     def rows(self, start: int, stop: int) -> PagedBatchView:
         """The sequence's row stop - start times."""
