@@ -27,8 +27,9 @@ def test_fixed_k_rounds_cost_and_emit_what_the_text_says():
     assert replay(policy, text, COSTS, 6, 2, fixed_k=0) == (pytest.approx(12 * COSTS.plain_s), 12, 0)
 
 
-def test_the_cli_prints_the_policy_against_fixed_k(capsys):
-    main(["--trace", "selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json", "--plain-ms", "4.7",
+@pytest.mark.parametrize("trace", ["ngram.recycle-tree", "ngram"])  # tree rounds, lookup chains
+def test_the_cli_prints_the_policy_against_fixed_k(capsys, trace):
+    main(["--trace", f"selfspec/bench/traces/qwen2.5-coder-1.5b.{trace}.json", "--plain-ms", "4.7",
           "--tree-ms", "16:5.8", "32:6.4", "--draft-ms", "0.5", "--tokens", "32", "--sequences", "2", "--runs", "1"])
     cells = [line.split("|")[1:3] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     speeds = {name.strip(): float(speed.strip().rstrip("x")) for name, speed in cells if speed.strip().endswith("x")}

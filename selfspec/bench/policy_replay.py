@@ -1,8 +1,9 @@
 """The gamma policy alone through a trace's recorded texts, at pass costs measured on a GPU: what it chooses for a
 lone sequence and the throughput that gives, against plain decoding and against drafting k every round. No model
 runs: a round's acceptance is the trace's round at the sequence's place in the text (traces.ServeReplay's rule,
-the serving benchmark's), its cost the measured pass of its node bucket (a round that proposed nothing: a plain
-step), and plain rounds run as the engine's bursts of `burst` steps. So a policy change can be weighed in seconds
+the serving benchmark's), its cost the measured pass of its graph bucket of tokens (a tree's nodes, a lookup
+chain's k + 1; a round that proposed nothing: a plain step), and plain rounds run as the engine's bursts of `burst`
+steps. So a policy change can be weighed in seconds
 before a GPU lease (the engine's own rounds on the GPU then say whether the costs and the rule held).
 
 python -m selfspec.bench.policy_replay --trace selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json \
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from selfspec.bench.traces import RecordedText, load
 from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, bucket
 from selfspec.errors import SelfspecError
-from selfspec.speculative.drafters import TreeDrafter, gamma_policy
+from selfspec.speculative.drafters import Drafter, TreeDrafter, gamma_policy
 from selfspec.speculative.policy import GammaPolicy
 
 
@@ -66,24 +67,26 @@ def replay(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, s
     return seconds, sequences * tokens, drafting
 
 
-def seeded_policy(costs: Costs, drafter: TreeDrafter, max_gamma: int) -> GammaPolicy:
-    """The engine's policy for `drafter` as its warm-up leaves it: plain steps and every tree round (by the tokens it
-    verifies, `verify_tokens(1, k)`) priced from the costs."""
+def seeded_policy(costs: Costs, drafter: Drafter | TreeDrafter, max_gamma: int) -> GammaPolicy:
+    """The engine's policy for `drafter` as its warm-up leaves it: plain steps and every round of k drafts (by the
+    tokens it verifies: a tree's nodes, a chain's k + 1) priced from the costs."""
     policy = gamma_policy(drafter, max_gamma)
     policy.observe_round(1, 0, 0.0, costs.plain_s)
     for k in range(1, max_gamma + 1):
-        n = drafter.verify_tokens(1, k)
+        n = policy.pass_tokens(1, k)
         policy.observe_round(n, 0, 0.0, costs.round_s(n))
     return policy
 
 
 def main(argv: list[str] | None = None) -> None:
-    from selfspec.bench.traces import ServeTreeReplay
+    from selfspec.bench.traces import serve_replay
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", required=True)
     ap.add_argument("--plain-ms", type=float, required=True)
-    ap.add_argument("--tree-ms", nargs="+", required=True, help="NODES:MS per graph bucket, e.g. 16:5.77 32:6.4")
+    ap.add_argument("--tree-ms", nargs="+", required=True,
+                    help="TOKENS:MS, a verify pass by its graph bucket of tokens (a tree's nodes, a chain's k + 1), "
+                         "e.g. 16:5.77 32:6.4")
     ap.add_argument("--draft-ms", type=float, default=0.0)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--sequences", type=int, default=8)
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SelfspecError(f"--tree-ms takes NODES:MS pairs, got {' '.join(args.tree_ms)}") from None
     costs = Costs(args.plain_ms / 1e3, tree_s, args.draft_ms / 1e3)
     tasks = list(load(args.trace).tasks.values())
-    text, drafter = RecordedText(tasks), ServeTreeReplay(tasks)
+    text, drafter = RecordedText(tasks), serve_replay(tasks)
     plain = args.sequences * args.tokens * costs.plain_s
     print(f"{args.trace}: {args.sequences} sequences x {args.tokens} tokens a run, {args.runs} runs on one policy")
     print("| policy | speed over plain decoding, per run | drafting rounds |\n|---|---|---|")
