@@ -15,7 +15,9 @@ that share one kv head (GQA), so each key tile is read once for all of them. Two
 - in-program (prefill): one program per (tile of rows, kv head) walks all its chunks itself and merges each into
   a running state as it goes: no partials through memory, and a tile stops at its last row's position.
 Both give a query the same bits: its chunk states are computed by the same code from the same keys, and merged
-by the same code in the same order.
+by the same code in the same order. A shared tree pass (model.TreeLayout with tails) may take a third,
+`tree_attention`: the split path with a tile's rows the (node, head) pairs of one sequence's nodes, each node's query
+once, the prefix read once for them all and each branch's own keys in a masked pass of their own.
 
 Invariance across the number of queries, the batch and the path: a query's scores, running max and sums only
 ever involve its own row (the sums are dots with ones, so no layout's reduction tree enters: the tile height and
