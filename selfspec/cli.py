@@ -207,8 +207,9 @@ GPU_BENCHES = {
     "long_context": ("long_context", "quantized KV cache at 4k-128k context: attention time, KV memory, step times"),
     "quant_attention": ("quant_attention", "quantized KV attention vs bf16 at 16k-128k, decode and verify queries"),
     "ab": ("ab", "a benchmark (steps, gemm) from an old source tree and from this one in turn: each row's new / old"),
+    "policy": ("policy_replay", "the gamma policy through a trace's recorded texts at given pass costs (no model)"),
 }
-CPU_BENCHES = ("trace", "lookup", "trees", "draft_vocab", "resources", "spec")  # spec: --tables --device cpu
+CPU_BENCHES = ("trace", "lookup", "trees", "draft_vocab", "resources", "spec", "policy")  # spec: --tables --device cpu
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -225,8 +226,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.bench not in CPU_BENCHES and not wants_help and not torch.cuda.is_available():
         why = "this torch build has no CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
         raise SelfspecError(f"`selfspec bench {args.bench}` needs a CUDA GPU ({why}); "
-                            "`selfspec bench serve`, `trace`, `lookup`, `trees`, `draft_vocab` and `spec --tables "
-                            "--device cpu` run on the CPU")
+                            "`selfspec bench serve`, `trace`, `lookup`, `trees`, `draft_vocab`, `policy` and `spec "
+                            "--tables --device cpu` run on the CPU")
     module = importlib.import_module(f"selfspec.bench.{GPU_BENCHES[args.bench][0]}")
     module.main(args.args, prog=f"selfspec bench {args.bench}")
 

@@ -293,13 +293,19 @@ def test_ar_banner_names_no_draft_or_gamma(capsys, tiny_dirs):
 CUDA_BENCHES = ["all", "steps", "gemm", "prefill", "spec", "peer", "tune"]
 
 
-@pytest.mark.parametrize("name", CUDA_BENCHES + ["trace", "lookup"])
+@pytest.mark.parametrize("name", CUDA_BENCHES + ["trace", "lookup", "policy"])
 def test_bench_help_is_the_benchmarks_own(capsys, name):
     with pytest.raises(SystemExit) as e:
         main(["bench", name, "--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0
     assert out.startswith(f"usage: selfspec bench {name} [-h]"), out
+
+
+def test_policy_replay_of_a_missing_trace_says_where_the_traces_are(capsys):
+    rc = main(["bench", "policy", "--trace", "no-such-trace.json", "--plain-ms", "4", "--tree-ms", "16:5"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "no-such-trace.json" in err and "selfspec/bench/traces" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -6,7 +6,7 @@ chain's k + 1; a round that proposed nothing: a plain step), and plain rounds ru
 steps. So a policy change can be weighed in seconds
 before a GPU lease (the engine's own rounds on the GPU then say whether the costs and the rule held).
 
-python -m selfspec.bench.policy_replay --trace selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json \
+selfspec bench policy --trace selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json \
     --plain-ms 4.69 --tree-ms 16:5.77 32:6.4 [--draft-ms 0.2] [--tokens 128] [--sequences 8] [--runs 4]
 """
 from __future__ import annotations
@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import bisect
 from dataclasses import dataclass
+from pathlib import Path
 
-from selfspec.bench.traces import RecordedText, load
+from selfspec.bench.traces import TRACE_DIR, RecordedText, load
 from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, bucket
 from selfspec.errors import SelfspecError
 from selfspec.speculative.drafters import Drafter, TreeDrafter, gamma_policy
@@ -78,10 +79,10 @@ def seeded_policy(costs: Costs, drafter: Drafter | TreeDrafter, max_gamma: int) 
     return policy
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     from selfspec.bench.traces import serve_replay
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", required=True)
     ap.add_argument("--plain-ms", type=float, required=True)
     ap.add_argument("--tree-ms", nargs="+", required=True,
@@ -96,8 +97,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         tree_s = {int(n): float(ms) / 1e3 for n, ms in (x.split(":") for x in args.tree_ms)}
     except ValueError:
-        raise SelfspecError(f"--tree-ms takes NODES:MS pairs, got {' '.join(args.tree_ms)}") from None
+        raise SelfspecError(f"--tree-ms takes TOKENS:MS pairs, got {' '.join(args.tree_ms)}") from None
     costs = Costs(args.plain_ms / 1e3, tree_s, args.draft_ms / 1e3)
+    if not Path(args.trace).is_file():
+        raise SelfspecError(f"no trace at {args.trace}; the recorded ones are in selfspec/bench/traces/ "
+                            f"({', '.join(sorted(p.name for p in TRACE_DIR.glob('*.json')))})")
     tasks = list(load(args.trace).tasks.values())
     text, drafter = RecordedText(tasks), serve_replay(tasks)
     plain = args.sequences * args.tokens * costs.plain_s
