@@ -406,24 +406,15 @@ def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
         return reference_attention(q, k_pool, v_pool, table, q_pos, tails=tails)
     b, h, t, d = q.shape
     tiles = tiles or _tiles(b, k_pool.shape[1], t, h // k_pool.shape[1], prompt, tails is not None)
-    if tiles.block_t < 16 or tiles.block_t & (tiles.block_t - 1):
-        raise SelfspecError(f"attention tiles need a power of two >= 16 rows (a tensor-core tile), got {tiles.block_t}")
+    q, table, pos, out = _kernel_inputs(q, k_pool, v_pool, table, q_pos, tiles)
     bs, w = k_pool.shape[2], table.shape[1]
-    check_block_size(bs)
     s = w * bs  # keys the table addresses
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
-        raise SelfspecError("the KV pools must be contiguous along head_dim")
-    table, pos = table.contiguous(), q_pos.contiguous()
     hkv = k_pool.shape[1]
-    block_d = triton.next_power_of_2(d)
-    # Written token-major: the output projection's input [B, T, H * D] is then a view, not a copy.
-    out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     args = (t, s, bs, w, hkv, h // hkv)
     strides = (math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3])
     if tails is not None and tails.shape != pos.shape:
         raise SelfspecError(f"tails {tuple(tails.shape)} must match the queries' positions {tuple(pos.shape)}")
-    consts = dict(D=d, BLOCK_D=block_d, BLOCK_T=tiles.block_t, BLOCK_S=BLOCK_S, CHUNK=CHUNK,
+    consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_T=tiles.block_t, BLOCK_S=BLOCK_S, CHUNK=CHUNK,
                   TILE_IN_BLOCK=bs % BLOCK_S == 0, TAILS=tails is not None, num_warps=tiles.warps, num_stages=2,
                   **launch_options())
     tails = pos if tails is None else tails.contiguous()  # (not read without TAILS)
@@ -432,15 +423,42 @@ def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
         _attention_in_program_kernel[(n_tiles, b * hkv)](
             q, k_pool, v_pool, table, tails, pos, out, *args, *strides, *out.stride()[:3], **consts)
         return out
-    n_chunks = triton.cdiv(s, CHUNK)
-    m = torch.empty((b * h, n_chunks, t), dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    acc = torch.empty((b * h, n_chunks, t, block_d), dtype=torch.float32, device=q.device)
-    _attention_chunk_kernel[(n_tiles, b * hkv, n_chunks)](
-        q, k_pool, v_pool, table, tails, pos, m, l, acc, *args, n_chunks, *strides, **consts)
-    _attention_merge_kernel[(triton.cdiv(t, MERGE_BLOCK_T), b * h)](
-        pos, m, l, acc, out, t, s, h, n_chunks, *out.stride()[:3],
-        D=d, BLOCK_D=block_d, BLOCK_T=MERGE_BLOCK_T, CHUNK=CHUNK, num_warps=4, **launch_options(),
+    m, l, acc = _chunk_states(out, s)
+    _attention_chunk_kernel[(n_tiles, b * hkv, m.shape[1])](
+        q, k_pool, v_pool, table, tails, pos, m, l, acc, *args, m.shape[1], *strides, **consts)
+    return _merge_chunks(pos, m, l, acc, out, s)
+
+
+def _kernel_inputs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                   q_pos: torch.Tensor, tiles: Tiles) -> tuple[torch.Tensor, ...]:
+    """The checked inputs of a bf16 attention kernel (q, table, positions), and its output [B, H, T, D], written
+    token-major: the output projection's input [B, T, H * D] is then a view, not a copy."""
+    if tiles.block_t < 16 or tiles.block_t & (tiles.block_t - 1):
+        raise SelfspecError(f"attention tiles need a power of two >= 16 rows (a tensor-core tile), got {tiles.block_t}")
+    check_block_size(k_pool.shape[2])
+    if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        raise SelfspecError("the KV pools must be contiguous along head_dim")
+    b, h, t, d = q.shape
+    out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    return q if q.stride(-1) == 1 else q.contiguous(), table.contiguous(), q_pos.contiguous(), out
+
+
+def _chunk_states(out: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split path's partials for output out [B, H, T, D] over s keys: each (query, head)'s chunk states, max
+    and sum [B * H, N_CHUNKS, T] and acc [B * H, N_CHUNKS, T, BLOCK_D] (fp32)."""
+    b, h, t, d = out.shape
+    m = torch.empty((b * h, triton.cdiv(s, CHUNK), t), dtype=torch.float32, device=out.device)
+    acc = torch.empty((*m.shape, triton.next_power_of_2(d)), dtype=torch.float32, device=out.device)
+    return m, torch.empty_like(m), acc
+
+
+def _merge_chunks(pos: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, out: torch.Tensor,
+                  s: int) -> torch.Tensor:
+    """out with each query's chunk states merged in chunk order (`_attention_merge_kernel`)."""
+    _, h, t, d = out.shape
+    _attention_merge_kernel[(triton.cdiv(t, MERGE_BLOCK_T), m.shape[0])](
+        pos, m, l, acc, out, t, s, h, m.shape[1], *out.stride()[:3],
+        D=d, BLOCK_D=acc.shape[-1], BLOCK_T=MERGE_BLOCK_T, CHUNK=CHUNK, num_warps=4, **launch_options(),
     )
     return out
 
@@ -464,26 +482,17 @@ def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     if not q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16:
         return reference_attention(q, k_pool, v_pool, table, q_pos, tails=tree.tails)
     tiles = tiles or (WIDE_TREE_TILES if len(tree.first) >= WIDE_TREE_NODES else TREE_TILES)
-    r, h, t, d = q.shape
+    q, table, pos, out = _kernel_inputs(q, k_pool, v_pool, table, q_pos, tiles)
+    h, t, d = q.shape[1:]
     hkv, bs, w = k_pool.shape[1], k_pool.shape[2], table.shape[1]
-    s, block_d, n_rep = w * bs, triton.next_power_of_2(d), h // hkv
-    check_block_size(bs)
-    q, table, pos, tails = q.contiguous(), table.contiguous(), q_pos.contiguous(), tree.tails.contiguous()
-    out = torch.empty((r, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
-    n_chunks = triton.cdiv(s, CHUNK)
-    m = torch.empty((r * h, n_chunks, t), dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    acc = torch.empty((r * h, n_chunks, t, block_d), dtype=torch.float32, device=q.device)
+    s, n_rep = w * bs, h // hkv
+    m, l, acc = _chunk_states(out, s)
     n_seq = len(tree.starts) - 1
     # Enough programs for every sequence's tiles: a sequence's last tile is the only one not full.
     n_tiles = triton.cdiv(len(tree.first), tiles.block_t // n_rep) + n_seq
-    _tree_chunk_kernel[(n_tiles, hkv, n_chunks)](
-        q, k_pool, v_pool, table, tails, pos, tree.first, tree.starts, m, l, acc, t, s, bs, w, hkv, n_rep, n_chunks,
-        n_seq, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3],
-        D=d, BLOCK_D=block_d, BLOCK_T=tiles.block_t, BLOCK_S=BLOCK_S, CHUNK=CHUNK, TILE_IN_BLOCK=bs % BLOCK_S == 0,
-        num_warps=tiles.warps, num_stages=2, **launch_options())
-    _attention_merge_kernel[(triton.cdiv(t, MERGE_BLOCK_T), r * h)](
-        pos, m, l, acc, out, t, s, h, n_chunks, *out.stride()[:3],
-        D=d, BLOCK_D=block_d, BLOCK_T=MERGE_BLOCK_T, CHUNK=CHUNK, num_warps=4, **launch_options(),
-    )
-    return out
+    _tree_chunk_kernel[(n_tiles, hkv, m.shape[1])](
+        q, k_pool, v_pool, table, tree.tails.contiguous(), pos, tree.first, tree.starts, m, l, acc, t, s, bs, w, hkv,
+        n_rep, m.shape[1], n_seq, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3],
+        *v_pool.stride()[:3], D=d, BLOCK_D=acc.shape[-1], BLOCK_T=tiles.block_t, BLOCK_S=BLOCK_S, CHUNK=CHUNK,
+        TILE_IN_BLOCK=bs % BLOCK_S == 0, num_warps=tiles.warps, num_stages=2, **launch_options())
+    return _merge_chunks(pos, m, l, acc, out, s)
