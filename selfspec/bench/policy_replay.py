@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.bench.traces import TRACE_DIR, RecordedText, load
-from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, bucket
+from selfspec.engine.graphs import node_bucket
 from selfspec.errors import SelfspecError
 from selfspec.speculative.drafters import Drafter, TreeDrafter, gamma_policy
 from selfspec.speculative.policy import GammaPolicy
@@ -32,7 +32,7 @@ class Costs:
     def round_s(self, nodes: int) -> float:
         """A tree pass over `nodes` nodes (the pending token's included): its bucket's time, or the largest
         bucket's past them."""
-        size = max(MAX_GRAPHED_TOKENS, bucket(nodes))
+        size = node_bucket(nodes)
         known = sorted(self.tree_s)
         return self.tree_s[known[min(bisect.bisect_left(known, size), len(known) - 1)]]
 

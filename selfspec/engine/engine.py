@@ -49,7 +49,7 @@ import torch
 from selfspec.bench.device import time_ms
 from selfspec.cache.paged import PagedKVCache, PagedTree, SharedTree, tree_view
 from selfspec.cache.paged_quant import PagedQuantKVCache
-from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, PagedGraphedModel, bucket, trash_view
+from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, PagedGraphedModel, bucket, node_bucket, trash_view
 from selfspec.engine.llm import LLM, Generation, check_gamma
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
@@ -381,10 +381,10 @@ class Engine:
         dev = self.llm.model.device
         gamma = self._tree_width() - 1
         most = min(self.max_batch, SHARED_TREE_BATCH)
-        most_nodes = max(MAX_GRAPHED_TOKENS, bucket(most * (self.tree.max_nodes(gamma) + 1)))
+        most_nodes = node_bucket(most * (self.tree.max_nodes(gamma) + 1))
         rows = 1
         while rows <= bucket(most * self.tree.branches):
-            nodes = max(MAX_GRAPHED_TOKENS, rows)
+            nodes = node_bucket(rows)
             while nodes <= most_nodes:
                 tokens = torch.zeros(1, nodes, dtype=torch.long, device=dev)
                 layout = TreeLayout(*(torch.zeros(shape, dtype=torch.long, device=dev)

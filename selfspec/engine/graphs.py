@@ -43,6 +43,12 @@ def bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
+def node_bucket(nodes: int) -> int:
+    """The nodes of the graph a tree pass of `nodes` nodes replays: the next power of two, at least
+    MAX_GRAPHED_TOKENS."""
+    return max(MAX_GRAPHED_TOKENS, bucket(nodes))
+
+
 def prompt_bucket(tokens: int) -> int:
     """The tokens of the prompt graph a pass (or a row) of `tokens` tokens replays."""
     return max(16, bucket(tokens)) if tokens <= PROMPT_STEP else -(-tokens // PROMPT_STEP) * PROMPT_STEP
@@ -201,8 +207,7 @@ class _Graphed:
         static, rows = self._static(cache, rows)
         # The mode itself: its skipped layers too. A tree pass: its nodes padded to a power of two (>= 16), and
         # whether its rows share one cache row.
-        shape = (rows, width) if tree is None else (rows, width, max(MAX_GRAPHED_TOKENS, bucket(tokens.shape[1])),
-                                                    tree.tails is not None)
+        shape = (rows, width) if tree is None else (rows, width, node_bucket(tokens.shape[1]), tree.tails is not None)
         key = (id(static), mode, shape)
         graph = self._graphs.get(key)
         if graph is not None:
