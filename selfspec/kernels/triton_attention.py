@@ -122,12 +122,33 @@ def _chunk_softmax(q, pos, k_head, v_head, table_row, tail_row, base, start, end
     loop of their own (a branch in the loop would cost the other tiles their pipelining); the same tiles, values
     and order."""
     offs_d = tl.arange(0, BLOCK_D)
-    m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     mid = end
     if TAILS:
         mid = tl.minimum(end, start + tl.maximum(base - start, 0) // BLOCK_S * BLOCK_S)
+    m_i, l_i, acc = _shared_tiles(q, pos, k_head, v_head, table_row, start, mid, end, BS, qk_scale, stride_kn,
+                                  stride_ks, stride_vn, stride_vs, D, BLOCK_D, BLOCK_T, BLOCK_S, TILE_IN_BLOCK)
+    if TAILS:
+        for s0 in range(mid, end, BLOCK_S):  # the tiles holding the row's own keys
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            kv_mask = (offs_s < end)[:, None] & (offs_d < D)[None, :]
+            own = (offs_s >= base) & (offs_s < end)
+            at = tl.where(own, tl.load(tail_row + offs_s - base, mask=own, other=0), offs_s)
+            k, v = _keys_at(at, k_head, v_head, table_row, kv_mask, offs_s < end, BS, stride_kn, stride_ks, stride_vn,
+                            stride_vs, offs_d)
+            m_i, l_i, acc = _softmax_step(q, k, v, pos, offs_s, qk_scale, m_i, l_i, acc)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _shared_tiles(q, pos, k_head, v_head, table_row, start, mid, end, BS, qk_scale, stride_kn, stride_ks, stride_vn,
+                  stride_vs, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                  TILE_IN_BLOCK: tl.constexpr):
+    """The online softmax of the key tiles from start up to mid (keys below end) from a fresh state, each key read
+    at its own position through the block table: a chunk's tiles before any row's own tail keys."""
+    offs_d = tl.arange(0, BLOCK_D)
+    m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for s0 in range(start, mid, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         kv_mask = (offs_s < end)[:, None] & (offs_d < D)[None, :]
@@ -139,20 +160,18 @@ def _chunk_softmax(q, pos, k_head, v_head, table_row, tail_row, base, start, end
         k = tl.load(k_head + block * stride_kn + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0)
         v = tl.load(v_head + block * stride_vn + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0)
         m_i, l_i, acc = _softmax_step(q, k, v, pos, offs_s, qk_scale, m_i, l_i, acc)
-    if TAILS:
-        for s0 in range(mid, end, BLOCK_S):  # the tiles holding the row's own keys
-            offs_s = s0 + tl.arange(0, BLOCK_S)
-            kv_mask = (offs_s < end)[:, None] & (offs_d < D)[None, :]
-            own = (offs_s >= base) & (offs_s < end)
-            at = tl.where(own, tl.load(tail_row + offs_s - base, mask=own, other=0), offs_s)
-            block = tl.load(table_row + at // BS, mask=offs_s < end, other=0)[:, None]
-            slot = at % BS
-            k = tl.load(k_head + block * stride_kn + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask,
-                        other=0)
-            v = tl.load(v_head + block * stride_vn + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask,
-                        other=0)
-            m_i, l_i, acc = _softmax_step(q, k, v, pos, offs_s, qk_scale, m_i, l_i, acc)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _keys_at(at, k_head, v_head, table_row, kv_mask, in_chunk, BS, stride_kn, stride_ks, stride_vn, stride_vs, offs_d):
+    """A key tile's K and V [BLOCK_S, BLOCK_D] read at positions `at` through the block table (a tail's keys sit
+    where its tails say, not in order)."""
+    block = tl.load(table_row + at // BS, mask=in_chunk, other=0)[:, None]
+    slot = at % BS
+    k = tl.load(k_head + block * stride_kn + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0)
+    v = tl.load(v_head + block * stride_vn + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0)
+    return k, v
 
 
 @triton.jit
@@ -267,21 +286,10 @@ def _tree_chunk_kernel(
                     mask=live[:, None] & (offs_d < D)[None, :], other=0)
         k_head = k_ptr + kv_h * stride_kh
         v_head = v_ptr + kv_h * stride_vh
-        m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         mid = tl.minimum(end, start + tl.maximum(base - start, 0) // BLOCK_S * BLOCK_S)
-        for s0 in range(start, mid, BLOCK_S):  # the prefix: every branch's
-            offs_s = s0 + tl.arange(0, BLOCK_S)
-            kv_mask = (offs_s < end)[:, None] & (offs_d < D)[None, :]
-            if TILE_IN_BLOCK:
-                block = tl.load(table_row + s0 // BS)
-            else:
-                block = tl.load(table_row + offs_s // BS, mask=offs_s < end, other=0)[:, None]
-            at = offs_s % BS
-            k = tl.load(k_head + block * stride_kn + at[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0)
-            v = tl.load(v_head + block * stride_vn + at[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0)
-            m_i, l_i, acc = _softmax_step(q, k, v, pos, offs_s, qk_scale, m_i, l_i, acc)
+        m_i, l_i, acc = _shared_tiles(q, pos, k_head, v_head, table_row, start, mid, end, BS, qk_scale, stride_kn,
+                                      stride_ks, stride_vn, stride_vs, D, BLOCK_D, BLOCK_T, BLOCK_S,
+                                      TILE_IN_BLOCK)  # the prefix: every branch's
         b_lo = tl.min(tl.where(live, b, 1 << 30), axis=0)
         b_hi = tl.max(tl.where(live, b, -1), axis=0)
         for s0 in range(mid, end, BLOCK_S):  # the tiles holding the branches' own keys, each branch in turn
@@ -290,12 +298,8 @@ def _tree_chunk_kernel(
             own = (offs_s >= base) & (offs_s < end)
             for bb in range(b_lo, b_hi + 1):
                 at = tl.where(own, tl.load(tails_ptr + bb * T + offs_s - base, mask=own, other=0), offs_s)
-                block = tl.load(table_row + at // BS, mask=offs_s < end, other=0)[:, None]
-                slot_s = at % BS
-                k = tl.load(k_head + block * stride_kn + slot_s[:, None] * stride_ks + offs_d[None, :], mask=kv_mask,
-                            other=0)
-                v = tl.load(v_head + block * stride_vn + slot_s[:, None] * stride_vs + offs_d[None, :], mask=kv_mask,
-                            other=0)
+                k, v = _keys_at(at, k_head, v_head, table_row, kv_mask, offs_s < end, BS, stride_kn, stride_ks,
+                                stride_vn, stride_vs, offs_d)
                 m_i, l_i, acc = _softmax_step(q, k, v, tl.where(b == bb, pos, -1), offs_s, qk_scale, m_i, l_i, acc)
         row = ((b * HKV * N_REP + h) * N_CHUNKS + c) * T + t  # partials [B * H, N_CHUNKS, T], as the chunk kernel's
         tl.store(m_ptr + row, m_i, mask=live)
