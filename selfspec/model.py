@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -97,6 +98,8 @@ class TreeLayout:
     starts: torch.Tensor | None = None
     host_rows: list[list[int]] = field(default_factory=list, compare=False)  # as the host built them: no copy back
     host_tokens: list[int] = field(default_factory=list, compare=False)
+    # `of`'s values on the host, side by side: rows, first, tokens, positions, tails, starts (a graph copies them)
+    host: np.ndarray | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, trees: list[tuple[int, int, list[list[int]]]], device: torch.device | str = "cpu",
@@ -132,12 +135,12 @@ class TreeLayout:
         tails = [pos[root] + node - root for row, root in zip(rows, roots) for node in row] if shared else []
         starts = starts + [n] if shared else []
         # One copy to the device: the rows, first, tokens, positions, tails and starts side by side.
-        flat = long_tensor([x for r in rows for x in r] + [first[i] for i in range(n)] + tokens + pos + tails + starts,
-                           device)
+        host = long_tensor([x for r in rows for x in r] + [first[i] for i in range(n)] + tokens + pos + tails + starts)
+        flat = host.to(device)
         end = cut + 3 * n + len(tails)
         layout = cls(flat[:cut].view(len(rows), width), flat[cut:cut + n],
                      flat[cut + 3 * n:end].view(len(rows), width) if shared else None,
-                     flat[end:] if shared else None, rows, tokens)
+                     flat[end:] if shared else None, rows, tokens, host.numpy())
         return layout, flat[cut + n:cut + 2 * n], flat[cut + 2 * n:cut + 3 * n]
 
 

@@ -87,11 +87,9 @@ class BlockPool:
             self.free_blocks.extend(reversed(self.tables.pop(seq)))
             del self.lengths[seq]
 
-    def padded_tables(self, seqs: list[str]) -> torch.Tensor:
-        """The block tables of rows `seqs` [B, W] on the CPU, padded with the trash block to the longest."""
-        width = max(len(self.tables[s]) for s in seqs)
-        return long_tensor([b for s in seqs for b in self.tables[s] + [TRASH] * (width - len(self.tables[s]))]
-                           ).view(len(seqs), width)
+    def padded_tables(self, seqs: list[str], device: torch.device | str = "cpu") -> torch.Tensor:
+        """The block tables of rows `seqs` [B, W] on `device`, padded with the trash block to the longest."""
+        return padded(list(map(self.tables.__getitem__, seqs)), device)
 
 
 class PagedKVCache(BlockPool):
@@ -107,7 +105,7 @@ class PagedKVCache(BlockPool):
 
     def view(self, seqs: list[str]) -> PagedBatchView:
         """The batch view of rows `seqs`; their block tables padded with the trash block to the longest."""
-        return PagedBatchView(self, self.padded_tables(seqs).to(self.k.device))
+        return PagedBatchView(self, self.padded_tables(seqs, self.k.device))
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
@@ -142,7 +140,8 @@ class PagedTree:
             starts = torch.tensor([t[0] * bs for t in tails], device=cache.k.device)[:, None]
             offsets = torch.arange(length % bs, device=cache.k.device)
             cache.copy_slots((own[first] * bs + offsets).repeat(len(tails)), (starts + offsets).flatten())
-        self.table = torch.tensor([own] + [own[:first] + t for t in tails], dtype=torch.long, device=cache.k.device)
+        self.host_table = [own] + [own[:first] + t for t in tails]
+        self.table = long_tensor([b for row in self.host_table for b in row], cache.k.device).view(branches, -1)
 
     @property
     def batch(self) -> int:
@@ -151,6 +150,10 @@ class PagedTree:
     def rows(self, start: int, stop: int) -> PagedBatchView:
         """Rows start..stop-1 as a batch view: a pass through it reads and writes those rows only."""
         return PagedBatchView(self.cache, self.table[start:stop])
+
+    def block_rows(self, start: int, stop: int) -> list[list[int]]:
+        """Rows start..stop-1's block ids, on the host."""
+        return self.host_table[start:stop]
 
     def copy_positions(self, src: int, start: int, end: int) -> None:
         """Copy every layer's keys and values of positions start..end-1 (>= length) from row src to every other row."""
@@ -173,18 +176,17 @@ class SharedTree:
     def __init__(self, cache: PagedKVCache, seq: str):
         self.cache = cache
         self.blocks = cache.tables[seq]
-        self.table = long_tensor(self.blocks, cache.k.device)[None]
 
-    def rows(self, start: int, stop: int) -> PagedBatchView:
-        """The sequence's row stop - start times."""
-        return PagedBatchView(self.cache, self.table.expand(stop - start, -1))
+    def block_rows(self, start: int, stop: int) -> list[list[int]]:
+        """The sequence's block ids stop - start times, on the host."""
+        return [self.blocks] * (stop - start)
 
     def move_positions(self, row: int, src: list[int], dst: list[int]) -> None:
         """Copy every layer's keys and values of positions src to positions dst (a branch's accepted drafts)."""
         bs, blocks = self.cache.block_size, self.blocks
         pairs = [(blocks[s // bs] * bs + s % bs, blocks[d // bs] * bs + d % bs) for s, d in zip(src, dst) if s != d]
         if pairs:
-            slots = torch.tensor(pairs, device=self.cache.k.device).T
+            slots = long_tensor([s for s, _ in pairs] + [d for _, d in pairs], self.cache.k.device).view(2, -1)
             self.cache.copy_slots(slots[0], slots[1])
 
     def release(self) -> None:
@@ -192,11 +194,17 @@ class SharedTree:
 
 
 def tree_view(trees: list[PagedTree | SharedTree], spans: list[tuple[int, int]]) -> PagedBatchView:
-    """One batch view over rows spans[i] (start, stop) of each trees[i] (their tables padded with the trash block)."""
-    width = max(t.table.shape[1] for t in trees)
-    tables = [torch.nn.functional.pad(t.rows(start, stop).table, (0, width - t.table.shape[1]), value=TRASH)
-              for t, (start, stop) in zip(trees, spans)]
-    return PagedBatchView(trees[0].cache, torch.cat(tables))
+    """One batch view over rows spans[i] (start, stop) of each trees[i] (their tables padded with the trash block),
+    built on the host and copied once."""
+    cache = trees[0].cache
+    rows = [row for t, (start, stop) in zip(trees, spans) for row in t.block_rows(start, stop)]
+    return PagedBatchView(cache, padded(rows, cache.k.device))
+
+
+def padded(tables: list[list[int]], device: torch.device | str) -> torch.Tensor:
+    """Block tables [B, W] on `device` from the host's lists, padded with the trash block to the longest."""
+    width = max(map(len, tables))
+    return long_tensor([b for t in tables for b in t + [TRASH] * (width - len(t))], device).view(len(tables), width)
 
 
 class PagedBatchView:

@@ -20,6 +20,7 @@ from selfspec.cache.kv import LayerKV
 from selfspec.cache.paged import BlockPool
 from selfspec.cache.quant_kv import BUFFER_GROUPS, QuantPools, check_pass_fits, settle
 from selfspec.errors import SelfspecError
+from selfspec.host import long_tensor
 
 
 class PagedQuantKVCache(BlockPool):
@@ -75,9 +76,9 @@ class PagedQuantKVCache(BlockPool):
 
     def view(self, seqs: list[str]) -> PagedQuantBatchView:
         dev = self.k.device
-        return PagedQuantBatchView(self, self.padded_tables(seqs).to(dev),
-                                   torch.tensor([[self.rows[s]] for s in seqs], device=dev),
-                                   torch.tensor([self.starts[s] for s in seqs], device=dev))
+        return PagedQuantBatchView(self, self.padded_tables(seqs, dev),
+                                   long_tensor([self.rows[s] for s in seqs], dev)[:, None],
+                                   long_tensor([self.starts[s] for s in seqs], dev))
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2 + self.pools.nbytes()

@@ -22,6 +22,7 @@ weight, and keeps that buffer alive.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from selfspec.cache import KVCache
@@ -99,30 +100,35 @@ class _TreeGraph:
 
     def __init__(self, model: Transformer, cache, mode: Mode, shape: tuple[int, int, int, bool], pool) -> None:
         rows, width, nodes, shared = shape
-        dev = model.device
-        self.tokens = torch.zeros(1, nodes, dtype=torch.long, device=dev)
-        self.pos = torch.zeros_like(self.tokens)
-        # Shared rows: up to SHARED_TREE_BATCH sequences' starts (padding sequences' zeros: no nodes).
-        self.tree = TreeLayout(torch.zeros(rows, width, dtype=torch.long, device=dev),
-                               torch.zeros(nodes, dtype=torch.long, device=dev),
-                               torch.zeros(rows, width, dtype=torch.long, device=dev) if shared else None,
-                               torch.zeros(min(rows, SHARED_TREE_BATCH) + 1, dtype=torch.long, device=dev)
-                               if shared else None)
+        # One buffer, as TreeLayout.of lays its values out: rows, first, tokens, positions and, for shared rows,
+        # tails and up to SHARED_TREE_BATCH sequences' starts (padding sequences' zeros: no nodes).
+        self.sizes = [rows * width, nodes, nodes, nodes, rows * width * shared,
+                      (min(rows, SHARED_TREE_BATCH) + 1) * shared]
+        self.inputs = torch.zeros(sum(self.sizes), dtype=torch.long, device=model.device)
+        self.staging = np.zeros(sum(self.sizes), dtype=np.int64)  # numpy: a slice copy costs 0.5 us, not 5-10
+        self.staged = np.split(self.staging, np.cumsum(self.sizes)[:-1])
+        t_rows, first, tokens, pos, tails, starts = self.inputs.split(self.sizes)
+        self.tokens, self.pos = tokens.view(1, nodes), pos.view(1, nodes)
+        self.tree = TreeLayout(t_rows.view(rows, width), first, tails.view(rows, width) if shared else None,
+                               starts if shared else None)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = model(self.tokens, self.pos, cache, mode, tree=self.tree)
 
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, tree: TreeLayout) -> torch.Tensor:
-        pad_into(self.tokens, tokens)
-        pad_into(self.pos, pos)
-        pad_into(self.tree.rows, tree.rows)
-        pad_into(self.tree.first, tree.first)
-        if tree.tails is not None:
-            pad_into(self.tree.tails, tree.tails)
-            if len(tree.starts) > len(self.tree.starts):
-                raise SelfspecError(f"a graphed tree pass of shared rows holds at most {SHARED_TREE_BATCH} sequences, "
-                                    f"got {len(tree.starts) - 1}")
-            pad_into(self.tree.starts, tree.starts)
+        """The pass's values padded into the static buffer, all in one copy from the host (the layout's own host
+        values where TreeLayout.of built it: a layout built on the device is read back)."""
+        if tree.starts is not None and len(tree.starts) > self.sizes[-1]:
+            raise SelfspecError(f"a graphed tree pass of shared rows holds at most {SHARED_TREE_BATCH} sequences, "
+                                f"got {len(tree.starts) - 1}")
+        parts = [tree.rows, tree.first, tokens, pos] + ([tree.tails, tree.starts] if tree.tails is not None else [])
+        host = tree.host if tree.host is not None else torch.cat([p.flatten() for p in parts]).cpu().numpy()
+        self.staging.fill(0)
+        start = 0
+        for dst, part in zip(self.staged, parts):
+            dst[:part.numel()] = host[start:start + part.numel()]
+            start += part.numel()
+        self.inputs.copy_(torch.from_numpy(self.staging))
         self.graph.replay()
         return self.logits[:, :tokens.shape[1]]
 

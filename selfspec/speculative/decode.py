@@ -21,6 +21,7 @@ import torch
 from selfspec.cache import KVCache
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
+from selfspec.host import long_tensor
 from selfspec.model import Runner, Transformer, TreeLayout, prefill
 from selfspec.quant.modes import Mode, prompt_mode
 from selfspec.speculative.drafters import Drafter, RowsView, TokenHistory, TreeDrafter, as_drafter
@@ -133,8 +134,8 @@ def run_round(model: Runner, cache, rows: list[Row], k: int, draft: Drafter | Mo
     The drafts stay on the device between steps: on a GPU the host waits twice per round (drafts, verify)."""
     dev = model.device
     t0 = time.perf_counter()
-    pending = torch.tensor([r.pending for r in rows], device=dev)
-    lengths = torch.tensor([r.length for r in rows], device=dev)[:, None]
+    pending = long_tensor([r.pending for r in rows], dev)
+    lengths = long_tensor([r.length for r in rows], dev)[:, None]
     prefill_s = 0.0
     if k:
         proposal = as_drafter(draft).propose(model, cache, rows, pending, lengths, k)
@@ -171,8 +172,8 @@ def run_steps(model: Runner, cache, rows: list[Row], verify: Mode, steps: int) -
     Returns one RoundResult for all the steps (k = 0, verify_s their total time)."""
     dev = model.device
     t0 = time.perf_counter()
-    tok = torch.tensor([[r.pending] for r in rows], device=dev)
-    pos = torch.tensor([[r.length] for r in rows], device=dev)
+    tok = long_tensor([r.pending for r in rows], dev)[:, None]
+    pos = long_tensor([r.length for r in rows], dev)[:, None]
     out = []
     for i in range(steps):
         tok = model(tok, pos + i, cache, verify).argmax(-1)

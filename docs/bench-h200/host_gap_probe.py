@@ -1,0 +1,102 @@
+"""The host's critical path between the engine's passes, unperturbed by a profiler (8B synthetic planes, recycle trace
+replayed): each CUDA graph replay's gap since the host last waited for the GPU (a .tolist()), and the time spent in
+named functions inside those gaps. Usage: python docs/bench-h200/host_gap_probe.py B:GAMMA ... (GAMMA: int, or p)."""
+import collections, functools, sys, time
+import torch
+import selfspec.engine.engine as eng
+import selfspec.engine.graphs as graphs
+import selfspec.model as model
+import selfspec.speculative.decode as decode
+import selfspec.cache.paged as paged
+from selfspec.bench.serve import synthetic_llm, replayed, make_engine, run_closed_loop
+from selfspec.speculative.sampling import SamplingParams
+
+EVENTS = []
+clock = time.perf_counter
+
+
+def timed(name, fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        t = clock()
+        try:
+            return fn(*a, **k)
+        finally:
+            EVENTS.append((name, t, clock()))
+    return wrapper
+
+
+torch.Tensor.tolist = timed("tolist", torch.Tensor.tolist)
+torch.cuda.CUDAGraph.replay = timed("replay", torch.cuda.CUDAGraph.replay)
+eng.Engine.step = timed("step", eng.Engine.step)
+eng.Engine._schedule = timed("schedule", eng.Engine._schedule)
+eng.Engine._emit = timed("emit", eng.Engine._emit)
+eng.tree_rounds = timed("tree_rounds", eng.tree_rounds)
+eng.run_round = timed("run_round", eng.run_round)
+eng.SharedTree = type("SharedTree", (paged.SharedTree,), {"__init__": timed("SharedTree", paged.SharedTree.__init__)})
+eng.tree_view = timed("tree_view", eng.tree_view)
+model.TreeLayout.of = classmethod(timed("TreeLayout.of", model.TreeLayout.of.__func__))
+graphs.pad_into = timed("pad_into", graphs.pad_into)
+graphs.PagedGraphedModel.__call__ = timed("runner", graphs.PagedGraphedModel.__call__)
+paged.SharedTree.move_positions = timed("move_positions", paged.SharedTree.move_positions)
+decode.advance = timed("advance", decode.advance)
+paged.PagedKVCache.view = timed("cache.view", paged.PagedKVCache.view)
+paged.BlockPool.extend = timed("cache.extend", paged.BlockPool.extend)
+eng.Engine._round = timed("_round", eng.Engine._round)
+eng.Engine._take_inbox = timed("_take_inbox", eng.Engine._take_inbox)
+eng.Engine._burst = timed("_burst", eng.Engine._burst)
+eng.Engine._execute = timed("_execute", eng.Engine._execute)
+decode.run_steps = eng.run_steps = timed("run_steps", eng.run_steps)
+torch.tensor = timed("torch.tensor", torch.tensor)
+graphs._Graph.__call__ = timed("_Graph", graphs._Graph.__call__)
+graphs._TreeGraph.__call__ = timed("_TreeGraph", graphs._TreeGraph.__call__)
+graphs.PagedGraphedModel._static = timed("_static", graphs.PagedGraphedModel._static)
+
+T = "selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json"
+SHAPE, DEV = (sys.argv.pop(1), "cpu") if sys.argv[1] == "--cpu" and sys.argv.pop(1) else ("llama-3-8b", "cuda")
+llm = synthetic_llm(SHAPE, "recycle", 8, 128, DEV)
+name, accept = replayed(llm, T)
+g = torch.Generator().manual_seed(0)
+engines = {}
+for spec in sys.argv[1:]:
+    b, gm = spec.split(":")
+    B, gamma = int(b), (None if gm == "p" else int(gm))
+    prompts = torch.randint(0, llm.model.cfg.vocab_size, (max(8, 2 * B), 512), generator=g).tolist()
+    if B not in engines:
+        engines.clear(); torch.cuda.empty_cache()
+        engines[B] = make_engine(llm, prompts, B, 128, 8, accept)
+    engine = engines[B]
+    if getattr(engine.tree, "propose_trees", None):
+        engine.tree.propose_trees = timed("propose_trees", engine.tree.propose_trees)
+    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    run_closed_loop(engine, prompts, params, gamma)
+    EVENTS.clear()
+    r = run_closed_loop(engine, prompts, params, gamma)
+    ev = sorted(EVENTS, key=lambda e: e[1])
+    gaps, inside = [], collections.defaultdict(float)
+    last_wait = None
+    for name_, t0, t1 in ev:
+        if name_ == "tolist":
+            last_wait = t1
+        elif name_ == "replay" and last_wait is not None:
+            gaps.append(t0 - last_wait)
+            for n2, a, z in ev:
+                if n2 in ("runner", "_round", "step", "tree_rounds", "run_steps", "_execute") and last_wait <= a <= t0 <= z:
+                    inside[n2 + " (to replay)"] += t0 - a
+            for n2, a, z in ev:
+                if a >= last_wait and z <= t0 and n2 != "replay":
+                    inside[n2] += z - a
+            last_wait = None
+    n = len(gaps)
+    gaps.sort()
+    print(f"== B={B} gamma={gm}: {r['output_tokens']} tokens, {r['tokens_per_s']:.1f} tok/s, mean gamma {r['mean_gamma']:.2f}; "
+          f"{n} gaps from a wait to the next replay: mean {sum(gaps)/n*1e3:.3f} ms, median {gaps[n//2]*1e3:.3f}, "
+          f"p90 {gaps[int(n*0.9)]*1e3:.3f}; total {sum(gaps)*1e3:.0f} ms of {r['wall_s']*1e3:.0f}", flush=True)
+    reps = [z - a for nm, a, z in ev if nm == "replay"]
+    print(f"   replay calls {len(reps)}: mean {sum(reps)/len(reps)*1e3:.3f} ms")
+    # the parts of a gap: before the engine's step, and from a replaying call's entry to its replay
+    steps = [(a, z) for nm, a, z in ev if nm == "step"]
+    between = [b[0] - a[1] for a, b in zip(steps, steps[1:])]
+    print(f"   between steps (the bench's loop): mean {sum(between)/len(between)*1e3:.3f} ms over {len(between)}")
+    for k_, v in sorted(inside.items(), key=lambda kv: -kv[1]):
+        print(f"   {k_:16s} {v/n*1e3:8.3f} ms a gap (nested times overlap)")
