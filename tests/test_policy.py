@@ -67,6 +67,26 @@ def test_zero_when_speculation_gains_less_than_the_margin():
     assert p.choose(1) == 0
 
 
+def test_the_margin_is_to_start_drafting_not_to_go_on():
+    """Drafting by its own choice, the policy goes on while drafting is estimated to win at all (acceptance comes in
+    bursts: a dip of the recent estimate under the margin is not the end of a stretch that pays); not drafting, it
+    starts only past the margin."""
+    def drafting_wins_by(p):  # k = 1 over plain decoding, as the policy estimates it
+        return p.throughput(1, 1) / p.throughput(1, 0)
+
+    p = measured({1: 1.0, 2: 1.0}, draft_ratio=0.1, acceptance=0.5, batch=1, max_gamma=1)
+    assert p.choose(1) == 1 and not p.measuring
+    for _ in range(30):  # recent rounds accept 13%: drafting wins by 1-3%, under the 5% margin
+        p.observe_acceptance(1, [1] * 13 + [0] * 87)
+    assert 1.0 < drafting_wins_by(p) < 1.05
+    assert p.choose(1) == 1
+    fresh = measured({1: 1.0, 2: 1.0}, draft_ratio=0.1, acceptance=0.13, batch=1, max_gamma=1)
+    assert 1.0 < drafting_wins_by(fresh) < 1.05 and fresh.choose(1) == 0
+    for _ in range(30):  # 5%: drafting loses
+        p.observe_acceptance(1, [1] * 5 + [0] * 95)
+    assert drafting_wins_by(p) < 1.0 and p.choose(1) == 0
+
+
 def test_exploration_order():
     p = GammaPolicy(4)
     assert p.choose(8) == 0  # nothing measured at batch 8: plain decoding first

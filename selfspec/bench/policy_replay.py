@@ -7,7 +7,7 @@ steps. So a policy change can be weighed in seconds
 before a GPU lease (the engine's own rounds on the GPU then say whether the costs and the rule held).
 
 selfspec bench policy --trace selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json \
-    --plain-ms 4.69 --tree-ms 16:5.77 32:6.4 [--draft-ms 0.2] [--tokens 128] [--sequences 8] [--runs 4]
+    --plain-ms 4.69 --tree-ms 16:5.77 32:6.4 [--draft-ms 0.2] [--host-ms 0.3] [--tokens 128] [--sequences 8] [--runs 4]
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ class Costs:
     plain_s: float  # a plain decoding step
     tree_s: dict[int, float]  # a tree pass by its graph's nodes bucket (16, 32, ...)
     draft_s: float = 0.0  # a drafting round's host time (proposing its tree)
+    host_s: float = 0.0  # a drafting round's host time around its pass, which the warm-up's timings leave out
 
     def round_s(self, nodes: int) -> float:
         """A tree pass over `nodes` nodes (the pending token's included): its bucket's time, or the largest
@@ -60,7 +61,7 @@ def replay(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, s
                 policy.observe_acceptance(k, [0])
                 p, made = p + 1, made + 1
                 continue
-            verify = costs.round_s(r.nodes + 1)
+            verify = costs.round_s(r.nodes + 1) + costs.host_s
             seconds += costs.draft_s + verify
             policy.observe_round(1, k, costs.draft_s, verify)
             policy.observe_acceptance(k, [r.accepted])
@@ -88,7 +89,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--tree-ms", nargs="+", required=True,
                     help="TOKENS:MS, a verify pass by its graph bucket of tokens (a tree's nodes, a chain's k + 1), "
                          "e.g. 16:5.77 32:6.4")
-    ap.add_argument("--draft-ms", type=float, default=0.0)
+    ap.add_argument("--draft-ms", type=float, default=0.0, help="a drafting round's proposing time")
+    ap.add_argument("--host-ms", type=float, default=0.0,
+                    help="a drafting round's host time around its pass, not in the warm-up's timed passes (the "
+                         "policy learns it from the rounds it runs; 0.4-0.6 ms on an H200 host, docs/speculative.md)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--runs", type=int, default=4, help="runs on one policy, as bench serve's repeats")
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         tree_s = {int(n): float(ms) / 1e3 for n, ms in (x.split(":") for x in args.tree_ms)}
     except ValueError:
         raise SelfspecError(f"--tree-ms takes TOKENS:MS pairs, got {' '.join(args.tree_ms)}") from None
-    costs = Costs(args.plain_ms / 1e3, tree_s, args.draft_ms / 1e3)
+    costs = Costs(args.plain_ms / 1e3, tree_s, args.draft_ms / 1e3, args.host_ms / 1e3)
     if not Path(args.trace).is_file():
         raise SelfspecError(f"no trace at {args.trace}; the recorded ones are in selfspec/bench/traces/ "
                             f"({', '.join(sorted(p.name for p in TRACE_DIR.glob('*.json')))})")
