@@ -25,6 +25,9 @@ def test_fixed_k_rounds_cost_and_emit_what_the_text_says():
     assert tokens == 6 and drafting == 3
     assert seconds == pytest.approx(3 * COSTS.draft_s + COSTS.round_s(6) + COSTS.plain_s + COSTS.round_s(7))
     assert replay(policy, text, COSTS, 6, 2, fixed_k=0) == (pytest.approx(12 * COSTS.plain_s), 12, 0)
+    # a drafting round's host time around its pass: paid by the two rounds that ran a pass of drafts, not by plain ones
+    hosted = Costs(COSTS.plain_s, COSTS.tree_s, COSTS.draft_s, host_s=0.0003)
+    assert replay(policy, text, hosted, 6, 1, fixed_k=2)[0] == pytest.approx(seconds + 2 * hosted.host_s)
 
 
 @pytest.mark.parametrize("trace", ["ngram.recycle-tree", "ngram"])  # tree rounds, lookup chains
