@@ -1,8 +1,11 @@
 """The host's critical path between the engine's passes, unperturbed by a profiler (8B synthetic planes, recycle trace
 replayed): each CUDA graph replay's gap since the host last waited for the GPU (a .tolist()), and the time spent in
-named functions inside those gaps. Usage: python docs/bench-h200/host_gap_probe.py B:GAMMA ... (GAMMA: int, or p)."""
-import collections, functools, sys, time
+named functions inside those gaps. With --profile DIR, two more runs each: the GPU's busy time (torch profiler, kernels
+summed) and a cProfile (DIR/host-B{B}-{GAMMA}.prof, its top functions printed). Usage:
+python docs/bench-h200/host_gap_probe.py [--profile DIR] B:GAMMA ... (GAMMA: int, or p for the policy)."""
+import collections, cProfile, functools, pstats, sys, time
 import torch
+from torch.profiler import ProfilerActivity, profile
 import selfspec.engine.engine as eng
 import selfspec.engine.graphs as graphs
 import selfspec.model as model
@@ -53,12 +56,13 @@ graphs._TreeGraph.__call__ = timed("_TreeGraph", graphs._TreeGraph.__call__)
 graphs.PagedGraphedModel._static = timed("_static", graphs.PagedGraphedModel._static)
 
 T = "selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json"
-SHAPE, DEV = (sys.argv.pop(1), "cpu") if sys.argv[1] == "--cpu" and sys.argv.pop(1) else ("llama-3-8b", "cuda")
-llm = synthetic_llm(SHAPE, "recycle", 8, 128, DEV)
+PROFILE = sys.argv[2] if sys.argv[1] == "--profile" else None
+SPECS = sys.argv[3:] if PROFILE else sys.argv[1:]
+llm = synthetic_llm("llama-3-8b", "recycle", 8, 128, "cuda")
 name, accept = replayed(llm, T)
 g = torch.Generator().manual_seed(0)
 engines = {}
-for spec in sys.argv[1:]:
+for spec in SPECS:
     b, gm = spec.split(":")
     B, gamma = int(b), (None if gm == "p" else int(gm))
     prompts = torch.randint(0, llm.model.cfg.vocab_size, (max(8, 2 * B), 512), generator=g).tolist()
@@ -100,3 +104,15 @@ for spec in sys.argv[1:]:
     print(f"   between steps (the bench's loop): mean {sum(between)/len(between)*1e3:.3f} ms over {len(between)}")
     for k_, v in sorted(inside.items(), key=lambda kv: -kv[1]):
         print(f"   {k_:16s} {v/n*1e3:8.3f} ms a gap (nested times overlap)")
+    if PROFILE:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            rp = run_closed_loop(engine, prompts, params, gamma)
+            torch.cuda.synchronize()
+        busy = sum(e.device_time_total for e in prof.events() if e.device_type.name == "CUDA")
+        print(f"   profiled run: wall {rp['wall_s'] * 1e3:.0f} ms, GPU busy {busy / 1e3:.0f} ms", flush=True)
+        pr = cProfile.Profile()
+        pr.enable()
+        run_closed_loop(engine, prompts, params, gamma)
+        pr.disable()
+        pr.dump_stats(f"{PROFILE}/host-B{B}-{gm}.prof")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(25)
