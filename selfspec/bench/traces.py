@@ -255,6 +255,7 @@ class Replay:
         if not rounds:
             raise SelfspecError("a trace with no rounds cannot be replayed; record it with more tokens or prompts")
         self.rounds, self.mode = rounds, mode
+        self.runs_steps = mode is not None  # Drafter.runs_steps: a replay of lookups or recycled trees runs none
         self.i = 0
         self.current: Round | None = None
         self.steps = 0

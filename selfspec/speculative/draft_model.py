@@ -64,6 +64,8 @@ class DraftState:
 class DraftModel:
     """The drafter of recipe `draft-model`: `model` proposes k tokens per row in `mode` from its own cache."""
 
+    runs_steps = True
+
     def __init__(self, model: Transformer, mode: Mode, name: str = "draft model"):
         self.model, self.mode, self.name = model, mode, name
         # The draft cache of each target cache (weakly keyed: it goes when the target's does).

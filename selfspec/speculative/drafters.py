@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from collections import ChainMap
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Protocol
 
 import torch
 
@@ -65,6 +65,10 @@ class Proposal:
 
 
 class Drafter(Protocol):
+    # Whether a round of k drafts runs k forward passes (a draft mode's or a draft model's), or proposes on the host
+    # alone (a lookup, recycled rankings), its time then the round's whatever k (the gamma policy prices it so).
+    runs_steps: bool
+
     def history(self, tokens: list[int]) -> TokenHistory | None:
         """The per-row state a row keeps (and run_round extends with its committed tokens), if the drafter
         reads the row's text; `tokens`: the prompt and every emitted token, the pending one included."""
@@ -79,6 +83,7 @@ class Drafter(Protocol):
 @dataclass(frozen=True)
 class SelfDraft:
     mode: Mode
+    runs_steps: ClassVar[bool] = True
 
     def history(self, tokens: list[int]) -> None:
         return None
@@ -190,6 +195,7 @@ class TokenHistory:
 class NgramDrafter:
     max_n: int = DEFAULT_NGRAM[1]
     min_n: int = DEFAULT_NGRAM[0]
+    runs_steps: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
@@ -227,6 +233,7 @@ class HybridDrafter:
     mode: Mode = field(default_factory=lambda: get_mode(HYBRID_DRAFT))
     lookup: NgramDrafter = field(default_factory=NgramDrafter)
     chain_after: int = 1
+    runs_steps: ClassVar[bool] = True
 
     def history(self, tokens: list[int]) -> LookupStreak:
         return LookupStreak(tokens, self.lookup.min_n, self.lookup.max_n)
@@ -260,6 +267,7 @@ class TreeDrafter:
     `shared_rows`, the engine's SharedTree, both with `move_positions`)."""
     branches: int
     forks = False  # its draft steps run on a cache row per branch
+    runs_steps = False  # Drafter.runs_steps
     ranks = 0  # the top tokens of the verify pass's ranking at each node it wants (`observe`)
 
     def history(self, tokens: list[int]) -> TokenHistory | None:
@@ -317,6 +325,7 @@ class SelfDraftTree(TreeDrafter):
     mode: Mode
     branches: int = DEFAULT_BRANCHES
     forks = True
+    runs_steps = True
 
     def propose_trees(self, model, trees: list, rows: list[Row], k: int, view: RowsView) -> list[list[list[int]]]:
         """One draft step from every sequence's pending token (its row 0), each one's top-B tokens as its branches'
@@ -341,6 +350,7 @@ class HybridTree(TreeDrafter):
     mode: Mode = field(default_factory=lambda: get_mode(HYBRID_DRAFT))
     ngram: NgramTree = field(default_factory=NgramTree)
     forks = True
+    runs_steps = True
 
     def __post_init__(self) -> None:
         if self.branches < 2:
@@ -456,12 +466,6 @@ def draft_modes(name: str) -> list[str]:
     return [HYBRID_DRAFT] if m.group(1) == "hybrid-tree" else [m.group(2)] if m.group(2) else []
 
 
-def runs_draft_steps(drafter: Drafter | TreeDrafter) -> bool:
-    """Whether a round of k drafts runs k forward passes (a draft mode's or a draft model's), rather than proposing
-    on the host alone (a lookup, recycled rankings, a replay of such rounds), whose time is the round's whatever k."""
-    return getattr(drafter, "mode", None) is not None
-
-
 def gamma_policy(drafter: Drafter | TreeDrafter | None, max_gamma: int) -> GammaPolicy:
     """The gamma policy that picks `drafter`'s drafts per round (none without a drafter), pricing a round by the
     tokens its verify pass runs (a tree's by TreeDrafter.verify_tokens, a chain's B(k + 1)) and by its draft steps:
@@ -469,7 +473,7 @@ def gamma_policy(drafter: Drafter | TreeDrafter | None, max_gamma: int) -> Gamma
     time read as 2.5 ms at k = 5 (bench/policy_replay.py: 1.37-1.41x its AR against 1.53x drafting k = 5 always)."""
     return GammaPolicy(max_gamma if drafter is not None else 0,
                        pass_tokens=drafter.verify_tokens if isinstance(drafter, TreeDrafter) else None,
-                       draft_steps=None if drafter is None or runs_draft_steps(drafter) else lambda k: 1)
+                       draft_steps=None if drafter is None or drafter.runs_steps else lambda k: 1)
 
 
 def make_drafter(name: str) -> Drafter | TreeDrafter:
