@@ -87,7 +87,7 @@ class BlockPool:
             self.free_blocks.extend(reversed(self.tables.pop(seq)))
             del self.lengths[seq]
 
-    def padded_tables(self, seqs: list[str], device: torch.device | str = "cpu") -> torch.Tensor:
+    def padded_tables(self, seqs: list[str], device: torch.device | str) -> torch.Tensor:
         """The block tables of rows `seqs` [B, W] on `device`, padded with the trash block to the longest."""
         return padded(list(map(self.tables.__getitem__, seqs)), device)
 
