@@ -25,6 +25,10 @@ def test_fixed_k_rounds_cost_and_emit_what_the_text_says():
     assert tokens == 6 and drafting == 3
     assert seconds == pytest.approx(3 * COSTS.draft_s + COSTS.round_s(6) + COSTS.plain_s + COSTS.round_s(7))
     assert replay(policy, text, COSTS, 6, 2, fixed_k=0) == (pytest.approx(12 * COSTS.plain_s), 12, 0)
+    # the oracle knows that task 0's second round accepts nothing: a plain step there without its proposing, the
+    # rest as drafting k = 2 every round
+    oracle_s, oracle_tokens, oracle_drafting = replay(policy, text, COSTS, 6, 1, oracle_k=2)
+    assert (oracle_tokens, oracle_drafting) == (6, 2) and oracle_s == pytest.approx(seconds - COSTS.draft_s)
     # a drafting round's host time around its pass: paid by the two rounds that ran a pass of drafts, not by plain ones
     hosted = Costs(COSTS.plain_s, COSTS.tree_s, COSTS.draft_s, host_s=0.0003)
     assert replay(policy, text, hosted, 6, 1, fixed_k=2)[0] == pytest.approx(seconds + 2 * hosted.host_s)
@@ -37,4 +41,6 @@ def test_the_cli_prints_the_policy_against_fixed_k(capsys, trace):
     cells = [line.split("|")[1:3] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     speeds = {name.strip(): float(speed.strip().rstrip("x")) for name, speed in cells if speed.strip().endswith("x")}
     assert set(speeds) == {"policy", "k = 1 every round", "k = 3 every round", "k = 5 every round",
-                           "k = 8 every round"} and all(0.5 < v < 3 for v in speeds.values())
+                           "k = 8 every round", "oracle: k = 5 where the round accepts a draft, else a plain step"}
+    assert all(0.5 < v < 3 for v in speeds.values())
+    assert speeds["oracle: k = 5 where the round accepts a draft, else a plain step"] >= speeds["k = 5 every round"]

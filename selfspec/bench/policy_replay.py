@@ -39,16 +39,22 @@ class Costs:
 
 
 def replay(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, sequences: int, burst: int = 4,
-           fixed_k: int | None = None) -> tuple[float, int, int]:
+           fixed_k: int | None = None, oracle_k: int | None = None) -> tuple[float, int, int]:
     """Seconds, tokens and drafting rounds of `sequences` sequences of `tokens` tokens each, one after the other on
-    one policy (sequence s reads the text from task s's start, cycling), each round's k the policy's (or fixed_k)."""
+    one policy (sequence s reads the text from task s's start, cycling), each round's k the policy's (or fixed_k).
+    oracle_k: drafting oracle_k where the round at that place accepts a draft and a plain step where it would not,
+    a bound no policy reaches (it knows each round's outcome before running it)."""
     seconds, drafting = 0.0, 0
     for s in range(sequences):
         p, made = text.task_starts[s % len(text.task_starts)], 0
         while made < tokens:
-            k = policy.choose(1) if fixed_k is None else fixed_k
-            if k == 0:  # a burst of plain steps
-                steps = min(burst, tokens - made)
+            if oracle_k is not None:
+                ahead = text.round_at(p).cut(oracle_k)
+                k = oracle_k if ahead.proposed and ahead.accepted else 0
+            else:
+                k = policy.choose(1) if fixed_k is None else fixed_k
+            if k == 0:  # a burst of plain steps (the oracle's: one, then it looks again)
+                steps = 1 if oracle_k is not None else min(burst, tokens - made)
                 seconds += steps * costs.plain_s
                 policy.observe_round(1, 0, 0.0, costs.plain_s, steps)
                 p, made = p + steps, made + steps
@@ -116,6 +122,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         runs = [replay(policy, text, costs, args.tokens, args.sequences, fixed_k=fixed) for _ in range(args.runs)]
         print(f"| {name} | {', '.join(f'{plain / s:.2f}x' for s, _, _ in runs)} | "
               f"{', '.join(str(d) for _, _, d in runs)} |")
+    k = min(5, args.max_gamma)
+    seconds, _, drafting = replay(seeded_policy(costs, drafter, args.max_gamma), text, costs, args.tokens,
+                                  args.sequences, oracle_k=k)
+    print(f"| oracle: k = {k} where the round accepts a draft, else a plain step | {plain / seconds:.2f}x | "
+          f"{drafting} |")
 
 
 if __name__ == "__main__":
