@@ -105,7 +105,7 @@ class _TreeGraph:
         self.sizes = [rows * width, nodes, nodes, nodes, rows * width * shared,
                       (min(rows, SHARED_TREE_BATCH) + 1) * shared]
         self.inputs = torch.zeros(sum(self.sizes), dtype=torch.long, device=model.device)
-        self.staging = np.zeros(sum(self.sizes), dtype=np.int64)  # numpy: a slice copy costs 0.5 us, not 5-10
+        self.staging = np.zeros(sum(self.sizes), dtype=np.int64)  # numpy: a slice copy 0.3 us (torch: 2.5, CPU)
         self.staged = np.split(self.staging, np.cumsum(self.sizes)[:-1])
         t_rows, first, tokens, pos, tails, starts = self.inputs.split(self.sizes)
         self.tokens, self.pos = tokens.view(1, nodes), pos.view(1, nodes)

@@ -9,7 +9,7 @@ is to start drafting: once the policy drafts by its own choice, it goes on while
 (hysteresis). Acceptance comes in bursts, and an estimate from recent rounds dips below the margin inside a stretch
 where drafting pays; stopping there loses the bursts that follow until a probe (the policy replay, recycle / ngram /
 quasar traces at batch 1 with 0.3 ms of a round's host time the warm-up does not see: 1.41-1.50x / 1.22x / 1.25x
-with the margin always, 1.52-1.53x / 1.30-1.31x / 1.32x with it to start only, against 1.57x / 1.31x / 1.33x for
+with the margin always, 1.52-1.53x / 1.30-1.31x / 1.32x with it to start only, against 1.56x / 1.31x / 1.33x for
 k = 5 every round).
 
 Acceptance is learned from recent rounds' counts with a prior (`acceptance`), costs as the engine runs
