@@ -195,13 +195,16 @@ def test_affine_gives_the_reference_dequantized_weight():
     w = torch.randn(64, 256) * torch.logspace(-4, 1, 64)[:, None]  # scales over five decades
     w[:4, :128] = w[:4, :128] * 1e-4 + torch.tensor([1.0, -3.0, 1e3, 1e-6])[:, None]  # narrow groups far from 0
     q8, s, lo = minmax_quant(w, 8, 128)
-    views = [(q8, s, lo, ptx.AFFINE_PLANES, -128.0), (q8 >> 4, *upper_affine(s, lo), ptx.AFFINE_NIBBLES, 128.0)]
-    for q, scale, low, text, offset in views:
-        scale, low = (t.repeat_interleave(128, 1).reshape(-1) for t in (scale, low))  # one per code
+    # the planes' offset register: the weight of code 128, lo + 128 s (a bf16 value on code_128_grid)
+    views = [(q8, s, lo, lo + 128 * s, ptx.AFFINE_PLANES, -128.0),
+             (q8 >> 4, *upper_affine(s, lo), upper_affine(s, lo)[1], ptx.AFFINE_NIBBLES, 128.0)]
+    for q, scale, low, offset_weight, text, offset in views:
+        scale, low, offset_weight = (t.repeat_interleave(128, 1).reshape(-1) for t in (scale, low, offset_weight))
         q = q.reshape(-1).float()
         expect = (q * scale + low).bfloat16().view(torch.int16).numpy().view(np.uint16)
+        assert torch.equal(offset_weight, offset_weight.bfloat16().float())
         regs = [(b[0::2].astype(np.uint32) | (b[1::2].astype(np.uint32) << 16))
-                for b in (bf16_bits((q + offset).numpy()), bf16_bits(scale.numpy()), bf16_bits(low.numpy()))]
+                for b in (bf16_bits((q + offset).numpy()), bf16_bits(scale.numpy()), bf16_bits(offset_weight.numpy()))]
         (out,) = run_ptx(text, regs, 1)
         got = np.stack([out & 0xFFFF, out >> 16], 1).reshape(-1).astype(np.uint16)
         assert np.array_equal(got, expect), text

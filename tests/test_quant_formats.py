@@ -59,6 +59,23 @@ def test_planes_reconstruct_int8_codes_exactly():
     assert (err <= scale[..., None] / 2 * (1 + 1e-4) + 1e-6).all()
 
 
+def test_planes_grid_has_the_weight_of_code_128_in_bf16_and_is_exact():
+    """code_128_grid: the scale and lo + 128 scale are bf16 values (the GPU's one-FMA dequantization of q8 - 128),
+    every lo + scale * q is exact in float32 (= its float64 value), and no weight is more than half a step from its
+    code's, over scales of five decades and narrow groups far from 0."""
+    torch.manual_seed(4)
+    w = torch.randn(64, 256) * torch.logspace(-4, 1, 64)[:, None]
+    w[:4, :128] = w[:4, :128] * 1e-4 + torch.tensor([1.0, -3.0, 1e3, 1e-6])[:, None]
+    w[4, :128] = torch.rand(128) * 0.1 + 2.0  # one-sided: the offset's bf16 spacing near the range's width
+    q8, scale, lo = minmax_quant(w, 8, 128)
+    c = lo + 128 * scale
+    assert torch.equal(scale, scale.bfloat16().float()) and torch.equal(c, c.bfloat16().float())
+    exact = c.double()[..., None] + scale.double()[..., None] * (group_view(q8, 128).double() - 128)
+    deq = lo[..., None] + scale[..., None] * group_view(q8, 128).float()
+    assert torch.equal(deq.double(), exact)
+    assert ((deq - group_view(w, 128)).abs() <= scale[..., None] / 2 * (1 + 1e-6)).all()
+
+
 def test_planes_on_the_cpu_hold_the_int8_codes_in_place_of_the_planes():
     """On the CPU one uint8 tensor of the codes (each row: every even k, then every odd k) stands in for the two
     planes, with the scales and offsets doubled once; moved off the CPU the planes come back and the rest goes."""

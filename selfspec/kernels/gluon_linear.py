@@ -122,6 +122,8 @@ def _tile_weights(w_bufs, w2_bufs, affine_bufs, slot, row0, layout: gl.constexpr
         if FMT == UPPER:  # triton_linear._group_affine
             lo = lo + s * 7.5
             s = s * 16
+        if FMT == FULL:  # the codes are q8 - 128: the offset is the weight of code 128 (triton_linear._nibble_chunk)
+            lo = lo + s * 128
         s = gl.expand_dims(s.to(gl.bfloat16), 1)
         lo = gl.expand_dims(lo.to(gl.bfloat16), 1)
         affine: gl.constexpr = _AFFINE_PLANES if FMT == FULL else _AFFINE_NIBBLES

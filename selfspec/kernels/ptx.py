@@ -92,9 +92,10 @@ def affine(code_offset: str) -> str:
     return block("q, k", f"mov.b32 k, {code_offset};\nsub.bf16x2 q, $1, k;\nfma.rn.bf16x2 $0, q, $2, $3;\n")
 
 
-# The weight a nibble plane's bf16 codes 128 + c stand for, and that of both planes' codes q8 - 128.
+# The weight a nibble plane's bf16 codes 128 + c stand for. Both planes' codes q8 - 128 need no sub: their offset
+# is the weight of code 128, lo + 128 scale (a bf16 value: quant/formats.code_128_grid), so one FMA gives the weight.
 AFFINE_NIBBLES = affine("0x43004300")
-AFFINE_PLANES = affine("0xC300C300")
+AFFINE_PLANES = "{\nfma.rn.bf16x2 $0, $1, $2, $3;\n}\n"
 
 # The quantized KV cache's codes for the attention kernel, as exact float16 (register k: 1024 twice).
 # Four bytes -> four float16 1024 + byte (0x64 above each byte), less 1024: the bytes as exact float16 integers.

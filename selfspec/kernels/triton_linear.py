@@ -415,8 +415,9 @@ _AFFINE_PLANES_ASM = tl.constexpr(ptx.AFFINE_PLANES)
 @triton.jit
 def _weight(c, s, lo, FMT: tl.constexpr, ASM: tl.constexpr):
     """The bf16 weight lo + s * q of codes c as the builds give them (128 + q of a nibble plane, q8 - 128 of both
-    planes), s and lo [BLOCK_N, 1] of the rows' group: exact in float32 on quant/formats.exact_grid's values, then
-    rounded once, as the reference dequantizes (a bf16 fused multiply-add on the GPU; its twin in float32 here)."""
+    planes, whose lo is then the weight of code 128), s and lo [BLOCK_N, 1] of the rows' group: exact in float32 on
+    quant/formats' grids, then rounded once, as the reference dequantizes (a bf16 fused multiply-add on the GPU; its
+    twin in float32 here)."""
     s2 = tl.broadcast_to(s.to(tl.bfloat16), c.shape)
     lo2 = tl.broadcast_to(lo.to(tl.bfloat16), c.shape)  # UPPER's lo + 7.5 s rounded as upper_affine does
     if ASM:
@@ -425,7 +426,7 @@ def _weight(c, s, lo, FMT: tl.constexpr, ASM: tl.constexpr):
                                              is_pure=True, pack=2)
         return tl.inline_asm_elementwise(_AFFINE_NIBBLES_ASM, "=r,r,r,r", [c, s2, lo2], dtype=tl.bfloat16,
                                          is_pure=True, pack=2)
-    offset: tl.constexpr = -128.0 if FMT == FULL else 128.0
+    offset: tl.constexpr = 0.0 if FMT == FULL else 128.0
     return ((c.to(tl.float32) - offset) * s2.to(tl.float32) + lo2.to(tl.float32)).to(tl.bfloat16)
 
 
@@ -477,6 +478,8 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
             acc += d.to(tl.float32) * s[None, :] + x_sum * lo[None, :]
         else:
             s, lo = _group_affine(scale_ptr, lo_ptr, rows, k0 // GROUP, N, stride_sn, stride_sg, FMT)  # [BLOCK_N, 1]
+            if FMT == FULL:  # the builds give q8 - 128: the offset is the weight of code 128 (exact, a bf16 value)
+                lo = lo + s * 128
             if WORDS:  # the planes as 16-bit words, four codes each, met by x's columns k = 4j + t
                 x0, x1, x2, x3 = _quarters(x)
                 w = w_desc.load([n0, k0 // 4])

@@ -58,13 +58,14 @@ def group_major(t: torch.Tensor) -> torch.Tensor:
 
 def minmax_quant(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric round-to-nearest per group: returns (q uint8 [N, K], scale [N, G], lo [N, G]), scale and lo
-    group-major, float32 holding bf16 values (`exact_grid`), so that every w = lo + scale * q is exact in float32
-    and rounds once to bf16: the value a bf16 fused multiply-add gives, which the GPU kernels dequantize with."""
+    group-major, float32, on a grid where every w = lo + scale * q is exact in float32 and rounds once to bf16: the
+    value a bf16 fused multiply-add gives, which the GPU kernels dequantize with. 4 bits: scale and lo bf16 values
+    (`exact_grid`); 8 bits: scale and lo + 128 scale bf16 values (`code_128_grid`)."""
     n, k = w.shape
     wg = w.float().view(n, k // group_size, group_size)
     lo, hi = wg.amin(-1), wg.amax(-1)
     qmax = 2**bits - 1
-    scale, lo = exact_grid(lo, hi, qmax)
+    scale, lo = exact_grid(lo, hi, qmax) if bits == 4 else code_128_grid(lo, hi)
     q = ((wg - lo[..., None]) / scale[..., None]).round().clamp(0, qmax)
     return q.view(n, k).to(torch.uint8), group_major(scale), group_major(lo)
 
@@ -86,6 +87,36 @@ def exact_grid(lo: torch.Tensor, hi: torch.Tensor, qmax: int) -> tuple[torch.Ten
     s_ulp = torch.exp2(torch.floor(torch.log2(s)) - 7)  # s's bf16 spacing
     nearest = torch.round(s / s_ulp) * s_ulp
     return torch.where(nearest * (qmax + 0.5) >= span, nearest, nearest + s_ulp), lo
+
+
+def bf16_spacing(x: torch.Tensor) -> torch.Tensor:
+    """The distance between bf16 values at x's magnitude (8 significant bits)."""
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
+
+
+def code_128_grid(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, lo) covering [lo, hi] in 255 steps with the scale and the weight of code 128, c = lo + 128 scale,
+    bf16 values: the GPU builds an INT8 plane code as q8 - 128 in bf16, and a bf16 fused multiply-add
+    (q8 - 128) * scale + c then gives the weight with no subtraction of the 128 (one instruction per two weights
+    less in `full`'s decode loop). c is the bf16 nearest to where the grid centres the range, on a multiple of
+    2^(e - 9) (e: the scale's exponent), so lo + scale * q spans at most 19 bits and stays exact in float32 (the
+    scale at least 2^-10 |lo|, as `exact_grid`); where that rounding leaves an end of the range more than half a
+    step out, the scale grows by a bf16 step until none does (no group of SmolLM2's weights needed it). Centring
+    the range's slack, not flooring the offset, took 3% off the INT8 squared error of SmolLM2's weights; the upper
+    plane's INT4 view is unchanged (-0.01%)."""
+    span, centre = hi - lo, (lo + hi) / 2
+    s0 = torch.maximum(span / 255, lo.abs() * 2.0**-10).clamp_min(1e-10)
+    scale = torch.round(s0 / bf16_spacing(s0)) * bf16_spacing(s0)
+    for _ in range(1024):  # a scale too small grows a bf16 step a round: a few rounds at most in practice
+        ideal = centre + 0.5 * scale  # the range's centre at code 127.5
+        step = torch.maximum(torch.exp2(torch.floor(torch.log2(scale)) - 9), bf16_spacing(ideal))
+        c = torch.round(ideal / step) * step
+        low = c - 128 * scale
+        covered = (low <= lo + scale / 2) & (low + 255 * scale >= hi - scale / 2)
+        if covered.all():
+            return scale, low
+        scale = torch.where(covered, scale, scale + bf16_spacing(scale))
+    raise SelfspecError("code_128_grid: no scale covered a group's range")  # not reached: a scale grows each round
 
 
 class QuantWeight(nn.Module):
