@@ -1,8 +1,9 @@
 """bench/policy_replay.py: the gamma policy through a trace's recorded texts at given pass costs, no model."""
 import pytest
 
-from selfspec.bench.policy_replay import Costs, main, replay, seeded_policy
-from selfspec.bench.traces import RecordedText, Round, ServeTreeReplay
+from selfspec.bench.policy_replay import Costs, main, replay, replay_batch, seeded_policy
+from selfspec.bench.traces import RecordedText, Round, ServeTreeReplay, serve_replay
+from selfspec.errors import SelfspecError
 
 TASKS = [[Round("tree", 6, 0, 3, 9, 2, nodes=5), Round("none", 0, 0, 1, 1, 0)],
          [Round("tree", 8, 0, 4, 12, 1, nodes=6), Round("tree", 4, 0, 2, 6, 3, nodes=3)]]
@@ -44,3 +45,36 @@ def test_the_cli_prints_the_policy_against_fixed_k(capsys, trace):
                            "k = 8 every round", "oracle: k = 5 where the round accepts a draft, else a plain step"}
     assert all(0.5 < v < 3 for v in speeds.values())
     assert speeds["oracle: k = 5 where the round accepts a draft, else a plain step"] >= speeds["k = 5 every round"]
+
+
+CHAINS = [[Round("ngram", 3, 0, 1, 4, 2), Round("ngram", 0, 0, 1, 1, 0)], [Round("ngram", 2, 0, 1, 3, 1)]]
+
+
+def test_batched_chain_rounds_verify_the_longest_proposal_and_refill_finished_rows():
+    """Two rows drafting k = 3 from tasks 0 and 1 (requests read from their task's start): the first round verifies
+    both rows' pending tokens and the longer proposal, 2 x (3 + 1) tokens, and emits 3 and 2 tokens; a finished row
+    takes the next request at once; plain decoding costs a burst's steps at the batch's step, plus its host time."""
+    text = RecordedText(CHAINS)
+    costs = Costs(0.004, {1: 0.003, 2: 0.004, 8: 0.006}, draft_s=0.001, host_s=0.0005, burst_host_s=0.0002)
+    assert costs.pass_s(5) == pytest.approx(0.005) and costs.pass_s(16) == 0.006 and costs.pass_s(1) == 0.003
+    policy = seeded_policy(costs, serve_replay(CHAINS), 4, batch=2)
+    seconds, tokens, drafting = replay_batch(policy, text, costs, 3, 2, 2, fixed_k=3)
+    # round 1: rows accept 2 and 1 (3 and 2 tokens) and row 0 is done; round 2: row 1 (1 token left) alone at text
+    # position 6, which cycles to task 0's start (3 drafts, 2 accepted: the row takes the 1 it needs)
+    assert tokens == 6 and drafting == 2
+    assert seconds == pytest.approx(2 * costs.draft_s + costs.pass_s(8) + costs.pass_s(4) + 2 * costs.host_s)
+    plain_s, plain_tokens, _ = replay_batch(policy, text, costs, 3, 4, 2, fixed_k=0)
+    assert plain_tokens == 12 and plain_s == pytest.approx(2 * (3 * costs.pass_s(2) + costs.burst_host_s))
+
+
+def test_the_cli_replays_a_lookup_trace_at_a_batch_and_refuses_a_tree_trace_there(capsys):
+    main(["--trace", "selfspec/bench/traces/qwen2.5-coder-1.5b.quasar.json", "--batch", "8", "--plain-ms", "3.7",
+          "--tree-ms", "1:3.6", "16:3.9", "40:4.8", "72:6.2", "--draft-ms", "0.2", "--host-ms", "0.5",
+          "--burst-host-ms", "1", "--tokens", "16", "--runs", "1"])
+    out = capsys.readouterr().out
+    assert "32 requests x 16 tokens a run at batch 8" in out and "oracle" not in out
+    speeds = [float(line.split("|")[2].strip().rstrip("x")) for line in out.splitlines() if line.startswith("| k = ")]
+    assert len(speeds) == 4 and all(0.5 < v < 2 for v in speeds)
+    with pytest.raises(SelfspecError, match="tree trace replays at batch 1"):
+        main(["--trace", "selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json", "--batch", "4",
+              "--plain-ms", "4", "--tree-ms", "16:5"])

@@ -2,8 +2,9 @@
 replayed): each CUDA graph replay's gap since the host last waited for the GPU (a .tolist()), and the time spent in
 named functions inside those gaps. With --profile DIR, two more runs each: the GPU's busy time (torch profiler, kernels
 summed) and a cProfile (DIR/host-B{B}-{GAMMA}.prof, its top functions printed). Usage:
-python docs/bench-h200/host_gap_probe.py [--profile DIR] B:GAMMA ... (GAMMA: int, or p for the policy)."""
-import collections, cProfile, functools, pstats, sys, time
+[RECIPE=quasar TRACE=...] python docs/bench-h200/host_gap_probe.py [--profile DIR] B:GAMMA ... (GAMMA: int, or p for
+the policy)."""
+import collections, cProfile, functools, os, pstats, sys, time
 import torch
 from torch.profiler import ProfilerActivity, profile
 import selfspec.engine.engine as eng
@@ -55,10 +56,11 @@ graphs._Graph.__call__ = timed("_Graph", graphs._Graph.__call__)
 graphs._TreeGraph.__call__ = timed("_TreeGraph", graphs._TreeGraph.__call__)
 graphs.PagedGraphedModel._static = timed("_static", graphs.PagedGraphedModel._static)
 
-T = "selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json"
+RECIPE = os.environ.get("RECIPE", "recycle")  # and TRACE: another recipe's replayed trace
+T = os.environ.get("TRACE", "selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json")
 PROFILE = sys.argv[2] if sys.argv[1] == "--profile" else None
 SPECS = sys.argv[3:] if PROFILE else sys.argv[1:]
-llm = synthetic_llm("llama-3-8b", "recycle", 8, 128, "cuda")
+llm = synthetic_llm("llama-3-8b", RECIPE, 8, 128, "cuda")
 name, accept = replayed(llm, T)
 g = torch.Generator().manual_seed(0)
 engines = {}

@@ -8,6 +8,11 @@ before a GPU lease (the engine's own rounds on the GPU then say whether the cost
 
 selfspec bench policy --trace selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json \
     --plain-ms 4.69 --tree-ms 16:5.77 32:6.4 [--draft-ms 0.2] [--host-ms 0.3] [--tokens 128] [--sequences 8] [--runs 4]
+
+At a batch (`--batch B`, a lookup trace's chain rounds: `replay_batch`) the requests share B rows, a finished row
+refilled at once; --tree-ms then prices a pass by its tokens and --plain-ms is a B-row step:
+selfspec bench policy --trace selfspec/bench/traces/qwen2.5-coder-1.5b.quasar.json --batch 8 --plain-ms 3.71 \
+    --tree-ms 16:3.9 40:4.82 72:6.25 --draft-ms 0.2 --host-ms 1.2 --burst-host-ms 2.1
 """
 from __future__ import annotations
 
@@ -29,6 +34,17 @@ class Costs:
     tree_s: dict[int, float]  # a tree pass by its graph's nodes bucket (16, 32, ...)
     draft_s: float = 0.0  # a drafting round's host time (proposing its tree)
     host_s: float = 0.0  # a drafting round's host time around its pass, which the warm-up's timings leave out
+    burst_host_s: float = 0.0  # a burst of plain steps' host time outside its passes (scheduling, emitting)
+
+    def pass_s(self, tokens: int) -> float:
+        """A chain pass over `tokens` tokens (a batch's rows): interpolated linearly between the measured sizes
+        (`tree_s` by tokens, with plain_s at its own batch's), the nearest end past them."""
+        sizes = sorted(self.tree_s)
+        if tokens <= sizes[0] or tokens >= sizes[-1]:
+            return self.tree_s[sizes[0] if tokens <= sizes[0] else sizes[-1]]
+        i = bisect.bisect_left(sizes, tokens)
+        n0, n1 = sizes[i - 1], sizes[i]
+        return self.tree_s[n0] + (self.tree_s[n1] - self.tree_s[n0]) * (tokens - n0) / (n1 - n0)
 
     def round_s(self, nodes: int) -> float:
         """A tree pass over `nodes` nodes (the pending token's included): its bucket's time, or the largest
@@ -55,7 +71,7 @@ def replay(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, s
                 k = policy.choose(1) if fixed_k is None else fixed_k
             if k == 0:  # a burst of plain steps (the oracle's: one, then it looks again)
                 steps = 1 if oracle_k is not None else min(burst, tokens - made)
-                seconds += steps * costs.plain_s
+                seconds += steps * costs.plain_s + costs.burst_host_s
                 policy.observe_round(1, 0, 0.0, costs.plain_s, steps)
                 p, made = p + steps, made + steps
                 continue
@@ -75,14 +91,50 @@ def replay(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, s
     return seconds, sequences * tokens, drafting
 
 
-def seeded_policy(costs: Costs, drafter: Drafter | TreeDrafter, max_gamma: int) -> GammaPolicy:
+def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, requests: int, batch: int,
+                 burst: int = 4, fixed_k: int | None = None) -> tuple[float, int, int]:
+    """Seconds, tokens and drafting rounds of `requests` requests of `tokens` tokens each, served `batch` at a time
+    by chain rounds (request r reads the text from task r's start; a finished row takes the next request at once,
+    prefill not timed). A round verifies every row's pending token and the longest proposal, B(w + 1) tokens at
+    `costs.pass_s`; a measuring round of several rows emits one token a row (the engine's lockstep); plain rounds
+    run as bursts of up to `burst` steps, to the longest output still due."""
+    places = iter(text.task_starts[r % len(text.task_starts)] for r in range(requests))
+    rows = [[p, 0] for _, p in zip(range(batch), places)]  # each row's text position and tokens made
+    seconds, drafting = 0.0, 0
+    while rows:
+        b = len(rows)
+        k = policy.choose(b) if fixed_k is None else fixed_k
+        if k == 0:
+            steps = min(burst, max(tokens - made for _, made in rows))
+            seconds += steps * costs.pass_s(b) + costs.burst_host_s
+            policy.observe_round(b, 0, 0.0, costs.pass_s(b), steps)
+            advance = [steps] * b
+        else:
+            drafting += 1
+            cut = [text.round_at(p).cut(k) for p, _ in rows]
+            width = max(c.proposed for c in cut)
+            accepted = [c.accepted if c.proposed else 0 for c in cut]
+            verify = costs.pass_s(b * (width + 1)) + (costs.host_s if width else 0.0)
+            seconds += costs.draft_s + verify
+            policy.observe_round(b, width, costs.draft_s, verify)
+            policy.observe_acceptance(k, accepted)
+            lockstep = policy.measuring and b > 1 and fixed_k is None
+            advance = [1 if lockstep else n + 1 for n in accepted]
+        for row, n in zip(rows, advance):
+            row[0], row[1] = row[0] + n, min(row[1] + n, tokens)
+        rows = [r for r in rows if r[1] < tokens]
+        rows += [[p, 0] for _, p in zip(range(batch - len(rows)), places)]
+    return seconds, requests * tokens, drafting
+
+
+def seeded_policy(costs: Costs, drafter: Drafter | TreeDrafter, max_gamma: int, batch: int = 1) -> GammaPolicy:
     """The engine's policy for `drafter` as its warm-up leaves it: plain steps and every round of k drafts (by the
-    tokens it verifies: a tree's nodes, a chain's k + 1) priced from the costs."""
+    tokens it verifies: a tree's nodes, a chain's B(k + 1)) priced from the costs."""
     policy = gamma_policy(drafter, max_gamma)
-    policy.observe_round(1, 0, 0.0, costs.plain_s)
+    policy.observe_round(batch, 0, 0.0, costs.plain_s)
     for k in range(1, max_gamma + 1):
-        n = policy.pass_tokens(1, k)
-        policy.observe_round(n, 0, 0.0, costs.round_s(n))
+        n = policy.pass_tokens(batch, k)
+        policy.observe_round(n, 0, 0.0, costs.round_s(n) if batch == 1 else costs.pass_s(n))
     return policy
 
 
@@ -99,8 +151,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--host-ms", type=float, default=0.0,
                     help="a drafting round's host time around its pass, not in the warm-up's timed passes (the "
                          "policy learns it from the rounds it runs; 0.4-0.6 ms on an H200 host, docs/speculative.md)")
+    ap.add_argument("--burst-host-ms", type=float, default=0.0,
+                    help="a burst of plain steps' host time (scheduling, emitting), shared by its steps")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="rows decoding at once (a lookup trace's chain rounds; --tree-ms then prices passes by "
+                         "their tokens, B(k + 1), and --plain-ms is a B-row step)")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--sequences", type=int, default=8)
+    ap.add_argument("--sequences", type=int, default=8, help="requests a run (at --batch B: default 4B)")
     ap.add_argument("--runs", type=int, default=4, help="runs on one policy, as bench serve's repeats")
     ap.add_argument("--max-gamma", type=int, default=8)
     args = ap.parse_args(argv)
@@ -108,23 +165,39 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         tree_s = {int(n): float(ms) / 1e3 for n, ms in (x.split(":") for x in args.tree_ms)}
     except ValueError:
         raise SelfspecError(f"--tree-ms takes TOKENS:MS pairs, got {' '.join(args.tree_ms)}") from None
-    costs = Costs(args.plain_ms / 1e3, tree_s, args.draft_ms / 1e3, args.host_ms / 1e3)
+    if args.batch < 1:
+        raise SelfspecError(f"--batch must be >= 1, got {args.batch}")
+    b = args.batch
+    costs = Costs(args.plain_ms / 1e3, tree_s if b == 1 else {**tree_s, b: args.plain_ms / 1e3}, args.draft_ms / 1e3,
+                  args.host_ms / 1e3, args.burst_host_ms / 1e3)
     if not Path(args.trace).is_file():
         raise SelfspecError(f"no trace at {args.trace}; the recorded ones are in selfspec/bench/traces/ "
                             f"({', '.join(sorted(p.name for p in TRACE_DIR.glob('*.json')))})")
     tasks = list(load(args.trace).tasks.values())
     text, drafter = RecordedText(tasks), serve_replay(tasks)
-    plain = args.sequences * args.tokens * costs.plain_s
-    print(f"{args.trace}: {args.sequences} sequences x {args.tokens} tokens a run, {args.runs} runs on one policy")
+    if b > 1 and isinstance(drafter, TreeDrafter):
+        raise SelfspecError("--batch replays a lookup trace's chain rounds; a tree trace replays at batch 1")
+    requests = args.sequences if b == 1 or "--sequences" in (argv or []) else 4 * b
+
+    def run(policy: GammaPolicy, fixed_k: int | None) -> tuple[float, int, int]:
+        if b == 1:
+            return replay(policy, text, costs, args.tokens, requests, fixed_k=fixed_k)
+        return replay_batch(policy, text, costs, args.tokens, requests, b, fixed_k=fixed_k)
+
+    plain = run(seeded_policy(costs, drafter, args.max_gamma, b), 0)[0]
+    print(f"{args.trace}: {requests} requests x {args.tokens} tokens a run at batch {b}, {args.runs} runs on one "
+          "policy")
     print("| policy | speed over plain decoding, per run | drafting rounds |\n|---|---|---|")
     for name, fixed in [("policy", None), *((f"k = {k} every round", k) for k in (1, 3, 5, args.max_gamma))]:
-        policy = seeded_policy(costs, drafter, args.max_gamma)
-        runs = [replay(policy, text, costs, args.tokens, args.sequences, fixed_k=fixed) for _ in range(args.runs)]
+        policy = seeded_policy(costs, drafter, args.max_gamma, b)
+        runs = [run(policy, fixed) for _ in range(args.runs)]
         print(f"| {name} | {', '.join(f'{plain / s:.2f}x' for s, _, _ in runs)} | "
               f"{', '.join(str(d) for _, _, d in runs)} |")
+    if b > 1:
+        return
     k = min(5, args.max_gamma)
     seconds, _, drafting = replay(seeded_policy(costs, drafter, args.max_gamma), text, costs, args.tokens,
-                                  args.sequences, oracle_k=k)
+                                  requests, oracle_k=k)
     print(f"| oracle: k = {k} where the round accepts a draft, else a plain step | {plain / seconds:.2f}x | "
           f"{drafting} |")
 
