@@ -1,7 +1,7 @@
 """bench/policy_replay.py: the gamma policy through a trace's recorded texts at given pass costs, no model."""
 import pytest
 
-from selfspec.bench.policy_replay import Costs, main, replay, replay_batch, seeded_policy
+from selfspec.bench.policy_replay import Costs, Refill, main, replay, replay_batch, seeded_policy
 from selfspec.bench.traces import RecordedText, Round, ServeTreeReplay, serve_replay
 from selfspec.errors import SelfspecError
 
@@ -51,20 +51,35 @@ CHAINS = [[Round("ngram", 3, 0, 1, 4, 2), Round("ngram", 0, 0, 1, 1, 0)], [Round
 
 
 def test_batched_chain_rounds_verify_the_longest_proposal_and_refill_finished_rows():
-    """Two rows drafting k = 3 from tasks 0 and 1 (requests read from their task's start): the first round verifies
-    both rows' pending tokens and the longer proposal, 2 x (3 + 1) tokens, and emits 3 and 2 tokens; a finished row
-    takes the next request at once; plain decoding costs a burst's steps at the batch's step, plus its host time."""
+    """Two rows drafting k = 3 from tasks 0 and 1 (requests read from their task's start; the prefill emits the
+    first token): the first round verifies both rows' pending tokens and the longer proposal, 2 x (3 + 1) tokens,
+    and emits 2 and 1 tokens; plain decoding costs a step (a burst's steps where no row joined) at the batch's step,
+    plus each burst's host time, and a finished pair's successors are prefilled together."""
     text = RecordedText(CHAINS)
     costs = Costs(0.004, {1: 0.003, 2: 0.004, 8: 0.006}, draft_s=0.001, host_s=0.0005, burst_host_s=0.0002)
     assert costs.pass_s(5) == pytest.approx(0.005) and costs.pass_s(16) == 0.006 and costs.pass_s(1) == 0.003
     policy = seeded_policy(costs, serve_replay(CHAINS), 4, batch=2)
-    seconds, tokens, drafting = replay_batch(policy, text, costs, 3, 2, 2, fixed_k=3)
-    # round 1: rows accept 2 and 1 (3 and 2 tokens) and row 0 is done; round 2: row 1 (1 token left) alone at text
-    # position 6, which cycles to task 0's start (3 drafts, 2 accepted: the row takes the 1 it needs)
-    assert tokens == 6 and drafting == 2
+    seconds, tokens, drafting, rows = replay_batch(policy, text, costs, 3, 2, 2, fixed_k=3)
+    # round 1 ends request 0; round 2: request 1 (1 token left) alone at text position 6, which cycles to task 0's
+    # start (3 drafts, 2 accepted: the row takes the 1 it needs)
+    assert (tokens, drafting, rows) == (6, 2, 1.5)
     assert seconds == pytest.approx(2 * costs.draft_s + costs.pass_s(8) + costs.pass_s(4) + 2 * costs.host_s)
-    plain_s, plain_tokens, _ = replay_batch(policy, text, costs, 3, 4, 2, fixed_k=0)
-    assert plain_tokens == 12 and plain_s == pytest.approx(2 * (3 * costs.pass_s(2) + costs.burst_host_s))
+    prefill = Refill(prompt_s=0.01, pass_s=0.002)
+    plain_s, plain_tokens, _, plain_rows = replay_batch(policy, text, costs, 3, 4, 2, prefill, fixed_k=0)
+    assert (plain_tokens, plain_rows) == (12, 2.0)
+    assert plain_s == pytest.approx(4 * (costs.pass_s(2) + costs.burst_host_s) + 2 * (0.002 + 2 * 0.01))
+
+
+def test_a_lone_successor_waits_for_company_while_others_decode():
+    """Request 0 finishes a round before request 1: its successor waits (up to `wait` steps, as the engine holds a
+    prompt that fills under half the prefill budget) while request 1 decodes alone; with no wait it joins at once."""
+    text = RecordedText(CHAINS)
+    costs = Costs(0.004, {1: 0.003, 2: 0.004, 8: 0.006})
+    policy = seeded_policy(costs, serve_replay(CHAINS), 4, batch=2)
+    held = replay_batch(policy, text, costs, 3, 3, 2, Refill(wait=8), fixed_k=3)
+    at_once = replay_batch(policy, text, costs, 3, 3, 2, Refill(wait=0), fixed_k=3)
+    assert held[1] == at_once[1] == 9
+    assert held[3] < at_once[3]  # fewer rows a decode pass while the successor waits
 
 
 def test_the_cli_replays_a_lookup_trace_at_a_batch_and_refuses_a_tree_trace_there(capsys):

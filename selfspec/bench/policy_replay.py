@@ -9,19 +9,22 @@ before a GPU lease (the engine's own rounds on the GPU then say whether the cost
 selfspec bench policy --trace selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json \
     --plain-ms 4.69 --tree-ms 16:5.77 32:6.4 [--draft-ms 0.2] [--host-ms 0.3] [--tokens 128] [--sequences 8] [--runs 4]
 
-At a batch (`--batch B`, a lookup trace's chain rounds: `replay_batch`) the requests share B rows, a finished row
-refilled at once; --tree-ms then prices a pass by its tokens and --plain-ms is a B-row step:
+At a batch (`--batch B`, a lookup trace's chain rounds: `replay_batch`) the requests share B rows in a closed loop,
+a finished row's successor admitted as the engine admits it (`Refill`: held for company, prefilled, joining the
+round); --tree-ms then prices a pass by its tokens and --plain-ms is a B-row step:
 selfspec bench policy --trace selfspec/bench/traces/qwen2.5-coder-1.5b.quasar.json --batch 8 --plain-ms 3.71 \
-    --tree-ms 16:3.9 40:4.82 72:6.25 --draft-ms 0.2 --host-ms 1.2 --burst-host-ms 2.1
+    --tree-ms 16:3.9 40:4.82 72:6.25 --draft-ms 0.2 --host-ms 1.2 --burst-host-ms 2.1 --prefill-ms 8.2
 """
 from __future__ import annotations
 
 import argparse
 import bisect
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.bench.traces import TRACE_DIR, RecordedText, load
+from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT
 from selfspec.engine.graphs import node_bucket
 from selfspec.errors import SelfspecError
 from selfspec.speculative.drafters import Drafter, TreeDrafter, gamma_policy
@@ -91,24 +94,51 @@ def replay(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, s
     return seconds, sequences * tokens, drafting
 
 
+@dataclass(frozen=True)
+class Refill:
+    """How the batch refills a finished row's slot (the engine's admission, engine.py `_hold_prefill`): a waiting
+    prompt is held while others decode, fewer prompts than fill half the prefill budget wait, and the oldest has
+    waited fewer than `wait` steps; then up to chunk // prompt_tokens prompts are prefilled in one pass
+    (pass_s + prompt_s each), emit their first token and join that step's round."""
+    prompt_tokens: int = 512
+    chunk: int = DEFAULT_PREFILL_CHUNK
+    wait: int = DEFAULT_PREFILL_WAIT
+    prompt_s: float = 0.0
+    pass_s: float = 0.0
+
+
 def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, requests: int, batch: int,
-                 burst: int = 4, fixed_k: int | None = None) -> tuple[float, int, int]:
-    """Seconds, tokens and drafting rounds of `requests` requests of `tokens` tokens each, served `batch` at a time
-    by chain rounds (request r reads the text from task r's start; a finished row takes the next request at once,
-    prefill not timed). A round verifies every row's pending token and the longest proposal, B(w + 1) tokens at
-    `costs.pass_s`; a measuring round of several rows emits one token a row (the engine's lockstep); plain rounds
-    run as bursts of up to `burst` steps, to the longest output still due."""
-    places = iter(text.task_starts[r % len(text.task_starts)] for r in range(requests))
-    rows = [[p, 0] for _, p in zip(range(batch), places)]  # each row's text position and tokens made
-    seconds, drafting = 0.0, 0
-    while rows:
+                 refill: Refill = Refill(), burst: int = 4, fixed_k: int | None = None
+                 ) -> tuple[float, int, int, float]:
+    """Seconds, tokens, drafting rounds and rows a decode pass of `requests` requests of `tokens` tokens each,
+    served `batch` at a time by chain rounds (request r reads the text from task r's start) in a closed loop (bench
+    serve's: a finished request's successor is submitted after the step) and admitted as `refill` says. A round
+    verifies every row's pending token and the longest proposal, B(w + 1) tokens at `costs.pass_s`; a measuring
+    round of several rows emits one token a row (the engine's lockstep); plain rounds run as bursts of up to `burst`
+    steps, to the longest output still due, where no row joined this step and no prompt waits for a free row
+    (engine.py `_burst`)."""
+    starts = iter(text.task_starts[r % len(text.task_starts)] for r in range(requests))
+    waiting = deque([p, 0] for _, p in zip(range(batch), starts))  # submitted: text start, step queued at
+    per_pass = max(1, refill.chunk // refill.prompt_tokens)
+    rows: list[list[int]] = []  # each row's text position and tokens made
+    seconds, drafting, step, passes, row_passes = 0.0, 0, 0, 0, 0
+    while rows or waiting:
+        joined = 0
+        held = (not waiting or rows and len(waiting) * refill.prompt_tokens < refill.chunk // 2
+                and step - waiting[0][1] < refill.wait)
+        if not held and len(rows) < batch:
+            joined = min(batch - len(rows), per_pass, len(waiting))
+            rows += [[waiting.popleft()[0] + 1, 1] for _ in range(joined)]  # the prefill emits the first token
+            seconds += refill.pass_s + joined * refill.prompt_s
         b = len(rows)
         k = policy.choose(b) if fixed_k is None else fixed_k
         if k == 0:
-            steps = min(burst, max(tokens - made for _, made in rows))
+            bursts = not joined and not (waiting and b < batch)
+            steps = min(burst, max(tokens - made for _, made in rows)) if bursts else 1
             seconds += steps * costs.pass_s(b) + costs.burst_host_s
             policy.observe_round(b, 0, 0.0, costs.pass_s(b), steps)
             advance = [steps] * b
+            passes, row_passes = passes + steps, row_passes + steps * b
         else:
             drafting += 1
             cut = [text.round_at(p).cut(k) for p, _ in rows]
@@ -120,11 +150,14 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
             policy.observe_acceptance(k, accepted)
             lockstep = policy.measuring and b > 1 and fixed_k is None
             advance = [1 if lockstep else n + 1 for n in accepted]
+            passes, row_passes = passes + 1, row_passes + b
         for row, n in zip(rows, advance):
             row[0], row[1] = row[0] + n, min(row[1] + n, tokens)
+        step += 1
+        finished = sum(made >= tokens for _, made in rows)
         rows = [r for r in rows if r[1] < tokens]
-        rows += [[p, 0] for _, p in zip(range(batch - len(rows)), places)]
-    return seconds, requests * tokens, drafting
+        waiting += [[p, step] for _, p in zip(range(finished), starts)]
+    return seconds, requests * tokens, drafting, row_passes / max(passes, 1)
 
 
 def seeded_policy(costs: Costs, drafter: Drafter | TreeDrafter, max_gamma: int, batch: int = 1) -> GammaPolicy:
@@ -156,6 +189,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--batch", type=int, default=1,
                     help="rows decoding at once (a lookup trace's chain rounds; --tree-ms then prices passes by "
                          "their tokens, B(k + 1), and --plain-ms is a B-row step)")
+    ap.add_argument("--prefill-ms", type=float, default=0.0,
+                    help="at --batch B: a prompt's prefill (the pass holding the prompts of a refill)")
+    ap.add_argument("--prefill-wait", type=int, default=DEFAULT_PREFILL_WAIT, metavar="STEPS",
+                    help="at --batch B: the steps a lone prompt waits for company (serve's --prefill-wait)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--sequences", type=int, default=8, help="requests a run (at --batch B: default 4B)")
     ap.add_argument("--runs", type=int, default=4, help="runs on one policy, as bench serve's repeats")
@@ -178,11 +215,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if b > 1 and isinstance(drafter, TreeDrafter):
         raise SelfspecError("--batch replays a lookup trace's chain rounds; a tree trace replays at batch 1")
     requests = args.sequences if b == 1 or "--sequences" in (argv or []) else 4 * b
+    refill = Refill(wait=args.prefill_wait, prompt_s=args.prefill_ms / 1e3)
 
     def run(policy: GammaPolicy, fixed_k: int | None) -> tuple[float, int, int]:
         if b == 1:
             return replay(policy, text, costs, args.tokens, requests, fixed_k=fixed_k)
-        return replay_batch(policy, text, costs, args.tokens, requests, b, fixed_k=fixed_k)
+        return replay_batch(policy, text, costs, args.tokens, requests, b, refill, fixed_k=fixed_k)[:3]
 
     plain = run(seeded_policy(costs, drafter, args.max_gamma, b), 0)[0]
     print(f"{args.trace}: {requests} requests x {args.tokens} tokens a run at batch {b}, {args.runs} runs on one "
