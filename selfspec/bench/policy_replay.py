@@ -190,7 +190,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     help="rows decoding at once (a lookup trace's chain rounds; --tree-ms then prices passes by "
                          "their tokens, B(k + 1), and --plain-ms is a B-row step)")
     ap.add_argument("--prefill-ms", type=float, default=0.0,
-                    help="at --batch B: a prompt's prefill (the pass holding the prompts of a refill)")
+                    help="at --batch B: a prompt's share of its prefill pass")
+    ap.add_argument("--prefill-pass-ms", type=float, default=0.0,
+                    help="at --batch B: a prefill pass's own time, whatever its prompts (H200, 8B: ~2 ms)")
     ap.add_argument("--prefill-wait", type=int, default=DEFAULT_PREFILL_WAIT, metavar="STEPS",
                     help="at --batch B: the steps a lone prompt waits for company (serve's --prefill-wait)")
     ap.add_argument("--tokens", type=int, default=128)
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if b > 1 and isinstance(drafter, TreeDrafter):
         raise SelfspecError("--batch replays a lookup trace's chain rounds; a tree trace replays at batch 1")
     requests = args.sequences if b == 1 or "--sequences" in (argv or []) else 4 * b
-    refill = Refill(wait=args.prefill_wait, prompt_s=args.prefill_ms / 1e3)
+    refill = Refill(wait=args.prefill_wait, prompt_s=args.prefill_ms / 1e3, pass_s=args.prefill_pass_ms / 1e3)
 
     def run(policy: GammaPolicy, fixed_k: int | None) -> tuple[float, int, int]:
         if b == 1:
