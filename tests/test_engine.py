@@ -495,22 +495,48 @@ def test_plain_decoding_steps_run_back_to_back_with_unchanged_output(llm, monkey
     assert_idle(engine)
 
 
+def test_a_row_whose_prefill_ends_joins_the_burst(llm):
+    """A request prefilled in a plain step joins the step's burst after its first token (the prefill's): a lone
+    newcomer runs decode_steps steps in its first step, and one prefilled while another decodes joins that one's
+    burst, its blocks reserved past its prefill chunk; every output equals its solo run."""
+    ps = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    refs = [llm.generate(p, greedy(20), gamma=0).token_ids for p in ps]
+    engine = Engine(llm, max_batch=4, block_size=4, num_blocks=80, prefill_wait=0, decode_steps=8)
+    engine.add_request("a", ps[0], greedy(20), gamma=0)
+    tokens = {"a": [], "b": []}
+    for o in engine.step():
+        tokens[o.request_id] += o.new_token_ids
+    assert len(tokens["a"]) == 1 + 8
+    engine.add_request("b", ps[1], greedy(20), gamma=0)
+    engine._drain(engine._take_inbox(), [])
+    plan = engine._schedule()
+    assert [s.id for s in plan.prefill] == ["b"] and plan.steps == 8
+    engine._execute(plan, outs := [])
+    engine.steps += 1
+    for o in outs:
+        tokens[o.request_id] += o.new_token_ids
+    assert (len(tokens["a"]), len(tokens["b"])) == (9 + 8, 1 + 8)
+    while engine.has_work():
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+    assert [tokens["a"], tokens["b"]] == refs
+    assert_idle(engine)
+
+
 def test_no_burst_where_a_prompt_waits_or_the_cache_is_quantized(llm, monkeypatch):
     from dataclasses import replace
 
     import selfspec.engine.engine as engine_module
 
     engine = Engine(llm, max_batch=4, block_size=4, num_blocks=80, prefill_wait=8, decode_steps=8)
-    engine.add_request("a", [5, 6, 7], greedy(12), gamma=0)
-    engine.step()  # a prefilled; its first round ran
+    engine.add_request("a", [5, 6, 7], greedy(20), gamma=0)
+    engine.step()  # a prefilled; its first round ran, a burst of 8
     running, spare = list(engine.running), len(engine.cache.free_blocks)
     assert engine._burst(StepPlan([], {}, {0: running}), spare) == 8
     more = engine.cache.blocks_needed("a", 8) - engine.cache.blocks_needed("a", 1)  # 8 steps cross a 4-key block
     assert more > 0 and engine._burst(StepPlan([], {}, {0: running}), more - 1) == 1  # not spare enough
     assert engine._burst(StepPlan([], {}, {2: running}), spare) == 1  # it drafts
     assert engine._burst(StepPlan([], {}, {0: running, 2: running}), spare) == 1  # another round this step
-    b = replace(running[0], id="b", row=None)  # its prefill ends this step: it joins the round
-    assert engine._burst(StepPlan([b], {"b": 2}, {0: [*running, b]}), spare) == 1
     engine.add_request("b", [8, 9], greedy(12), gamma=0)
     engine.step()  # b waits for company to share its prefill pass (prefill_wait) while a decodes
     assert engine.waiting and engine._burst(StepPlan([], {}, {0: running}), spare) == 1  # b would wait the burst

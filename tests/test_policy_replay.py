@@ -53,8 +53,9 @@ CHAINS = [[Round("ngram", 3, 0, 1, 4, 2), Round("ngram", 0, 0, 1, 1, 0)], [Round
 def test_batched_chain_rounds_verify_the_longest_proposal_and_refill_finished_rows():
     """Two rows drafting k = 3 from tasks 0 and 1 (requests read from their task's start; the prefill emits the
     first token): the first round verifies both rows' pending tokens and the longer proposal, 2 x (3 + 1) tokens,
-    and emits 2 and 1 tokens; plain decoding costs a step (a burst's steps where no row joined) at the batch's step,
-    plus each burst's host time, and a finished pair's successors are prefilled together."""
+    and emits 2 and 1 tokens; plain decoding runs the steps due as one burst (rows joining after the prefill's
+    token) at the batch's step, plus the burst's host time, and a finished pair's successors are prefilled
+    together."""
     text = RecordedText(CHAINS)
     costs = Costs(0.004, {1: 0.003, 2: 0.004, 8: 0.006}, draft_s=0.001, host_s=0.0005, burst_host_s=0.0002)
     assert costs.pass_s(5) == pytest.approx(0.005) and costs.pass_s(16) == 0.006 and costs.pass_s(1) == 0.003
@@ -67,7 +68,7 @@ def test_batched_chain_rounds_verify_the_longest_proposal_and_refill_finished_ro
     prefill = Refill(prompt_s=0.01, pass_s=0.002)
     plain_s, plain_tokens, _, plain_rows = replay_batch(policy, text, costs, 3, 4, 2, prefill, fixed_k=0)
     assert (plain_tokens, plain_rows) == (12, 2.0)
-    assert plain_s == pytest.approx(4 * (costs.pass_s(2) + costs.burst_host_s) + 2 * (0.002 + 2 * 0.01))
+    assert plain_s == pytest.approx(4 * costs.pass_s(2) + 2 * costs.burst_host_s + 2 * (0.002 + 2 * 0.01))
 
 
 def test_a_lone_successor_waits_for_company_while_others_decode():

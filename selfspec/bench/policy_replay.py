@@ -115,8 +115,8 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
     serve's: a finished request's successor is submitted after the step) and admitted as `refill` says. A round
     verifies every row's pending token and the longest proposal, B(w + 1) tokens at `costs.pass_s`; a measuring
     round of several rows emits one token a row (the engine's lockstep); plain rounds run as bursts of up to `burst`
-    steps, to the longest output still due, where no row joined this step and no prompt waits for a free row
-    (engine.py `_burst`)."""
+    steps, to the longest output still due, where no prompt waits for a free row (engine.py `_burst`; a row that
+    joined this step takes part after its first token)."""
     starts = iter(text.task_starts[r % len(text.task_starts)] for r in range(requests))
     waiting = deque([p, 0] for _, p in zip(range(batch), starts))  # submitted: text start, step queued at
     per_pass = max(1, refill.chunk // refill.prompt_tokens)
@@ -133,7 +133,7 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
         b = len(rows)
         k = policy.choose(b) if fixed_k is None else fixed_k
         if k == 0:
-            bursts = not joined and not (waiting and b < batch)
+            bursts = not (waiting and b < batch)
             steps = min(burst, max(tokens - made for _, made in rows)) if bursts else 1
             seconds += steps * costs.pass_s(b) + costs.burst_host_s
             policy.observe_round(b, 0, 0.0, costs.pass_s(b), steps)

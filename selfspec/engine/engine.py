@@ -722,19 +722,23 @@ class Engine:
 
     def _burst(self, plan: StepPlan, spare: int) -> int:
         """Plain decoding steps the planned step's round runs back to back: up to decode_steps where the step has one
-        round, it drafts nothing, none of its rows ends its prefill this step, every row is greedy (a sampling
-        row draws on the host), the cache is the bf16 one (a quantized cache settles its buffer between passes),
-        no prompt waits for a free row (it would wait for the whole burst) and the `spare` blocks cover the
-        steps past the first; else 1. No row goes past the longest output still due, nor past the model's
-        length; a row stopping inside the burst (EOS, length, a stop string) drops the tokens after its stop."""
+        round, it drafts nothing, every row is greedy (a sampling row draws on the host), the cache is the bf16 one
+        (a quantized cache settles its buffer between passes), no prompt waits for a free row (it would wait for the
+        whole burst) and the `spare` blocks cover the steps past the first; else 1. A row whose prefill ends this
+        step joins the burst after its first token (the prefill's): where requests stop finishing together (drafting
+        rounds, outputs of their own lengths) rows join often, and a join that stopped the burst cost the step the
+        host time four steps share. No row goes past the longest output still due, nor past the model's length; a
+        row stopping inside the burst (EOS, length, a stop string) drops the tokens after its stop."""
         seqs = plan.rounds.get(0, [])
         if (self.decode_steps == 1 or len(plan.rounds) != 1 or not seqs or isinstance(self.cache, PagedQuantKVCache)
                 or (self.waiting and len(self.running) < self.max_batch)
-                or any(s.row is None or not s.params.greedy for s in seqs)):
+                or any(not s.params.greedy for s in seqs)):
             return 1
-        steps = min(self.decode_steps, max(s.params.max_new_tokens - len(s.out.token_ids) for s in seqs),
-                    *(self.max_len - s.row.length - 1 for s in seqs))
-        more = sum(self.cache.blocks_needed(s.id, steps) - self.cache.blocks_needed(s.id, 1) for s in seqs)
+        chunk = {s.id: plan.chunks.get(s.id, 0) for s in seqs}
+        due = [s.params.max_new_tokens - len(s.out.token_ids) - (s.row is None) for s in seqs]
+        steps = min(self.decode_steps, max(due), *(self.max_len - self._round_length(s, chunk[s.id]) - 1 for s in seqs))
+        more = sum(self.cache.blocks_needed(s.id, chunk[s.id] + steps) - self.cache.blocks_needed(s.id, chunk[s.id] + 1)
+                   for s in seqs)
         return steps if steps > 1 and more <= spare else 1
 
     def _shares_rows(self, seqs: list[Sequence]) -> bool:
