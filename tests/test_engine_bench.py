@@ -41,6 +41,8 @@ def test_closed_loop_serves_every_prompt_as_solo_greedy_would(llm):
         if gamma is not None:
             assert r["mean_gamma"] == gamma
             assert r["drafting_share"] == (gamma > 0)
+        # every request of 7 prefilled (in passes of up to 3), the batch of 3 emptying at the end
+        assert 3 <= r["prefill_passes"] <= 7 and 1 < r["rows_per_verify_pass"] <= 3
 
 
 def test_replayed_acceptance_runs_through_the_engine(llm):
@@ -141,7 +143,8 @@ def test_bench_recipe_takes_the_pairs_in_turn_ar_first_and_spec_first(llm, monke
     def fake_run(engine, prompts, params, gamma):
         order.append("ar" if gamma == 0 else "spec")
         return {"tokens_per_s": 1.0, "passes": [], "output_tokens": 1, "ttft_s": {}, "itl_s": {}, "mean_gamma": 0.0,
-                "drafting_share": 0.0, "graph_captures": 0, "slowest_step_s": 0.0, "policy_end": {}}
+                "drafting_share": 0.0, "rows_per_verify_pass": 1.0, "prefill_passes": 1, "graph_captures": 0,
+                "slowest_step_s": 0.0, "policy_end": {}}
 
     monkeypatch.setattr(serve, "run_closed_loop", fake_run)
     monkeypatch.setattr(serve, "bound_seconds", lambda *a: 1.0)
@@ -170,7 +173,8 @@ def test_bench_recipe_reports_best_of_and_each_pair(llm):
     assert len(cells) == HEADER.splitlines()[0].count(" | ") + 1
     assert cells[5] == f"{row['speedup_median']:.2f}x ({row['speedup_min']:.2f}-{row['speedup_max']:.2f}, 3 pairs)"
     ar, spec = row["ar"]["ttft_s"], row["spec"]["ttft_s"]  # each side's own time to first token
-    assert cells[8] == f"{ar['p50']:.2f} / {ar['p99']:.2f}, {spec['p50']:.2f} / {spec['p99']:.2f}"
+    assert cells[8] == f"{row['ar']['rows_per_verify_pass']:.2f}, {row['spec']['rows_per_verify_pass']:.2f}"
+    assert cells[9] == f"{ar['p50']:.2f} / {ar['p99']:.2f}, {spec['p50']:.2f} / {spec['p99']:.2f}"
 
 
 def test_read_json_array_head_stops_at_a_cut_record():

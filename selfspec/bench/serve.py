@@ -38,7 +38,7 @@ import torch
 
 import selfspec
 from selfspec.bench.shapes import SHAPES
-from selfspec.bench.passes import PassLog
+from selfspec.bench.passes import PassLog, decode_rows
 from selfspec.bench.step_bound import bound_seconds, pass_table
 from selfspec.bench.synthetic import synthetic_model
 from selfspec.bench.traces import TRACE_DIR, ReplayAcceptance, load, serve_replay
@@ -144,8 +144,8 @@ def make_engine(llm: selfspec.LLM, prompts: list[list[int]], batch: int, max_new
 
 
 # What each run keeps beside the best run's whole record: an outlier's why (its passes, a stall's graph captures).
-ALL_RUNS_KEYS = ("tokens_per_s", "mean_gamma", "drafting_share", "graph_captures", "slowest_step_s", "policy_end",
-                 "passes")
+ALL_RUNS_KEYS = ("tokens_per_s", "mean_gamma", "drafting_share", "rows_per_verify_pass", "prefill_passes",
+                 "graph_captures", "slowest_step_s", "policy_end", "passes")
 
 
 def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingParams, gamma: int | None) -> dict:
@@ -196,6 +196,7 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
     row_rounds = s.num_row_rounds - start.num_row_rounds
     total = sum(map(len, tokens.values()))
     policy = engine.policy
+    verify = decode_rows([c for c in log.calls if c[0] == engine.llm.verify_mode])
     return {"requests": len(prompts), "output_tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
             "ttft_s": percentiles([first[r] - submitted[r] for r in first]), "itl_s": percentiles(itl),
             "acceptance": accepted / drafted if drafted else None,
@@ -205,6 +206,10 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
             "graph_captures": getattr(log.runner, "captures", 0) - captures, "slowest_step_s": slowest,
             # What the policy chose on and from: the share of row rounds that drafted, its estimates at the end.
             "drafting_share": (s.num_drafts - start.num_drafts) / row_rounds if row_rounds else 0.0,
+            # How full the batch ran: requests that stop finishing together leave rows empty while a successor
+            # waits for its prefill, and are prefilled in smaller passes.
+            "rows_per_verify_pass": sum(rows for rows, _, _ in verify) / len(verify) if verify else 0.0,
+            "prefill_passes": sum(shape[0] == "prefill" for _, shape in log.calls),
             "policy_end": {"acceptance": policy.acceptance,
                            "verify_ms": {t: e.value * 1e3 for t, e in sorted(policy.verify_cost.items())},
                            # a draft step's (a proposing's, for a drafter without steps) estimate by batch size
@@ -268,9 +273,9 @@ def pair_speedups(runs: dict[str, list[dict]]) -> dict:
 
 
 HEADER = ("| recipe (draft -> verify) | batch | AR tok/s | spec tok/s | spec/AR | spec/AR per pair: median (min-max) | "
-          "acceptance | mean gamma | TTFT p50 / p99 (s): AR, spec | ITL p50 / p99 (ms): AR, spec | "
-          "step-cost bound tok/s (measured / bound): AR, spec | batched == solo |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "acceptance | mean gamma | rows a verify pass: AR, spec | TTFT p50 / p99 (s): AR, spec | "
+          "ITL p50 / p99 (ms): AR, spec | step-cost bound tok/s (measured / bound): AR, spec | batched == solo |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def markdown_row(r: dict) -> str:
@@ -281,9 +286,10 @@ def markdown_row(r: dict) -> str:
     ttft = ", ".join(f"{run['ttft_s']['p50']:.2f} / {run['ttft_s']['p99']:.2f}" for run in (a, s))
     itl = ", ".join(f"{1e3 * run['itl_s']['p50']:.0f} / {1e3 * run['itl_s']['p99']:.0f}" for run in (a, s))
     bound = ", ".join(f"{run['step_bound_tokens_per_s']:.0f} ({run['of_step_bound']:.2f})" for run in (a, s))
+    rows = f"{a['rows_per_verify_pass']:.2f}, {s['rows_per_verify_pass']:.2f}"
     return (f"| {r['recipe']} ({r['draft']} -> {r['verify']}){label} | {r['batch']} | {a['tokens_per_s']:.2f} | "
             f"{s['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {spread(r)} | {acc} | {s['mean_gamma']:.2f} | "
-            f"{ttft} | {itl} | {bound} | {check} |")
+            f"{rows} | {ttft} | {itl} | {bound} | {check} |")
 
 
 def spread(r: dict) -> str:
