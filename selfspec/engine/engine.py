@@ -735,7 +735,8 @@ class Engine:
                 or any(not s.params.greedy for s in seqs)):
             return 1
         chunk = {s.id: plan.chunks.get(s.id, 0) for s in seqs}
-        due = [s.params.max_new_tokens - len(s.out.token_ids) - (s.row is None) for s in seqs]
+        # a newcomer's prefill emits its first token; a resumed sequence's pending token was drawn before
+        due = [s.params.max_new_tokens - len(s.out.token_ids) - (s.row is None and not s.out.token_ids) for s in seqs]
         steps = min(self.decode_steps, max(due), *(self.max_len - self._round_length(s, chunk[s.id]) - 1 for s in seqs))
         more = sum(self.cache.blocks_needed(s.id, chunk[s.id] + steps) - self.cache.blocks_needed(s.id, chunk[s.id] + 1)
                    for s in seqs)
