@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--prefill-wait", type=int, default=DEFAULT_PREFILL_WAIT, metavar="STEPS",
                     help="at --batch B: the steps a lone prompt waits for company (serve's --prefill-wait)")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--sequences", type=int, default=8, help="requests a run (at --batch B: default 4B)")
+    ap.add_argument("--sequences", type=int, default=None, help="requests a run (default 8; at --batch B, 4B)")
     ap.add_argument("--runs", type=int, default=4, help="runs on one policy, as bench serve's repeats")
     ap.add_argument("--max-gamma", type=int, default=8)
     args = ap.parse_args(argv)
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     text, drafter = RecordedText(tasks), serve_replay(tasks)
     if b > 1 and isinstance(drafter, TreeDrafter):
         raise SelfspecError("--batch replays a lookup trace's chain rounds; a tree trace replays at batch 1")
-    requests = args.sequences if b == 1 or "--sequences" in (argv or []) else 4 * b
+    requests = args.sequences or (8 if b == 1 else 4 * b)
     refill = Refill(wait=args.prefill_wait, prompt_s=args.prefill_ms / 1e3, pass_s=args.prefill_pass_ms / 1e3)
 
     def run(policy: GammaPolicy, fixed_k: int | None) -> tuple[float, int, int]:
