@@ -23,6 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from selfspec.bench.traces import TRACE_DIR, RecordedText, load
 from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT
 from selfspec.engine.graphs import node_bucket
@@ -43,11 +45,7 @@ class Costs:
         """A chain pass over `tokens` tokens (a batch's rows): interpolated linearly between the measured sizes
         (`tree_s` by tokens, with plain_s at its own batch's), the nearest end past them."""
         sizes = sorted(self.tree_s)
-        if tokens <= sizes[0] or tokens >= sizes[-1]:
-            return self.tree_s[sizes[0] if tokens <= sizes[0] else sizes[-1]]
-        i = bisect.bisect_left(sizes, tokens)
-        n0, n1 = sizes[i - 1], sizes[i]
-        return self.tree_s[n0] + (self.tree_s[n1] - self.tree_s[n0]) * (tokens - n0) / (n1 - n0)
+        return float(np.interp(tokens, sizes, [self.tree_s[n] for n in sizes]))
 
     def round_s(self, nodes: int) -> float:
         """A tree pass over `nodes` nodes (the pending token's included): its bucket's time, or the largest
@@ -134,9 +132,9 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
         k = policy.choose(b) if fixed_k is None else fixed_k
         if k == 0:
             bursts = not (waiting and b < batch)
-            steps = min(burst, max(tokens - made for _, made in rows)) if bursts else 1
-            seconds += steps * costs.pass_s(b) + costs.burst_host_s
-            policy.observe_round(b, 0, 0.0, costs.pass_s(b), steps)
+            steps, step_s = min(burst, max(tokens - made for _, made in rows)) if bursts else 1, costs.pass_s(b)
+            seconds += steps * step_s + costs.burst_host_s
+            policy.observe_round(b, 0, 0.0, step_s, steps)
             advance = [steps] * b
             passes, row_passes = passes + steps, row_passes + steps * b
         else:
