@@ -523,6 +523,34 @@ def test_a_row_whose_prefill_ends_joins_the_burst(llm):
     assert_idle(engine)
 
 
+def test_a_held_prompt_lets_the_others_burst_for_its_wait(llm, monkeypatch):
+    """A prompt held for company (prefill_wait, in decode steps) does not stop the others' bursts: they run up to
+    the steps its wait has left, then it is prefilled; outputs equal their solo runs."""
+    import selfspec.engine.engine as engine_module
+
+    ps = [[5, 6, 7], [8, 9, 10, 11]]
+    refs = [llm.generate(p, greedy(n), gamma=0).token_ids for p, n in zip(ps, (30, 10))]
+    engine = Engine(llm, max_batch=4, block_size=4, num_blocks=80, prefill_wait=6, decode_steps=4)
+    bursts = []
+    steps = engine_module.run_steps
+    monkeypatch.setattr(engine_module, "run_steps", lambda *a: bursts.append(a[-1]) or steps(*a))
+    engine.add_request("a", ps[0], greedy(30), gamma=0)
+    tokens = {"a": [], "b": []}
+    for o in engine.step():  # a prefilled, then a burst of 4
+        tokens[o.request_id] += o.new_token_ids
+    engine.add_request("b", ps[1], greedy(10), gamma=0)
+    held_at = engine.steps
+    while engine.has_work():
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+        if tokens["b"] and held_at is not None:
+            assert engine.steps - held_at >= 6  # b waited its wait out, a bursting meanwhile
+            held_at = None
+    assert bursts[:3] == [4, 4, 2]  # the second and third while b waits: 4, then the 2 its wait has left
+    assert [tokens["a"], tokens["b"]] == refs
+    assert_idle(engine)
+
+
 def test_no_burst_where_a_prompt_waits_or_the_cache_is_quantized(llm, monkeypatch):
     from dataclasses import replace
 

@@ -113,8 +113,9 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
     serve's: a finished request's successor is submitted after the step) and admitted as `refill` says. A round
     verifies every row's pending token and the longest proposal, B(w + 1) tokens at `costs.pass_s`; a measuring
     round of several rows emits one token a row (the engine's lockstep); plain rounds run as bursts of up to `burst`
-    steps, to the longest output still due, where no prompt waits for a free row (engine.py `_burst`; a row that
-    joined this step takes part after its first token)."""
+    steps, to the longest output still due, where no prompt waits for a free row or the one waiting is held, then
+    up to the steps its wait has left (engine.py `_burst`; a row that joined this step takes part after its first
+    token). Steps are decode steps: a burst counts each of its own."""
     starts = iter(text.task_starts[r % len(text.task_starts)] for r in range(requests))
     waiting = deque([p, 0] for _, p in zip(range(batch), starts))  # submitted: text start, step queued at
     per_pass = max(1, refill.chunk // refill.prompt_tokens)
@@ -131,8 +132,9 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
         b = len(rows)
         k = policy.choose(b) if fixed_k is None else fixed_k
         if k == 0:
-            bursts = not (waiting and b < batch)
-            steps, step_s = min(burst, max(tokens - made for _, made in rows)) if bursts else 1, costs.pass_s(b)
+            waits = waiting and b < batch
+            most = refill.wait - (step - waiting[0][1]) if waits and held else 1 if waits else burst
+            steps, step_s = min(burst, most, max(tokens - made for _, made in rows)), costs.pass_s(b)
             seconds += steps * step_s + costs.burst_host_s
             policy.observe_round(b, 0, 0.0, step_s, steps)
             advance = [steps] * b
@@ -151,7 +153,7 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
             passes, row_passes = passes + 1, row_passes + b
         for row, n in zip(rows, advance):
             row[0], row[1] = row[0] + n, min(row[1] + n, tokens)
-        step += 1
+        step += advance[0] if k == 0 else 1
         finished = sum(made >= tokens for _, made in rows)
         rows = [r for r in rows if r[1] < tokens]
         waiting += [[p, step] for _, p in zip(range(finished), starts)]

@@ -163,7 +163,7 @@ class Sequence:
     gen: torch.Generator | None
     arrival: float
     out: Generation
-    queued_step: int = 0  # the engine step at which it last joined the waiting queue
+    queued_step: int = 0  # the decode step (Engine.steps) at which it last joined the waiting queue
     prefilled: int = 0  # positions of the context in the cache
     row: Row | None = None  # set once the context is prefilled (and, the first time, the first token drawn)
     history: TokenHistory | None = None  # while preempted, its row's lookup index (and the hybrid's streak)
@@ -195,12 +195,14 @@ class StepPlan:
     """One step's passes: a batched prefill chunk (`chunks`: each sequence's context tokens in it, within the
     prefill budget), then one batched round per draft count k. `measuring`: the policy's drafts only measure
     (GammaPolicy.measuring), so the rounds keep its greedy rows in lockstep. `steps`: the plain decoding steps the
-    k = 0 round runs back to back (Engine._burst), their blocks reserved with the rest."""
+    k = 0 round runs back to back (Engine._burst), their blocks reserved with the rest. `held`: the waiting prompts
+    wait this step for more to share their prefill pass (Engine._hold_prefill)."""
     prefill: list[Sequence]
     chunks: dict[str, int]
     rounds: dict[int, list[Sequence]]
     measuring: bool = False
     steps: int = 1
+    held: bool = False
 
     @property
     def prefill_tokens(self) -> int:
@@ -268,7 +270,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission (FCFS: arrival) order; the newest is preempted first
         self.counters = _Counters()
-        self.steps = 0
+        self.steps = 0  # decode steps run: a burst counts each of its steps (the prefill wait counts these)
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, object]] = []
         self._live: set[str] = set()  # ids added and not yet finished
@@ -427,8 +429,9 @@ class Engine:
             self.stopped = True
             return outputs
         self._drain(inbox, outputs)
-        self._execute(self._schedule(), outputs)
-        self.steps += 1
+        plan = self._schedule()
+        self._execute(plan, outputs)
+        self.steps += plan.steps
         return outputs
 
     def close(self) -> None:
@@ -509,7 +512,8 @@ class Engine:
         """Waiting sequences FCFS into this step's prefill chunk while the batch, the chunk's token budget and the
         pool allow; one block per running sequence stays spare, so that the next round's growth does not at once
         preempt what was just prefilled. -> the blocks still spare."""
-        if self._hold_prefill(plan):
+        plan.held = self._hold_prefill(plan)
+        if plan.held:
             return spare
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
@@ -724,20 +728,24 @@ class Engine:
         """Plain decoding steps the planned step's round runs back to back: up to decode_steps where the step has one
         round, it drafts nothing, every row is greedy (a sampling row draws on the host), the cache is the bf16 one
         (a quantized cache settles its buffer between passes), no prompt waits for a free row (it would wait for the
-        whole burst) and the `spare` blocks cover the steps past the first; else 1. A row whose prefill ends this
+        whole burst) unless it is held for company (then up to the steps its wait has left: rows out of step hold a
+        successor often, and one step at a time each step paid the host time four share) and the `spare` blocks
+        cover the steps past the first; else 1. A row whose prefill ends this
         step joins the burst after its first token (the prefill's): where requests stop finishing together (drafting
         rounds, outputs of their own lengths) rows join often, and a join that stopped the burst cost the step the
         host time four steps share. No row goes past the longest output still due, nor past the model's length; a
         row stopping inside the burst (EOS, length, a stop string) drops the tokens after its stop."""
         seqs = plan.rounds.get(0, [])
+        waits = self.waiting and len(self.running) < self.max_batch
         if (self.decode_steps == 1 or len(plan.rounds) != 1 or not seqs or isinstance(self.cache, PagedQuantKVCache)
-                or (self.waiting and len(self.running) < self.max_batch)
-                or any(not s.params.greedy for s in seqs)):
+                or (waits and not plan.held) or any(not s.params.greedy for s in seqs)):
             return 1
+        held = self.prefill_wait - (self.steps - self.waiting[0].queued_step) if waits else self.decode_steps
         chunk = {s.id: plan.chunks.get(s.id, 0) for s in seqs}
         # a newcomer's prefill emits its first token; a resumed sequence's pending token was drawn before
         due = [s.params.max_new_tokens - len(s.out.token_ids) - (s.row is None and not s.out.token_ids) for s in seqs]
-        steps = min(self.decode_steps, max(due), *(self.max_len - self._round_length(s, chunk[s.id]) - 1 for s in seqs))
+        steps = min(self.decode_steps, held, max(due),
+                    *(self.max_len - self._round_length(s, chunk[s.id]) - 1 for s in seqs))
         more = sum(self.cache.blocks_needed(s.id, chunk[s.id] + steps) - self.cache.blocks_needed(s.id, chunk[s.id] + 1)
                    for s in seqs)
         return steps if steps > 1 and more <= spare else 1
