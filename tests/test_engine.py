@@ -372,6 +372,36 @@ def test_newcomers_wait_a_few_steps_to_share_one_prefill_pass(llm, monkeypatch):
     assert passes == {0: [1, 1, 1], 3: [1, 2]}  # the first, on an idle engine, at once
 
 
+def test_a_successor_waits_only_for_company_that_can_come(llm, monkeypatch):
+    """A full batch in a closed loop (each finished request's successor submitted at once): the successor waits
+    for the other row's successor while that row's tokens due end within the wait, and is prefilled at once where
+    they do not (its row would stay empty for the whole wait). Outputs equal their solo runs."""
+    ps = prompts(4, seed=7)
+    passes = {}
+    for other in (9, 40):  # tokens the second request makes: 3 after the first ends, or 34
+        engine = Engine(llm, max_batch=2, block_size=16, num_blocks=64, prefill_wait=8, decode_steps=1)
+        sizes = []
+        prefill = engine._prefill_chunk
+        monkeypatch.setattr(engine, "_prefill_chunk", lambda seqs, n, outs: sizes.append(len(seqs)) or
+                            prefill(seqs, n, outs))
+        lengths = {"a": 6, "b": other, "c": 6, "d": 6}
+        engine.add_request("a", ps[0], greedy(6), gamma=0)
+        engine.add_request("b", ps[1], greedy(other), gamma=0)
+        tokens, successors, added, first = {}, iter([("c", ps[2]), ("d", ps[3])]), {}, {}
+        while engine.has_work():
+            for o in engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                first.setdefault(o.request_id, engine.steps)
+                if o.finished and (nxt := next(successors, None)):
+                    engine.add_request(nxt[0], nxt[1], greedy(6), gamma=0)
+                    added[nxt[0]] = engine.steps
+        passes[other] = sizes, first["c"] - added["c"]
+        for rid, p in zip("abcd", ps):
+            assert tokens[rid] == llm.generate(p, greedy(lengths[rid]), gamma=0).token_ids
+        assert_idle(engine)
+    assert passes == {9: ([2, 2], 4), 40: ([2, 1, 1], 1)}  # c waited for d, or its first token came next step
+
+
 def test_preempted_requests_resume_with_unchanged_greedy_output(llm, monkeypatch):
     """Six requests whose worst cases (up to 14 blocks each) far exceed a 20-block pool: the engine admits them on
     current need, preempts the newest when the pool runs out and re-prefills it (prompt + tokens so far) on resume.

@@ -95,8 +95,9 @@ def replay(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, s
 @dataclass(frozen=True)
 class Refill:
     """How the batch refills a finished row's slot (the engine's admission, engine.py `_hold_prefill`): a waiting
-    prompt is held while others decode, fewer prompts than fill half the prefill budget wait, and the oldest has
-    waited fewer than `wait` steps; then up to chunk // prompt_tokens prompts are prefilled in one pass
+    prompt is held while others decode, fewer prompts than fill half the prefill budget wait, the oldest has
+    waited fewer than `wait` steps, and company may come within them (a free row past the waiting ones, or a row
+    whose tokens due end within the steps left); then up to chunk // prompt_tokens prompts are prefilled in one pass
     (pass_s + prompt_s each), emit their first token and join that step's round."""
     prompt_tokens: int = 512
     chunk: int = DEFAULT_PREFILL_CHUNK
@@ -123,8 +124,9 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
     seconds, drafting, step, passes, row_passes = 0.0, 0, 0, 0, 0
     while rows or waiting:
         joined = 0
-        held = (not waiting or rows and len(waiting) * refill.prompt_tokens < refill.chunk // 2
-                and step - waiting[0][1] < refill.wait)
+        left = refill.wait - (step - waiting[0][1]) if waiting else 0
+        company = len(waiting) < batch - len(rows) or rows and min(tokens - made for _, made in rows) <= left
+        held = not waiting or rows and len(waiting) * refill.prompt_tokens < refill.chunk // 2 and left > 0 and company
         if not held and len(rows) < batch:
             joined = min(batch - len(rows), per_pass, len(waiting))
             rows += [[waiting.popleft()[0] + 1, 1] for _ in range(joined)]  # the prefill emits the first token
@@ -133,7 +135,7 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
         k = policy.choose(b) if fixed_k is None else fixed_k
         if k == 0:
             waits = waiting and b < batch
-            most = refill.wait - (step - waiting[0][1]) if waits and held else 1 if waits else burst
+            most = left if waits and held else 1 if waits else burst
             steps, step_s = min(burst, most, max(tokens - made for _, made in rows)), costs.pass_s(b)
             seconds += steps * step_s + costs.burst_host_s
             policy.observe_round(b, 0, 0.0, step_s, steps)

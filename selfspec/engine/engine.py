@@ -536,13 +536,22 @@ class Engine:
 
     def _hold_prefill(self, plan: StepPlan) -> bool:
         """Whether the waiting prompts wait for more to share their prefill pass (DEFAULT_PREFILL_WAIT): only
-        while others decode (one of them may finish and let another prompt in), no prefill pass runs this step
-        anyway, the waiting ones fill less than half the budget, and the oldest has waited fewer than prefill_wait
-        steps."""
-        if not self.waiting or plan.prefill or not any(s.row is not None for s in self.running):
+        while others decode, no prefill pass runs this step anyway, the waiting ones fill less than half the
+        budget, the oldest has waited fewer than prefill_wait steps, and company may come within the steps left: a
+        free row past the waiting ones (an arrival), or a row whose tokens due end within them (its successor).
+        Else the wait would only leave the row empty: where rows stop finishing together (drafting rounds, outputs
+        of their own lengths) a finished row's successor waited the whole wait for company that could not come."""
+        decoding = [s for s in self.running if s.row is not None]
+        if not self.waiting or plan.prefill or not decoding:
             return False
+        left = self.prefill_wait - (self.steps - self.waiting[0].queued_step)
         tokens = sum(s.region_left for s in self.waiting)
-        return tokens < self.prefill_chunk // 2 and self.steps - self.waiting[0].queued_step < self.prefill_wait
+        if tokens >= self.prefill_chunk // 2 or left <= 0:
+            return False
+        if len(self.waiting) < self.max_batch - len(self.running):
+            return True
+        return min(min(s.params.max_new_tokens - len(s.out.token_ids), self.max_len - s.row.length)
+                   for s in decoding) <= left
 
     def _preempt(self, seq: Sequence) -> int:
         """Send a running sequence back to the head of the queue and free its blocks; it is prefilled again
