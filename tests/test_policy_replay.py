@@ -1,7 +1,7 @@
 """bench/policy_replay.py: the gamma policy through a trace's recorded texts at given pass costs, no model."""
 import pytest
 
-from selfspec.bench.policy_replay import Costs, Refill, main, replay, replay_batch, seeded_policy
+from selfspec.bench.policy_replay import Choice, Costs, Refill, main, replay, replay_batch, seeded_policy
 from selfspec.bench.traces import RecordedText, Round, ServeTreeReplay, serve_replay
 from selfspec.errors import SelfspecError
 
@@ -22,17 +22,17 @@ def test_fixed_k_rounds_cost_and_emit_what_the_text_says():
     cut to 2 drafts accepts 1 (2 tokens) ... and plain decoding costs a step a token."""
     text = RecordedText(TASKS)
     policy = seeded_policy(COSTS, ServeTreeReplay(TASKS), 4)
-    seconds, tokens, drafting = replay(policy, text, COSTS, 6, 1, fixed_k=2)
+    seconds, tokens, drafting = replay(policy, text, COSTS, 6, 1, choice=Choice(2))
     assert tokens == 6 and drafting == 3
     assert seconds == pytest.approx(3 * COSTS.draft_s + COSTS.round_s(6) + COSTS.plain_s + COSTS.round_s(7))
-    assert replay(policy, text, COSTS, 6, 2, fixed_k=0) == (pytest.approx(12 * COSTS.plain_s), 12, 0)
+    assert replay(policy, text, COSTS, 6, 2, choice=Choice(0)) == (pytest.approx(12 * COSTS.plain_s), 12, 0)
     # the oracle knows that task 0's second round accepts nothing: a plain step there without its proposing, the
     # rest as drafting k = 2 every round
-    oracle_s, oracle_tokens, oracle_drafting = replay(policy, text, COSTS, 6, 1, oracle_k=2)
+    oracle_s, oracle_tokens, oracle_drafting = replay(policy, text, COSTS, 6, 1, choice=Choice(2, oracle=True))
     assert (oracle_tokens, oracle_drafting) == (6, 2) and oracle_s == pytest.approx(seconds - COSTS.draft_s)
     # a drafting round's host time around its pass: paid by the two rounds that ran a pass of drafts, not by plain ones
     hosted = Costs(COSTS.plain_s, COSTS.tree_s, COSTS.draft_s, host_s=0.0003)
-    assert replay(policy, text, hosted, 6, 1, fixed_k=2)[0] == pytest.approx(seconds + 2 * hosted.host_s)
+    assert replay(policy, text, hosted, 6, 1, choice=Choice(2))[0] == pytest.approx(seconds + 2 * hosted.host_s)
 
 
 @pytest.mark.parametrize("trace", ["ngram.recycle-tree", "ngram"])  # tree rounds, lookup chains
@@ -60,13 +60,13 @@ def test_batched_chain_rounds_verify_the_longest_proposal_and_refill_finished_ro
     costs = Costs(0.004, {1: 0.003, 2: 0.004, 8: 0.006}, draft_s=0.001, host_s=0.0005, burst_host_s=0.0002)
     assert costs.pass_s(5) == pytest.approx(0.005) and costs.pass_s(16) == 0.006 and costs.pass_s(1) == 0.003
     policy = seeded_policy(costs, serve_replay(CHAINS), 4, batch=2)
-    seconds, tokens, drafting, rows = replay_batch(policy, text, costs, 3, 2, 2, fixed_k=3)
+    seconds, tokens, drafting, rows = replay_batch(policy, text, costs, 3, 2, 2, choice=Choice(3))
     # round 1 ends request 0; round 2: request 1 (1 token left) alone at text position 6, which cycles to task 0's
     # start (3 drafts, 2 accepted: the row takes the 1 it needs)
     assert (tokens, drafting, rows) == (6, 2, 1.5)
     assert seconds == pytest.approx(2 * costs.draft_s + costs.pass_s(8) + costs.pass_s(4) + 2 * costs.host_s)
     prefill = Refill(prompt_s=0.01, pass_s=0.002)
-    plain_s, plain_tokens, _, plain_rows = replay_batch(policy, text, costs, 3, 4, 2, prefill, fixed_k=0)
+    plain_s, plain_tokens, _, plain_rows = replay_batch(policy, text, costs, 3, 4, 2, prefill, choice=Choice(0))
     assert (plain_tokens, plain_rows) == (12, 2.0)
     assert plain_s == pytest.approx(4 * costs.pass_s(2) + 2 * costs.burst_host_s + 2 * (0.002 + 2 * 0.01))
 
@@ -77,10 +77,30 @@ def test_a_lone_successor_waits_for_company_while_others_decode():
     text = RecordedText(CHAINS)
     costs = Costs(0.004, {1: 0.003, 2: 0.004, 8: 0.006})
     policy = seeded_policy(costs, serve_replay(CHAINS), 4, batch=2)
-    held = replay_batch(policy, text, costs, 3, 3, 2, Refill(wait=8), fixed_k=3)
-    at_once = replay_batch(policy, text, costs, 3, 3, 2, Refill(wait=0), fixed_k=3)
+    held = replay_batch(policy, text, costs, 3, 3, 2, Refill(wait=8), choice=Choice(3))
+    at_once = replay_batch(policy, text, costs, 3, 3, 2, Refill(wait=0), choice=Choice(3))
     assert held[1] == at_once[1] == 9
     assert held[3] < at_once[3]  # fewer rows a decode pass while the successor waits
+
+
+def test_a_successor_waits_only_for_company_that_can_come():
+    """As the engine: request 0 (accepting every draft) ends while request 1 (accepting none) has 5 tokens due; its
+    successor waits for company only where the wait outlasts them (8 steps), and with a wait of 4 is prefilled at
+    once, as with no wait."""
+    tasks = [[Round("ngram", 3, 0, 1, 4, 3)] * 10, [Round("ngram", 3, 0, 1, 4, 0)] * 40]
+    text, costs = RecordedText(tasks), Costs(0.004, {1: 0.003, 2: 0.004, 8: 0.006})
+    runs = {wait: replay_batch(seeded_policy(costs, serve_replay(tasks), 4, batch=2), text, costs, 9, 3, 2,
+                               Refill(wait=wait), choice=Choice(3)) for wait in (0, 4, 8)}
+    assert runs[4] == runs[0] and runs[8][1] == runs[0][1] == 27
+    assert runs[8][3] < runs[0][3] and runs[8][0] > runs[0][0]  # held: fewer rows a pass, more time
+
+
+def test_the_oracle_replays_one_sequence_at_a_time():
+    text = RecordedText(CHAINS)
+    costs = Costs(0.004, {1: 0.003, 2: 0.004, 8: 0.006})
+    with pytest.raises(SelfspecError, match="oracle replays one sequence"):
+        replay_batch(seeded_policy(costs, serve_replay(CHAINS), 4, batch=2), text, costs, 3, 2, 2,
+                     choice=Choice(3, oracle=True))
 
 
 def test_the_cli_replays_a_lookup_trace_at_a_batch_and_refuses_a_tree_trace_there(capsys):

@@ -55,23 +55,37 @@ class Costs:
         return self.tree_s[known[min(bisect.bisect_left(known, size), len(known) - 1)]]
 
 
+@dataclass(frozen=True)
+class Choice:
+    """Who chooses each round's drafts: the policy (k None); k every round (0: plain decoding); or, `oracle`, k
+    only where the round at that place accepts a draft and one plain step where it would not, a bound no policy
+    reaches (it knows each round's outcome before running it)."""
+    k: int | None = None
+    oracle: bool = False
+
+    def drafts(self, policy: GammaPolicy, rows: int, text: RecordedText, at: int) -> int:
+        if self.k is None:
+            return policy.choose(rows)
+        if not self.oracle:
+            return self.k
+        ahead = text.round_at(at).cut(self.k)
+        return self.k if ahead.proposed and ahead.accepted else 0
+
+
+POLICY = Choice()
+
+
 def replay(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, sequences: int, burst: int = 4,
-           fixed_k: int | None = None, oracle_k: int | None = None) -> tuple[float, int, int]:
+           choice: Choice = POLICY) -> tuple[float, int, int]:
     """Seconds, tokens and drafting rounds of `sequences` sequences of `tokens` tokens each, one after the other on
-    one policy (sequence s reads the text from task s's start, cycling), each round's k the policy's (or fixed_k).
-    oracle_k: drafting oracle_k where the round at that place accepts a draft and a plain step where it would not,
-    a bound no policy reaches (it knows each round's outcome before running it)."""
+    one policy (sequence s reads the text from task s's start, cycling), each round's k as `choice` says."""
     seconds, drafting = 0.0, 0
     for s in range(sequences):
         p, made = text.task_starts[s % len(text.task_starts)], 0
         while made < tokens:
-            if oracle_k is not None:
-                ahead = text.round_at(p).cut(oracle_k)
-                k = oracle_k if ahead.proposed and ahead.accepted else 0
-            else:
-                k = policy.choose(1) if fixed_k is None else fixed_k
+            k = choice.drafts(policy, 1, text, p)
             if k == 0:  # a burst of plain steps (the oracle's: one, then it looks again)
-                steps = 1 if oracle_k is not None else min(burst, tokens - made)
+                steps = 1 if choice.oracle else min(burst, tokens - made)
                 seconds += steps * costs.plain_s + costs.burst_host_s
                 policy.observe_round(1, 0, 0.0, costs.plain_s, steps)
                 p, made = p + steps, made + steps
@@ -107,7 +121,7 @@ class Refill:
 
 
 def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, requests: int, batch: int,
-                 refill: Refill = Refill(), burst: int = 4, fixed_k: int | None = None
+                 refill: Refill = Refill(), burst: int = 4, choice: Choice = POLICY
                  ) -> tuple[float, int, int, float]:
     """Seconds, tokens, drafting rounds and rows a decode pass of `requests` requests of `tokens` tokens each,
     served `batch` at a time by chain rounds (request r reads the text from task r's start) in a closed loop (bench
@@ -116,7 +130,9 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
     round of several rows emits one token a row (the engine's lockstep); plain rounds run as bursts of up to `burst`
     steps, to the longest output still due, where no prompt waits for a free row or the one waiting is held, then
     up to the steps its wait has left (engine.py `_burst`; a row that joined this step takes part after its first
-    token). Steps are decode steps: a burst counts each of its own."""
+    token). Steps are decode steps: a burst counts each of its own. The oracle replays batch 1 alone."""
+    if choice.oracle:
+        raise SelfspecError("the oracle replays one sequence at a time (replay), not a batch")
     starts = iter(text.task_starts[r % len(text.task_starts)] for r in range(requests))
     waiting = deque([p, 0] for _, p in zip(range(batch), starts))  # submitted: text start, step queued at
     per_pass = max(1, refill.chunk // refill.prompt_tokens)
@@ -132,7 +148,7 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
             rows += [[waiting.popleft()[0] + 1, 1] for _ in range(joined)]  # the prefill emits the first token
             seconds += refill.pass_s + joined * refill.prompt_s
         b = len(rows)
-        k = policy.choose(b) if fixed_k is None else fixed_k
+        k = choice.drafts(policy, b, text, 0)
         if k == 0:
             waits = waiting and b < batch
             most = left if waits and held else 1 if waits else burst
@@ -150,7 +166,7 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
             seconds += costs.draft_s + verify
             policy.observe_round(b, width, costs.draft_s, verify)
             policy.observe_acceptance(k, accepted)
-            lockstep = policy.measuring and b > 1 and fixed_k is None
+            lockstep = policy.measuring and b > 1 and choice.k is None
             advance = [1 if lockstep else n + 1 for n in accepted]
             passes, row_passes = passes + 1, row_passes + b
         for row, n in zip(rows, advance):
@@ -221,25 +237,25 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     requests = args.sequences or (8 if b == 1 else 4 * b)
     refill = Refill(wait=args.prefill_wait, prompt_s=args.prefill_ms / 1e3, pass_s=args.prefill_pass_ms / 1e3)
 
-    def run(policy: GammaPolicy, fixed_k: int | None) -> tuple[float, int, int]:
+    def run(policy: GammaPolicy, choice: Choice) -> tuple[float, int, int]:
         if b == 1:
-            return replay(policy, text, costs, args.tokens, requests, fixed_k=fixed_k)
-        return replay_batch(policy, text, costs, args.tokens, requests, b, refill, fixed_k=fixed_k)[:3]
+            return replay(policy, text, costs, args.tokens, requests, choice=choice)
+        return replay_batch(policy, text, costs, args.tokens, requests, b, refill, choice=choice)[:3]
 
-    plain = run(seeded_policy(costs, drafter, args.max_gamma, b), 0)[0]
+    plain = run(seeded_policy(costs, drafter, args.max_gamma, b), Choice(0))[0]
     print(f"{args.trace}: {requests} requests x {args.tokens} tokens a run at batch {b}, {args.runs} runs on one "
           "policy")
     print("| policy | speed over plain decoding, per run | drafting rounds |\n|---|---|---|")
-    for name, fixed in [("policy", None), *((f"k = {k} every round", k) for k in (1, 3, 5, args.max_gamma))]:
+    for name, choice in [("policy", POLICY), *((f"k = {k} every round", Choice(k)) for k in (1, 3, 5, args.max_gamma))]:
         policy = seeded_policy(costs, drafter, args.max_gamma, b)
-        runs = [run(policy, fixed) for _ in range(args.runs)]
+        runs = [run(policy, choice) for _ in range(args.runs)]
         print(f"| {name} | {', '.join(f'{plain / s:.2f}x' for s, _, _ in runs)} | "
               f"{', '.join(str(d) for _, _, d in runs)} |")
     if b > 1:
         return
     k = min(5, args.max_gamma)
     seconds, _, drafting = replay(seeded_policy(costs, drafter, args.max_gamma), text, costs, args.tokens,
-                                  requests, oracle_k=k)
+                                  requests, choice=Choice(k, oracle=True))
     print(f"| oracle: k = {k} where the round accepts a draft, else a plain step | {plain / seconds:.2f}x | "
           f"{drafting} |")
 
