@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from selfspec.bench.serve import (HEADER, bench_recipe, make_engine, markdown_row, pair_speedups, percentiles,
-                                  read_json_array_head, run_closed_loop)
+from selfspec.bench.serve import (HEADER, bench_recipe, make_engine, markdown_row, output_lengths, pair_speedups,
+                                  percentiles, read_json_array_head, run_closed_loop)
 from selfspec.bench.traces import ReplayAcceptance, Round, serve_replay
 from selfspec.engine.llm import build
+from selfspec.errors import SelfspecError
 from selfspec.speculative.recipes import resolve_recipe
 from selfspec.speculative.sampling import SamplingParams
 
@@ -43,6 +44,23 @@ def test_closed_loop_serves_every_prompt_as_solo_greedy_would(llm):
             assert r["drafting_share"] == (gamma > 0)
         # every request of 7 prefilled (in passes of up to 3), the batch of 3 emptying at the end
         assert 3 <= r["prefill_passes"] <= 7 and 1 < r["rows_per_verify_pass"] <= 3
+
+
+def test_requests_of_their_own_lengths_make_what_their_solo_runs_make(llm):
+    """--max-new-tokens-spread: each request's length drawn (seeded) from [N(1 - R), N(1 + R)], the same draw for
+    every run; the closed loop serves each request its own length, AR and speculative, as its solo run."""
+    lengths = output_lengths(7, 8, 0.5, seed=3)
+    assert lengths == output_lengths(7, 8, 0.5, seed=3) and all(4 <= n <= 12 for n in lengths)
+    assert len(set(lengths)) > 1 and output_lengths(7, 8, 0.0, seed=3) is None
+    with pytest.raises(SelfspecError, match="spread of output lengths must be in"):
+        output_lengths(7, 8, 1.0, seed=3)
+    prompts = random_prompts(7)
+    params = SamplingParams(max_new_tokens=8)
+    refs = [llm.generate(p, SamplingParams(max_new_tokens=n), gamma=0).token_ids for p, n in zip(prompts, lengths)]
+    engine = make_engine(llm, prompts, 3, max(lengths), 4, None)
+    for gamma in (0, None):
+        r = run_closed_loop(engine, prompts, params, gamma, lengths)
+        assert r["tokens"] == refs and r["output_tokens"] == sum(lengths)
 
 
 def test_replayed_acceptance_runs_through_the_engine(llm):
@@ -140,7 +158,7 @@ def test_bench_recipe_takes_the_pairs_in_turn_ar_first_and_spec_first(llm, monke
 
     order = []
 
-    def fake_run(engine, prompts, params, gamma):
+    def fake_run(engine, prompts, params, gamma, lengths=None):
         order.append("ar" if gamma == 0 else "spec")
         return {"tokens_per_s": 1.0, "passes": [], "output_tokens": 1, "ttft_s": {}, "itl_s": {}, "mean_gamma": 0.0,
                 "drafting_share": 0.0, "rows_per_verify_pass": 1.0, "prefill_passes": 1, "graph_captures": 0,
@@ -198,6 +216,8 @@ def test_cli_bench_serve_rejects_bad_sizes(capsys):
     assert "--device cuda" in capsys.readouterr().err
     assert main(["bench", "serve", "--requests-per-row", "0"]) == 2
     assert "--requests-per-row must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "serve", "--max-new-tokens-spread", "-0.5"]) == 2
+    assert "spread of output lengths must be in [0, 1)" in capsys.readouterr().err
 
 
 def test_verify_table_shows_each_pass_against_the_one_token_step():

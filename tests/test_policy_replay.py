@@ -114,3 +114,17 @@ def test_the_cli_replays_a_lookup_trace_at_a_batch_and_refuses_a_tree_trace_ther
     with pytest.raises(SelfspecError, match="tree trace replays at batch 1"):
         main(["--trace", "selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json", "--batch", "4",
               "--plain-ms", "4", "--tree-ms", "16:5"])
+    with pytest.raises(SelfspecError, match="own lengths at --batch B > 1"):
+        main(["--trace", "selfspec/bench/traces/qwen2.5-coder-1.5b.quasar.json", "--plain-ms", "4", "--tree-ms", "16:5",
+              "--tokens-spread", "0.5"])
+
+
+def test_requests_of_their_own_lengths_leave_rows_out_of_step_in_plain_decoding():
+    """bench serve's --max-new-tokens-spread in the replay: four requests of one length keep both rows of plain
+    decoding full to the end; of their own lengths (the same tokens in all) they do not."""
+    text = RecordedText(CHAINS)
+    costs = Costs(0.004, {1: 0.003, 2: 0.004, 8: 0.006})
+    runs = [replay_batch(seeded_policy(costs, serve_replay(CHAINS), 4, batch=2), text, costs, 4, 4, 2,
+                         choice=Choice(0), lengths=lengths) for lengths in (None, [2, 6, 3, 5])]
+    assert [r[1] for r in runs] == [16, 16]
+    assert runs[0][3] == 2.0 and runs[1][3] < 2.0

@@ -121,9 +121,10 @@ class Refill:
 
 
 def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, requests: int, batch: int,
-                 refill: Refill = Refill(), burst: int = 4, choice: Choice = POLICY
+                 refill: Refill = Refill(), burst: int = 4, choice: Choice = POLICY, lengths: list[int] | None = None
                  ) -> tuple[float, int, int, float]:
-    """Seconds, tokens, drafting rounds and rows a decode pass of `requests` requests of `tokens` tokens each,
+    """Seconds, tokens, drafting rounds and rows a decode pass of `requests` requests of `tokens` tokens each (or
+    of lengths[r], bench serve's --max-new-tokens-spread),
     served `batch` at a time by chain rounds (request r reads the text from task r's start) in a closed loop (bench
     serve's: a finished request's successor is submitted after the step) and admitted as `refill` says. A round
     verifies every row's pending token and the longest proposal, B(w + 1) tokens at `costs.pass_s`; a measuring
@@ -133,33 +134,35 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
     token). Steps are decode steps: a burst counts each of its own. The oracle replays batch 1 alone."""
     if choice.oracle:
         raise SelfspecError("the oracle replays one sequence at a time (replay), not a batch")
-    starts = iter(text.task_starts[r % len(text.task_starts)] for r in range(requests))
-    waiting = deque([p, 0] for _, p in zip(range(batch), starts))  # submitted: text start, step queued at
+    lengths = lengths or [tokens] * requests
+    starts = iter((text.task_starts[r % len(text.task_starts)], lengths[r]) for r in range(requests))
+    waiting = deque([p, 0, n] for _, (p, n) in zip(range(batch), starts))  # text start, step queued at, length
     per_pass = max(1, refill.chunk // refill.prompt_tokens)
-    rows: list[list[int]] = []  # each row's text position and tokens made
+    rows: list[list[int]] = []  # each row's text position, tokens made and length
     seconds, drafting, step, passes, row_passes = 0.0, 0, 0, 0, 0
     while rows or waiting:
         joined = 0
         left = refill.wait - (step - waiting[0][1]) if waiting else 0
-        company = len(waiting) < batch - len(rows) or rows and min(tokens - made for _, made in rows) <= left
+        company = len(waiting) < batch - len(rows) or rows and min(n - made for _, made, n in rows) <= left
         held = not waiting or rows and len(waiting) * refill.prompt_tokens < refill.chunk // 2 and left > 0 and company
         if not held and len(rows) < batch:
             joined = min(batch - len(rows), per_pass, len(waiting))
-            rows += [[waiting.popleft()[0] + 1, 1] for _ in range(joined)]  # the prefill emits the first token
+            # the prefill emits the first token
+            rows += [[p + 1, 1, n] for p, _, n in (waiting.popleft() for _ in range(joined))]
             seconds += refill.pass_s + joined * refill.prompt_s
         b = len(rows)
         k = choice.drafts(policy, b, text, 0)
         if k == 0:
             waits = waiting and b < batch
             most = left if waits and held else 1 if waits else burst
-            steps, step_s = min(burst, most, max(tokens - made for _, made in rows)), costs.pass_s(b)
+            steps, step_s = min(burst, most, max(n - made for _, made, n in rows)), costs.pass_s(b)
             seconds += steps * step_s + costs.burst_host_s
             policy.observe_round(b, 0, 0.0, step_s, steps)
             advance = [steps] * b
             passes, row_passes = passes + steps, row_passes + steps * b
         else:
             drafting += 1
-            cut = [text.round_at(p).cut(k) for p, _ in rows]
+            cut = [text.round_at(p).cut(k) for p, _, _ in rows]
             width = max(c.proposed for c in cut)
             accepted = [c.accepted if c.proposed else 0 for c in cut]
             verify = costs.pass_s(b * (width + 1)) + (costs.host_s if width else 0.0)
@@ -170,12 +173,12 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
             advance = [1 if lockstep else n + 1 for n in accepted]
             passes, row_passes = passes + 1, row_passes + b
         for row, n in zip(rows, advance):
-            row[0], row[1] = row[0] + n, min(row[1] + n, tokens)
+            row[0], row[1] = row[0] + n, min(row[1] + n, row[2])
         step += advance[0] if k == 0 else 1
-        finished = sum(made >= tokens for _, made in rows)
-        rows = [r for r in rows if r[1] < tokens]
-        waiting += [[p, step] for _, p in zip(range(finished), starts)]
-    return seconds, requests * tokens, drafting, row_passes / max(passes, 1)
+        finished = sum(made >= n for _, made, n in rows)
+        rows = [r for r in rows if r[1] < r[2]]
+        waiting += [[p, step, n] for _, (p, n) in zip(range(finished), starts)]
+    return seconds, sum(lengths), drafting, row_passes / max(passes, 1)
 
 
 def seeded_policy(costs: Costs, drafter: Drafter | TreeDrafter, max_gamma: int, batch: int = 1) -> GammaPolicy:
@@ -190,6 +193,7 @@ def seeded_policy(costs: Costs, drafter: Drafter | TreeDrafter, max_gamma: int, 
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    from selfspec.bench.serve import output_lengths
     from selfspec.bench.traces import serve_replay
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -214,6 +218,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--prefill-wait", type=int, default=DEFAULT_PREFILL_WAIT, metavar="STEPS",
                     help="at --batch B: the steps a lone prompt waits for company (serve's --prefill-wait)")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--tokens-spread", type=float, default=0.0, metavar="R",
+                    help="at --batch B: each request's length drawn in [N(1 - R), N(1 + R)] (bench serve's "
+                         "--max-new-tokens-spread, seed 0)")
     ap.add_argument("--sequences", type=int, default=None, help="requests a run (default 8; at --batch B, 4B)")
     ap.add_argument("--runs", type=int, default=4, help="runs on one policy, as bench serve's repeats")
     ap.add_argument("--max-gamma", type=int, default=8)
@@ -232,15 +239,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                             f"({', '.join(sorted(p.name for p in TRACE_DIR.glob('*.json')))})")
     tasks = list(load(args.trace).tasks.values())
     text, drafter = RecordedText(tasks), serve_replay(tasks)
+    if b == 1 and args.tokens_spread:
+        raise SelfspecError("--tokens-spread replays requests of their own lengths at --batch B > 1")
     if b > 1 and isinstance(drafter, TreeDrafter):
         raise SelfspecError("--batch replays a lookup trace's chain rounds; a tree trace replays at batch 1")
     requests = args.sequences or (8 if b == 1 else 4 * b)
+    lengths = output_lengths(requests, args.tokens, args.tokens_spread, seed=0)
     refill = Refill(wait=args.prefill_wait, prompt_s=args.prefill_ms / 1e3, pass_s=args.prefill_pass_ms / 1e3)
 
     def run(policy: GammaPolicy, choice: Choice) -> tuple[float, int, int]:
         if b == 1:
             return replay(policy, text, costs, args.tokens, requests, choice=choice)
-        return replay_batch(policy, text, costs, args.tokens, requests, b, refill, choice=choice)[:3]
+        return replay_batch(policy, text, costs, args.tokens, requests, b, refill, choice=choice,
+                            lengths=lengths)[:3]
 
     plain = run(seeded_policy(costs, drafter, args.max_gamma, b), Choice(0))[0]
     print(f"{args.trace}: {requests} requests x {args.tokens} tokens a run at batch {b}, {args.runs} runs on one "

@@ -31,6 +31,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 from pathlib import Path
 
@@ -148,9 +149,32 @@ ALL_RUNS_KEYS = ("tokens_per_s", "mean_gamma", "drafting_share", "rows_per_verif
                  "graph_captures", "slowest_step_s", "policy_end", "passes")
 
 
-def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingParams, gamma: int | None) -> dict:
-    """Keep engine.max_batch requests in flight until every prompt is served; return metrics and each request's
-    tokens. The engine is idle before and after; its counters are read as differences."""
+def output_lengths(requests: int, max_new_tokens: int, spread: float, seed: int) -> list[int] | None:
+    """Each request's max_new_tokens, uniform in [N(1 - spread), N(1 + spread)] (seeded), or None (spread 0: every
+    request N). Requests of one length started together finish together, and AR keeps its rows in step for the
+    whole run; real traffic's outputs end where they end."""
+    if not spread:
+        return None
+    if not 0 < spread < 1:
+        raise SelfspecError(f"a spread of output lengths must be in [0, 1), got {spread}")
+    rng = random.Random(seed)
+    return [rng.randint(*length_range(max_new_tokens, spread)) for _ in range(requests)]
+
+
+def length_range(max_new_tokens: int, spread: float) -> tuple[int, int]:
+    return max(1, round(max_new_tokens * (1 - spread))), round(max_new_tokens * (1 + spread))
+
+
+def request_params(params: SamplingParams, lengths: list[int] | None, i: int) -> SamplingParams:
+    """Request i's sampling parameters: params, with its own max_new_tokens where `lengths` gives them."""
+    return params if lengths is None else replace(params, max_new_tokens=lengths[i])
+
+
+def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingParams, gamma: int | None,
+                    lengths: list[int] | None = None) -> dict:
+    """Keep engine.max_batch requests in flight until every prompt is served (request i making lengths[i] tokens
+    at most where given, else params' max_new_tokens); return metrics and each request's tokens. The engine is idle
+    before and after; its counters are read as differences."""
     batch = engine.max_batch
     submitted, first, last, itl = {}, {}, {}, []
     tokens: dict[str, list[int]] = {}
@@ -164,7 +188,7 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
     def submit() -> None:
         nonlocal next_i
         rid = str(next_i)
-        engine.add_request(rid, prompts[next_i], params, gamma=gamma)
+        engine.add_request(rid, prompts[next_i], request_params(params, lengths, next_i), gamma=gamma)
         submitted[rid] = time.perf_counter()
         tokens[rid] = []
         next_i += 1
@@ -221,24 +245,26 @@ def bench_recipe(llm: selfspec.LLM, pool: list[list[int]], batch_sizes: list[int
                  max_gamma: int, refs: list[list[int]] | None, repeats: int = 1,
                  accept: GreedyAcceptance | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  prefill_wait: int = DEFAULT_PREFILL_WAIT, decode_steps: int = DEFAULT_DECODE_STEPS,
-                 requests_per_row: int | None = None) -> list[dict]:
+                 requests_per_row: int | None = None, lengths: list[int] | None = None) -> list[dict]:
     """AR and speculative runs alternate on one engine per batch size (`repeats` pairs), the pairs in turn AR first
     and speculative first (AB BA ...), so that a machine's drift through the runs favours neither side; each side
     reports its fastest run, and the spec/AR ratio of every pair is kept (median, min, max).
     Every run serves the whole prompt pool, or with `requests_per_row` R its first max(8, R * batch) prompts: as
-    many waves of requests at every batch size, and a batch-1 run not as long as the pool."""
+    many waves of requests at every batch size, and a batch-1 run not as long as the pool. `lengths`: each
+    request's max_new_tokens (`output_lengths`; None: params')."""
     rows = []
     for b in batch_sizes:
         n = len(pool) if requests_per_row is None else min(len(pool), max(8, requests_per_row * b))
         prompts = pool[:n]
-        engine = make_engine(llm, prompts, b, params.max_new_tokens, max_gamma, accept, prefill_chunk, prefill_wait,
-                             decode_steps)
+        most = params.max_new_tokens if lengths is None else max(lengths[:n])
+        engine = make_engine(llm, prompts, b, most, max_gamma, accept, prefill_chunk, prefill_wait, decode_steps)
         runs = {"ar": [], "spec": []}
         for i in range(repeats):
             for side in ("ar", "spec") if i % 2 == 0 else ("spec", "ar"):
-                runs[side].append(run_closed_loop(engine, prompts, params, 0 if side == "ar" else None))
+                runs[side].append(run_closed_loop(engine, prompts, params, 0 if side == "ar" else None, lengths))
         costs = {}  # each pass shape timed once per engine
-        context = round(statistics.mean(map(len, prompts)) + params.max_new_tokens / 2)
+        context = round(statistics.mean(map(len, prompts)) + (most if lengths is None else
+                                                               statistics.mean(lengths[:n])) / 2)
         for run in (*runs["ar"], *runs["spec"]):
             passes = run.pop("passes")
             run["step_bound_tokens_per_s"] = run["output_tokens"] / bound_seconds(engine, passes, context, costs)
@@ -315,6 +341,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests-per-row", type=int, default=None, metavar="R",
                    help="each batch size B serves max(8, R * B) of the --requests prompts instead of all of them")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens-spread", type=float, default=0.0, metavar="R",
+                   help="each request's --max-new-tokens N drawn uniformly in [N(1 - R), N(1 + R)] (seeded by --seed), "
+                        "as real outputs end where they end; 0: every request N tokens, which keeps AR's rows in step")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     p.add_argument("--max-gamma", type=int, default=8, help="the policy drafts 0..max-gamma tokens per round")
     p.add_argument("--group-size", type=int, default=128)
@@ -377,6 +406,7 @@ def measure(args: argparse.Namespace) -> dict:
         raise SelfspecError("recipe draft-model needs real weights (a real draft model): give --model, not --shape")
     if args.shape and torch.device(args.device).type != "cuda":
         raise SelfspecError(f"--shape {args.shape} builds a full-size model: run it with --device cuda")
+    lengths = output_lengths(args.requests, args.max_new_tokens, args.max_new_tokens_spread, args.seed)
     rows, refs, traces = [], None, {}
     for name in args.recipes:
         if args.shape:
@@ -393,14 +423,16 @@ def measure(args: argparse.Namespace) -> dict:
             accept, params = None, SamplingParams(max_new_tokens=args.max_new_tokens)
             llm.generate(prompts[0], SamplingParams(max_new_tokens=2), gamma=1)  # warm-up
             if not args.no_check:
-                refs = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
+                refs = [llm.generate(p, request_params(params, lengths, i), gamma=0).token_ids
+                        for i, p in enumerate(prompts)]
         rows += bench_recipe(llm, prompts, args.batch_sizes, params, args.max_gamma, refs, args.repeats, accept,
-                             args.prefill_chunk, args.prefill_wait, args.decode_steps, args.requests_per_row)
+                             args.prefill_chunk, args.prefill_wait, args.decode_steps, args.requests_per_row, lengths)
         description = llm.description
         del llm  # before the next recipe's model is built
     result = {"model": description, "synthetic": bool(args.shape), "device": args.device, "requests": args.requests,
               "requests_per_row": args.requests_per_row,
-              "max_new_tokens": args.max_new_tokens, "prefill_chunk": args.prefill_chunk,
+              "max_new_tokens": args.max_new_tokens, "max_new_tokens_spread": args.max_new_tokens_spread,
+              "prefill_chunk": args.prefill_chunk,
               "prefill_wait": args.prefill_wait, "decode_steps": args.decode_steps, "rows": rows}
     if args.shape:
         result |= {"prompt_tokens": args.prompt_tokens, "acceptance_replayed_from": traces}
@@ -413,7 +445,9 @@ def title(result: dict) -> str:
     per_row = result.get("requests_per_row")
     requests = (f"max(8, {per_row} x batch) of {result['requests']} requests" if per_row
                 else f"{result['requests']} requests")
-    line = f"{result['model']} on {result['device']}, {requests} x {result['max_new_tokens']} tokens"
+    n, spread = result["max_new_tokens"], result.get("max_new_tokens_spread", 0.0)
+    tokens = f"{n} tokens" if not spread else "{} tokens (each request {}-{})".format(n, *length_range(n, spread))
+    line = f"{result['model']} on {result['device']}, {requests} x {tokens}"
     if not result["synthetic"]:
         return line + f", prompts from {', '.join(result['datasets'])}"
     traces = "; ".join(f"{k}: {v}" for k, v in result["acceptance_replayed_from"].items())
