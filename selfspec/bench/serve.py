@@ -32,7 +32,6 @@ import statistics
 import sys
 import time
 from dataclasses import replace
-
 from pathlib import Path
 
 import torch

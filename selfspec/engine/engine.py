@@ -185,6 +185,12 @@ class Sequence:
         return self.prefilled < len(self.prompt)
 
     @property
+    def tokens_due(self) -> int:
+        """Tokens it may still make (fewer at an EOS or a stop): a newcomer's prefill makes its first; a resumed
+        sequence's pending token was drawn before."""
+        return self.params.max_new_tokens - len(self.out.token_ids) - (self.row is None and not self.out.token_ids)
+
+    @property
     def region_left(self) -> int:
         """Context tokens to prefill before the kind of token changes: a chunk never mixes prompt and generated."""
         return (len(self.prompt) if self.in_prompt else self.context_len) - self.prefilled
@@ -544,14 +550,17 @@ class Engine:
         decoding = [s for s in self.running if s.row is not None]
         if not self.waiting or plan.prefill or not decoding:
             return False
-        left = self.prefill_wait - (self.steps - self.waiting[0].queued_step)
+        left = self._wait_left()
         tokens = sum(s.region_left for s in self.waiting)
         if tokens >= self.prefill_chunk // 2 or left <= 0:
             return False
         if len(self.waiting) < self.max_batch - len(self.running):
             return True
-        return min(min(s.params.max_new_tokens - len(s.out.token_ids), self.max_len - s.row.length)
-                   for s in decoding) <= left
+        return min(min(s.tokens_due, self.max_len - s.row.length) for s in decoding) <= left
+
+    def _wait_left(self) -> int:
+        """Decode steps the oldest waiting prompt may still wait for company (prefill_wait)."""
+        return self.prefill_wait - (self.steps - self.waiting[0].queued_step)
 
     def _preempt(self, seq: Sequence) -> int:
         """Send a running sequence back to the head of the queue and free its blocks; it is prefilled again
@@ -739,21 +748,19 @@ class Engine:
         (a quantized cache settles its buffer between passes), no prompt waits for a free row (it would wait for the
         whole burst) unless it is held for company (then up to the steps its wait has left: rows out of step hold a
         successor often, and one step at a time each step paid the host time four share) and the `spare` blocks
-        cover the steps past the first; else 1. A row whose prefill ends this
-        step joins the burst after its first token (the prefill's): where requests stop finishing together (drafting
-        rounds, outputs of their own lengths) rows join often, and a join that stopped the burst cost the step the
-        host time four steps share. No row goes past the longest output still due, nor past the model's length; a
-        row stopping inside the burst (EOS, length, a stop string) drops the tokens after its stop."""
+        cover the steps past the first; else 1. A row whose prefill ends this step joins the burst after its first
+        token (the prefill's): where requests stop finishing together (drafting rounds, outputs of their own
+        lengths) rows join often, and a join that stopped the burst cost the step the host time four steps share.
+        No row goes past the longest output still due, nor past the model's length; a row stopping inside the burst
+        (EOS, length, a stop string) drops the tokens after its stop."""
         seqs = plan.rounds.get(0, [])
         waits = self.waiting and len(self.running) < self.max_batch
         if (self.decode_steps == 1 or len(plan.rounds) != 1 or not seqs or isinstance(self.cache, PagedQuantKVCache)
                 or (waits and not plan.held) or any(not s.params.greedy for s in seqs)):
             return 1
-        held = self.prefill_wait - (self.steps - self.waiting[0].queued_step) if waits else self.decode_steps
+        held = self._wait_left() if waits else self.decode_steps
         chunk = {s.id: plan.chunks.get(s.id, 0) for s in seqs}
-        # a newcomer's prefill emits its first token; a resumed sequence's pending token was drawn before
-        due = [s.params.max_new_tokens - len(s.out.token_ids) - (s.row is None and not s.out.token_ids) for s in seqs]
-        steps = min(self.decode_steps, held, max(due),
+        steps = min(self.decode_steps, held, max(s.tokens_due for s in seqs),
                     *(self.max_len - self._round_length(s, chunk[s.id]) - 1 for s in seqs))
         more = sum(self.cache.blocks_needed(s.id, chunk[s.id] + steps) - self.cache.blocks_needed(s.id, chunk[s.id] + 1)
                    for s in seqs)
