@@ -1,11 +1,13 @@
 """Serving benchmark pieces: the closed loop on a tiny model (tokens == solo greedy, metrics), repeated AR/spec
 pairs (best of each and each pair's spec/AR), the truncated ShareGPT reader, percentiles."""
+import time
+
 import pytest
 import torch
 
 from conftest import tiny_model
 from selfspec.bench.serve import (HEADER, bench_recipe, make_engine, markdown_row, output_lengths, pair_speedups,
-                                  percentiles, read_json_array_head, run_closed_loop)
+                                  percentiles, poisson_arrivals, read_json_array_head, run_load)
 from selfspec.bench.traces import ReplayAcceptance, Round, serve_replay
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
@@ -33,7 +35,7 @@ def test_closed_loop_serves_every_prompt_as_solo_greedy_would(llm):
     refs = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
     engine = make_engine(llm, prompts, 3, 6, 4, None)  # one engine serves every run, as in bench_recipe
     for gamma in (0, None, 3):
-        r = run_closed_loop(engine, prompts, params, gamma)
+        r = run_load(engine, prompts, params, gamma)
         assert r["tokens"] == refs
         assert r["output_tokens"] == 7 * 6 and r["tokens_per_s"] > 0
         assert r["graph_captures"] == 0 and 0 < r["slowest_step_s"] < r["wall_s"]  # CPU: no graphs
@@ -59,8 +61,32 @@ def test_requests_of_their_own_lengths_make_what_their_solo_runs_make(llm):
     refs = [llm.generate(p, SamplingParams(max_new_tokens=n), gamma=0).token_ids for p, n in zip(prompts, lengths)]
     engine = make_engine(llm, prompts, 3, max(lengths), 4, None)
     for gamma in (0, None):
-        r = run_closed_loop(engine, prompts, params, gamma, lengths)
+        r = run_load(engine, prompts, params, gamma, lengths)
         assert r["tokens"] == refs and r["output_tokens"] == sum(lengths)
+
+
+def test_an_open_loop_serves_requests_as_they_arrive(llm):
+    """--request-rate: arrivals of a seeded Poisson process (the first at 0, mean gap 1 / rate); each request
+    is submitted at its arrival, not before, and makes what its solo run makes; time to first token counts from
+    the arrival, and the run lasts at least until the last one arrived."""
+    arrivals = poisson_arrivals(6, 50.0, seed=2)
+    assert arrivals == poisson_arrivals(6, 50.0, seed=2) and arrivals[0] == 0.0
+    assert all(b > a for a, b in zip(arrivals, arrivals[1:])) and 0.02 < arrivals[-1] < 1.0
+    prompts = random_prompts(6)
+    params = SamplingParams(max_new_tokens=5)
+    refs = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
+    engine = make_engine(llm, prompts, 2, 5, 4, None)
+    added = []
+    add = engine.add_request
+    engine.add_request = lambda rid, *a, **k: added.append((rid, time.perf_counter())) or add(rid, *a, **k)
+    for gamma in (0, None):
+        added.clear()
+        start = time.perf_counter()
+        r = run_load(engine, prompts, params, gamma, arrivals=arrivals)
+        assert r["tokens"] == refs and r["wall_s"] >= arrivals[-1]
+        assert [rid for rid, _ in added] == [str(i) for i in range(6)]
+        assert all(t - start >= a for (_, t), a in zip(added, arrivals))
+        assert r["ttft_s"]["p50"] > 0
 
 
 def test_replayed_acceptance_runs_through_the_engine(llm):
@@ -69,7 +95,7 @@ def test_replayed_acceptance_runs_through_the_engine(llm):
     trace = [2, 0, 3, 1, 5]
     prompts = random_prompts(5)
     engine = make_engine(llm, prompts, 3, 8, 4, ReplayAcceptance(trace))
-    r = run_closed_loop(engine, prompts, SamplingParams(max_new_tokens=8, ignore_eos=True), 3)
+    r = run_load(engine, prompts, SamplingParams(max_new_tokens=8, ignore_eos=True), 3)
     rounds = engine.accept.i
     assert rounds == engine.stats().num_row_rounds > 0
     assert engine.stats().num_accepted_tokens == sum(min(trace[i % len(trace)], 3) for i in range(rounds))
@@ -97,7 +123,7 @@ def test_rounds_with_no_draft_step_are_replayed_whole(llm, tasks, monkeypatch):
         prompts = random_prompts(5)
         engine = make_engine(llm, prompts, 3, 10, 3, replay)
         handed.clear()
-        run_closed_loop(engine, prompts, SamplingParams(max_new_tokens=10, ignore_eos=True), 3)
+        run_load(engine, prompts, SamplingParams(max_new_tokens=10, ignore_eos=True), 3)
     finally:
         llm.drafter = drafter
     s = engine.stats()
@@ -115,7 +141,7 @@ def test_a_tree_round_that_proposed_nothing_is_a_plain_step(llm):
     try:
         prompts = random_prompts(3)
         engine = make_engine(llm, prompts, 2, 5, 3, replay)
-        r = run_closed_loop(engine, prompts, SamplingParams(max_new_tokens=5, ignore_eos=True), 3)
+        r = run_load(engine, prompts, SamplingParams(max_new_tokens=5, ignore_eos=True), 3)
     finally:
         llm.drafter = drafter
     shapes = [p[1] for p in r["passes"]]
@@ -158,13 +184,13 @@ def test_bench_recipe_takes_the_pairs_in_turn_ar_first_and_spec_first(llm, monke
 
     order = []
 
-    def fake_run(engine, prompts, params, gamma, lengths=None):
+    def fake_run(engine, prompts, params, gamma, lengths=None, arrivals=None):
         order.append("ar" if gamma == 0 else "spec")
         return {"tokens_per_s": 1.0, "passes": [], "output_tokens": 1, "ttft_s": {}, "itl_s": {}, "mean_gamma": 0.0,
                 "drafting_share": 0.0, "rows_per_verify_pass": 1.0, "prefill_passes": 1, "graph_captures": 0,
                 "slowest_step_s": 0.0, "policy_end": {}}
 
-    monkeypatch.setattr(serve, "run_closed_loop", fake_run)
+    monkeypatch.setattr(serve, "run_load", fake_run)
     monkeypatch.setattr(serve, "bound_seconds", lambda *a: 1.0)
     monkeypatch.setattr(serve, "pass_table", lambda *a: [])
     monkeypatch.setattr(serve, "markdown_row", lambda row: "")
@@ -218,6 +244,8 @@ def test_cli_bench_serve_rejects_bad_sizes(capsys):
     assert "--requests-per-row must be >= 1" in capsys.readouterr().err
     assert main(["bench", "serve", "--max-new-tokens-spread", "-0.5"]) == 2
     assert "spread of output lengths must be in [0, 1)" in capsys.readouterr().err
+    assert main(["bench", "serve", "--request-rate", "0"]) == 2
+    assert "--request-rate must be > 0" in capsys.readouterr().err
 
 
 def test_verify_table_shows_each_pass_against_the_one_token_step():
@@ -235,7 +263,7 @@ def test_pass_log_counts_every_pass_of_a_run(llm):
     prompts' lengths, and the bound (each counted pass timed alone, back to back) gives a ratio to the run."""
     prompts = random_prompts(5)
     engine = make_engine(llm, prompts, 2, 4, 4, None)
-    r = run_closed_loop(engine, prompts, SamplingParams(max_new_tokens=4, ignore_eos=True), 0)
+    r = run_load(engine, prompts, SamplingParams(max_new_tokens=4, ignore_eos=True), 0)
     passes = r["passes"]
     prefill = {shape: n for (_, shape), n in passes.items() if shape[0] == "prefill"}
     decode = {shape: n for (_, shape), n in passes.items() if shape[0] != "prefill"}
@@ -274,7 +302,7 @@ def test_a_recycled_tree_serves_through_the_pass_log_and_its_tree_passes_are_tim
         params = SamplingParams(max_new_tokens=12)
         refs = [llm.generate(p, params, gamma=0).token_ids for p in prompts]
         engine = make_engine(llm, prompts, 1, 12, 4, None)  # one sequence a round: shared rows
-        r = run_closed_loop(engine, prompts, params, 4)
+        r = run_load(engine, prompts, params, 4)
         assert r["tokens"] == refs
         trees = {shape: n for (_, shape), n in r["passes"].items() if shape[0] == "tree"}
         # rows as wide as the deepest round (max_gamma 4 and the pending token: the engine's one width of graphs)
@@ -304,3 +332,13 @@ def test_tree_pass_shapes_of_several_sequences_are_timed(llm, shape):
     assert tree.rows.shape == (rows, width) and len(tree.first) == nodes
     # shared rows: as many sequences as a round of them holds (a graph's static starts hold no more)
     assert tree.starts is None if not shared else len(tree.starts) - 1 == min(rows, SHARED_TREE_BATCH)
+
+
+def test_bench_recipe_serves_requests_of_their_own_lengths_as_they_arrive(llm):
+    prompts = random_prompts(4)
+    lengths = output_lengths(4, 6, 0.5, seed=1)
+    params = SamplingParams(max_new_tokens=6)
+    refs = [llm.generate(p, SamplingParams(max_new_tokens=n), gamma=0).token_ids for p, n in zip(prompts, lengths)]
+    (row,) = bench_recipe(llm, prompts, [2], params, 4, refs, lengths=lengths, rate=200.0, seed=1)
+    assert row["mismatches"] == 0
+    assert row["ar"]["output_tokens"] == row["spec"]["output_tokens"] == sum(lengths)

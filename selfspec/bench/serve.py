@@ -1,7 +1,10 @@
-"""Serving benchmark: closed-loop load through the Engine (in process), plain decoding vs speculative serving.
+"""Serving benchmark: load through the Engine (in process), plain decoding vs speculative serving.
 
 For each recipe and batch size B: keep B requests in flight (FCFS, a new one joins as one finishes) over a prompt
-pool from ShareGPT, GSM8K, HumanEval and MT-Bench; measure throughput, TTFT and inter-token latency, acceptance.
+pool from ShareGPT, GSM8K, HumanEval and MT-Bench, or with `--request-rate` let them arrive as a Poisson process
+(an open loop: they queue while the batch is full); measure throughput, TTFT and inter-token latency, acceptance.
+`--max-new-tokens-spread R` gives each request its own length in [N(1 - R), N(1 + R)] (one length keeps AR's
+rows in step for the whole run, which real outputs do not).
 "AR" is the same loaded model with every request at gamma 0 (plain decoding of the verify mode); "spec" lets the
 gamma policy choose. Every request's tokens are checked against a solo greedy run (`LLM.generate`).
 
@@ -16,7 +19,8 @@ check.
 
 selfspec bench serve [--model M | --shape S [--prompt-tokens 512] [--trace FILE]] [--recipes planes qspec]
                      [--datasets sharegpt gsm8k humaneval mtbench] [--batch-sizes 1 8 16 32] [--requests 64]
-                     [--max-new-tokens 128] [--repeats 1] [--device cuda] [--out FILE.json]
+                     [--max-new-tokens 128] [--max-new-tokens-spread R] [--request-rate RPS] [--repeats 1]
+                     [--device cuda] [--out FILE.json]
 
 With `--repeats N` each batch size runs N AR/spec pairs back to back: "spec/AR" is best spec over best AR, and
 the spec/AR ratio of each pair is reported too (median, min-max; JSON `speedup_per_pair`), so noise can be told
@@ -32,6 +36,7 @@ import statistics
 import sys
 import time
 from dataclasses import replace
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -139,7 +144,7 @@ def make_engine(llm: selfspec.LLM, prompts: list[list[int]], batch: int, max_new
                     max_gamma=max_gamma, accept=accept or accept_greedy,
                     decode_steps=decode_steps)
     engine.warm_up()
-    run_closed_loop(engine, prompts[:batch], SamplingParams(max_new_tokens=1, ignore_eos=True), 0)
+    run_load(engine, prompts[:batch], SamplingParams(max_new_tokens=1, ignore_eos=True), 0)
     return engine
 
 
@@ -169,11 +174,20 @@ def request_params(params: SamplingParams, lengths: list[int] | None, i: int) ->
     return params if lengths is None else replace(params, max_new_tokens=lengths[i])
 
 
-def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingParams, gamma: int | None,
-                    lengths: list[int] | None = None) -> dict:
-    """Keep engine.max_batch requests in flight until every prompt is served (request i making lengths[i] tokens
-    at most where given, else params' max_new_tokens); return metrics and each request's tokens. The engine is idle
-    before and after; its counters are read as differences."""
+def poisson_arrivals(requests: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each request arrives: a Poisson process of `rate` requests a second (seeded),
+    the first at 0."""
+    rng = random.Random(seed)
+    return list(accumulate((rng.expovariate(rate) for _ in range(requests - 1)), initial=0.0))
+
+
+def run_load(engine: Engine, prompts: list[list[int]], params: SamplingParams, gamma: int | None,
+             lengths: list[int] | None = None, arrivals: list[float] | None = None) -> dict:
+    """Serve every prompt (request i making lengths[i] tokens at most where given, else params' max_new_tokens):
+    in a closed loop, engine.max_batch requests in flight, each finished one's successor submitted at once; or, with
+    `arrivals`, an open loop: request i arrives arrivals[i] seconds after the start (`poisson_arrivals`), queueing in
+    the engine while its batch is full, its time to first token counted from its arrival. Returns metrics and each
+    request's tokens. The engine is idle before and after; its counters are read as differences."""
     batch = engine.max_batch
     submitted, first, last, itl = {}, {}, {}, []
     tokens: dict[str, list[int]] = {}
@@ -188,14 +202,22 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
         nonlocal next_i
         rid = str(next_i)
         engine.add_request(rid, prompts[next_i], request_params(params, lengths, next_i), gamma=gamma)
-        submitted[rid] = time.perf_counter()
+        submitted[rid] = time.perf_counter() if arrivals is None else t0 + arrivals[next_i]
         tokens[rid] = []
         next_i += 1
 
     try:
-        while next_i < min(batch, len(prompts)):
+        while arrivals is None and next_i < min(batch, len(prompts)):
             submit()
-        while engine.has_work():
+        def arriving() -> bool:  # an open loop's requests still to arrive
+            return arrivals is not None and next_i < len(prompts)
+
+        while engine.has_work() or arriving():
+            while arriving() and time.perf_counter() >= t0 + arrivals[next_i]:
+                submit()
+            if not engine.has_work():  # an open loop between arrivals
+                time.sleep(max(0.0, t0 + arrivals[next_i] - time.perf_counter()))
+                continue
             before = time.perf_counter()
             outs = engine.step()
             now = time.perf_counter()
@@ -209,7 +231,7 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingPa
                 if n:
                     last[o.request_id] = now
                 tokens[o.request_id].extend(o.new_token_ids)
-                if o.finished and next_i < len(prompts):
+                if o.finished and arrivals is None and next_i < len(prompts):
                     submit()
     finally:
         engine.runner = log.runner  # the engine's own runner back, even if the run failed
@@ -244,23 +266,26 @@ def bench_recipe(llm: selfspec.LLM, pool: list[list[int]], batch_sizes: list[int
                  max_gamma: int, refs: list[list[int]] | None, repeats: int = 1,
                  accept: GreedyAcceptance | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  prefill_wait: int = DEFAULT_PREFILL_WAIT, decode_steps: int = DEFAULT_DECODE_STEPS,
-                 requests_per_row: int | None = None, lengths: list[int] | None = None) -> list[dict]:
+                 requests_per_row: int | None = None, lengths: list[int] | None = None,
+                 rate: float | None = None, seed: int = 0) -> list[dict]:
     """AR and speculative runs alternate on one engine per batch size (`repeats` pairs), the pairs in turn AR first
     and speculative first (AB BA ...), so that a machine's drift through the runs favours neither side; each side
     reports its fastest run, and the spec/AR ratio of every pair is kept (median, min, max).
     Every run serves the whole prompt pool, or with `requests_per_row` R its first max(8, R * batch) prompts: as
     many waves of requests at every batch size, and a batch-1 run not as long as the pool. `lengths`: each
-    request's max_new_tokens (`output_lengths`; None: params')."""
+    request's max_new_tokens (`output_lengths`; None: params'). `rate`: requests arrive at this many a second
+    (`poisson_arrivals`, seeded), an open loop (None: a closed loop, the batch kept full)."""
     rows = []
     for b in batch_sizes:
         n = len(pool) if requests_per_row is None else min(len(pool), max(8, requests_per_row * b))
         prompts = pool[:n]
         most = params.max_new_tokens if lengths is None else max(lengths[:n])
         engine = make_engine(llm, prompts, b, most, max_gamma, accept, prefill_chunk, prefill_wait, decode_steps)
+        arrivals = None if rate is None else poisson_arrivals(n, rate, seed)
         runs = {"ar": [], "spec": []}
         for i in range(repeats):
             for side in ("ar", "spec") if i % 2 == 0 else ("spec", "ar"):
-                runs[side].append(run_closed_loop(engine, prompts, params, 0 if side == "ar" else None, lengths))
+                runs[side].append(run_load(engine, prompts, params, 0 if side == "ar" else None, lengths, arrivals))
         costs = {}  # each pass shape timed once per engine
         context = round(statistics.mean(map(len, prompts)) + (most if lengths is None else
                                                                statistics.mean(lengths[:n])) / 2)
@@ -343,6 +368,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens-spread", type=float, default=0.0, metavar="R",
                    help="each request's --max-new-tokens N drawn uniformly in [N(1 - R), N(1 + R)] (seeded by --seed), "
                         "as real outputs end where they end; 0: every request N tokens, which keeps AR's rows in step")
+    p.add_argument("--request-rate", type=float, default=None, metavar="RPS",
+                   help="an open loop: requests arrive at this many a second (Poisson, seeded by --seed), queueing "
+                        "while the batch is full, TTFT counted from arrival (default: a closed loop, each batch size "
+                        "kept full)")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     p.add_argument("--max-gamma", type=int, default=8, help="the policy drafts 0..max-gamma tokens per round")
     p.add_argument("--group-size", type=int, default=128)
@@ -399,6 +428,8 @@ def measure(args: argparse.Namespace) -> dict:
         raise SelfspecError(f"--prefill-wait must be >= 0 decode steps, got {args.prefill_wait}")
     if args.decode_steps < 1:
         raise SelfspecError(f"--decode-steps must be >= 1, got {args.decode_steps}")
+    if args.request_rate is not None and not args.request_rate > 0:
+        raise SelfspecError(f"--request-rate must be > 0 requests a second, got {args.request_rate}")
     if args.shape and args.model:
         raise SelfspecError("give --model (a real model) or --shape (synthetic weights), not both")
     if args.shape and "draft-model" in args.recipes:
@@ -425,11 +456,13 @@ def measure(args: argparse.Namespace) -> dict:
                 refs = [llm.generate(p, request_params(params, lengths, i), gamma=0).token_ids
                         for i, p in enumerate(prompts)]
         rows += bench_recipe(llm, prompts, args.batch_sizes, params, args.max_gamma, refs, args.repeats, accept,
-                             args.prefill_chunk, args.prefill_wait, args.decode_steps, args.requests_per_row, lengths)
+                             args.prefill_chunk, args.prefill_wait, args.decode_steps, args.requests_per_row, lengths,
+                             args.request_rate, args.seed)
         description = llm.description
         del llm  # before the next recipe's model is built
     result = {"model": description, "synthetic": bool(args.shape), "device": args.device, "requests": args.requests,
               "requests_per_row": args.requests_per_row,
+              "request_rate": args.request_rate,
               "max_new_tokens": args.max_new_tokens, "max_new_tokens_spread": args.max_new_tokens_spread,
               "prefill_chunk": args.prefill_chunk,
               "prefill_wait": args.prefill_wait, "decode_steps": args.decode_steps, "rows": rows}
@@ -446,7 +479,9 @@ def title(result: dict) -> str:
                 else f"{result['requests']} requests")
     n, spread = result["max_new_tokens"], result.get("max_new_tokens_spread", 0.0)
     tokens = f"{n} tokens" if not spread else "{} tokens (each request {}-{})".format(n, *length_range(n, spread))
-    line = f"{result['model']} on {result['device']}, {requests} x {tokens}"
+    rate = result.get("request_rate")
+    load = "a closed loop" if rate is None else f"arriving at {rate:g} a second (Poisson)"
+    line = f"{result['model']} on {result['device']}, {requests} x {tokens}, {load}"
     if not result["synthetic"]:
         return line + f", prompts from {', '.join(result['datasets'])}"
     traces = "; ".join(f"{k}: {v}" for k, v in result["acceptance_replayed_from"].items())
