@@ -525,6 +525,25 @@ def test_plain_decoding_steps_run_back_to_back_with_unchanged_output(llm, monkey
     assert_idle(engine)
 
 
+def test_a_measuring_round_keeps_in_step_only_rows_due_alike(llm):
+    """Lockstep keeps together rows that would finish together: in a measuring round, greedy rows due as many
+    tokens as another emit one token each, and a row due its own count (out of step already) commits what it
+    accepts. Every output is its solo greedy run's."""
+    ps = torch.randint(3, 200, (3, 6), generator=torch.Generator().manual_seed(7)).tolist()
+    lengths = [16, 16, 11]
+    refs = [llm.generate(p, greedy(n), gamma=0).token_ids for p, n in zip(ps, lengths)]
+    engine = Engine(llm, max_batch=3, block_size=4, num_blocks=64, max_gamma=3, policy=Drafts3(True))
+    for i, (p, n) in enumerate(zip(ps, lengths)):
+        engine.add_request(str(i), p, greedy(n))
+    finished = finish_steps(engine)
+    assert [finished[str(i)][1].token_ids for i in range(3)] == refs
+    accepted = [finished[str(i)][1].stats.draft_accepted for i in range(3)]
+    assert accepted[0] == accepted[1] == 0 and accepted[2] > 0
+    assert finished["0"][0] == finished["1"][0]  # the pair still finish at one step
+    assert engine.stats().num_lockstep_rows > 0
+    assert_idle(engine)
+
+
 def test_a_row_whose_prefill_ends_joins_the_burst(llm):
     """A request prefilled in a plain step joins the step's burst after its first token (the prefill's): a lone
     newcomer runs decode_steps steps in its first step, and one prefilled while another decodes joins that one's

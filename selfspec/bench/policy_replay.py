@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,14 +124,14 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
                  refill: Refill = Refill(), burst: int = 4, choice: Choice = POLICY, lengths: list[int] | None = None
                  ) -> tuple[float, int, int, float]:
     """Seconds, tokens, drafting rounds and rows a decode pass of `requests` requests of `tokens` tokens each (or
-    of lengths[r], bench serve's --max-new-tokens-spread),
-    served `batch` at a time by chain rounds (request r reads the text from task r's start) in a closed loop (bench
-    serve's: a finished request's successor is submitted after the step) and admitted as `refill` says. A round
-    verifies every row's pending token and the longest proposal, B(w + 1) tokens at `costs.pass_s`; a measuring
-    round of several rows emits one token a row (the engine's lockstep); plain rounds run as bursts of up to `burst`
-    steps, to the longest output still due, where no prompt waits for a free row or the one waiting is held, then
-    up to the steps its wait has left (engine.py `_burst`; a row that joined this step takes part after its first
-    token). Steps are decode steps: a burst counts each of its own. The oracle replays batch 1 alone."""
+    of lengths[r], bench serve's --max-new-tokens-spread), served `batch` at a time by chain rounds (request r reads
+    the text from task r's start) in a closed loop (bench serve's: a finished request's successor is submitted after
+    the step) and admitted as `refill` says. A round verifies every row's pending token and the longest proposal,
+    B(w + 1) tokens at `costs.pass_s`; a measuring round emits one token for each row due as many tokens as another
+    (the engine's lockstep); plain rounds run as bursts of up to `burst` steps, to the longest output still due,
+    where no prompt waits for a free row or the one waiting is held, then up to the steps its wait has left
+    (engine.py `_burst`; a row that joined this step takes part after its first token). Steps are decode steps: a
+    burst counts each of its own. The oracle replays batch 1 alone."""
     if choice.oracle:
         raise SelfspecError("the oracle replays one sequence at a time (replay), not a batch")
     lengths = lengths or [tokens] * requests
@@ -169,8 +169,9 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
             seconds += costs.draft_s + verify
             policy.observe_round(b, width, costs.draft_s, verify)
             policy.observe_acceptance(k, accepted)
-            lockstep = policy.measuring and b > 1 and choice.k is None
-            advance = [1 if lockstep else n + 1 for n in accepted]
+            due = Counter(n - made for _, made, n in rows)  # a measuring round's rows in step (engine `_lockstep`)
+            lockstep = [policy.measuring and choice.k is None and due[n - made] > 1 for _, made, n in rows]
+            advance = [1 if lock else a + 1 for a, lock in zip(accepted, lockstep)]
             passes, row_passes = passes + 1, row_passes + b
         for row, n in zip(rows, advance):
             row[0], row[1] = row[0] + n, min(row[1] + n, row[2])

@@ -40,7 +40,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
@@ -714,15 +714,14 @@ class Engine:
     def _round(self, seqs: list[Sequence], k: int, measuring: bool, outputs: list[RequestOutput],
                steps: int = 1) -> None:
         """One batched round of k drafts, or (k = 0) of `steps` plain decoding steps back to back (`_burst`). In a
-        measuring round of several rows, the policy's greedy rows emit one token each (lockstep): drafts they
-        accepted would move them ahead of the others, and requests started together would stop finishing together,
-        their successors then prefilled one by one (docs/gpu.md)."""
+        measuring round, the policy's greedy rows in step with another (`_lockstep`) emit one token each: drafts
+        they accepted would move them ahead of the others, and requests started together would stop finishing
+        together, their successors then prefilled one by one (docs/gpu.md)."""
         shared = k and self._shares_rows(seqs)
         for s in seqs:  # a tree sharing its sequence's row stores its nodes in the sequence's own blocks
             self.cache.extend(s.id, self.tree.max_nodes(k) + 1 if shared else max(k + 1, steps))
         rows = [s.row for s in seqs]
-        held = measuring and k > 0 and len(seqs) > 1
-        lockstep = [held and s.gamma is None and s.params.greedy for s in seqs]
+        lockstep = self._lockstep(seqs) if measuring and k else [False] * len(seqs)
         if steps > 1:
             result = run_steps(self.runner, self.cache.view([s.id for s in seqs]), rows, self.llm.verify_mode, steps)
         elif self.tree is not None and k:
@@ -741,6 +740,15 @@ class Engine:
             c.num_accepted_tokens += sum(result.accepted)
         for s, toks in zip(seqs, result.tokens):
             self._emit(s, toks, outputs)
+
+    @staticmethod
+    def _lockstep(seqs: list[Sequence]) -> list[bool]:
+        """The rows a measuring round keeps in step (`_round`): the policy's greedy rows due as many tokens as another
+        such row (requests that would finish, and be replaced, together). A row due its own count is out of step
+        already and commits what it accepts."""
+        policy = [s.gamma is None and s.params.greedy for s in seqs]
+        due = Counter(s.tokens_due for s, p in zip(seqs, policy) if p)
+        return [p and due[s.tokens_due] > 1 for s, p in zip(seqs, policy)]
 
     def _burst(self, plan: StepPlan, spare: int) -> int:
         """Plain decoding steps the planned step's round runs back to back: up to decode_steps where the step has one

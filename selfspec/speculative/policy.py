@@ -47,9 +47,10 @@ plain round the engine runs as several steps back to back counts each step as a 
 `measuring` says whether the last choice drafts only to measure, not because speculation pays: an exploration
 round, a drafting probe, or any drafting round while fewer than `min_trials` acceptance trials were seen (one
 exploration round whose rows all accepted estimates acceptance near 1, and speculation chosen on that is a guess). The
-serving engine then has its greedy rows emit the plain decoding step's one token (engine/engine.py `_round`):
-drafts accepted there would move some rows ahead of the others, and requests started together would stop
-finishing (and being replaced) together.
+serving engine then has its greedy rows in step (due as many tokens as another) emit the plain decoding step's one
+token (engine/engine.py `_lockstep`): drafts accepted there would move some rows ahead of the others, and requests
+started together would stop finishing (and being replaced) together; a row out of step already commits what it
+accepts.
 """
 from __future__ import annotations
 
