@@ -244,6 +244,7 @@ def run_load(engine: Engine, prompts: list[list[int]], params: SamplingParams, g
     verify = decode_rows([c for c in log.calls if c[0] == engine.llm.verify_mode])
     return {"requests": len(prompts), "output_tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
             "ttft_s": percentiles([first[r] - submitted[r] for r in first]), "itl_s": percentiles(itl),
+            "e2e_s": percentiles([last[r] - submitted[r] for r in last]),  # arrival (open loop) to last token
             "acceptance": accepted / drafted if drafted else None,
             "mean_gamma": drafted / row_rounds if row_rounds else 0.0,
             "preemptions": s.num_preemptions - start.num_preemptions,
