@@ -402,6 +402,34 @@ def test_a_successor_waits_only_for_company_that_can_come(llm, monkeypatch):
     assert passes == {9: ([2, 2], 4), 40: ([2, 1, 1], 1)}  # c waited for d, or its first token came next step
 
 
+def test_a_successor_waits_where_rows_finish_often_enough(llm):
+    """EOS ends rows before their tokens due, so the rate at which rows finish (an average over about 32 decode
+    steps) is company too: where one row is expected to finish within the wait's steps left, the successor waits
+    for it, though no running row's due count ends within them."""
+    from selfspec.engine.engine import FINISH_RATE_STEPS, finish_rate
+
+    assert finish_rate(0.0, 0, 4) == 0.0 and finish_rate(0.5, 2, 4) == pytest.approx(0.5)
+    assert finish_rate(0.0, 1, 1) == pytest.approx(1 / FINISH_RATE_STEPS)
+    assert finish_rate(0.0, 4, 2) == pytest.approx(2 * (1 - (1 - 1 / FINISH_RATE_STEPS) ** 2))
+    ps = prompts(2, seed=9)
+    engine = Engine(llm, max_batch=1, block_size=16, num_blocks=64, prefill_wait=8, decode_steps=1)
+    engine.add_request("a", ps[0], greedy(40), gamma=0)
+    engine.step()
+    engine.add_request("b", ps[1], greedy(4), gamma=0)  # the batch full: only a finish frees a row for b
+    engine._drain(engine._take_inbox(), [])
+    plan = StepPlan([], {}, {})
+    assert not engine._hold_prefill(plan)  # a is due 39 tokens, and no row has finished yet
+    engine.finish_rate = 1 / 8
+    assert engine._hold_prefill(plan)  # one finish expected within the 8 steps left
+    engine.finish_rate = 0.0
+    engine.abort("a")
+    engine.step()  # a's row freed (an abort frees a row as a finish does), b admitted
+    assert engine.finish_rate == pytest.approx(1 / FINISH_RATE_STEPS)
+    engine.abort("b")
+    engine.step()
+    assert_idle(engine)
+
+
 def test_preempted_requests_resume_with_unchanged_greedy_output(llm, monkeypatch):
     """Six requests whose worst cases (up to 14 blocks each) far exceed a 20-block pool: the engine admits them on
     current need, preempts the newest when the pool runs out and re-prefills it (prompt + tokens so far) on resume.

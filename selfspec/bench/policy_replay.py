@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from selfspec.bench.traces import TRACE_DIR, RecordedText, load
-from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT
+from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT, finish_rate
 from selfspec.engine.graphs import node_bucket
 from selfspec.errors import SelfspecError
 from selfspec.speculative.drafters import Drafter, TreeDrafter, gamma_policy
@@ -110,8 +110,9 @@ def replay(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, s
 class Refill:
     """How the batch refills a finished row's slot (the engine's admission, engine.py `_hold_prefill`): a waiting
     prompt is held while others decode, fewer prompts than fill half the prefill budget wait, the oldest has
-    waited fewer than `wait` steps, and company may come within them (a free row past the waiting ones, or a row
-    whose tokens due end within the steps left); then up to chunk // prompt_tokens prompts are prefilled in one pass
+    waited fewer than `wait` steps, and company may come within them (a free row past the waiting ones, a row
+    whose tokens due end within the steps left, or rows finishing often enough: engine.py `finish_rate`); then up
+    to chunk // prompt_tokens prompts are prefilled in one pass
     (pass_s + prompt_s each), emit their first token and join that step's round."""
     prompt_tokens: int = 512
     chunk: int = DEFAULT_PREFILL_CHUNK
@@ -139,11 +140,12 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
     waiting = deque([p, 0, n] for _, (p, n) in zip(range(batch), starts))  # text start, step queued at, length
     per_pass = max(1, refill.chunk // refill.prompt_tokens)
     rows: list[list[int]] = []  # each row's text position, tokens made and length
-    seconds, drafting, step, passes, row_passes = 0.0, 0, 0, 0, 0
+    seconds, drafting, step, passes, row_passes, rate = 0.0, 0, 0, 0, 0, 0.0
     while rows or waiting:
         joined = 0
         left = refill.wait - (step - waiting[0][1]) if waiting else 0
-        company = len(waiting) < batch - len(rows) or rows and min(n - made for _, made, n in rows) <= left
+        company = (len(waiting) < batch - len(rows) or rate * left >= 1
+                   or rows and min(n - made for _, made, n in rows) <= left)
         held = not waiting or rows and len(waiting) * refill.prompt_tokens < refill.chunk // 2 and left > 0 and company
         if not held and len(rows) < batch:
             joined = min(batch - len(rows), per_pass, len(waiting))
@@ -175,8 +177,10 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
             passes, row_passes = passes + 1, row_passes + b
         for row, n in zip(rows, advance):
             row[0], row[1] = row[0] + n, min(row[1] + n, row[2])
-        step += advance[0] if k == 0 else 1
+        steps = advance[0] if k == 0 else 1
+        step += steps
         finished = sum(made >= n for _, made, n in rows)
+        rate = finish_rate(rate, finished, steps)
         rows = [r for r in rows if r[1] < r[2]]
         waiting += [[p, step, n] for _, (p, n) in zip(range(finished), starts)]
     return seconds, sum(lengths), drafting, row_passes / max(passes, 1)

@@ -74,6 +74,15 @@ DEFAULT_PREFILL_CHUNK = 4096
 # graphs) one 512-token prompt takes 26 ms alone, two 38 ms and four 65 ms in one pass (every integer weight is
 # dequantized once per pass); eager, before the graphs, 70 and 74 ms (docs/gpu.md, "Serving").
 DEFAULT_PREFILL_WAIT = 8
+# The memory, in decode steps, of the rate at which rows finish (`finish_rate`): company for a held prompt.
+FINISH_RATE_STEPS = 32
+
+
+def finish_rate(rate: float, finished: int, steps: int) -> float:
+    """The rows finishing per decode step, an exponential moving average over about FINISH_RATE_STEPS steps, after
+    a step of `steps` decode steps in which `finished` rows finished."""
+    keep = (1 - 1 / FINISH_RATE_STEPS) ** steps
+    return keep * rate + (1 - keep) * finished / steps
 # Plain decoding steps a round may run back to back (`_burst`, speculative/decode.py `run_steps`): the host queues
 # them all and waits once, where one step at a time it waited (and scheduled, and emitted) every step.
 DEFAULT_DECODE_STEPS = 4
@@ -277,6 +286,8 @@ class Engine:
         self.running: list[Sequence] = []  # in admission (FCFS: arrival) order; the newest is preempted first
         self.counters = _Counters()
         self.steps = 0  # decode steps run: a burst counts each of its steps (the prefill wait counts these)
+        self.finish_rate = 0.0  # rows finishing a decode step (`finish_rate`), any way (EOS, length, abort, error)
+        self._finished = 0  # rows finished this step
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, object]] = []
         self._live: set[str] = set()  # ids added and not yet finished
@@ -438,6 +449,7 @@ class Engine:
         plan = self._schedule()
         self._execute(plan, outputs)
         self.steps += plan.steps
+        self.finish_rate, self._finished = finish_rate(self.finish_rate, self._finished, plan.steps), 0
         return outputs
 
     def close(self) -> None:
@@ -544,9 +556,11 @@ class Engine:
         """Whether the waiting prompts wait for more to share their prefill pass (DEFAULT_PREFILL_WAIT): only
         while others decode, no prefill pass runs this step anyway, the waiting ones fill less than half the
         budget, the oldest has waited fewer than prefill_wait steps, and company may come within the steps left: a
-        free row past the waiting ones (an arrival), or a row whose tokens due end within them (its successor).
-        Else the wait would only leave the row empty: where rows stop finishing together (drafting rounds, outputs
-        of their own lengths) a finished row's successor waited the whole wait for company that could not come."""
+        free row past the waiting ones (an arrival), a row whose tokens due end within them, or rows finishing often
+        enough that one is expected to (`finish_rate`: EOS ends rows before their due count), each freeing a row for
+        its successor. Else the wait would only leave the row empty: where rows stop finishing together (drafting
+        rounds, outputs of their own lengths) at batch 8 a finished row's successor waited the whole wait for company
+        that could not come."""
         decoding = [s for s in self.running if s.row is not None]
         if not self.waiting or plan.prefill or not decoding:
             return False
@@ -554,7 +568,7 @@ class Engine:
         tokens = sum(s.region_left for s in self.waiting)
         if tokens >= self.prefill_chunk // 2 or left <= 0:
             return False
-        if len(self.waiting) < self.max_batch - len(self.running):
+        if len(self.waiting) < self.max_batch - len(self.running) or self.finish_rate * left >= 1:
             return True
         return min(min(s.tokens_due, self.max_len - s.row.length) for s in decoding) <= left
 
@@ -630,6 +644,7 @@ class Engine:
         if seq in self.running:
             self.running.remove(seq)
             self.cache.free(seq.id)
+            self._finished += 1
         else:
             self.waiting.remove(seq)
             with self._lock:
