@@ -93,6 +93,10 @@ def test_a_successor_waits_only_for_company_that_can_come():
                                Refill(wait=wait), choice=Choice(3)) for wait in (0, 4, 8)}
     assert runs[4] == runs[0] and runs[8][1] == runs[0][1] == 27
     assert runs[8][3] < runs[0][3] and runs[8][0] > runs[0][0]  # held: fewer rows a pass, more time
+    # due 20 tokens each, ending at 9 (an EOS the hold cannot foresee): request 1 looks due 16, past the wait
+    eos = replay_batch(seeded_policy(costs, serve_replay(tasks), 4, batch=2), text, costs, 9, 3, 2, Refill(wait=8),
+                       choice=Choice(3), due=20)
+    assert eos == runs[0]
 
 
 def test_the_oracle_replays_one_sequence_at_a_time():
@@ -114,6 +118,9 @@ def test_the_cli_replays_a_lookup_trace_at_a_batch_and_refuses_a_tree_trace_ther
     with pytest.raises(SelfspecError, match="tree trace replays at batch 1"):
         main(["--trace", "selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json", "--batch", "4",
               "--plain-ms", "4", "--tree-ms", "16:5"])
+    with pytest.raises(SelfspecError, match="at least the longest request"):
+        main(["--trace", "selfspec/bench/traces/qwen2.5-coder-1.5b.quasar.json", "--batch", "4", "--plain-ms", "4",
+              "--tree-ms", "16:5", "--tokens-spread", "0.5", "--tokens-due", "150"])
     with pytest.raises(SelfspecError, match="own lengths at --batch B > 1"):
         main(["--trace", "selfspec/bench/traces/qwen2.5-coder-1.5b.quasar.json", "--plain-ms", "4", "--tree-ms", "16:5",
               "--tokens-spread", "0.5"])

@@ -122,10 +122,11 @@ class Refill:
 
 
 def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: int, requests: int, batch: int,
-                 refill: Refill = Refill(), burst: int = 4, choice: Choice = POLICY, lengths: list[int] | None = None
-                 ) -> tuple[float, int, int, float]:
+                 refill: Refill = Refill(), burst: int = 4, choice: Choice = POLICY, lengths: list[int] | None = None,
+                 due: int | None = None) -> tuple[float, int, int, float]:
     """Seconds, tokens, drafting rounds and rows a decode pass of `requests` requests of `tokens` tokens each (or
-    of lengths[r], bench serve's --max-new-tokens-spread), served `batch` at a time by chain rounds (request r reads
+    of lengths[r], bench serve's --max-new-tokens-spread; with `due`, each request due that many, its length where
+    an EOS ends it, which the hold cannot foresee), served `batch` at a time by chain rounds (request r reads
     the text from task r's start) in a closed loop (bench serve's: a finished request's successor is submitted after
     the step) and admitted as `refill` says. A round verifies every row's pending token and the longest proposal,
     B(w + 1) tokens at `costs.pass_s`; a measuring round emits one token for each row due as many tokens as another
@@ -145,7 +146,7 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
         joined = 0
         left = refill.wait - (step - waiting[0][1]) if waiting else 0
         company = (len(waiting) < batch - len(rows) or rate * left >= 1
-                   or rows and min(n - made for _, made, n in rows) <= left)
+                   or rows and min((due or n) - made for _, made, n in rows) <= left)
         held = not waiting or rows and len(waiting) * refill.prompt_tokens < refill.chunk // 2 and left > 0 and company
         if not held and len(rows) < batch:
             joined = min(batch - len(rows), per_pass, len(waiting))
@@ -171,8 +172,8 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
             seconds += costs.draft_s + verify
             policy.observe_round(b, width, costs.draft_s, verify)
             policy.observe_acceptance(k, accepted)
-            due = Counter(n - made for _, made, n in rows)  # a measuring round's rows in step (engine `_lockstep`)
-            lockstep = [policy.measuring and choice.k is None and due[n - made] > 1 for _, made, n in rows]
+            alike = Counter(n - made for _, made, n in rows)  # a measuring round's rows in step (engine `_lockstep`)
+            lockstep = [policy.measuring and choice.k is None and alike[n - made] > 1 for _, made, n in rows]
             advance = [1 if lock else a + 1 for a, lock in zip(accepted, lockstep)]
             passes, row_passes = passes + 1, row_passes + b
         for row, n in zip(rows, advance):
@@ -226,6 +227,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--tokens-spread", type=float, default=0.0, metavar="R",
                     help="at --batch B: each request's length drawn in [N(1 - R), N(1 + R)] (bench serve's "
                          "--max-new-tokens-spread, seed 0)")
+    ap.add_argument("--tokens-due", type=int, default=None, metavar="N",
+                    help="at --batch B: each request due N tokens, ending at its length as at an EOS (the prefill "
+                         "hold sees only what is due; default: due its length)")
     ap.add_argument("--sequences", type=int, default=None, help="requests a run (default 8; at --batch B, 4B)")
     ap.add_argument("--runs", type=int, default=4, help="runs on one policy, as bench serve's repeats")
     ap.add_argument("--max-gamma", type=int, default=8)
@@ -250,17 +254,21 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         raise SelfspecError("--batch replays a lookup trace's chain rounds; a tree trace replays at batch 1")
     requests = args.sequences or (8 if b == 1 else 4 * b)
     lengths = output_lengths(requests, args.tokens, args.tokens_spread, seed=0)
+    longest = max(lengths or [args.tokens])
+    if args.tokens_due is not None and (b == 1 or args.tokens_due < longest):
+        raise SelfspecError(f"--tokens-due replays at --batch B > 1, at least the longest request ({longest} tokens); "
+                            f"got {args.tokens_due} at batch {b}")
     refill = Refill(wait=args.prefill_wait, prompt_s=args.prefill_ms / 1e3, pass_s=args.prefill_pass_ms / 1e3)
 
     def run(policy: GammaPolicy, choice: Choice) -> tuple[float, int, int]:
         if b == 1:
             return replay(policy, text, costs, args.tokens, requests, choice=choice)
         return replay_batch(policy, text, costs, args.tokens, requests, b, refill, choice=choice,
-                            lengths=lengths)[:3]
+                            lengths=lengths, due=args.tokens_due)[:3]
 
     plain = run(seeded_policy(costs, drafter, args.max_gamma, b), Choice(0))[0]
     print(f"{args.trace}: {requests} requests x {args.tokens} tokens a run at batch {b}, {args.runs} runs on one "
-          "policy")
+          f"policy; plain decoding {plain:.3f} s a run")
     print("| policy | speed over plain decoding, per run | drafting rounds |\n|---|---|---|")
     for name, choice in [("policy", POLICY), *((f"k = {k} every round", Choice(k)) for k in (1, 3, 5, args.max_gamma))]:
         policy = seeded_policy(costs, drafter, args.max_gamma, b)
