@@ -74,6 +74,9 @@ DEFAULT_PREFILL_CHUNK = 4096
 # graphs) one 512-token prompt takes 26 ms alone, two 38 ms and four 65 ms in one pass (every integer weight is
 # dequantized once per pass); eager, before the graphs, 70 and 74 ms (docs/gpu.md, "Serving").
 DEFAULT_PREFILL_WAIT = 8
+# Plain decoding steps a round may run back to back (`_burst`, speculative/decode.py `run_steps`): the host queues
+# them all and waits once, where one step at a time it waited (and scheduled, and emitted) every step.
+DEFAULT_DECODE_STEPS = 4
 # The memory, in decode steps, of the rate at which rows finish (`finish_rate`): company for a held prompt.
 FINISH_RATE_STEPS = 32
 
@@ -83,9 +86,6 @@ def finish_rate(rate: float, finished: int, steps: int) -> float:
     a step of `steps` decode steps in which `finished` rows finished."""
     keep = (1 - 1 / FINISH_RATE_STEPS) ** steps
     return keep * rate + (1 - keep) * finished / steps
-# Plain decoding steps a round may run back to back (`_burst`, speculative/decode.py `run_steps`): the host queues
-# them all and waits once, where one step at a time it waited (and scheduled, and emitted) every step.
-DEFAULT_DECODE_STEPS = 4
 
 
 def prefill_warm_sizes(max_tokens: int) -> list[int]:
