@@ -206,12 +206,12 @@ def run_load(engine: Engine, prompts: list[list[int]], params: SamplingParams, g
         tokens[rid] = []
         next_i += 1
 
+    def arriving() -> bool:  # an open loop's requests still to arrive
+        return arrivals is not None and next_i < len(prompts)
+
     try:
         while arrivals is None and next_i < min(batch, len(prompts)):
             submit()
-        def arriving() -> bool:  # an open loop's requests still to arrive
-            return arrivals is not None and next_i < len(prompts)
-
         while engine.has_work() or arriving():
             while arriving() and time.perf_counter() >= t0 + arrivals[next_i]:
                 submit()
