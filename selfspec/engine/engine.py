@@ -72,7 +72,8 @@ DEFAULT_PREFILL_CHUNK = 4096
 # Decode steps a newcomer's prompt may wait, while other sequences decode, for more prompts to share its prefill
 # pass. A prompt pass costs far more than its tokens' share when it carries few: on the H100 (8B shape, `full`, CUDA
 # graphs) one 512-token prompt takes 26 ms alone, two 38 ms and four 65 ms in one pass (every integer weight is
-# dequantized once per pass); eager, before the graphs, 70 and 74 ms (docs/gpu.md, "Serving").
+# dequantized once per pass); eager, before the graphs, 70 and 74 ms (docs/gpu.md, "Serving"). W8A8's share little
+# (11, 20 and 38 ms: no dequantization; docs/speculative.md, session 18).
 DEFAULT_PREFILL_WAIT = 8
 # Plain decoding steps a round may run back to back (`_burst`, speculative/decode.py `run_steps`): the host queues
 # them all and waits once, where one step at a time it waited (and scheduled, and emitted) every step.
