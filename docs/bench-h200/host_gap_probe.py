@@ -12,7 +12,7 @@ import selfspec.engine.graphs as graphs
 import selfspec.model as model
 import selfspec.speculative.decode as decode
 import selfspec.cache.paged as paged
-from selfspec.bench.serve import synthetic_llm, replayed, make_engine, run_closed_loop
+from selfspec.bench.serve import synthetic_llm, replayed, make_engine, run_load
 from selfspec.speculative.sampling import SamplingParams
 
 EVENTS = []
@@ -75,9 +75,9 @@ for spec in SPECS:
     if getattr(engine.tree, "propose_trees", None):
         engine.tree.propose_trees = timed("propose_trees", engine.tree.propose_trees)
     params = SamplingParams(max_new_tokens=128, ignore_eos=True)
-    run_closed_loop(engine, prompts, params, gamma)
+    run_load(engine, prompts, params, gamma)
     EVENTS.clear()
-    r = run_closed_loop(engine, prompts, params, gamma)
+    r = run_load(engine, prompts, params, gamma)
     ev = sorted(EVENTS, key=lambda e: e[1])
     gaps, inside = [], collections.defaultdict(float)
     last_wait = None
@@ -108,13 +108,13 @@ for spec in SPECS:
         print(f"   {k_:16s} {v/n*1e3:8.3f} ms a gap (nested times overlap)")
     if PROFILE:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            rp = run_closed_loop(engine, prompts, params, gamma)
+            rp = run_load(engine, prompts, params, gamma)
             torch.cuda.synchronize()
         busy = sum(e.device_time_total for e in prof.events() if e.device_type.name == "CUDA")
         print(f"   profiled run: wall {rp['wall_s'] * 1e3:.0f} ms, GPU busy {busy / 1e3:.0f} ms", flush=True)
         pr = cProfile.Profile()
         pr.enable()
-        run_closed_loop(engine, prompts, params, gamma)
+        run_load(engine, prompts, params, gamma)
         pr.disable()
         pr.dump_stats(f"{PROFILE}/host-B{B}-{gm}.prof")
         pstats.Stats(pr).sort_stats("tottime").print_stats(25)
