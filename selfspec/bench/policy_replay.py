@@ -112,8 +112,8 @@ class Refill:
     prompt is held while others decode, fewer prompts than fill half the prefill budget wait, the oldest has
     waited fewer than `wait` steps, and company may come within them (a free row past the waiting ones, a row
     whose tokens due end within the steps left, or rows finishing often enough: engine.py `finish_rate`); then up
-    to chunk // prompt_tokens prompts are prefilled in one pass
-    (pass_s + prompt_s each), emit their first token and join that step's round."""
+    to chunk // prompt_tokens prompts are prefilled in one pass (pass_s + prompt_s each), emit their first token
+    and join that step's round."""
     prompt_tokens: int = 512
     chunk: int = DEFAULT_PREFILL_CHUNK
     wait: int = DEFAULT_PREFILL_WAIT
@@ -164,7 +164,7 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
             advance = [steps] * b
             passes, row_passes = passes + steps, row_passes + steps * b
         else:
-            drafting += 1
+            drafting, steps = drafting + 1, 1
             cut = [text.round_at(p).cut(k) for p, _, _ in rows]
             width = max(c.proposed for c in cut)
             accepted = [c.accepted if c.proposed else 0 for c in cut]
@@ -178,7 +178,6 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
             passes, row_passes = passes + 1, row_passes + b
         for row, n in zip(rows, advance):
             row[0], row[1] = row[0] + n, min(row[1] + n, row[2])
-        steps = advance[0] if k == 0 else 1
         step += steps
         finished = sum(made >= n for _, made, n in rows)
         rate = finish_rate(rate, finished, steps)
