@@ -782,9 +782,9 @@ class Engine:
         if (self.decode_steps == 1 or len(plan.rounds) != 1 or not seqs or isinstance(self.cache, PagedQuantKVCache)
                 or (waits and not plan.held) or any(not s.params.greedy for s in seqs)):
             return 1
-        held = self._wait_left() if waits else self.decode_steps
+        wait_left = self._wait_left() if waits else self.decode_steps
         chunk = {s.id: plan.chunks.get(s.id, 0) for s in seqs}
-        steps = min(self.decode_steps, held, max(s.tokens_due for s in seqs),
+        steps = min(self.decode_steps, wait_left, max(s.tokens_due for s in seqs),
                     *(self.max_len - self._round_length(s, chunk[s.id]) - 1 for s in seqs))
         more = sum(self.cache.blocks_needed(s.id, chunk[s.id] + steps) - self.cache.blocks_needed(s.id, chunk[s.id] + 1)
                    for s in seqs)
