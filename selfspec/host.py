@@ -12,3 +12,13 @@ def long_tensor(values: list[int], device: torch.device | str = "cpu") -> torch.
     if not values:
         return torch.empty(0, dtype=torch.long, device=device)
     return torch.frombuffer(array("q", values), dtype=torch.long).to(device)
+
+
+def packed_positions(spans: list[tuple[list[int], int, int]], device: torch.device | str = "cpu"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed pass's token ids and positions [1, N] (model.Packed): each span (tokens, start, stop) contributes
+    tokens[start:stop] at positions start..stop-1, back to back. torch.tensor reads a list's ints one by one (2 ms
+    for 32 prompts of 512 tokens, the GPU idle meanwhile)."""
+    ids = long_tensor([t for tokens, start, stop in spans for t in tokens[start:stop]], device)
+    pos = long_tensor([p for _, start, stop in spans for p in range(start, stop)], device)
+    return ids[None], pos[None]

@@ -31,6 +31,15 @@ def timed(name, fn):
 
 
 torch.Tensor.tolist = timed("tolist", torch.Tensor.tolist)
+torch.Tensor.to = timed("Tensor.to", torch.Tensor.to)
+if os.environ.get("PINNED"):  # small index tensors copied from pinned memory, not waiting
+    from array import array
+    def pinned_long(values, device="cpu"):
+        host = torch.frombuffer(array("q", values), dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
+        return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
+    decode.long_tensor = paged.long_tensor = pinned_long
+if os.environ.get("THREADS"):  # the host's torch threads (intra-op), e.g. 1
+    torch.set_num_threads(int(os.environ["THREADS"]))
 torch.cuda.CUDAGraph.replay = timed("replay", torch.cuda.CUDAGraph.replay)
 eng.Engine.step = timed("step", eng.Engine.step)
 eng.Engine._schedule = timed("schedule", eng.Engine._schedule)
@@ -67,7 +76,7 @@ engines = {}
 for spec in SPECS:
     b, gm = spec.split(":")
     B, gamma = int(b), (None if gm == "p" else int(gm))
-    prompts = torch.randint(0, llm.model.cfg.vocab_size, (max(8, 2 * B), 512), generator=g).tolist()
+    prompts = torch.randint(0, llm.model.cfg.vocab_size, (max(8, int(os.environ.get('WAVES', 2)) * B), 512), generator=g).tolist()
     if B not in engines:
         engines.clear(); torch.cuda.empty_cache()
         engines[B] = make_engine(llm, prompts, B, 128, 8, accept)
@@ -95,7 +104,7 @@ for spec in SPECS:
             last_wait = None
     n = len(gaps)
     gaps.sort()
-    print(f"== B={B} gamma={gm}: {r['output_tokens']} tokens, {r['tokens_per_s']:.1f} tok/s, mean gamma {r['mean_gamma']:.2f}; "
+    print(f"== B={B} gamma={gm} threads={torch.get_num_threads()} pinned={bool(os.environ.get('PINNED'))}: {r['output_tokens']} tokens, {r['tokens_per_s']:.1f} tok/s, mean gamma {r['mean_gamma']:.2f}; "
           f"{n} gaps from a wait to the next replay: mean {sum(gaps)/n*1e3:.3f} ms, median {gaps[n//2]*1e3:.3f}, "
           f"p90 {gaps[int(n*0.9)]*1e3:.3f}; total {sum(gaps)*1e3:.0f} ms of {r['wall_s']*1e3:.0f}", flush=True)
     reps = [z - a for nm, a, z in ev if nm == "replay"]

@@ -53,6 +53,7 @@ from selfspec.engine.graphs import MAX_GRAPHED_TOKENS, PagedGraphedModel, bucket
 from selfspec.engine.llm import LLM, Generation, check_gamma
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
+from selfspec.host import long_tensor, packed_positions
 from selfspec.model import Packed, Runner, TreeLayout
 from selfspec.quant.modes import prompt_mode
 from selfspec.speculative.decode import (GreedyAcceptance, Row, RoundResult, make_generator, pick, run_round,
@@ -689,15 +690,14 @@ class Engine:
         resumed = [bool(s.out.token_ids) for s in seqs]  # preempted: the pending token is drawn already
         for s, n in zip(seqs, sizes):
             self.cache.extend(s.id, n)
-        toks = torch.tensor([[t for s, c, n in zip(seqs, contexts, sizes) for t in c[s.prefilled:s.prefilled + n]]])
-        pos = torch.tensor([[p for s, n in zip(seqs, sizes) for p in range(s.prefilled, s.prefilled + n)]])
+        toks, pos = packed_positions([(c, s.prefilled, s.prefilled + n) for s, c, n in zip(seqs, contexts, sizes)], dev)
         ends = list(accumulate(sizes))  # each row's last token in the packed order, + 1
         done = [s.prefilled + n == len(c) for s, c, n in zip(seqs, contexts, sizes)]
         drawing = [i for i, (d, r) in enumerate(zip(done, resumed)) if d and not r]  # rows whose first token is due
         packed = Packed.of(sizes, [s.prefilled + n for s, n in zip(seqs, sizes)], dev)
         mode = prompt_mode(self.llm.verify_mode) if seqs[0].in_prompt else self.llm.verify_mode
-        last = self.runner(toks.to(dev), pos.to(dev), self.cache.view([s.id for s in seqs]), mode,
-                           logits_at=torch.tensor([ends[i] - 1 for i in drawing], device=dev), packed=packed)
+        last = self.runner(toks, pos, self.cache.view([s.id for s in seqs]), mode,
+                           logits_at=long_tensor([ends[i] - 1 for i in drawing], dev), packed=packed)
         top = last.argmax(-1).tolist()  # greedy rows' first tokens: one pass and one copy, not one per row
         first = [None] * len(seqs)
         for j, i in enumerate(drawing):

@@ -9,6 +9,7 @@ from typing import Callable, Iterator
 import torch
 
 from selfspec.config import ModelConfig
+from selfspec.engine.detokenize import TextWindow, advance, finish, pending_text
 from selfspec.engine.graphs import GraphedModel
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
@@ -34,6 +35,7 @@ class Generation:
     token_ids: list[int]  # up to EOS (left out) or the token that completes a stop string (the text ends before it)
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats = field(default_factory=GenerationStats)
+    window: TextWindow = field(default_factory=TextWindow, repr=False)  # the incremental decode's (detokenize.py)
 
 
 def seed_successors(tokenizer, width: int) -> dict[int, tuple[int, ...]]:
@@ -168,21 +170,31 @@ class LLM:
 
     def _extend(self, out: Generation, chunk: list[int], params: SamplingParams) -> tuple[str, list[int]]:
         """Append tokens; return the new text, cut before the first stop string, and the tokens kept: those up to
-        the one that completes the stop string (the ones after it were never part of the output)."""
+        the one that completes the stop string (the ones after it were never part of the output). The new text is
+        decoded from a window of the last tokens (engine/detokenize.py), the whole output's once it finishes."""
         start = len(out.token_ids)
         out.token_ids.extend(chunk)
         if self.tokenizer is None:
             return "", chunk
-        text = self._decode(out.token_ids)
-        if any(s in text for s in params.stop):
+        pending, complete = pending_text(self._decode, out.token_ids, out.window)
+        reach = max(map(len, params.stop), default=1) - 1  # a stop string may begin in the text emitted before
+        if any(s in out.text[max(0, len(out.text) - reach):] + pending for s in params.stop):
             end = next(k for k in range(start + 1, len(out.token_ids) + 1)
                        if any(s in self._decode(out.token_ids[:k]) for s in params.stop))
             del out.token_ids[end:]
             chunk, text = chunk[: end - start], self._decode(out.token_ids)
             cut = min(i for i in (text.find(s) for s in params.stop) if i >= 0)
             text, out.finish_reason = text[:cut], "stop"
-        new, out.text = text[len(out.text):], text
-        return new, chunk
+            new, out.text = text[len(out.text):], text
+            return new, chunk
+        if out.finish_reason == "stop" or len(out.token_ids) >= params.max_new_tokens:  # EOS or length
+            out.text, new = finish(self._decode, out.token_ids, out.text)
+            return new, chunk
+        if not complete:
+            return "", chunk
+        advance(out.window, len(out.token_ids))
+        out.text += pending
+        return pending, chunk
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

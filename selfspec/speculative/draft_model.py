@@ -29,6 +29,7 @@ from selfspec.cache.kv import KVCache
 from selfspec.cache.paged import PagedBatchView, PagedKVCache
 from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
+from selfspec.host import packed_positions
 from selfspec.model import Packed, Transformer
 from selfspec.quant.modes import Mode, prompt_mode
 from selfspec.speculative.drafters import Proposal, draft_tokens
@@ -137,8 +138,7 @@ class DraftModel:
         counts them, with the pending token's, as cached)."""
         dev = self.model.device
         sizes = [n - s.cached for s, n in zip(states, lengths)]
-        toks = torch.tensor([[t for s, n in zip(states, lengths) for t in s.tokens[s.cached:n]]], device=dev)
-        pos = torch.tensor([[p for s, n in zip(states, lengths) for p in range(s.cached, n)]], device=dev)
+        toks, pos = packed_positions([(s.tokens, s.cached, n) for s, n in zip(states, lengths)], dev)
         nothing = torch.empty(0, dtype=torch.long, device=dev)  # no logits: the next step drafts from pending
         self.model(toks, pos, view, prompt_mode(self.mode), logits_at=nothing, packed=Packed.of(sizes, lengths, dev))
 
