@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 from contextlib import contextmanager
 
@@ -21,7 +22,9 @@ from transformers import (
 
 from selfspec.config import ModelConfig
 from selfspec.engine.llm import LLM, build
+from selfspec.errors import SelfspecError
 from selfspec.loading import resolve
+from selfspec.loading.named import DEFAULT_MODEL, named_model_path
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.recipes import resolve_recipe
 
@@ -75,6 +78,18 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
                 p.copy_(torch.randn_like(p) / math.sqrt(p.shape[1]))
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return ModelConfig.from_hf(hf_cfg.to_dict()), sd, model
+
+
+def gpu_test_model() -> str | None:
+    """The model the GPU tests load: SELFSPEC_GPU_MODEL (a .gguf path or HF directory), else the embedded default
+    (None); the test is skipped, saying why, where neither is on this machine (a GPU host without the package)."""
+    path = os.environ.get("SELFSPEC_GPU_MODEL")
+    if path is None:
+        try:
+            named_model_path(DEFAULT_MODEL)
+        except SelfspecError as e:
+            pytest.skip(f"no GPU test model: {e}; or set SELFSPEC_GPU_MODEL")
+    return path
 
 
 @pytest.fixture(scope="session")

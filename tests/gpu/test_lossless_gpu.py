@@ -2,7 +2,6 @@
 token, for every speculative recipe on the 20 built-in prompts, through the Triton kernels and CUDA graphs.
 
 The model is the embedded SmolLM2-135M (or SELFSPEC_GPU_MODEL: a .gguf path or HF directory)."""
-import os
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from conftest import gpu_test_model  # noqa: E402
 import selfspec  # noqa: E402
 from selfspec.bench.prompts import PROMPTS  # noqa: E402
 from selfspec.engine.graphs import GraphedModel  # noqa: E402
@@ -29,7 +29,7 @@ NEW_TOKENS = 24
                 ids=str)
 def llm(request):
     recipe, draft, vocab = request.param
-    return selfspec.load(os.environ.get("SELFSPEC_GPU_MODEL"), recipe, draft, device="cuda", draft_vocab=vocab)
+    return selfspec.load(gpu_test_model(), recipe, draft, device="cuda", draft_vocab=vocab)
 
 
 def test_greedy_speculative_equals_ar_on_gpu(llm):

@@ -4,7 +4,6 @@ first token from the same logits bits as in one piece; prompts packed into one p
 gives alone; prompt passes replayed from CUDA graphs give the bits of the same passes run eagerly. The Triton
 linear and attention are meant to be batch invariant (a row's reductions do not depend on the other rows, nor on
 the keys past its position), so these should hold bitwise at any size."""
-import os
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from conftest import served_tokens  # noqa: E402
+from conftest import gpu_test_model, served_tokens  # noqa: E402
 import selfspec  # noqa: E402
 from selfspec.bench.prompts import PROMPTS  # noqa: E402
 from selfspec.engine.engine import Engine  # noqa: E402
@@ -24,7 +23,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module", params=["planes", "qspec"])
 def llm(request):
-    return selfspec.load(os.environ.get("SELFSPEC_GPU_MODEL"), request.param, device="cuda")
+    return selfspec.load(gpu_test_model(), request.param, device="cuda")
 
 
 class PrefillLogits:

@@ -1,7 +1,6 @@
 """The quantized KV cache on the GPU: the Triton attention against the torch reference (contiguous and paged), greedy
 speculative == greedy AR of the verify configuration (weights mode + INT8 KV) on real SmolLM2 with a prompt longer
 than 2G, and the serving engine over the paged cache == solo decoding."""
-import os
 from dataclasses import replace
 
 import pytest
@@ -11,6 +10,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from conftest import gpu_test_model  # noqa: E402
 from selfspec.cache.paged_quant import PagedQuantKVCache  # noqa: E402
 from selfspec.cache.quant_kv import QuantKVCache  # noqa: E402
 from selfspec.engine.engine import Engine  # noqa: E402
@@ -48,7 +48,7 @@ def test_quantized_attention_matches_reference(fmt, upper):
 
 @pytest.mark.parametrize("recipe", ["selfspec", "quantspec"])
 def test_greedy_speculative_equals_ar_with_quantized_kv(recipe):
-    cfg, sd, tok, desc = resolve(os.environ.get("SELFSPEC_GPU_MODEL"))  # SmolLM2, embedded or its .gguf
+    cfg, sd, tok, desc = resolve(gpu_test_model())  # SmolLM2, embedded or its .gguf
     llm = build(cfg, sd, tok, replace(resolve_recipe(recipe), verify="bf16" if recipe == "quantspec" else "full",
                                       kv_group=G), device="cuda")
     ids = tok.encode(" ".join(["The printing press spread across Europe within decades of its invention."] * 12))
@@ -94,7 +94,7 @@ def test_quantized_attention_over_paged_blocks_matches_reference(fmt, upper):
 def test_engine_serves_recipe_selfspec_as_solo():
     """The serving engine over the paged quantized cache (eager on the GPU): requests of different lengths, joining
     at different steps, give their solo greedy tokens (SmolLM2, G = 64, generations past several groups)."""
-    cfg, sd, tok, desc = resolve(os.environ.get("SELFSPEC_GPU_MODEL"))
+    cfg, sd, tok, desc = resolve(gpu_test_model())
     llm = build(cfg, sd, tok, replace(resolve_recipe("selfspec"), kv_group=G), device="cuda")
     base = "The printing press spread across Europe within decades of its invention."
     prompts = [tok.encode(" ".join([base] * n)) for n in (1, 9, 4)]
