@@ -38,6 +38,7 @@ from selfspec.bench.passes import PassLog, decode_rows
 from selfspec.bench.prompts import essay_prompts
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
+from selfspec.host import long_tensor
 from selfspec.quant.modes import Mode
 from selfspec.speculative.decode import GreedyAcceptance, decode
 from selfspec.speculative.draft_model import DraftModel
@@ -439,7 +440,7 @@ class ServeChainReplay(ServeReplay):
 
     def propose(self, model, cache, rows, pending: torch.Tensor, lengths: torch.Tensor, k: int) -> Proposal:
         rounds = self.next_rounds(rows, k)
-        tokens = pending[:, None].expand(-1, k).contiguous()
+        tokens = long_tensor([r.pending for r in rows for _ in range(k)]).view(len(rows), k)  # on the host: a lookup's
         return Proposal(tokens, [r.width for r in rounds], [None] * len(rows))  # a round that proposed none: 0
 
 

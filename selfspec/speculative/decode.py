@@ -144,10 +144,10 @@ def run_round(model: Runner, cache, rows: list[Row], k: int, draft: Drafter | Mo
         drafted, counts, q = proposal.tokens[:, :k], proposal.counts, proposal.q
     else:
         drafted, counts, q = pending.new_empty((len(rows), 0)), [0] * len(rows), [None] * len(rows)
-    # Waiting for the drafts here keeps draft_s and verify_s (the policy reads them) apart.
+    # Waiting for the drafts here keeps draft_s and verify_s (the policy reads them) apart; a lookup's are on the host.
     drafts = [d[:n] for d, n in zip(drafted.tolist(), counts)]
     t1 = time.perf_counter()
-    toks = torch.cat((pending[:, None], drafted), 1)
+    toks = torch.cat((pending[:, None], drafted.to(dev)), 1)
     pos = lengths + torch.arange(k + 1, device=dev)
     logits = model(toks, pos, cache, verify)
     targets = logits.argmax(-1).tolist()  # greedy rows' verify tokens: one pass and one copy, not one per row

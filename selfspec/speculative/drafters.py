@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Protocol
 import torch
 
 from selfspec.errors import SelfspecError
+from selfspec.host import long_tensor
 from selfspec.quant.modes import Mode, get_mode
 from selfspec.speculative.policy import GammaPolicy
 from selfspec.speculative.recycling import DEFAULT_WIDTH, RANK_PRIORS, SuccessorTable, grow
@@ -58,7 +59,8 @@ RowsView = Callable[[list[tuple[int, int]]], object]  # spans[i]: rows start..st
 
 @dataclass
 class Proposal:
-    tokens: torch.Tensor  # [B, k] on the device; past a row's count, padding that is never judged
+    tokens: torch.Tensor  # [B, k], past a row's count padding that is never judged: on the device, or on the host
+    # where it was found (a lookup's: run_round reads it there and copies it to the device once, no round trip)
     counts: list[int]  # real proposals per row (<= k)
     q: list[torch.Tensor | None]  # sampling rows: [k, V] distributions the drafts were drawn from; None: one-hot
     prefill_s: float = 0.0  # of the time proposing, a draft model's prefill of a new row's context (not drafting)
@@ -207,12 +209,12 @@ class NgramDrafter:
 
     def propose(self, model, cache, rows: list[Row], pending: torch.Tensor, lengths: torch.Tensor,
                 k: int) -> Proposal:
-        return lookup_proposal([r.history.lookup(k) for r in rows], k, pending.device)
+        return lookup_proposal([r.history.lookup(k) for r in rows], k)
 
 
-def lookup_proposal(found: list[list[int]], k: int, device: torch.device) -> Proposal:
-    """Each row's looked-up tokens (0..k of them), padded to k; one-hot: no q."""
-    tokens = torch.tensor([f + [0] * (k - len(f)) for f in found], device=device)
+def lookup_proposal(found: list[list[int]], k: int) -> Proposal:
+    """Each row's looked-up tokens (0..k of them), padded to k, on the host; one-hot: no q."""
+    tokens = long_tensor([t for f in found for t in f + [0] * (k - len(f))]).view(len(found), k)
     return Proposal(tokens, [len(f) for f in found], [None] * len(found))
 
 
@@ -244,15 +246,15 @@ class HybridDrafter:
         for r, f in zip(rows, found):
             r.history.misses = 0 if f else r.history.misses + 1
         chain = [r.history.misses >= self.chain_after for r in rows]
-        looked = lookup_proposal(found, k, pending.device)
+        looked = lookup_proposal(found, k)
         if not any(chain):
             return looked
         drafting = [r if c else replace(r, params=replace(r.params, temperature=0.0), gen=None)
                     for r, c in zip(rows, chain)]
         chains, q = draft_tokens(model, cache, drafting, pending, lengths, k, self.mode)
         chosen = torch.tensor(chain, device=pending.device)[:, None]
-        return Proposal(torch.where(chosen, chains, looked.tokens), [k if c else len(f) for c, f in zip(chain, found)],
-                        q)
+        tokens = torch.where(chosen, chains, looked.tokens.to(chains.device))
+        return Proposal(tokens, [k if c else len(f) for c, f in zip(chain, found)], q)
 
 
 # ---------------------------------------------------------------- trees: several branches for one sequence
