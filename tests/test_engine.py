@@ -3,7 +3,6 @@ requests join and leave, chunked prefill, preemption and resume, aborts and erro
 under a random schedule, validation, thread-safe inbox."""
 import random
 import threading
-import time
 
 import pytest
 import torch
@@ -657,24 +656,3 @@ def test_no_burst_where_a_prompt_waits_or_the_cache_is_quantized(llm, monkeypatc
     run(engine)
     with pytest.raises(SelfspecError, match="decode_steps must be >= 1"):
         Engine(llm, decode_steps=0)
-
-
-def test_a_drafting_round_is_priced_by_its_whole_step(llm, monkeypatch):
-    """The policy prices a round that verified drafts by its step's whole time (here a slow emission of 30 ms a row),
-    which it pays alone; plain steps, whose bursts share a step's host time, by their passes."""
-    slow = llm.append_tokens
-
-    def append_tokens(*args):
-        time.sleep(0.03)
-        return slow(*args)
-
-    monkeypatch.setattr(llm, "append_tokens", append_tokens)
-    costs = {}
-    for gamma in (2, 0):
-        engine = Engine(llm, max_batch=2, num_blocks=64)
-        for i, p in enumerate(prompts(2, seed=5)):
-            engine.add_request(str(i), p, greedy(40), gamma=gamma)
-        run(engine)
-        costs[gamma] = engine.policy.verify_cost[2 * (gamma + 1)].value
-    assert costs[2] >= 0.05  # two rows emitted in each step (an average from 0.005 s, the prefill step's)
-    assert costs[0] < 0.03

@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--draft-ms", type=float, default=0.0, help="a drafting round's proposing time")
     ap.add_argument("--host-ms", type=float, default=0.0,
                     help="a drafting round's host time around its pass, not in the warm-up's timed passes (the "
-                         "engine's policy prices a drafting round by its whole step: engine `_round_cost`; 0.4-0.6 ms "
-                         "at batch 1 on an H200 host, 1.6-1.9 ms at batch 32 on an H100's, docs/speculative.md)")
+                         "replay's policy learns it; the engine's only the part inside its round: docs/speculative.md, "
+                         "session 19; 0.4-0.6 ms at batch 1 on an H200 host, 1.6-1.9 ms at batch 32 on an H100's)")
     ap.add_argument("--burst-host-ms", type=float, default=0.0,
                     help="a burst of plain steps' host time (scheduling, emitting), shared by its steps")
     ap.add_argument("--batch", type=int, default=1,

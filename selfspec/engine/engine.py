@@ -290,7 +290,6 @@ class Engine:
         self.steps = 0  # decode steps run: a burst counts each of its steps (the prefill wait counts these)
         self.finish_rate = 0.0  # rows finishing a decode step (`finish_rate`), any way (EOS, length, abort, error)
         self._finished = 0  # rows finished this step
-        self._step_start: float | None = None  # when this step began, while its one round may be priced by it
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, object]] = []
         self._live: set[str] = set()  # ids added and not yet finished
@@ -444,7 +443,6 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: plan (blocks, preemptions, admissions), one prefill chunk, one batched round per k."""
         outputs: list[RequestOutput] = []
-        self._step_start = time.perf_counter()
         inbox = self._take_inbox()
         if inbox is None:
             self.stopped = True
@@ -627,8 +625,6 @@ class Engine:
             plan.rounds.setdefault(k, []).append(seq)
 
     def _execute(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
-        if plan.prefill or len(plan.rounds) != 1:  # the step's time is not one round's (`_round` prices by it)
-            self._step_start = None
         kinds = [[s for s in plan.prefill if s.in_prompt], [s for s in plan.prefill if not s.in_prompt]]
         for seqs in kinds:  # prompt tokens, then generated ones recomputed (a resume): each kind its own pass
             if seqs:
@@ -749,6 +745,8 @@ class Engine:
         else:
             result = run_round(self.runner, self.cache.view([s.id for s in seqs]), rows, k, self.llm.drafter,
                                self.llm.verify_mode, self.accept, lockstep)
+        self.policy.observe_round(len(rows), result.k, result.draft_s, result.verify_s / steps, steps)
+        self.policy.observe_acceptance(k, result.accepted)
         c = self.counters
         c.num_row_rounds += len(rows) * steps
         c.num_lockstep_rows += sum(lockstep)
@@ -758,20 +756,6 @@ class Engine:
             c.num_accepted_tokens += sum(result.accepted)
         for s, toks in zip(seqs, result.tokens):
             self._emit(s, toks, outputs)
-        self.policy.observe_round(len(rows), result.k, result.draft_s, self._round_cost(result) / steps, steps)
-        self.policy.observe_acceptance(k, result.accepted)
-
-    def _round_cost(self, result: RoundResult) -> float:
-        """The seconds the policy prices a round's verify pass at: a round that verified drafts, alone in its step,
-        by its whole step (scheduling, block tables, graph inputs, emitting: at batch 32 on an H100 1.6-1.9 ms a
-        round, of which its pass's own timing saw 0.3-0.5), since each such round pays a step's host time alone;
-        plain steps, whose bursts share one step's host time, by their passes as timed (bench/policy_replay.py
-        prices both so: --host-ms, --burst-host-ms). Read once: a round run again row by row after an error
-        (`_isolated`) is priced by its passes."""
-        started, self._step_start = self._step_start, None
-        if started is None or not result.k:
-            return result.verify_s
-        return time.perf_counter() - started - result.draft_s
 
     @staticmethod
     def _lockstep(seqs: list[Sequence]) -> list[bool]:
