@@ -38,11 +38,10 @@ from selfspec.bench.passes import PassLog, decode_rows
 from selfspec.bench.prompts import essay_prompts
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
-from selfspec.host import long_tensor
 from selfspec.quant.modes import Mode
 from selfspec.speculative.decode import GreedyAcceptance, decode
 from selfspec.speculative.draft_model import DraftModel
-from selfspec.speculative.drafters import Proposal, TokenHistory, TreeDrafter, draft_tokens
+from selfspec.speculative.drafters import Proposal, TokenHistory, TreeDrafter, draft_tokens, lookup_proposal
 from selfspec.speculative.recipes import PRESETS
 from selfspec.speculative.sampling import SamplingParams
 
@@ -439,9 +438,8 @@ class ServeChainReplay(ServeReplay):
     """Lookup rounds: a row proposes its round's recorded count of tokens (their values do not matter)."""
 
     def propose(self, model, cache, rows, pending: torch.Tensor, lengths: torch.Tensor, k: int) -> Proposal:
-        rounds = self.next_rounds(rows, k)
-        tokens = long_tensor([r.pending for r in rows for _ in range(k)]).view(len(rows), k)  # on the host: a lookup's
-        return Proposal(tokens, [r.width for r in rounds], [None] * len(rows))  # a round that proposed none: 0
+        # A lookup's proposal of the recorded count of tokens (a round that proposed none: 0), on the host as one.
+        return lookup_proposal([[row.pending] * r.width for row, r in zip(rows, self.next_rounds(rows, k))], k)
 
 
 class ServeTreeReplay(ServeReplay, TreeDrafter):
