@@ -64,6 +64,9 @@ torch.tensor = timed("torch.tensor", torch.tensor)
 graphs._Graph.__call__ = timed("_Graph", graphs._Graph.__call__)
 graphs._TreeGraph.__call__ = timed("_TreeGraph", graphs._TreeGraph.__call__)
 graphs.PagedGraphedModel._static = timed("_static", graphs.PagedGraphedModel._static)
+if hasattr(graphs, "_BatchInputs"):  # docs/leads/staged-round-inputs.patch: a pass's inputs staged in one copy
+    graphs._BatchInputs.fill = timed("inputs.fill", graphs._BatchInputs.fill)
+    graphs.PagedGraphedModel._replay = timed("_replay", graphs.PagedGraphedModel._replay)
 
 RECIPE = os.environ.get("RECIPE", "recycle")  # and TRACE: another recipe's replayed trace
 T = os.environ.get("TRACE", "selfspec/bench/traces/qwen2.5-coder-1.5b.ngram.recycle-tree.json")
