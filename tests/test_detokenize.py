@@ -44,6 +44,14 @@ def whole_decode_append(llm, out: Generation, chunk: list[int], params: Sampling
     return chunk, out.finish_reason == "stop" or len(out.token_ids) >= params.max_new_tokens
 
 
+def incremental(llm, params: SamplingParams):
+    """LLM.append_tokens as run_rounds takes an append: (out, chunk) -> (tokens kept, new text, finished)."""
+    def append(out: Generation, chunk: list[int]) -> tuple[list[int], str, bool]:
+        new, kept, finished = llm.append_tokens(out, chunk, params)
+        return kept, new, finished
+    return append
+
+
 def run_rounds(append, ids: list[int], rng: random.Random) -> tuple[Generation, list[int], list[str]]:
     """Feed ids in rounds of 1-9 tokens (a round's accepted drafts and its next token) until finished."""
     out, kept, deltas, i = Generation("", [], "length"), [], [], 0
@@ -71,15 +79,11 @@ def test_incremental_text_is_the_whole_decode(llm, seed):
     cases.append(SamplingParams(max_new_tokens=len(ids) + 5, stop=[text[at:at + rng.randint(1, 4)], "zzz-never"]))
     eos = ids[:rng.randint(4, len(ids) - 2)] + [llm.tokenizer.eos_token_id] + ids[-2:]
     for params, stream in [(p, ids) for p in cases] + [(cases[0], eos)]:
-        def incremental(out, chunk):
-            new, kept, finished = llm.append_tokens(out, chunk, params)
-            return kept, new, finished
-
         def whole(out, chunk):
             kept, finished = whole_decode_append(llm, out, chunk, params)
             return kept, "", finished
 
-        got, kept, deltas = run_rounds(incremental, stream, random.Random(seed))
+        got, kept, deltas = run_rounds(incremental(llm, params), stream, random.Random(seed))
         want, want_kept, _ = run_rounds(whole, stream, random.Random(seed))
         assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
         assert kept == want_kept == got.token_ids
@@ -94,8 +98,7 @@ def test_random_tokens_end_as_the_whole_decode(llm):
     for _ in range(5):
         ids = [rng.randrange(vocab) for _ in range(60)]
         params = SamplingParams(max_new_tokens=60, ignore_eos=True)
-        out, kept, deltas = run_rounds(lambda o, c: (lambda r: (r[1], r[0], r[2]))(llm.append_tokens(o, c, params)),
-                                       ids, rng)
+        out, kept, deltas = run_rounds(incremental(llm, params), ids, rng)
         assert out.text == llm._decode(ids) and kept == ids
 
 
