@@ -39,9 +39,8 @@ def bf16_of_float64(v: np.ndarray) -> np.ndarray:
 
 
 def run_ptx(text: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
-    """Run an asm block of and/or/xor/shl/shr/mov/prmt .b32, sub.bf16x2 / sub.f16x2 and fma.rn.bf16x2 on uint32
-    arrays; operands
-    $0.. are the outputs, then the inputs."""
+    """Run an asm block of and/or/xor/shl/shr/mov/prmt/lop3 .b32, sub.bf16x2 / sub.f16x2 and fma.rn.bf16x2 on uint32
+    arrays; operands $0.. are the outputs, then the inputs."""
     regs = {f"${outputs + i}": v.astype(np.uint64) for i, v in enumerate(inputs)}
 
     def val(tok: str) -> np.ndarray:
@@ -68,6 +67,11 @@ def run_ptx(text: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarra
             r = a[0] >> a[1]
         elif op == "mov.b32":
             r = a[0]
+        elif op == "lop3.b32":  # bit by bit, the lookup table's bit at index 4a + 2b + c
+            lut = int(args[3], 16)
+            r = sum(((lut >> (4 * ((a[0] >> np.uint64(i)) & 1) + 2 * ((a[1] >> np.uint64(i)) & 1)
+                              + ((a[2] >> np.uint64(i)) & 1)).astype(np.int64)) & 1).astype(np.uint64) << np.uint64(i)
+                    for i in range(32))
         elif op == "prmt.b32":  # bytes of {b, a} picked by the selector's nibbles
             pool = [(a[0] >> (8 * i)) & 0xFF for i in range(4)] + [(a[1] >> (8 * i)) & 0xFF for i in range(4)]
             sel = int(args[2], 16)
@@ -102,11 +106,11 @@ def words(rng, n):
 
 def test_emulator_knows_the_instructions_it_runs():
     for name in ("WORD_NIBBLES", "PLANE_WORDS", "NIBBLES", "NIBBLES_I8", "PLANES", "BYTES_F16",
-                 "NIBBLES_F16", "PLANES_F16", "AFFINE_NIBBLES", "AFFINE_PLANES"):
+                 "NIBBLES_F16", "PLANES_F16", "AFFINE"):
         text = getattr(ptx, name)
         ops = set(re.findall(r"^\s*([a-z]+\.[a-z0-9.]+)", text, re.M)) - {".reg"}
-        assert ops <= {"and.b32", "or.b32", "xor.b32", "shl.b32", "shr.b32", "mov.b32", "prmt.b32", "sub.bf16x2",
-                       "sub.f16x2", "fma.rn.bf16x2"}, name
+        assert ops <= {"and.b32", "or.b32", "xor.b32", "shl.b32", "shr.b32", "mov.b32", "prmt.b32", "lop3.b32",
+                       "sub.bf16x2", "sub.f16x2", "fma.rn.bf16x2"}, name
 
 
 def test_word_nibbles_give_the_codes_at_k_4j_to_4j_plus_3():
@@ -114,7 +118,8 @@ def test_word_nibbles_give_the_codes_at_k_4j_to_4j_plus_3():
     reg, w = words(rng, 4096)
     outs = run_ptx(ptx.WORD_NIBBLES, [reg], 4)
     for t, out in enumerate(outs):  # word j holds k = 4j .. 4j + 3, nibble t at bits 4t .. 4t + 3
-        assert np.array_equal(halves(out), ((w >> np.uint64(4 * t)) & np.uint64(15)).astype(np.float32) + 128), t
+        codes = ((w >> np.uint64(4 * t)) & np.uint64(15)).astype(np.float32)
+        assert np.array_equal(halves(out), 1 + codes / 16), t
 
 
 def test_plane_words_give_the_signed_int8_codes():
@@ -146,12 +151,13 @@ def byte_regs(rng, n):
 
 
 def test_byte_blocks_the_gpu_tests_proved_run_here_as_there():
-    """The emulator on the asm the GPU tests have long run: nibbles of bytes, and the two planes' signed codes."""
+    """The emulator on the byte blocks: nibbles of bytes as bf16 1 + c / 16 and as int8, and the two planes' signed
+    codes."""
     rng = np.random.default_rng(2)
     reg, b = byte_regs(rng, 1024)
     lo01, lo23, hi01, hi23 = run_ptx(ptx.NIBBLES, [reg], 4)
     for out, first, shift in ((lo01, 0, 0), (lo23, 2, 0), (hi01, 0, 4), (hi23, 2, 4)):
-        expect = ((b[:, first:first + 2] >> np.uint64(shift)) & np.uint64(15)).astype(np.float32) + 128
+        expect = 1 + ((b[:, first:first + 2] >> np.uint64(shift)) & np.uint64(15)).astype(np.float32) / 16
         assert np.array_equal(halves(out), expect)
     for out, shift in zip(run_ptx(ptx.NIBBLES_I8, [reg], 2), (0, 4)):  # int8 codes 0..15, four a register
         got = np.stack([(out.astype(np.uint64) >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)], 1)
@@ -188,23 +194,28 @@ def test_attention_blocks_give_the_kv_codes_as_exact_float16():
 
 
 def test_affine_gives_the_reference_dequantized_weight():
-    """The codes as the builds give them (128 + c of a nibble, q8 - 128 of both planes), with exact_grid's scales
-    and offsets: the bf16 weight the reference rounds (float32 lo + s * q, then bf16), bit for bit."""
+    """The codes as the builds give them (1 + c / 16 of a nibble, q8 - 128 of both planes) times their scale (16 s,
+    s) plus their offset (lo - 16 s; the weight of code 128, lo + 128 s) in one fused multiply-add, on
+    quant/formats.fma_grid's scales and offsets (and the upper view's): the bf16 weight the reference
+    rounds (float32 lo + s * q, then bf16), bit for bit."""
     from selfspec.quant.formats import minmax_quant, upper_affine
     torch.manual_seed(3)
     w = torch.randn(64, 256) * torch.logspace(-4, 1, 64)[:, None]  # scales over five decades
     w[:4, :128] = w[:4, :128] * 1e-4 + torch.tensor([1.0, -3.0, 1e3, 1e-6])[:, None]  # narrow groups far from 0
     q8, s, lo = minmax_quant(w, 8, 128)
-    # the planes' offset register: the weight of code 128, lo + 128 s (a bf16 value on code_128_grid)
-    views = [(q8, s, lo, lo + 128 * s, ptx.AFFINE_PLANES, -128.0),
-             (q8 >> 4, *upper_affine(s, lo), upper_affine(s, lo)[1], ptx.AFFINE_NIBBLES, 128.0)]
-    for q, scale, low, offset_weight, text, offset in views:
-        scale, low, offset_weight = (t.repeat_interleave(128, 1).reshape(-1) for t in (scale, low, offset_weight))
-        q = q.reshape(-1).float()
-        expect = (q * scale + low).bfloat16().view(torch.int16).numpy().view(np.uint16)
-        assert torch.equal(offset_weight, offset_weight.bfloat16().float())
+    q4, s4, lo4 = minmax_quant(w, 4, 128)
+    us, ulo = upper_affine(s, lo)
+    # (codes, scale, lo, the code values the builds give, the FMA's scale and addend)
+    views = [(q8, s, lo, q8.float() - 128, s, lo + 128 * s),
+             (q4, s4, lo4, 1 + q4.float() / 16, 16 * s4, lo4 - 16 * s4),
+             (q8 >> 4, us, ulo, 1 + (q8 >> 4).float() / 16, 16 * us, ulo - 16 * us)]
+    for q, scale, low, codes, fma_scale, addend in views:
+        scale, low, fma_scale, addend = (t.repeat_interleave(128, 1).reshape(-1)
+                                         for t in (scale, low, fma_scale, addend))
+        expect = (q.reshape(-1).float() * scale + low).bfloat16().view(torch.int16).numpy().view(np.uint16)
+        assert torch.equal(addend, addend.bfloat16().float()) and torch.equal(fma_scale, fma_scale.bfloat16().float())
         regs = [(b[0::2].astype(np.uint32) | (b[1::2].astype(np.uint32) << 16))
-                for b in (bf16_bits((q + offset).numpy()), bf16_bits(scale.numpy()), bf16_bits(offset_weight.numpy()))]
-        (out,) = run_ptx(text, regs, 1)
+                for b in map(bf16_bits, (codes.reshape(-1).numpy(), fma_scale.numpy(), addend.numpy()))]
+        (out,) = run_ptx(ptx.AFFINE, regs, 1)
         got = np.stack([out & 0xFFFF, out >> 16], 1).reshape(-1).astype(np.uint16)
-        assert np.array_equal(got, expect), text
+        assert np.array_equal(got, expect)

@@ -10,7 +10,7 @@ pass (the first token comes from the prefill), most prompts several rounds, with
 not all 20, and two gammas a prompt, not six: every prompt at every gamma took 4.6 of CI's 17 minutes (the 20 took
 11 minutes on the shared CI-sized CPU); each gamma still sees its drafts accepted, and gammas 4 and 6 rejected too
 (`planes` accepts 23 of 24 drafts of its prompts at gammas 1 and 2 since the formats' scales and offsets are bf16,
-quant/formats.exact_grid; its acceptance over 20 prompts x 24 tokens at gamma 4 is 70%, 64% before; qspec rejects
+quant/formats.fma_grid; its acceptance over 20 prompts x 24 tokens at gamma 4 is 70%, 64% before; qspec rejects
 at every gamma).
 """
 import pytest

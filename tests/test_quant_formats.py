@@ -60,7 +60,7 @@ def test_planes_reconstruct_int8_codes_exactly():
 
 
 def test_planes_grid_has_the_weight_of_code_128_in_bf16_and_is_exact():
-    """code_128_grid: the scale and lo + 128 scale are bf16 values (the GPU's one-FMA dequantization of q8 - 128),
+    """fma_grid at 8 bits: the scale and lo + 128 scale are bf16 values (the GPU's one-FMA dequantization of q8 - 128),
     every lo + scale * q is exact in float32 (= its float64 value), and no weight is more than half a step from its
     code's, over scales of five decades and narrow groups far from 0."""
     torch.manual_seed(4)
@@ -101,8 +101,10 @@ def test_upper_plane_is_int4_round_to_nearest():
     s, lo = pw.scale, pw.lo
     s4, lo4 = pw.upper_affine()
     assert torch.equal(s4, 16 * s)
-    midpoint = lo + 7.5 * s  # of the lower nibble's range, rounded to bf16 (what the kernels' bf16 FMA takes)
-    assert torch.equal(lo4, midpoint.bfloat16().float())
+    midpoint = lo + 7.5 * s  # of the lower nibble's range. lo4 - 16 s4 is a bf16 value (what the kernels' bf16 FMA
+    # of the codes 1 + q / 16 takes): the offset is within a sixteenth of an upper step and two roundings of it
+    assert torch.equal(lo4 - 16 * s4, (lo4 - 16 * s4).bfloat16().float())
+    assert ((lo4 - midpoint).abs() <= s4 / 16 + midpoint.abs() * 2**-7).all()
     upper = pw.dequantize(MODES["upper"])
     # Error <= half an INT4 step (8 * the INT8 scale) and the offset's rounding, element by element.
     err = group_view((upper - w).abs(), GROUP)
@@ -132,12 +134,17 @@ def test_int4_error_within_half_step():
     err = group_view((deq - w).abs(), GROUP)
     assert (err <= qw.scale[..., None] / 2 * (1 + 1e-4) + 1e-6).all()
     wg = group_view(w, GROUP)
-    # bf16 scales and offsets (quant/formats.exact_grid): the offset at or a little below the group's minimum, the
-    # scale the bf16 nearest to what then spans the group in 15 steps (the top then within half a step).
-    assert torch.equal(qw.scale, qw.scale.bfloat16().float()) and torch.equal(qw.lo, qw.lo.bfloat16().float())
-    assert (qw.lo <= wg.amin(-1)).all() and (wg.amin(-1) - qw.lo <= qw.scale / 2).all()
-    span = (wg.amax(-1) - qw.lo) / 15
-    assert ((qw.scale[2:] - span[2:]).abs() <= span[2:] * 2**-8).all()
+    # quant/formats.fma_grid at 4 bits: the scale and lo - 16 scale bf16 values (the GPU's one-FMA dequantization of the
+    # codes 1 + q / 16), the range centred within half a step at both ends, the scale the bf16 nearest to the
+    # group's span over 15 steps, and lo + scale * q exact in float32.
+    addend = qw.lo - 16 * qw.scale
+    assert torch.equal(qw.scale, qw.scale.bfloat16().float()) and torch.equal(addend, addend.bfloat16().float())
+    assert (qw.lo <= wg.amin(-1) + qw.scale / 2).all() and (qw.lo + 15 * qw.scale >= wg.amax(-1) - qw.scale / 2).all()
+    span = (wg.amax(-1) - wg.amin(-1)) / 15
+    assert ((qw.scale[2:] - span[2:]).abs() <= span[2:] * 2**-7).all()
+    steps = torch.arange(16, dtype=torch.float64)
+    assert torch.equal((qw.lo[..., None] + qw.scale[..., None] * steps.float()).double(),
+                       qw.lo.double()[..., None] + qw.scale.double()[..., None] * steps)
     # Group extremes are representable: min maps to code 0, max to code 15.
     codes = group_view(unpack_nibbles(qw.packed), GROUP)
     assert (codes.amin(-1)[2:] == 0).all() and (codes.amax(-1)[2:] == 15).all()

@@ -10,7 +10,7 @@ For one [BLOCK_N = 128, BLOCK_M = 128] tile of y^T = W x^T:
 - the loader warp copies each K tile's x (as four quarter tiles, below), the planes' 16-bit words and the tile's
   group scale and offset into a ring of shared memory;
 - each consumer warpgroup takes 64 weight rows: it builds their bf16 weights from the words in registers (the
-  codes, then lo + s * q in one bf16 fused multiply-add per two: _nibble_chunk's `_weight`), in the layout wgmma
+  codes, then the weight in one bf16 fused multiply-add per two: _nibble_chunk's `_weight`), in the layout wgmma
   takes its first operand in (no trip through shared memory), one tile ahead while the tensor cores work on the
   tile before, and chains each chunk's wgmma into one accumulator; the split's chunks are added into their sum, a
   second accumulator.
@@ -49,8 +49,7 @@ CONSUMER_REGISTERS = gl.constexpr(240)  # the second consumer warpgroup's; the f
 _WORD_NIBBLES = gl.constexpr(ptx.WORD_NIBBLES)
 _PLANE_WORDS = gl.constexpr(ptx.PLANE_WORDS)
 _INT8_WORDS = gl.constexpr(ptx.INT8_WORDS)
-_AFFINE_NIBBLES = gl.constexpr(ptx.AFFINE_NIBBLES)
-_AFFINE_PLANES = gl.constexpr(ptx.AFFINE_PLANES)
+_AFFINE = gl.constexpr(ptx.AFFINE)
 
 
 @gluon.jit
@@ -120,18 +119,21 @@ def _tile_weights(w_bufs, w2_bufs, affine_bufs, slot, row0, layout: gl.constexpr
         s = _row(affine_bufs.index(2 * slot), row0, rows, gl.SliceLayout(1, layout))
         lo = _row(affine_bufs.index(2 * slot + 1), row0, rows, gl.SliceLayout(1, layout))
         if FMT == UPPER:  # triton_linear._group_affine
-            lo = lo + s * 7.5
+            lo = (lo + s * 7.5).to(gl.bfloat16).to(gl.float32)
+            lo = (lo - s * 256).to(gl.bfloat16).to(gl.float32) + s * 256
             s = s * 16
         if FMT == FULL:  # the codes are q8 - 128: the offset is the weight of code 128 (triton_linear._nibble_chunk)
             lo = lo + s * 128
+        else:  # the codes are 1 + q / 16: 16 s times them, plus lo - 16 s
+            lo = lo - s * 16
+            s = s * 16
         s = gl.expand_dims(s.to(gl.bfloat16), 1)
         lo = gl.expand_dims(lo.to(gl.bfloat16), 1)
-        affine: gl.constexpr = _AFFINE_PLANES if FMT == FULL else _AFFINE_NIBBLES
         c0, c1, c2, c3 = codes
-        weights = (gl.inline_asm_elementwise(affine, "=r,r,r,r", [c0, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
-                   gl.inline_asm_elementwise(affine, "=r,r,r,r", [c1, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
-                   gl.inline_asm_elementwise(affine, "=r,r,r,r", [c2, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
-                   gl.inline_asm_elementwise(affine, "=r,r,r,r", [c3, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2))
+        weights = (gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c0, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
+                   gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c1, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
+                   gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c2, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
+                   gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c3, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2))
     return weights
 
 

@@ -57,10 +57,18 @@ def gather_bytes(out: str, first: str, second: str, t: int) -> str:
     return f"prmt.b32 {out}, {first}, {second}, 0x{4 + t}{4 + t}{t}{t};\n"
 
 
-# Four bytes -> their eight nibbles as bf16 128 + c: byte permutes put 0x43 above each nibble (bf16 0x4300 is 128
-# and its 7 mantissa bits count 1s). $0, $1: the low nibbles of bytes 0-1 and 2-3; $2, $3: the high ones.
-NIBBLES = block("lo, hi", split_nibbles("$4") + "prmt.b32 $0, lo, 0x43, 0x4140;\nprmt.b32 $1, lo, 0x43, 0x4342;\n"
-                "prmt.b32 $2, hi, 0x43, 0x4140;\nprmt.b32 $3, hi, 0x43, 0x4342;\n")
+def nibbles_under_one(src: str) -> str:
+    """Registers lo, hi: the low and the high nibbles of the four bytes of src, each moved to bits 3-6 of its byte
+    under bit 7 (0x80 | c << 3): a byte that, with 0x3F put above it, reads as bf16 1 + c / 16 (1.0 is 0x3F80, and
+    the nibble fills the top four of its seven mantissa bits)."""
+    return (f"mov.b32 m, 0x78787878;\nmov.b32 k, 0x80808080;\nshl.b32 lo, {src}, 3;\nlop3.b32 lo, lo, m, k, 0xEA;\n"
+            f"shr.b32 hi, {src}, 1;\nlop3.b32 hi, hi, m, k, 0xEA;\n")  # 0xEA: a & b | c
+
+
+# Four bytes -> their eight nibbles as bf16 1 + c / 16 (exact), 0x3F put above each. $0, $1: the low nibbles of
+# bytes 0-1 and 2-3; $2, $3: the high ones.
+NIBBLES = block("lo, hi, m, k", nibbles_under_one("$4") + "prmt.b32 $0, lo, 0x3F, 0x4140;\n"
+                "prmt.b32 $1, lo, 0x3F, 0x4342;\nprmt.b32 $2, hi, 0x3F, 0x4140;\nprmt.b32 $3, hi, 0x3F, 0x4342;\n")
 
 # Four bytes -> their low ($0) and their high ($1) nibbles as int8 codes 0..15 (for the int8 tensor cores).
 NIBBLES_I8 = "{\nand.b32 $0, $2, 0x0F0F0F0F;\nshr.b32 $1, $2, 4;\nand.b32 $1, $1, 0x0F0F0F0F;\n}\n"
@@ -69,9 +77,9 @@ NIBBLES_I8 = "{\nand.b32 $0, $2, 0x0F0F0F0F;\nshr.b32 $1, $2, 4;\nand.b32 $1, $1
 PLANES = block("a, b, t", plane_bytes("$2", "$3") + "mov.b32 $0, a;\nmov.b32 $1, b;\n")
 
 # Two 16-bit words of a nibble plane (byte j holds k = 2j in its low nibble and 2j + 1 in its high one) -> the codes
-# at k = 4w + t, t = 0..3, as bf16 128 + c: output t holds word 0's code and word 1's.
-WORD_NIBBLES = block("lo, hi", split_nibbles("$4") + "prmt.b32 $0, lo, 0x43, 0x4240;\nprmt.b32 $1, hi, 0x43, 0x4240;\n"
-                     "prmt.b32 $2, lo, 0x43, 0x4341;\nprmt.b32 $3, hi, 0x43, 0x4341;\n")
+# at k = 4w + t, t = 0..3, as bf16 1 + c / 16: output t holds word 0's code and word 1's.
+WORD_NIBBLES = block("lo, hi, m, k", nibbles_under_one("$4") + "prmt.b32 $0, lo, 0x3F, 0x4240;\n"
+                     "prmt.b32 $1, hi, 0x3F, 0x4240;\nprmt.b32 $2, lo, 0x3F, 0x4341;\nprmt.b32 $3, hi, 0x3F, 0x4341;\n")
 
 # The two planes' 16-bit words (2 + 2) -> bf16 q8 - 128 at k = 4w + t, t = 0..3: the codes at the bytes' low nibbles
 # (t = 0, 2) and at their high ones (t = 1, 3), each turned into bf16.
@@ -85,17 +93,11 @@ INT8_WORDS = block("g, l0, l1, l2", "".join(gather_bytes("g", "$4", "$5", t)
                                             + signed_bytes_to_bf16(f"${t}", "g", "0x4240") for t in range(4)))
 
 
-def affine(code_offset: str) -> str:
-    """$0: lo + scale * q of two codes, rounded once to bf16 (a fused multiply-add): q = $1 less the build's
-    code_offset (two bf16 halves, exact), scale $2, lo $3 (bf16 pairs). With quant/formats.exact_grid's scales and
-    offsets, lo + scale * q is exact in float32, so this is the reference's dequantized weight, bit for bit."""
-    return block("q, k", f"mov.b32 k, {code_offset};\nsub.bf16x2 q, $1, k;\nfma.rn.bf16x2 $0, q, $2, $3;\n")
-
-
-# The weight a nibble plane's bf16 codes 128 + c stand for. Both planes' codes q8 - 128 need no sub: their offset
-# is the weight of code 128, lo + 128 scale (a bf16 value: quant/formats.code_128_grid), so one FMA gives the weight.
-AFFINE_NIBBLES = affine("0x43004300")
-AFFINE_PLANES = "{\nfma.rn.bf16x2 $0, $1, $2, $3;\n}\n"
+# $0: the weight of two codes as the builds give them, one bf16 fused multiply-add c * $2 + $3 (one rounding):
+# a nibble code c = 1 + q / 16 times 16 scale plus lo - 16 scale (a bf16 value: quant/formats.fma_grid), both
+# planes' codes c = q8 - 128 times scale plus lo + 128 scale (a bf16 value too). On those grids lo +
+# scale * q is exact in float32, so this is the reference's dequantized weight, bit for bit.
+AFFINE = "{\nfma.rn.bf16x2 $0, $1, $2, $3;\n}\n"
 
 # The quantized KV cache's codes for the attention kernel, as exact float16 (register k: 1024 twice).
 # Four bytes -> four float16 1024 + byte (0x64 above each byte), less 1024: the bytes as exact float16 integers.

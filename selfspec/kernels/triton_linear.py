@@ -14,8 +14,8 @@ _nibble_kernel covers the nibble formats (w4a16, upper, full; w4a8 and w4a4 with
 activations it reads the planes as 16-bit words, builds the bf16 codes in one asm block (in mma.sync's natural k
 order: from 8-bit values Triton builds dot operands in another order, kWidth 4, which rounds a dot's sums otherwise
 than wgmma does) and makes each weight lo + s * q with a bf16 fused multiply-add, exactly the weight the reference
-dequantizes (quant/formats.exact_grid), then runs bf16 dots as the bf16 GEMM does. With int8 activations it feeds
-the int8 tensor cores the codes and applies each group's affine after the dot.
+dequantizes (quant/formats.fma_grid), then runs bf16 dots as the bf16 GEMM does. With int8
+activations it feeds the int8 tensor cores the codes and applies each group's affine after the dot.
 Both kernels read their weight tiles by TMA (tensor descriptors, zeros past the edges): Hopper's copy engine keeps
 more bytes in flight per SM than per-thread loads do.
 
@@ -131,8 +131,9 @@ def _group_affine(scale_ptr, lo_ptr, offs_n, g, N, stride_sn, stride_sg, FMT: tl
     mask = offs_n < N
     s = tl.load(scale_ptr + offs_n * stride_sn + g * stride_sg, mask=mask, other=0)
     lo = tl.load(lo_ptr + offs_n * stride_sn + g * stride_sg, mask=mask, other=0)
-    if FMT == UPPER:  # Int8PlanesWeight.upper_affine: scale 16 s, lo + 7.5 s rounded to bf16
+    if FMT == UPPER:  # quant/formats.upper_affine: scale 16 s, lo + 7.5 s rounded, its lo - 256 s a bf16 value
         lo = (lo + s * 7.5).to(tl.bfloat16).to(tl.float32)
+        lo = (lo - s * 256).to(tl.bfloat16).to(tl.float32) + s * 256
         s = s * 16
     return s, lo
 
@@ -308,20 +309,25 @@ def _linear_kernel(
 
 
 _NIBBLES_ASM = tl.constexpr(ptx.NIBBLES)
-CODE_OFFSET = tl.constexpr(128)  # the codes the tensor cores see are 128 + c: exact in bf16, cheap to build
 
 
 @triton.jit
 def _codes(b, ASM: tl.constexpr):
-    """bf16 128 + c of the low and the high nibbles of bytes b (byte permutes on the GPU; the interpreter, which
-    runs no PTX, computes the same values with integer ops)."""
+    """bf16 1 + c / 16 of the low and the high nibbles of bytes b (exact; byte permutes on the GPU; the
+    interpreter, which runs no PTX, computes the same values with float ops)."""
     if ASM:
         lo, hi = tl.inline_asm_elementwise(_NIBBLES_ASM, "=r,=r,=r,=r,r", [b], dtype=(tl.bfloat16, tl.bfloat16),
                                            is_pure=True, pack=4)
     else:
-        lo = ((b & 15).to(tl.float32) + 128).to(tl.bfloat16)
-        hi = ((b >> 4).to(tl.float32) + 128).to(tl.bfloat16)
+        lo = _one_code(b & 15)
+        hi = _one_code(b >> 4)
     return lo, hi
+
+
+@triton.jit
+def _one_code(c):
+    """Codes 0..15 as bf16 1 + c / 16, exact: what the builds put under 1.0's bits (kernels/ptx.py NIBBLES)."""
+    return (c.to(tl.float32) * 0.0625 + 1).to(tl.bfloat16)
 
 
 _PLANES_ASM = tl.constexpr(ptx.PLANES)
@@ -344,15 +350,13 @@ _WORD_NIBBLES_ASM = tl.constexpr(ptx.WORD_NIBBLES)
 
 @triton.jit
 def _word_codes(w, ASM: tl.constexpr):
-    """bf16 128 + c of the codes at k = 4j + t (t = 0..3) of a nibble plane's 16-bit words w."""
+    """bf16 1 + c / 16 of the codes at k = 4j + t (t = 0..3) of a nibble plane's 16-bit words w."""
     if ASM:
         return tl.inline_asm_elementwise(_WORD_NIBBLES_ASM, "=r,=r,=r,=r,r", [w],
                                          dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
                                          pack=2)
     v = w.to(tl.int32) & 0xFFFF
-    return (((v & 15) + 128).to(tl.float32).to(tl.bfloat16), (((v >> 4) & 15) + 128).to(tl.float32).to(tl.bfloat16),
-            (((v >> 8) & 15) + 128).to(tl.float32).to(tl.bfloat16),
-            (((v >> 12) & 15) + 128).to(tl.float32).to(tl.bfloat16))
+    return _one_code(v & 15), _one_code((v >> 4) & 15), _one_code((v >> 8) & 15), _one_code((v >> 12) & 15)
 
 
 _PLANE_WORDS_ASM = tl.constexpr(ptx.PLANE_WORDS)
@@ -408,26 +412,21 @@ def _int8_codes(b, ASM: tl.constexpr):
     return (b & 15).to(tl.int8), (b >> 4).to(tl.int8)
 
 
-_AFFINE_NIBBLES_ASM = tl.constexpr(ptx.AFFINE_NIBBLES)
-_AFFINE_PLANES_ASM = tl.constexpr(ptx.AFFINE_PLANES)
+_AFFINE_ASM = tl.constexpr(ptx.AFFINE)
 
 
 @triton.jit
-def _weight(c, s, lo, FMT: tl.constexpr, ASM: tl.constexpr):
-    """The bf16 weight lo + s * q of codes c as the builds give them (128 + q of a nibble plane, q8 - 128 of both
-    planes, whose lo is then the weight of code 128), s and lo [BLOCK_N, 1] of the rows' group: exact in float32 on
-    quant/formats' grids, then rounded once, as the reference dequantizes (a bf16 fused multiply-add on the GPU; its
+def _weight(c, s, lo, ASM: tl.constexpr):
+    """The bf16 weight c * s + lo of codes c as the builds give them, s and lo [BLOCK_N, 1] (the caller's affine
+    for those codes), in one fused multiply-add. lo is a bf16 value on quant/formats' grids and the weight exact in
+    float32 before its one rounding: the reference's dequantized weight (a bf16 fused multiply-add on the GPU; its
     twin in float32 here)."""
     s2 = tl.broadcast_to(s.to(tl.bfloat16), c.shape)
-    lo2 = tl.broadcast_to(lo.to(tl.bfloat16), c.shape)  # UPPER's lo + 7.5 s rounded as upper_affine does
+    lo2 = tl.broadcast_to(lo.to(tl.bfloat16), c.shape)
     if ASM:
-        if FMT == FULL:
-            return tl.inline_asm_elementwise(_AFFINE_PLANES_ASM, "=r,r,r,r", [c, s2, lo2], dtype=tl.bfloat16,
-                                             is_pure=True, pack=2)
-        return tl.inline_asm_elementwise(_AFFINE_NIBBLES_ASM, "=r,r,r,r", [c, s2, lo2], dtype=tl.bfloat16,
-                                         is_pure=True, pack=2)
-    offset: tl.constexpr = 0.0 if FMT == FULL else 128.0
-    return ((c.to(tl.float32) - offset) * s2.to(tl.float32) + lo2.to(tl.float32)).to(tl.bfloat16)
+        return tl.inline_asm_elementwise(_AFFINE_ASM, "=r,r,r,r", [c, s2, lo2], dtype=tl.bfloat16, is_pure=True,
+                                         pack=2)
+    return (c.to(tl.float32) * s2.to(tl.float32) + lo2.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -478,8 +477,11 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
             acc += d.to(tl.float32) * s[None, :] + x_sum * lo[None, :]
         else:
             s, lo = _group_affine(scale_ptr, lo_ptr, rows, k0 // GROUP, N, stride_sn, stride_sg, FMT)  # [BLOCK_N, 1]
-            if FMT == FULL:  # the builds give q8 - 128: the offset is the weight of code 128 (exact, a bf16 value)
+            if FMT == FULL:  # the builds give q8 - 128: the offset is the weight of code 128 (a bf16 value)
                 lo = lo + s * 128
+            else:  # the builds give 1 + q / 16: 16 s times it, plus lo - 16 s (a bf16 value)
+                lo = lo - s * 16
+                s = s * 16
             if WORDS:  # the planes as 16-bit words, four codes each, met by x's columns k = 4j + t
                 x0, x1, x2, x3 = _quarters(x)
                 w = w_desc.load([n0, k0 // 4])
@@ -487,10 +489,10 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
                     c0, c1, c2, c3 = _plane_word_codes(w, w2_desc.load([n0, k0 // 4]), ASM)
                 else:
                     c0, c1, c2, c3 = _word_codes(w, ASM)
-                acc = tl.dot(x0, tl.trans(_weight(c0, s, lo, FMT, ASM)), acc)
-                acc = tl.dot(x1, tl.trans(_weight(c1, s, lo, FMT, ASM)), acc)
-                acc = tl.dot(x2, tl.trans(_weight(c2, s, lo, FMT, ASM)), acc)
-                acc = tl.dot(x3, tl.trans(_weight(c3, s, lo, FMT, ASM)), acc)
+                acc = tl.dot(x0, tl.trans(_weight(c0, s, lo, ASM)), acc)
+                acc = tl.dot(x1, tl.trans(_weight(c1, s, lo, ASM)), acc)
+                acc = tl.dot(x2, tl.trans(_weight(c2, s, lo, ASM)), acc)
+                acc = tl.dot(x3, tl.trans(_weight(c3, s, lo, ASM)), acc)
             else:  # bytes (K tiles under 64): the even and the odd columns of x meet the low and the high nibbles
                 xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
                 b = w_desc.load([n0, k0 // 2])
@@ -498,8 +500,8 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
                     even, odd = _plane_codes(b, w2_desc.load([n0, k0 // 2]), ASM)
                 else:
                     even, odd = _codes(b, ASM)
-                acc = tl.dot(xe, tl.trans(_weight(even, s, lo, FMT, ASM)), acc)
-                acc = tl.dot(xo, tl.trans(_weight(odd, s, lo, FMT, ASM)), acc)
+                acc = tl.dot(xe, tl.trans(_weight(even, s, lo, ASM)), acc)
+                acc = tl.dot(xo, tl.trans(_weight(odd, s, lo, ASM)), acc)
         if not X_DESC:
             x_ptrs += BLOCK_K
     return acc

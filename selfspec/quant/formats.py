@@ -59,34 +59,15 @@ def group_major(t: torch.Tensor) -> torch.Tensor:
 def minmax_quant(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric round-to-nearest per group: returns (q uint8 [N, K], scale [N, G], lo [N, G]), scale and lo
     group-major, float32, on a grid where every w = lo + scale * q is exact in float32 and rounds once to bf16: the
-    value a bf16 fused multiply-add gives, which the GPU kernels dequantize with. 4 bits: scale and lo bf16 values
-    (`exact_grid`); 8 bits: scale and lo + 128 scale bf16 values (`code_128_grid`)."""
+    value a bf16 fused multiply-add gives, which the GPU kernels dequantize with (`fma_grid`): 4 bits, scale and
+    lo - 16 scale bf16 values; 8 bits, scale and lo + 128 scale."""
     n, k = w.shape
     wg = w.float().view(n, k // group_size, group_size)
     lo, hi = wg.amin(-1), wg.amax(-1)
     qmax = 2**bits - 1
-    scale, lo = exact_grid(lo, hi, qmax) if bits == 4 else code_128_grid(lo, hi)
+    scale, lo = fma_grid(lo, hi, qmax, -16 if bits == 4 else 128)
     q = ((wg - lo[..., None]) / scale[..., None]).round().clamp(0, qmax)
     return q.view(n, k).to(torch.uint8), group_major(scale), group_major(lo)
-
-
-def exact_grid(lo: torch.Tensor, hi: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, lo) in bf16 values covering [lo, hi] in qmax steps: lo rounded down onto a multiple of 2^(e - 9) (e:
-    the exponent of the first scale, at least 2^-10 |lo|) that is a bf16, then the scale that spans the range from
-    there, rounded to the nearest bf16 unless that leaves the top more than half a step out. Then lo + scale * q
-    spans at most 23 bits for every code q < 256 (the scale stays within a binade of the first), exact in float32,
-    and no value is more than half a step from its weight. Rounding the scale up instead cost 0.7% more squared
-    error than float32 scales on SmolLM2's INT4 weights; this, 0.1%."""
-    s0 = torch.maximum((hi - lo) / qmax, lo.abs() * 2.0**-10).clamp_min(1e-10)
-    grid = torch.exp2(torch.floor(torch.log2(s0)) - 9)
-    lo_ulp = torch.exp2(torch.floor(torch.log2(lo.abs().clamp_min(1e-30))) - 7)  # lo's bf16 spacing
-    step = torch.maximum(grid, lo_ulp)
-    lo = torch.floor(lo / step) * step
-    span = hi - lo
-    s = torch.maximum(span / qmax, s0)
-    s_ulp = torch.exp2(torch.floor(torch.log2(s)) - 7)  # s's bf16 spacing
-    nearest = torch.round(s / s_ulp) * s_ulp
-    return torch.where(nearest * (qmax + 0.5) >= span, nearest, nearest + s_ulp), lo
 
 
 def bf16_spacing(x: torch.Tensor) -> torch.Tensor:
@@ -94,29 +75,29 @@ def bf16_spacing(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
 
 
-def code_128_grid(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, lo) covering [lo, hi] in 255 steps with the scale and the weight of code 128, c = lo + 128 scale,
-    bf16 values: the GPU builds an INT8 plane code as q8 - 128 in bf16, and a bf16 fused multiply-add
-    (q8 - 128) * scale + c then gives the weight with no subtraction of the 128 (one instruction per two weights
-    less in `full`'s decode loop). c is the bf16 nearest to where the grid centres the range, on a multiple of
-    2^(e - 9) (e: the scale's exponent), so lo + scale * q spans at most 19 bits and stays exact in float32 (the
-    scale at least 2^-10 |lo|, as `exact_grid`); where that rounding leaves an end of the range more than half a
-    step out, the scale grows by a bf16 step until none does (no group of SmolLM2's weights needed it). Centring
-    the range's slack, not flooring the offset, took 3% off the INT8 squared error of SmolLM2's weights; the upper
-    plane's INT4 view is unchanged (-0.01%)."""
+def fma_grid(lo: torch.Tensor, hi: torch.Tensor, qmax: int, at: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, lo) covering [lo, hi] in qmax steps with the scale and lo + at * scale bf16 values: the GPU builds a
+    code as a bf16 c that is q - at times a power of two, and one bf16 fused multiply-add c * scale' + (lo + at *
+    scale) gives the weight, with nothing subtracted first. INT8 planes: at = 128, c = q8 - 128 (`full`'s decode:
+    one instruction per two weights less). INT4: at = -16, c = 1 + q / 16 (the nibble under the bits of 1.0) times
+    16 scale. lo + at * scale is the bf16 nearest to where the grid centres the range (code qmax / 2 at its middle),
+    on a multiple of 2^(e - 9) (e: the scale's exponent), so lo + scale * q spans at most 19 bits and stays exact in
+    float32 (the scale at least 2^-10 |lo|); where that rounding leaves an end of the range more than half a step
+    out, the scale grows by a bf16 step until none does (no group of SmolLM2's weights needed it). Centring the
+    range's slack, not flooring the offset, took 3% off the INT8 squared error of SmolLM2's weights; for INT4 it
+    costs 0.12% against bf16 offsets floored and the 128 subtracted on the GPU (docs/bench-cpu/int4_grid_error.py)."""
     span, centre = hi - lo, (lo + hi) / 2
-    s0 = torch.maximum(span / 255, lo.abs() * 2.0**-10).clamp_min(1e-10)
+    s0 = torch.maximum(span / qmax, lo.abs() * 2.0**-10).clamp_min(1e-10)
     scale = torch.round(s0 / bf16_spacing(s0)) * bf16_spacing(s0)
     for _ in range(1024):  # a scale too small grows a bf16 step a round: a few rounds at most in practice
-        ideal = centre + 0.5 * scale  # the range's centre at code 127.5
+        ideal = centre + (at - qmax / 2) * scale  # lo + at * scale with the range centred
         step = torch.maximum(torch.exp2(torch.floor(torch.log2(scale)) - 9), bf16_spacing(ideal))
-        c = torch.round(ideal / step) * step
-        low = c - 128 * scale
-        covered = (low <= lo + scale / 2) & (low + 255 * scale >= hi - scale / 2)
+        low = torch.round(ideal / step) * step - at * scale
+        covered = (low <= lo + scale / 2) & (low + qmax * scale >= hi - scale / 2)
         if covered.all():
             return scale, low
         scale = torch.where(covered, scale, scale + bf16_spacing(scale))
-    raise SelfspecError("code_128_grid: no scale covered a group's range")  # not reached: a scale grows each round
+    raise SelfspecError("fma_grid: no scale covered a group's range")  # not reached: a scale grows each round
 
 
 class QuantWeight(nn.Module):
@@ -287,10 +268,13 @@ class Int8PlanesWeight(QuantWeight):
 
 
 def upper_affine(scale: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, lo) of the INT8 codes' upper nibbles read as INT4 codes: 16 s, and lo + 7.5 s (the midpoint of
-    the lower nibble's range, which makes the truncation round-to-nearest) rounded to bf16 (exact in float32 on
-    `exact_grid`'s values, then rounded once), as the kernels' bf16 multiply-add takes it."""
-    return scale * 16, (lo + scale * 7.5).bfloat16().float()
+    """(scale, lo) of the INT8 codes' upper nibbles read as INT4 codes: 16 s, and about lo + 7.5 s (the midpoint of
+    the lower nibble's range, which makes the truncation round-to-nearest): that rounded to bf16, less 256 s (16 times
+    the upper scale) rounded to bf16 again, plus 256 s, so that lo - 16 (16 s) is the bf16 value the kernels' fused
+    multiply-add of the codes 1 + q / 16 takes (as `fma_grid`'s INT4; within a sixteenth of an upper step of the
+    midpoint: +2% squared error on SmolLM2, drafts only)."""
+    midpoint = (lo + scale * 7.5).bfloat16().float()
+    return scale * 16, (midpoint - scale * 256).bfloat16().float() + scale * 256
 
 
 def permute_k(t: torch.Tensor) -> torch.Tensor:
