@@ -34,13 +34,14 @@ for name, t in sd.items():
         continue
     w = t.float().view(t.shape[0], -1, 128)
     lo_w, hi_w = w.amin(-1), w.amax(-1)
-    for grid, (s, lo) in (("INT4 today", exact_grid(lo_w, hi_w, 15)), ("INT4 code one", fma_grid(lo_w, hi_w, 15, -16))):
+    grids = (("INT4 floored", exact_grid(lo_w, hi_w, 15)), ("INT4 fma_grid", fma_grid(lo_w, hi_w, 15, -16)))
+    for grid, (s, lo) in grids:
         total[grid] = total.get(grid, 0.0) + sq_error(w, s, lo, 15)
     s8, lo8 = fma_grid(lo_w, hi_w, 255, 128)  # the planes: their upper view with its offset as before, and rounded
     q = ((w - lo8[..., None]) / s8[..., None]).round().clamp(0, 255)
     us, rounded = upper_affine(s8, lo8)
     ulo = (lo8 + s8 * 7.5).bfloat16().float()  # upper_affine's offset before session 20
-    for view, offset in (("upper today", ulo), ("upper code one", rounded)):
+    for view, offset in (("upper before", ulo), ("upper fma_grid", rounded)):
         total[view] = total.get(view, 0.0) + (((q // 16) * us[..., None] + offset[..., None] - w) ** 2).sum().item()
-print(f"INT4 (w4a16): code-one grid / today's - 1 = {total['INT4 code one'] / total['INT4 today'] - 1:+.2%}")
-print(f"upper view: offset rounded / today's - 1 = {total['upper code one'] / total['upper today'] - 1:+.2%}")
+print(f"INT4 (w4a16): fma_grid / floored grid - 1 = {total['INT4 fma_grid'] / total['INT4 floored'] - 1:+.2%}")
+print(f"upper view: offset rounded twice / once - 1 = {total['upper fma_grid'] / total['upper before'] - 1:+.2%}")

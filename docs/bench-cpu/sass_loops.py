@@ -37,13 +37,13 @@ def number(value: str) -> float:
 
 def innermost_loops(addresses: list[int], sources: list[str]) -> list[tuple[int, int]]:
     """(first, last) index of each backward branch's body that holds no other backward branch."""
+    position = {a: i for i, a in enumerate(addresses)}
     spans = []
     for i, src in enumerate(sources):
         m = re.search(r"BRA (0x[0-9a-f]+)", src)
-        if m and int(m.group(1), 16) < addresses[i]:
-            first = addresses.index(int(m.group(1), 16)) if int(m.group(1), 16) in addresses else None
-            if first is not None:
-                spans.append((first, i))
+        target = int(m.group(1), 16) if m else None
+        if target is not None and target < addresses[i] and target in position:
+            spans.append((position[target], i))
     return [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
 
 
