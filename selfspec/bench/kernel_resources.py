@@ -92,10 +92,11 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
 
 
 def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in_program: bool = True,
-                             partial: bool = False) -> triton.compiler.CompiledKernel:
+                             partial: bool = False, block_m: int = gll.BLOCK_M) -> triton.compiler.CompiledKernel:
     """The warp-specialized nibble GEMM (kernels/gluon_linear.py) for `mode` (w4a16, upper, full, or w8a16: INT8
     codes as 32-bit words), compiled for sm_90 (no launch, no GPU), as `nibble_gemm` launches it (16-byte aligned
-    tensors); `partial`: one K chunk per CTA, its fp32 sum stored (`chunks_apart`)."""
+    tensors); `partial`: one K chunk per CTA, its fp32 sum stored (`chunks_apart`); `block_m`: rows of x per CTA
+    (`nibble_block_m`)."""
     fmt = FORMATS[mode]
     q = block_k // 4
 
@@ -105,8 +106,7 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in
     word, word_name = (gl.int32, "i32") if fmt == tlin.INT8.value else (gl.int16, "i16")
     words = desc(word_name, [gll.BLOCK_N, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_N, q], word))
     row_n = desc("fp32", [1, gll.BLOCK_N], gll.ROW_LAYOUT)
-    sig = {"x_desc": desc("bf16", [gll.BLOCK_M, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_M, q],
-                                                                                          gl.bfloat16)),
+    sig = {"x_desc": desc("bf16", [block_m, q], gl.NVMMASharedLayout.get_default_for([block_m, q], gl.bfloat16)),
            "w_desc": words, "w2_desc": words, "scale_desc": row_n, "lo_desc": row_n,
            "scale_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*fp32" if partial else "*bf16"}
     if fmt == tlin.INT8.value:  # the words' descriptor stands in for the ones it does not read
@@ -119,7 +119,8 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in
         consts["scale_ptr"] = None
     consts |= dict(FMT=fmt, GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program and not partial,
                    PARTIAL=partial, NARROWS=True,
-                   BLOCK_M=gll.BLOCK_M, BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k, STAGES=gll.nibble_stages(fmt, block_k))
+                   BLOCK_M=block_m, BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k,
+                   STAGES=gll.nibble_stages(fmt, block_k, block_m))
     sig.update(dict.fromkeys(consts, "constexpr"))
     names = gll._nibble_ws_kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("bias_ptr", "res_ptr", "y_ptr")}
@@ -316,6 +317,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                    for mode in ("w4a16", "upper", "full", "w8a16")]
         kernels += [(f"{mode} chunks apart", gll.nibble_stages(FORMATS[mode], 128),
                      compile_warp_specialized(mode, partial=True)) for mode in ("full", "w8a16")]
+        kernels += [(f"{mode} 64 rows", gll.nibble_stages(FORMATS[mode], 128, 64),
+                     compile_warp_specialized(mode, block_m=64)) for mode in ("w4a16", "full", "w8a16")]
         kernels += [(f"bf16 split {split}", "-", compile_dense_warp_specialized(64, split)) for split in (1, 4)]
         kernels.append(("bf16 split 4, 64 columns", "-", compile_dense_warp_specialized(64, 4, block_n=64)))
         kernels += [(f"w8a8{' piece of K' if partial else ''}", gll.int8_stages(gll.INT8_BLOCK_K),

@@ -303,24 +303,24 @@ def ring_stages(slot: int, most: int = 6) -> int:
     return min(most, (SHARED_MEMORY - 8192) // slot)
 
 
-def nibble_stages(fmt: int, block_k: int) -> int:
+def nibble_stages(fmt: int, block_k: int, block_m: int = BLOCK_M) -> int:
     """The nibble kernel's ring: x quarters, the planes' words and the affine per slot (INT8 codes: x quarters and
     the words alone); at most 4."""
     if fmt == INT8.value:
-        slot = BLOCK_M * block_k * 2 + BLOCK_N * block_k
+        slot = block_m * block_k * 2 + BLOCK_N * block_k
     else:
         planes = 2 if fmt == FULL.value else 1
-        slot = BLOCK_M * block_k * 2 + planes * BLOCK_N * block_k // 2 + 2 * BLOCK_N * 4
+        slot = block_m * block_k * 2 + planes * BLOCK_N * block_k // 2 + 2 * BLOCK_N * 4
     return ring_stages(slot, most=4)
 
 
 def descriptors(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, scale: torch.Tensor,
-                lo: torch.Tensor | None, block_k: int) -> tuple:
+                lo: torch.Tensor | None, block_k: int, block_m: int = BLOCK_M) -> tuple:
     """TMA descriptors of the quartered x (boxes of one quarter tile), of the planes as 16-bit words and of the
     group scales and offsets ([N, groups] stored group-major: boxes of BLOCK_N rows of one group). INT8 codes (no
     lo): x's and the 32-bit words' alone, the words' standing in for the rest (the kernel does not read them)."""
     q = block_k // 4
-    x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, q], gl.NVMMASharedLayout.get_default_for([BLOCK_M, q],
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, q], gl.NVMMASharedLayout.get_default_for([block_m, q],
                                                                                                gl.bfloat16))
     if lo is None:
         words = w.view(torch.int32)
@@ -360,11 +360,12 @@ def nibble_gemm(x2: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, 
     added in order (as the split's partial sums are)."""
     m, k = x2.shape
     w, w2, scale, lo = tensors
-    descs = descriptors(quartered(x2, block_k), w, w2, scale, lo, block_k)
+    block_m = nibble_block_m(m, n, k, block_k, split_k, x2.device)
+    descs = descriptors(quartered(x2, block_k), w, w2, scale, lo, block_k, block_m)
     channel = scale if fmt == INT8.value else None
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    flags = dict(FMT=fmt, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=BLOCK_M,
-                 BLOCK_N=BLOCK_N, BLOCK_K=block_k, STAGES=nibble_stages(fmt, block_k), num_warps=4,
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
+    flags = dict(FMT=fmt, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=block_m,
+                 BLOCK_N=BLOCK_N, BLOCK_K=block_k, STAGES=nibble_stages(fmt, block_k, block_m), num_warps=4,
                  maxnreg=MAX_REGISTERS)
     if chunks_apart(grid, split_k, x2.device):
         live = triton.cdiv(k, chunk)  # the split's chunks that hold columns (the decode split may run past K)
@@ -377,6 +378,23 @@ def nibble_gemm(x2: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, 
                             0 if r2 is None else r2.stride(0), IN_PROGRAM=split_k > 1, PARTIAL=False,
                             NARROWS=narrows(grid, x2.device), **flags)
     return y
+
+
+def nibble_block_m(m: int, n: int, k: int, block_k: int, split_k: int, device: torch.device) -> int:
+    """Rows of x per CTA of the nibble kernel: BLOCK_M, or half that where BLOCK_M-row tiles would send the split's
+    chunks to CTAs of their own (`chunks_apart`: few tiles) while half-height ones fill more than half the SMs and
+    no more than one wave, and K is at most HALF_HEIGHT_K_TILES K tiles: each CTA then walks all of K and no
+    chunk's fp32 sums go through memory. The wgmma's width leaves each output's adds as they are. H200, 8B layers
+    (docs/bench-h200/s22-ab-gemm-64-rows.json): o (32 K tiles) at 160 / 256 rows 0.72 / 0.63x the time of its
+    chunks apart in w4a16, 0.84 / 0.74x in `full`, 0.77 / 0.67x in w8a16; down (112) 1.00x, 1.17-1.20x, 1.09x."""
+    halves = triton.cdiv(m, BLOCK_M // 2) * triton.cdiv(n, BLOCK_N)
+    fill_one_wave = _sm_count(device) < 2 * halves <= 2 * _sm_count(device)
+    few = chunks_apart((triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)), split_k, device)
+    short = triton.cdiv(k, block_k) <= HALF_HEIGHT_K_TILES
+    return BLOCK_M // 2 if few and fill_one_wave and short else BLOCK_M
+
+
+HALF_HEIGHT_K_TILES = 32  # nibble_block_m: the most K tiles a half-height CTA walks
 
 
 def narrows(grid: tuple[int, int], device: torch.device) -> bool:

@@ -513,13 +513,15 @@ def test_model_handovers_keep_the_logits(monkeypatch, storage, mode_name):
 
 @pytest.mark.parametrize("storage,mode_name", [("planes", "full"), ("planes", "upper"), ("int4", "w4a16"),
                                                ("int8", "w8a16")])
-@pytest.mark.parametrize("m", [130, 160, 192, 256])  # last M tile: 32-wide wgmma (2, 32 rows), 64-wide, whole
-@pytest.mark.parametrize("n,k,group", [(4096, 14336, 128), (576, 576, 64)])  # 8B down; SmolLM2 o: 9 of 16 chunks
-def test_nibble_chunks_apart_keep_each_rows_bits(storage, mode_name, m, n, k, group):
-    """Where a nibble GEMM's tiles fill half the SMs or fewer (down at up to 256 rows), its K chunks run in CTAs of
-    their own and their sums are added in order afterwards (the split's chunks past K as zeros): each row gets the
-    decode tiles' bits, bias and residual included. INT8 codes take the same kernel (as words, no sums) where K is
-    whole K tiles (SmolLM2's 576 is not: its Triton tiles)."""
+@pytest.mark.parametrize("m", [130, 160, 192, 256])  # the last M tile: 2, 32, 64 rows or whole
+# 8B o and down; SmolLM2's o: 9 of 16 chunks
+@pytest.mark.parametrize("n,k,group", [(4096, 4096, 128), (4096, 14336, 128), (576, 576, 64)])
+def test_nibble_gemms_of_few_tiles_keep_each_rows_bits(storage, mode_name, m, n, k, group):
+    """Where a nibble GEMM's 128-row tiles fill half the SMs or fewer, 64-row tiles take it where they fill up to a
+    wave and K is short (o at up to 256 rows); else (down, SmolLM2's o) its K chunks run in CTAs of their own and
+    their sums are added in order afterwards (the split's chunks past K as zeros): each row gets the decode tiles'
+    bits, bias and residual included. INT8 codes take the same kernel (as words, no sums) where K is whole K tiles
+    (SmolLM2's 576 is not: its Triton tiles)."""
     from selfspec.kernels import gluon_linear
 
     torch.manual_seed(6)
@@ -528,6 +530,8 @@ def test_nibble_chunks_apart_keep_each_rows_bits(storage, mode_name, m, n, k, gr
     fmt = triton_linear.kernel_format(weight, mode)
     cfg = triton_linear.tile_config(fmt, False, n, k, group, m)
     assert cfg.warp_specialized and gluon_linear.chunks_apart(((m + 127) // 128, (n + 127) // 128), cfg.split_k, DEV)
+    half_height = (n, k) == (4096, 4096)
+    assert gluon_linear.nibble_block_m(m, n, k, cfg.block_k, cfg.split_k, DEV) == (64 if half_height else 128)
     x, given = triton_small.rms_norm_handover(torch.randn(m, k, device=DEV).bfloat16(),
                                               torch.ones(k, device=DEV).bfloat16(), 1e-6)
     bias, r = torch.randn(n, device=DEV).bfloat16(), torch.randn(m, n, device=DEV).bfloat16()
