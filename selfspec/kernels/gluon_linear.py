@@ -185,10 +185,6 @@ def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, WIDTH, 16])
     weights_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    offs_n = n0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, acc_layout))
-    offs_m = m0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, acc_layout))
-    n_mask = offs_n < N
-    m_mask = offs_m < M
     total = gl.zeros((rows, WIDTH), gl.float32, acc_layout)  # the chunks' sum (IN_PROGRAM)
     tiles = gl.cdiv(k_end - k_begin, BLOCK_K)
     mbarrier.wait(ready.index(0), 0)
@@ -216,7 +212,10 @@ def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
             total = total + acc
     if not IN_PROGRAM:
         total = acc
-    y_mask = n_mask[:, None] & m_mask[None, :]
+    offs_n = n0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, acc_layout))
+    offs_m = m0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, acc_layout))
+    n_mask = offs_n < N
+    y_mask = n_mask[:, None] & (offs_m < M)[None, :]
     if PARTIAL:  # this chunk's sum, for sum_chunks to add in order
         gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], total, mask=y_mask)
     else:
@@ -237,9 +236,7 @@ def _nibble_ws_kernel(x_desc, w_desc, w2_desc, scale_desc, lo_desc, scale_ptr, b
                       FMT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                       IN_PROGRAM: gl.constexpr, PARTIAL: gl.constexpr, NARROWS: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    # M tiles vary fastest, so the programs sharing one N tile of W run together and hit it in L2.
-    m0 = gl.program_id(0) * BLOCK_M
-    n0 = gl.program_id(1) * BLOCK_N
+    m0, n0 = _grouped_tile(gl.program_id(0), M, N, BLOCK_M, BLOCK_N)
     k_begin = gl.program_id(2) * CHUNKS * K_CHUNK  # with PARTIAL, chunk program_id(2); else all of K
     k_end = gl.minimum(K, k_begin + CHUNKS * K_CHUNK)
     if PARTIAL:
@@ -363,18 +360,18 @@ def nibble_gemm(x2: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, 
     block_m = nibble_block_m(m, n, k, block_k, split_k, x2.device)
     descs = descriptors(quartered(x2, block_k), w, w2, scale, lo, block_k, block_m)
     channel = scale if fmt == INT8.value else None
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))  # the tiles; launched as one dimension of them
     flags = dict(FMT=fmt, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=block_m,
                  BLOCK_N=BLOCK_N, BLOCK_K=block_k, STAGES=nibble_stages(fmt, block_k, block_m), num_warps=4,
                  maxnreg=MAX_REGISTERS)
     if chunks_apart(grid, split_k, x2.device):
         live = triton.cdiv(k, chunk)  # the split's chunks that hold columns (the decode split may run past K)
         part = torch.empty((live, m, n), dtype=torch.float32, device=x2.device)
-        _nibble_ws_kernel[(*grid, live)](*descs, None, None, None, part, m, n, k, chunk, 1, n, 0, IN_PROGRAM=False,
+        _nibble_ws_kernel[(grid[0] * grid[1], 1, live)](*descs, None, None, None, part, m, n, k, chunk, 1, n, 0, IN_PROGRAM=False,
                                          PARTIAL=True, NARROWS=True, **{**flags, "HAS_BIAS": False, "HAS_RES": False})
         return sum_chunks(part, split_k, bias, r2, channel=channel)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
-    _nibble_ws_kernel[grid](*descs, channel, bias, r2, y, m, n, k, chunk, split_k, y.stride(0),
+    _nibble_ws_kernel[(grid[0] * grid[1],)](*descs, channel, bias, r2, y, m, n, k, chunk, split_k, y.stride(0),
                             0 if r2 is None else r2.stride(0), IN_PROGRAM=split_k > 1, PARTIAL=False,
                             NARROWS=narrows(grid, x2.device), **flags)
     return y
@@ -427,15 +424,30 @@ def _sm_count(device: torch.device) -> int:
 # ---------------------------------------------------------------- bf16 weights (and prompt tokens' dequantized ones)
 
 
+TILE_GROUP = gl.constexpr(8)  # M tiles a run of CTAs walks before it moves to the next N tile (_grouped_tile)
+
+
+@gluon.jit
+def _grouped_tile(r, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(m0, n0) of output tile r: M tiles in groups of TILE_GROUP, M fastest within a group, the group's N tiles
+    one after the other, so that the CTAs sharing one N tile of W run together and hit it in L2, and a wave of them
+    reads a few M tiles of x, not all of it (up to TILE_GROUP M tiles: M fastest, plainly)."""
+    m_tiles = gl.cdiv(M, BLOCK_M)
+    per_group = TILE_GROUP * gl.cdiv(N, BLOCK_N)
+    first = r // per_group * TILE_GROUP
+    rows = gl.minimum(m_tiles - first, TILE_GROUP)
+    within = r % per_group
+    return (first + within % rows) * BLOCK_M, within // rows * BLOCK_N
+
+
 @gluon.jit
 def _tile_of(t, M, N, K, K_PIECE, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Tile t of a persistent GEMM: (m0, n0, its piece of K, that piece's columns k_begin .. k_end). M tiles vary
-    fastest, so the CTAs sharing one N tile of W run together and hit it in L2; pieces of K slowest."""
-    m_tiles = gl.cdiv(M, BLOCK_M)
-    mn_tiles = m_tiles * gl.cdiv(N, BLOCK_N)
+    """Tile t of a persistent GEMM: (m0, n0, its piece of K, that piece's columns k_begin .. k_end); the M x N tiles
+    in _grouped_tile's order, pieces of K slowest."""
+    mn_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     piece = t // mn_tiles
     k_begin = piece * K_PIECE
-    m0, n0 = (t % m_tiles) * BLOCK_M, (t % mn_tiles) // m_tiles * BLOCK_N
+    m0, n0 = _grouped_tile(t % mn_tiles, M, N, BLOCK_M, BLOCK_N)
     return m0, n0, piece, k_begin, gl.minimum(K, k_begin + K_PIECE)
 
 
