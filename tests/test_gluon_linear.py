@@ -68,6 +68,23 @@ def test_the_int8_gemm_splits_k_under_half_a_wave_and_persists_past_512_rows(mon
     assert gluon_linear.int8_ctas(4 * 32, 512, cpu) == 128  # fewer tiles than SMs
 
 
+def test_nibble_gemms_of_few_tiles_take_64_row_ctas_where_k_is_short(monkeypatch):
+    """Where 128-row tiles would fill half the SMs or fewer, 64-row CTAs that fill more than half of them within one
+    wave walk all of K (up to 32 K tiles), instead of the split's chunks in CTAs of their own."""
+    from selfspec.kernels import gluon_linear
+
+    monkeypatch.setattr(gluon_linear, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    for m in (130, 160, 256):  # an 8B model's o (K 4096): 96-128 CTAs of 64 rows
+        assert gluon_linear.nibble_block_m(m, 4096, 4096, 128, 8, cpu) == 64
+    assert gluon_linear.nibble_block_m(288, 4096, 4096, 128, 8, cpu) == 128  # 64-row CTAs: 160, past one wave
+    assert gluon_linear.nibble_block_m(256, 4096, 14336, 128, 8, cpu) == 128  # down: 112 K tiles
+    assert gluon_linear.nibble_block_m(256, 6144, 4096, 128, 8, cpu) == 128  # qkv: 96 CTAs of 128 rows
+    assert gluon_linear.nibble_block_m(256, 4096, 4096, 128, 1, cpu) == 128  # K whole: no chunks to keep apart
+    assert gluon_linear.nibble_block_m(256, 576, 576, 64, 16, cpu) == 128  # SmolLM2's o: 20 CTAs of 64 rows
+    assert gluon_linear.nibble_block_m(1024, 576, 576, 64, 16, cpu) == 64  # 80 of them
+
+
 def test_the_int8_gemm_takes_short_k_tiles_where_each_sm_has_few_tiles(monkeypatch):
     """K tiles of 128 (twice the ring slots) up to 4 tiles a SM, of 256 beyond (the sums are exact either way)."""
     from selfspec.kernels import gluon_linear

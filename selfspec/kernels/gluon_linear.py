@@ -367,8 +367,9 @@ def nibble_gemm(x2: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, 
     if chunks_apart(grid, split_k, x2.device):
         live = triton.cdiv(k, chunk)  # the split's chunks that hold columns (the decode split may run past K)
         part = torch.empty((live, m, n), dtype=torch.float32, device=x2.device)
-        _nibble_ws_kernel[(grid[0] * grid[1], 1, live)](*descs, None, None, None, part, m, n, k, chunk, 1, n, 0, IN_PROGRAM=False,
-                                         PARTIAL=True, NARROWS=True, **{**flags, "HAS_BIAS": False, "HAS_RES": False})
+        _nibble_ws_kernel[(grid[0] * grid[1], 1, live)](*descs, None, None, None, part, m, n, k, chunk, 1, n, 0,
+                                                        IN_PROGRAM=False, PARTIAL=True, NARROWS=True,
+                                                        **{**flags, "HAS_BIAS": False, "HAS_RES": False})
         return sum_chunks(part, split_k, bias, r2, channel=channel)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     _nibble_ws_kernel[(grid[0] * grid[1],)](*descs, channel, bias, r2, y, m, n, k, chunk, split_k, y.stride(0),
