@@ -6,7 +6,8 @@ _linear_kernel's word tiles; the bf16 one (bf16 weights, and prompt tokens' dequ
 and the int8 one (w8a8: int8 codes on both sides, their products summed exactly in int32 over K; persistent CTAs
 past 512 rows) are plain GEMMs in _linear_kernel's arithmetic (at the end of the module).
 
-For one [BLOCK_N = 128, BLOCK_M = 128] tile of y^T = W x^T:
+For one [BLOCK_N = 128, BLOCK_M = 128] tile of y^T = W x^T (64 rows of x where the tiles are few: nibble_block_m;
+the tiles walked in groups of M tiles: _grouped_tile):
 - the loader warp copies each K tile's x (as four quarter tiles, below), the planes' 16-bit words and the tile's
   group scale and offset into a ring of shared memory;
 - each consumer warpgroup takes 64 weight rows: it builds their bf16 weights from the words in registers (the
@@ -230,6 +231,22 @@ def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
         gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], y, mask=y_mask)
 
 
+TILE_GROUP = gl.constexpr(8)  # M tiles a run of CTAs walks before it moves to the next N tile (_grouped_tile)
+
+
+@gluon.jit
+def _grouped_tile(r, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(m0, n0) of output tile r: M tiles in groups of TILE_GROUP, M fastest within a group, the group's N tiles
+    one after the other, so that the CTAs sharing one N tile of W run together and hit it in L2, and a wave of them
+    reads a few M tiles of x, not all of it (up to TILE_GROUP M tiles: M fastest, plainly)."""
+    m_tiles = gl.cdiv(M, BLOCK_M)
+    per_group = TILE_GROUP * gl.cdiv(N, BLOCK_N)
+    first = r // per_group * TILE_GROUP
+    rows = gl.minimum(m_tiles - first, TILE_GROUP)
+    within = r % per_group
+    return (first + within % rows) * BLOCK_M, within // rows * BLOCK_N
+
+
 @gluon.jit(do_not_specialize=["M"])  # one binary for every M
 def _nibble_ws_kernel(x_desc, w_desc, w2_desc, scale_desc, lo_desc, scale_ptr, bias_ptr, res_ptr, y_ptr,
                       M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
@@ -373,8 +390,8 @@ def nibble_gemm(x2: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, 
         return sum_chunks(part, split_k, bias, r2, channel=channel)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     _nibble_ws_kernel[(grid[0] * grid[1],)](*descs, channel, bias, r2, y, m, n, k, chunk, split_k, y.stride(0),
-                            0 if r2 is None else r2.stride(0), IN_PROGRAM=split_k > 1, PARTIAL=False,
-                            NARROWS=narrows(grid, x2.device), **flags)
+                                            0 if r2 is None else r2.stride(0), IN_PROGRAM=split_k > 1, PARTIAL=False,
+                                            NARROWS=narrows(grid, x2.device), **flags)
     return y
 
 
@@ -423,22 +440,6 @@ def _sm_count(device: torch.device) -> int:
 
 
 # ---------------------------------------------------------------- bf16 weights (and prompt tokens' dequantized ones)
-
-
-TILE_GROUP = gl.constexpr(8)  # M tiles a run of CTAs walks before it moves to the next N tile (_grouped_tile)
-
-
-@gluon.jit
-def _grouped_tile(r, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(m0, n0) of output tile r: M tiles in groups of TILE_GROUP, M fastest within a group, the group's N tiles
-    one after the other, so that the CTAs sharing one N tile of W run together and hit it in L2, and a wave of them
-    reads a few M tiles of x, not all of it (up to TILE_GROUP M tiles: M fastest, plainly)."""
-    m_tiles = gl.cdiv(M, BLOCK_M)
-    per_group = TILE_GROUP * gl.cdiv(N, BLOCK_N)
-    first = r // per_group * TILE_GROUP
-    rows = gl.minimum(m_tiles - first, TILE_GROUP)
-    within = r % per_group
-    return (first + within % rows) * BLOCK_M, within // rows * BLOCK_N
 
 
 @gluon.jit
