@@ -94,9 +94,9 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
 def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in_program: bool = True,
                              partial: bool = False, block_m: int = gll.BLOCK_M) -> triton.compiler.CompiledKernel:
     """The warp-specialized nibble GEMM (kernels/gluon_linear.py) for `mode` (w4a16, upper, full, or w8a16: INT8
-    codes as 32-bit words), compiled for sm_90 (no launch, no GPU), as `nibble_gemm` launches it (16-byte aligned
-    tensors); `partial`: one K chunk per CTA, its fp32 sum stored (`chunks_apart`); `block_m`: rows of x per CTA
-    (`nibble_block_m`)."""
+    codes as 32-bit words), compiled for sm_90 (no launch, no GPU), as `nibble_gemm` launches it on an 8B layer
+    (16-byte aligned tensors; N, K and the strides multiples of 16, which Triton specializes on); `partial`: one K
+    chunk per CTA, its fp32 sum stored (`chunks_apart`); `block_m`: rows of x per CTA (`nibble_block_m`)."""
     fmt = FORMATS[mode]
     q = block_k // 4
 
@@ -123,7 +123,8 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in
                    STAGES=gll.nibble_stages(fmt, block_k, block_m))
     sig.update(dict.fromkeys(consts, "constexpr"))
     names = gll._nibble_ws_kernel.arg_names
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("bias_ptr", "res_ptr", "y_ptr")}
+    aligned = ("bias_ptr", "res_ptr", "y_ptr", "N", "K", "stride_ym", "stride_rm")  # as launched on an 8B layer
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     return triton.compile(GluonASTSource(gll._nibble_ws_kernel, sig, consts, attrs), target=H100,
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
 
