@@ -10,12 +10,13 @@ import sys
 
 import torch
 
+from selfspec.bench.gemm import PAIRS
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import linear
 from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES
 
-STORAGE = {"w4a16": "int4", "upper": "planes", "full": "planes", "w8a16": "int8"}
+STORAGE = {mode: storage for storage, mode in PAIRS}  # each mode from the storage the GEMM bench times
 
 m, names = int(sys.argv[1]), sys.argv[2].split(",")
 mode = sys.argv[3] if len(sys.argv) > 3 else "w4a16"
