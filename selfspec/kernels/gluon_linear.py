@@ -146,7 +146,7 @@ def _row(buf, start, length: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
+def _consumer(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, turns, scale_ptr,
               bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm,
               FMT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
               PARTIAL: gl.constexpr, NARROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
@@ -156,25 +156,25 @@ def _consumer(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
     same at any width (tests/gpu compares the bits)."""
     live = M - m0
     if not NARROWS:
-        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr, bias_ptr,
+        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, turns, scale_ptr, bias_ptr,
                  res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
                  HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)
     elif live <= NARROW:
-        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr, bias_ptr,
+        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, turns, scale_ptr, bias_ptr,
                  res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
                  HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROW, BLOCK_K)
     elif live <= 2 * NARROW:
-        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr, bias_ptr,
+        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, turns, scale_ptr, bias_ptr,
                  res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
                  HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, 2 * NARROW, BLOCK_K)
     else:
-        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr, bias_ptr,
+        _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, turns, scale_ptr, bias_ptr,
                  res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, FMT,
                  HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, BLOCK_M, BLOCK_K)
 
 
 @gluon.jit
-def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
+def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, turns, scale_ptr,
              bias_ptr, res_ptr, y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm,
              FMT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
              PARTIAL: gl.constexpr, WIDTH: gl.constexpr, BLOCK_K: gl.constexpr):
@@ -188,6 +188,7 @@ def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
     weights_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     total = gl.zeros((rows, WIDTH), gl.float32, acc_layout)  # the chunks' sum (IN_PROGRAM)
     tiles = gl.cdiv(k_end - k_begin, BLOCK_K)
+    me = row0 // WARPGROUP_ROWS  # which of the two consumer warpgroups (its turn barrier)
     mbarrier.wait(ready.index(0), 0)
     weights = _tile_weights(w_bufs, w2_bufs, affine_bufs, 0, row0, weights_layout, FMT)
     i = 0
@@ -196,9 +197,13 @@ def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
         acc = gl.zeros((rows, WIDTH), gl.float32, acc_layout)
         for k0 in range(k_begin + c * K_CHUNK, gl.minimum(k_end, k_begin + (c + 1) * K_CHUNK), BLOCK_K):
             slot = i % stages
+            # The two warpgroups issue their K tiles' wgmma in turn, so that one's group runs while the other waits
+            # for its own and turns round (not both groups interleaved, both then idle at once).
+            mbarrier.wait(turns.index(me), (i & 1) ^ (1 - me))
             for t in gl.static_range(4):  # one product per chunk, as the decode tiles' dots
                 acc = warpgroup_mma(weights[t], x_bufs.index(4 * slot + t).slice(0, WIDTH).permute((1, 0)), acc,
                                     is_async=True)
+            mbarrier.arrive(turns.index(1 - me))
             # While the tensor cores work: the next tile's weights.
             if i + 1 < tiles:
                 mbarrier.wait(ready.index((i + 1) % stages), ((i + 1) // stages) & 1)
@@ -224,7 +229,13 @@ def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
             total = total * gl.load(scale_ptr + offs_n, mask=n_mask, other=0)[:, None]
         if HAS_BIAS:
             total += gl.load(bias_ptr + offs_n, mask=n_mask, other=0).to(gl.float32)[:, None]
-        y = total.to(gl.bfloat16)
+        # y's rows are the accumulator's columns: 8 weights a thread, in a row of y, through shared memory, so that
+        # its stores are 16 bytes wide (the accumulator's own: 2 bytes, 8 lanes apart).
+        store_layout: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+        y = gl.convert_layout(total.to(gl.bfloat16), store_layout)
+        offs_n = n0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, store_layout))
+        offs_m = m0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, store_layout))
+        y_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
         if HAS_RES:
             r = gl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=y_mask, other=0)
             y = (y.to(gl.float32) + r.to(gl.float32)).to(gl.bfloat16)
@@ -271,12 +282,15 @@ def _nibble_ws_kernel(x_desc, w_desc, w2_desc, scale_desc, lo_desc, scale_ptr, b
     else:
         w2_bufs = w_bufs
     ready, free = _ring_barriers(STAGES)
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # _consume's wgmma turns
+    for r in gl.static_range(2):
+        mbarrier.init(turns.index(r), count=1)
     # The partitions' arguments are written out here: a tuple kept in a variable loses its constexprs.
     gl.warp_specialize([
-        (_consumer, (x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
+        (_consumer, (x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, turns, scale_ptr,
                      bias_ptr, res_ptr, y_ptr, 0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym,
                      stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROWS, BLOCK_M, BLOCK_K)),
-        (_consumer, (x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, scale_ptr,
+        (_consumer, (x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, turns, scale_ptr,
                      bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS,
                      stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROWS, BLOCK_M,
                      BLOCK_K)),
