@@ -872,6 +872,32 @@ def test_prompt_tokens_run_the_bf16_gemm_on_the_dequantized_weight(storage, mode
         assert torch.equal(y[i], triton_linear.linear(x[i:i + 1], weight, prompt, None, r[i:i + 1])[0])
 
 
+@pytest.mark.parametrize("storage,mode_name", [("int4", "w4a16"), ("planes", "upper"), ("planes", "full")])
+def test_generated_tokens_past_scratch_rows_multiply_by_the_quartered_scratch(storage, mode_name, monkeypatch):
+    """Past a nibble format's SCRATCH_ROWS a decode or verify pass takes the reference's bf16 weight from the
+    dequantize scratch, each K tile's columns quartered as x's are, through the bf16 GEMM in the decode config's K
+    tile and chunks. The scratch holds the weight column for column; the product agrees with the nibble kernel's
+    and with the oracle (the GPU tests compare its bits: the interpreter's dots sum in their own order), and a row's
+    result does not depend on the other rows."""
+    torch.manual_seed(14)
+    mode = MODES[mode_name]
+    weight = quantize_weight(torch.randn(40, 256), storage, 64)
+    fmt = triton_linear.kernel_format(weight, mode)
+    plain = triton_linear.dequantize(weight, fmt).clone()  # one scratch: the next call overwrites it
+    quartered = triton_linear.dequantize(weight, fmt, quartered=True)
+    for tile in range(4):  # K tiles of 64 (the group): quarters of 16 columns
+        for t in range(4):
+            for j in (0, 5, 15):
+                assert torch.equal(quartered[:, tile * 64 + t * 16 + j], plain[:, tile * 64 + 4 * j + t])
+    x = torch.randn(24, 256).bfloat16()
+    r = torch.randn(24, 40).bfloat16()
+    kernel = triton_linear.linear(x, weight, mode, None, r)
+    monkeypatch.setitem(triton_linear.SCRATCH_ROWS, fmt, 17)
+    y = triton_linear.linear(x, weight, mode, None, r)
+    assert rel_err(y, kernel) < TOL and rel_err(y, linear_oracle(x, weight, mode, None) + r) < TOL
+    assert torch.equal(y[:20], triton_linear.linear(x[:20], weight, mode, None, r[:20]))
+
+
 # --- attention over a quantized KV cache
 
 D = triton_quant_attention.MIN_DIM  # the smallest head the kernel takes (smaller ones run the reference)

@@ -855,6 +855,8 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
         return prompt_linear(x2, weight, fmt, bias, r2).view(*x.shape[:-1], n)
     group = getattr(weight, "group_size", 0)
     cfg = tile_config(fmt, act, n, k, group, x2.shape[0])
+    if takes_scratch(fmt, act, group, cfg, x2):
+        return scratch_linear(x2, weight, fmt, bias, r2, cfg).view(*x.shape[:-1], n)
     x2, xs, sums = kernel_inputs(x2, mode, fmt, group, cfg, handover)
     return _launch(x2, xs, weight, fmt, act, bias, cfg, r2, sums).view(*x.shape[:-1], n)
 
@@ -972,9 +974,10 @@ _SCRATCH: dict[torch.device, torch.Tensor] = {}  # per device: the largest weigh
 @triton.jit
 def _dequantize_kernel(w_desc, w2_desc, scale_ptr, lo_ptr, out_ptr, N, K, stride_sn, stride_sg,
                        FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr):
+                       QUARTERED: tl.constexpr, PDL: tl.constexpr):
     """One [BLOCK_N, BLOCK_K] tile of W in bf16: scale * code, + lo for the group-wise formats, in float32 (launched
-    without FMA contraction, so it rounds as quant/formats.affine_dequant_ does), then rounded once."""
+    without FMA contraction, so it rounds as quant/formats.affine_dequant_ does), then rounded once. QUARTERED: its
+    columns in the order the nibble kernels read x (column t * BLOCK_K / 4 + j of the tile holds its column 4j + t)."""
     wait(PDL)  # the previous GEMM may still read the scratch this overwrites
     n0 = tl.program_id(0) * BLOCK_N
     k0 = tl.program_id(1) * BLOCK_K
@@ -987,6 +990,8 @@ def _dequantize_kernel(w_desc, w2_desc, scale_ptr, lo_ptr, out_ptr, N, K, stride
         s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
         w = q * s[:, None] + lo[:, None]
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    if QUARTERED:  # reordered in registers, so that the stores stay contiguous
+        w = tl.reshape(tl.permute(tl.reshape(w, (BLOCK_N, BLOCK_K // 4, 4)), (0, 2, 1)), (BLOCK_N, BLOCK_K))
     tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w.to(tl.bfloat16), mask=mask)
 
 
@@ -996,10 +1001,11 @@ def dequantize_scratch(device: torch.device) -> torch.Tensor | None:
     return _SCRATCH.get(device)
 
 
-def dequantize(weight: QuantWeight, fmt: int) -> torch.Tensor:
+def dequantize(weight: QuantWeight, fmt: int, quartered: bool = False) -> torch.Tensor:
     """W [N, K] in bf16, bit for bit `weight.dequantize(mode).bfloat16()` for the mode `fmt` reads, in a scratch
     buffer the next call overwrites (one per device, as large as the largest weight: 235 MB for an 8B model's
-    fused gate/up)."""
+    fused gate/up); `quartered`: each K tile of the decode config's (a nibble format's group, at most 128) with
+    its columns in the nibble kernels' order (`gluon_linear.quartered`)."""
     (n, k), dev = weight.shape, weight.scale.device
     buf = _SCRATCH.get(dev)
     if buf is None or buf.numel() < n * k:
@@ -1013,7 +1019,7 @@ def dequantize(weight: QuantWeight, fmt: int) -> torch.Tensor:
     stride_sn, stride_sg = (0, 0) if lo is None else lo.stride()
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         *descs, scale, lo, out, n, k, stride_sn, stride_sg, FMT=fmt, GROUP=group, BLOCK_N=block_n,
-        BLOCK_K=block_k, enable_fp_fusion=False, **launch_options())
+        BLOCK_K=block_k, QUARTERED=quartered, enable_fp_fusion=False, **launch_options())
     return out
 
 
@@ -1023,6 +1029,39 @@ def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.T
     n, k = weight.shape
     cfg = tile_config(DENSE.value, False, n, k, 0, x2.shape[0])
     return _run(x2, None, (dequantize(weight, fmt), None, None, None), n, 0, DENSE.value, False, bias, cfg, r2)
+
+
+# ---------------------------------------------------------------- generated tokens at many rows
+# The nibble formats with bf16 activations multiply x by the bf16 weight the reference rounds (their kernels build
+# it in registers), one dot per quarter of each K tile (columns 4j + t), the split's chunks each from zero and added
+# in order. Past SCRATCH_ROWS rows a decode or verify pass takes that weight from the dequantize scratch instead, its
+# columns quartered as x's are, through the bf16 GEMM in the same K tile and chunks: the same products added in the
+# same order, one dequantization a weight instead of one per M tile of CTAs. Worth it where the build costs most:
+# `full` from 1,024 rows (H200, 8B layers, against the warp-specialized nibble kernel: gate/up and down 0.86-0.89x
+# the time at 1,024 rows, 0.79-0.81x at 4,096, o 1.01x / 0.80x); w4a16 took 1.17-1.24x at 1,024 and 1.02-1.06x at
+# 4,096, so the INT4 nibbles (and `upper`, as cheap to build) keep their kernel (docs/gpu.md, session 23).
+SCRATCH_ROWS = {FULL.value: 1024}
+
+
+def takes_scratch(fmt: int, act: bool, group: int, cfg: TileConfig, x2: torch.Tensor) -> bool:
+    """Whether a GEMM of generated tokens goes through the quartered scratch (`scratch_linear`): a nibble format
+    with bf16 activations past its SCRATCH_ROWS, its K whole K tiles (x is quartered by whole tiles)."""
+    m, k = x2.shape
+    return (not act and uses_nibble_kernel(fmt, act, group) and m >= SCRATCH_ROWS.get(fmt, 1 << 62)
+            and k % cfg.block_k == 0)
+
+
+def scratch_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.Tensor | None,
+                   r2: torch.Tensor | None, cfg: TileConfig) -> torch.Tensor:
+    """y [M, N] (+ r2) of generated tokens: the weight dequantized, columns quartered, times quartered x in the bf16
+    GEMM's tiles for M rows, with cfg's (the nibble decode config's) K tile and split."""
+    (n, k), m = weight.shape, x2.shape[0]
+    dense = replace(decode_config(DENSE.value, False, n, k, 0), block_k=cfg.block_k, split_k=cfg.split_k)
+    dense = many_tokens(dense, DENSE.value, False, 0, m, n, k)
+    dense = replace(dense, warp_specialized=True)  # Gluon's: the chunks' total in registers (Triton's tiles spill)
+    w = dequantize(weight, fmt, quartered=True)
+    return _run(gluon_linear.quartered(x2, cfg.block_k), None, (w, None, None, None), n, 0, DENSE.value, False, bias,
+                dense, r2)
 
 
 for _storage in STORAGES:
