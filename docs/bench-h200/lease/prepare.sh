@@ -1,6 +1,7 @@
 # Run here, from the repository root, in a checkout that lacks the git-ignored files a lease carries:
 # .whl (the wheels the lent machine lacks: gguf, the GSM8K data), .ab/head (HEAD's selfspec) and the trees the
-# next lease's list in docs/leads/README.md names (.ab/no-scratch: HEAD without the scratch for generated rows).
+# next lease's list in docs/leads/README.md names (.ab/no-scratch: HEAD without the scratch for generated rows;
+# .ab/tp-graphs: HEAD and its tests with docs/leads/tp-graphs.patch).
 set -eu
 mkdir -p .whl .ab
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
@@ -9,4 +10,6 @@ for t in head no-scratch; do rm -rf ".ab/$t" && mkdir -p ".ab/$t" && git archive
 f=.ab/no-scratch/selfspec/kernels/triton_linear.py
 sed -i 's/^SCRATCH_ROWS = {.*}$/SCRATCH_ROWS: dict[int, int] = {}/' $f
 grep -q '^SCRATCH_ROWS: dict\[int, int\] = {}$' $f || { echo "no SCRATCH_ROWS line in $f: update prepare.sh"; exit 1; }
+rm -rf .ab/tp-graphs && mkdir -p .ab/tp-graphs && git archive HEAD selfspec tests docs/parallel.md | tar -x -C .ab/tp-graphs
+(cd .ab/tp-graphs && patch -s -p1 < ../../docs/leads/tp-graphs.patch)
 du -sh .whl .ab/*
