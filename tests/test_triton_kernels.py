@@ -893,9 +893,13 @@ def test_generated_tokens_past_scratch_rows_multiply_by_the_quartered_scratch(st
     r = torch.randn(24, 40).bfloat16()
     kernel = triton_linear.linear(x, weight, mode, None, r)
     monkeypatch.setitem(triton_linear.SCRATCH_ROWS, fmt, 17)
+    calls = []
+    scratch_linear = triton_linear.scratch_linear
+    monkeypatch.setattr(triton_linear, "scratch_linear", lambda *a: calls.append(a[0].shape[0]) or scratch_linear(*a))
     y = triton_linear.linear(x, weight, mode, None, r)
+    assert calls == [24]  # 24 rows past 17: the scratch; the 20-row run below too
     assert rel_err(y, kernel) < TOL and rel_err(y, linear_oracle(x, weight, mode, None) + r) < TOL
-    assert torch.equal(y[:20], triton_linear.linear(x[:20], weight, mode, None, r[:20]))
+    assert torch.equal(y[:20], triton_linear.linear(x[:20], weight, mode, None, r[:20])) and calls == [24, 20]
 
 
 # --- attention over a quantized KV cache

@@ -1045,10 +1045,11 @@ SCRATCH_ROWS = {FULL.value: 1024}
 
 def takes_scratch(fmt: int, act: bool, group: int, cfg: TileConfig, x2: torch.Tensor) -> bool:
     """Whether a GEMM of generated tokens goes through the quartered scratch (`scratch_linear`): a nibble format
-    with bf16 activations past its SCRATCH_ROWS, its K whole K tiles (x is quartered by whole tiles)."""
+    with bf16 activations past its SCRATCH_ROWS, its K whole K tiles (x is quartered by whole tiles) of the size
+    `dequantize` quarters the scratch by (the group, at most 128: every decode config of the shapes we know)."""
     m, k = x2.shape
     return (not act and uses_nibble_kernel(fmt, act, group) and m >= SCRATCH_ROWS.get(fmt, 1 << 62)
-            and k % cfg.block_k == 0)
+            and k % cfg.block_k == 0 and cfg.block_k == min(group, 128))
 
 
 def scratch_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.Tensor | None,
