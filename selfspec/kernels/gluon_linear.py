@@ -221,9 +221,9 @@ def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, turns, scale_ptr
     offs_n = n0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, acc_layout))
     offs_m = m0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, acc_layout))
     n_mask = offs_n < N
-    y_mask = n_mask[:, None] & (offs_m < M)[None, :]
     if PARTIAL:  # this chunk's sum, for sum_chunks to add in order
-        gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], total, mask=y_mask)
+        gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], total,
+                 mask=n_mask[:, None] & (offs_m < M)[None, :])
     else:
         if FMT == INT8:  # the channel scale, after the sum (triton_linear._epilogue)
             total = total * gl.load(scale_ptr + offs_n, mask=n_mask, other=0)[:, None]

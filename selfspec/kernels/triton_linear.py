@@ -1001,11 +1001,17 @@ def dequantize_scratch(device: torch.device) -> torch.Tensor | None:
     return _SCRATCH.get(device)
 
 
+def dequantize_block_k(fmt: int, group: int) -> int:
+    """The K tile `dequantize` writes (and, `quartered`, quarters) the scratch by: a nibble format's group, at most
+    128."""
+    return min(group, 128) if fmt >= INT4.value else 128
+
+
 def dequantize(weight: QuantWeight, fmt: int, quartered: bool = False) -> torch.Tensor:
     """W [N, K] in bf16, bit for bit `weight.dequantize(mode).bfloat16()` for the mode `fmt` reads, in a scratch
     buffer the next call overwrites (one per device, as large as the largest weight: 235 MB for an 8B model's
-    fused gate/up); `quartered`: each K tile of the decode config's (a nibble format's group, at most 128) with
-    its columns in the nibble kernels' order (`gluon_linear.quartered`)."""
+    fused gate/up); `quartered`: each of its K tiles (`dequantize_block_k`) with its columns in the nibble kernels'
+    order (`gluon_linear.quartered`)."""
     (n, k), dev = weight.shape, weight.scale.device
     buf = _SCRATCH.get(dev)
     if buf is None or buf.numel() < n * k:
@@ -1013,7 +1019,7 @@ def dequantize(weight: QuantWeight, fmt: int, quartered: bool = False) -> torch.
     out = buf[:n * k].view(n, k)
     w, w2, scale, lo = _tensors(weight, fmt)
     group = getattr(weight, "group_size", 0)
-    block_n, block_k = 64, min(group, 128) if fmt >= INT4.value else 128
+    block_n, block_k = 64, dequantize_block_k(fmt, group)
     block = [block_n, block_k // 2 if fmt >= INT4.value else block_k]
     descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
     stride_sn, stride_sg = (0, 0) if lo is None else lo.stride()
@@ -1046,10 +1052,10 @@ SCRATCH_ROWS = {FULL.value: 1024}
 def takes_scratch(fmt: int, act: bool, group: int, cfg: TileConfig, x2: torch.Tensor) -> bool:
     """Whether a GEMM of generated tokens goes through the quartered scratch (`scratch_linear`): a nibble format
     with bf16 activations past its SCRATCH_ROWS, its K whole K tiles (x is quartered by whole tiles) of the size
-    `dequantize` quarters the scratch by (the group, at most 128: every decode config of the shapes we know)."""
+    `dequantize` quarters the scratch by (every decode config of the shapes we know)."""
     m, k = x2.shape
     return (not act and uses_nibble_kernel(fmt, act, group) and m >= SCRATCH_ROWS.get(fmt, 1 << 62)
-            and k % cfg.block_k == 0 and cfg.block_k == min(group, 128))
+            and k % cfg.block_k == 0 and cfg.block_k == dequantize_block_k(fmt, group))
 
 
 def scratch_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.Tensor | None,
