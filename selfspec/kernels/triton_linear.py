@@ -1043,10 +1043,11 @@ def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.T
 # in order. Past SCRATCH_ROWS rows a decode or verify pass takes that weight from the dequantize scratch instead, its
 # columns quartered as x's are, through the bf16 GEMM in the same K tile and chunks: the same products added in the
 # same order, one dequantization a weight instead of one per M tile of CTAs. Worth it where the build costs most:
-# `full` from 1,024 rows (H200, 8B layers, against the warp-specialized nibble kernel of session 22: 0.79-0.82x the
-# time at 4,096 rows, 0.86-1.01x at 1,024); w4a16 took 1.17-1.24x at 1,024 and 1.02-1.06x at 4,096, so the INT4
-# nibbles (and `upper`, as cheap to build) keep their kernel (docs/gpu.md, session 23).
-SCRATCH_ROWS = {FULL.value: 1024}
+# `full` from 2,048 rows (H200, 8B layers, against today's nibble kernel with its wgmma in turns: 0.86-0.96x the
+# time at 2,048 rows, 0.77-0.86x at 4,096, but 0.99-1.08x at 1,024; docs/gpu.md, session 24); w4a16 took
+# 1.17-1.24x at 1,024 and 1.02-1.06x at 4,096, so the INT4 nibbles (and `upper`, as cheap to build) keep their
+# kernel (session 23).
+SCRATCH_ROWS = {FULL.value: 2048}
 
 
 def takes_scratch(fmt: int, act: bool, group: int, cfg: TileConfig, x2: torch.Tensor) -> bool:

@@ -2,13 +2,14 @@
 # as main runs them (eager), the same with docs/leads/tp-graphs.patch (decode passes as CUDA graphs holding the NCCL
 # all-gathers, .ab/tp-graphs), then the step benchmark from that tree: the 8B shape at TP 1 and TP 2, the 70B shape
 # at TP 2 (140 GB of bf16 weights: 70 GB a GPU). Logs and JSON under $OUT. Env: STEPS=0 to stop after the tests.
+# Each test run is cut at 200 s so a hung collective cannot take the call.
 set -u
 source "$(dirname "$0")/common.sh"
 nvidia-smi -L
-python3 -m pytest -q -m gpu tests/gpu/test_parallel_gpu.py -p no:cacheprovider > "$OUT/tp2-tests-main.log" 2>&1
+timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_parallel_gpu.py -p no:cacheprovider > "$OUT/tp2-tests-main.log" 2>&1
 echo "main (eager) tests rc=$?"; tail -3 "$OUT/tp2-tests-main.log"
 G=$PWD/.ab/tp-graphs
-(cd "$G" && python3 -m pytest -q -m gpu tests/gpu/test_parallel_gpu.py -p no:cacheprovider) \
+(cd "$G" && timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_parallel_gpu.py -p no:cacheprovider) \
   > "$OUT/tp2-tests-graphs.log" 2>&1
 echo "graphs tests rc=$?"; tail -3 "$OUT/tp2-tests-graphs.log"
 [ "${STEPS:-1}" = 1 ] || exit 0
