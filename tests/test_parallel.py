@@ -5,7 +5,7 @@ import multiprocessing
 import pytest
 import torch
 from conftest import tiny_model
-from tp_ranks import GROUP, RUNS, logits_and_bytes
+from tp_ranks import GROUP, RUNS, collectives, logits_and_bytes
 
 import selfspec
 from selfspec.cli import main
@@ -22,6 +22,20 @@ def models():
     """A llama with every bias (o and down too: added on rank 0 only) and a qwen3 with qk-norm and tied embeddings."""
     return [tiny_model("llama", seed=1, attention_bias=True, mlp_bias=True)[:2],
             tiny_model("qwen3", seed=2, tie_word_embeddings=True, head_dim=16)[:2]]
+
+
+@pytest.mark.parametrize("shape", [(4, 96), (2, 3, 64)])
+def test_all_reduce_adds_in_float32_in_rank_order_and_gather_last_concatenates(shape):
+    """Three ranks: every rank's all_reduce holds the bits of the float32 sum of the bf16 parts in rank order,
+    rounded once (a sum kept in bf16 differs on these values), and gather_last the parts side by side in rank
+    order."""
+    g = torch.Generator().manual_seed(len(shape))
+    parts = [(torch.randn(shape, generator=g) * s).bfloat16() for s in (300.0, 1.0, 1.0)]
+    want = ((parts[0].float() + parts[1].float()) + parts[2].float()).bfloat16()
+    assert not torch.equal(want, parts[0] + parts[1] + parts[2])
+    for total, side in run_ranks(collectives, 3, parts):
+        assert torch.equal(total, want)
+        assert torch.equal(side, torch.cat(parts, dim=-1))
 
 
 def test_tp2_logits_close_to_tp1_and_shards_hold_half():

@@ -34,3 +34,9 @@ def logits_and_bytes(tp, models, tokens):
             res[storage] = stored_bytes(model)
         out.append(res)
     return out
+
+
+def collectives(tp, parts):
+    """On one rank: all_reduce and gather_last of this rank's part."""
+    x = parts[tp.rank]
+    return tp.all_reduce(x), tp.gather_last(x)

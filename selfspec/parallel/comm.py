@@ -41,20 +41,22 @@ class TensorParallel:
         parts = self._all_gather(x)
         total = parts[0].float()
         for part in parts[1:]:
-            total = total + part.float()
+            total += part  # in float32: the part is widened exactly, as part.float() would be, without its copy
         return total.to(x.dtype)
 
     def gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x concatenated along the last dim in rank order (the vocab-split head's logits)."""
         if self.size == 1:
             return x
-        return torch.cat(self._all_gather(x), dim=-1)
+        return self._all_gather(x).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
 
-    def _all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[size, *x.shape]: every rank's x in rank order, gathered into one tensor (no copies out of NCCL's
+        buffer into a list: a pass makes two of these a layer, and at batch 1 each kernel shows)."""
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
-        return parts
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # ranks along dim 0, as gloo wants it too
+        dist.all_gather_into_tensor(out, x, group=self.group)
+        return out.view(self.size, *x.shape)
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's obj on every rank (pickled over the gloo control group)."""
