@@ -234,3 +234,17 @@ def test_replayed_acceptance_gives_a_tree_round_one_count():
     assert acc.tree([[1, 2, 3], [4, 5, 6]], targets[2:] + targets[2:]) == (0, 0, 30)
     assert acc.tree([[7, 8]], [[40, 41, 42]]) == (0, 2, 42)  # 5, capped at the branch's 2
     assert acc.i == 3
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--draft-shape", "qwen2.5-0.5b"], "draft model is not split"),
+    (["--shape", "qwen2.5-0.5b", "--tensor-parallel", "3"], "3"),
+])
+def test_bench_spec_refuses_what_tensor_parallelism_cannot_split(extra, message):
+    """`bench spec --tensor-parallel N`: a draft model's replay, or a shape N does not divide, is refused before any
+    GPU or process is asked for."""
+    from selfspec.bench.spec import main
+
+    args = ["--tensor-parallel", "2"] if "--tensor-parallel" not in extra else []
+    with pytest.raises(SelfspecError, match=message):
+        main(args + extra)

@@ -7,6 +7,8 @@ the speed the measured step costs and the trace's acceptance predict.
 python -m selfspec.bench.spec [--shape llama-3-8b] [--trace selfspec/bench/traces/smollm2-135m.planes.json]
 python -m selfspec.bench.spec --shape qwen2.5-1.5b --draft-shape qwen2.5-0.5b --trace ...draft-model...json
     (recipe draft-model: its draft steps on a second synthetic model, the draft model's shape)
+python -m selfspec.bench.spec --shape llama-3-70b --tensor-parallel 2 --trace ...planes.json
+    (the model split across 2 GPUs, one process each; rank 0's speeds reported)
 python -m selfspec.bench.spec --predict AR_MS DRAFT_MS TOKEN_MS [--trace ...]   (any machine: step costs alone)
 python -m selfspec.bench.spec --tables [--trace-model smollm2-135m] [--shape llama-3-8b | --device cpu] ...
     Quasar's tables (bench/tables.py): tokens/s and acceptance length per recipe and task vs BF16 AR, vs the
@@ -29,6 +31,7 @@ from selfspec.bench.traces import (TASKS, TRACE_DIR, DraftModelReplay, Replay, R
                                    load, replay)
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
+from selfspec.parallel import SOLO, TensorParallel, check_tensor_parallel
 from selfspec.quant.modes import MODES, Mode
 from selfspec.speculative.decode import decode
 from selfspec.speculative.drafters import draft_modes
@@ -120,8 +123,9 @@ def sync(device: torch.device) -> None:
 
 def decode_speed(model, verify: Mode, draft, k: int, context: int, new_tokens: int, warm_tokens: int = 32) -> dict:
     """Decode tokens/s of the real loop (batch 1) from a random `context`-token prompt: `draft` a replaying drafter
-    (k: the gamma it is asked) or None (AR). A first untimed run captures the graphs of every step shape."""
-    prompt = torch.randint(0, model.cfg.vocab_size, (context,)).tolist()
+    (k: the gamma it is asked) or None (AR). A first untimed run captures the graphs of every step shape. The prompt
+    is seeded: under tensor parallelism every rank decodes the same one."""
+    prompt = torch.randint(0, model.cfg.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     accept = {} if draft is None else {"accept": draft.accept}
     for warm in (True, False):
@@ -152,25 +156,27 @@ def replayed_speed(model, verify: Mode, draft: Mode | None, rounds: list[Round],
 
 
 def measure(shape: str, traces: list[Path], gammas: list[int], context: int,
-            draft_shape: str | None = None) -> list[dict]:
+            draft_shape: str | None = None, tp: TensorParallel = SOLO) -> list[dict]:
     """Every trace's tasks replayed at each gamma on a synthetic shape (GPU, CUDA graphs), against AR of the verify
     mode and the speed predicted from the step costs. Recipe draft-model's draft steps run on a second synthetic
-    model of `draft_shape`, under CUDA graphs too."""
+    model of `draft_shape`, under CUDA graphs too. Under tensor parallelism (`tp`), this rank's shard: every rank
+    replays the same rounds (they meet in each pass's collectives)."""
     from selfspec.bench.steps import ar_ms_per_step, pass_ms
     from selfspec.bench.synthetic import synthetic_model
     from selfspec.engine.graphs import GraphedModel
 
     rows = []
+    log = print if tp.rank == 0 else lambda *a, **k: None
     by_recipe: dict[str, list] = {}
     for path in traces:
         t = load(path)
         if (why := unreplayable(t, draft_shape)) is not None:
-            print(f"skipping {path.name}: {why}", flush=True)
+            log(f"skipping {path.name}: {why}", flush=True)
             continue
         by_recipe.setdefault(t.recipe, []).append(t)
     for recipe, recipe_traces in by_recipe.items():
         r = PRESETS[recipe]
-        gm = GraphedModel(synthetic_model(shape, r.storage, rotate=r.rotate), max_len=context + 512)
+        gm = GraphedModel(synthetic_model(shape, r.storage, rotate=r.rotate, tp=tp), max_len=context + 512)
         vocabs = {t.draft_vocab for t in recipe_traces} - {0}
         if len(vocabs) > 1:
             raise SelfspecError(f"traces of recipe {recipe} with draft vocabularies of {sorted(vocabs)} tokens: "
@@ -209,11 +215,15 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int,
                         row |= {"draft_model": t.draft_model, "draft_shape": draft_shape,
                                 "draft_weight_bytes": drafting.model.weight_bytes()}
                     rows.append(row)
-                    print(f"{recipe} {t.label(task)} k={k}: acc {row['acceptance_rate']:.2f}, "
+                    log(f"{recipe} {t.label(task)} k={k}: acc {row['acceptance_rate']:.2f}, "
                           f"{measured:.1f} tok/s (predicted {predicted:.1f}; AR {1000 / ar_ms:.1f})", flush=True)
         del gm
         torch.cuda.empty_cache()
     return rows
+
+
+def measure_rank(tp: TensorParallel, *measured) -> list[dict]:
+    return measure(*measured, tp=tp)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -260,6 +270,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     help="recipe draft-model's traces: the draft model's shape (e.g. qwen2.5-0.5b beside --shape "
                          "qwen2.5-1.5b); without it they are skipped")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="split the model across N GPUs")
     ap.add_argument("--predict", type=float, nargs=3, metavar=("AR_MS", "DRAFT_MS", "TOKEN_MS"), default=None,
                     help="no replay: the speedup the traces predict from step costs (an AR step, a draft step, each "
                          "verified token past the first), e.g. the H100's on the 8B shape: 5.07 3.72 0.08")
@@ -269,15 +280,28 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
               f"AR {args.predict[0]} ms, draft {args.predict[1]} ms, {args.predict[2]} ms a verified token")
         print(predict(args.trace, args.gamma, tuple(args.predict)))
         return
+    n = args.tensor_parallel
+    if n > 1:
+        if args.draft_shape is not None:
+            raise SelfspecError("--draft-shape with --tensor-parallel: the draft model is not split across ranks; "
+                                "replay its traces without --tensor-parallel")
+        check_tensor_parallel(SHAPES[args.shape], n, 128)
     if not torch.cuda.is_available():
         raise SelfspecError("`selfspec bench spec` needs a CUDA GPU to replay on a synthetic shape; "
                             "`selfspec bench spec --tables --device cpu` replays on a real model on the CPU")
-    rows = measure(args.shape, args.trace, args.gamma, args.context, args.draft_shape)
+    measured = (args.shape, args.trace, args.gamma, args.context, args.draft_shape)
+    if n == 1:
+        rows = measure(*measured)
+    else:
+        from selfspec.parallel.launch import run_ranks
+
+        rows = run_ranks(measure_rank, n, *measured, device="cuda")[0]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "tensor_parallel": n, "rows": rows}, f, indent=1)
+    how = "" if n == 1 else f", tensor parallel {n}"
     print(f"\n{torch.cuda.get_device_name()}, {args.shape} (synthetic weights, acceptance replayed), batch 1, "
-          f"context {args.context}, CUDA graphs")
+          f"context {args.context}, CUDA graphs{how}")
     print(markdown(rows))
 
 
