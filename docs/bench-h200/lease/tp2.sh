@@ -2,7 +2,8 @@
 # docs/leads/tp-graphs.patch and tp-peer-all-reduce.patch; carry [".whl", ".ab/TREE"]): the tensor-parallel GPU
 # tests from that tree (TESTS=0: none), then the step benchmark (STEPS=0: none): the 8B shape at TP 1 and TP 2, the
 # 70B shape at TP 2 (140 GB of bf16 weights: 70 GB a GPU), and planes' replayed speculation on the 70B shape at
-# TP 2 against its own `full` AR (SPEC=0: none). The tests take ~4-5 minutes, the rest ~6: one call each. Logs and JSON under $OUT. main's own TP tests (eager, NCCL all-gathers) passed on two H200s in session 24.
+# TP 2 against its own `full` AR (SPEC=0: none). The tests take ~4-5 minutes, the steps ~5, the
+# replay ~3: TESTS=1 STEPS=0 SPEC=0, then TESTS=0 STEPS=1 SPEC=0, then TESTS=0 STEPS=0 SPEC=1, one call each. Logs and JSON under $OUT. main's own TP tests (eager, NCCL all-gathers) passed on two H200s in session 24.
 set -u
 source "$(dirname "$0")/common.sh"
 G=$PWD/.ab/${1:-tp-peer}
@@ -15,7 +16,7 @@ if [ "${TESTS:-1}" = 1 ]; then
     -o faulthandler_timeout=150 > "$OUT/tp2-tests.log" 2>&1
   echo "tests rc=$?"; grep -E "PASSED|FAILED|ERROR|Timeout|passed|failed" "$OUT/tp2-tests.log" | tail -12
 fi
-[ "${STEPS:-1}" = 1 ] || exit 0
+if [ "${STEPS:-1}" = 1 ]; then
 for tp in 1 2; do
   python3 -m selfspec.bench.steps --shape llama-3-8b --batch 1 8 32 --verify-tokens 1 5 --storages dense planes \
     --tensor-parallel $tp --json "$OUT/tp-steps-8b-tp$tp.json" > "$OUT/tp-steps-8b-tp$tp.log" 2>&1
@@ -24,8 +25,10 @@ done
 timeout 300 python3 -m selfspec.bench.steps --shape llama-3-70b --batch 1 8 32 --verify-tokens 1 5 \
   --storages dense planes --tensor-parallel 2 --json "$OUT/tp-steps-70b-tp2.json" > "$OUT/tp-steps-70b-tp2.log" 2>&1
 echo "70B TP 2 rc=$?"; tail -25 "$OUT/tp-steps-70b-tp2.log"
-[ "${SPEC:-1}" = 1 ] || exit 0
+fi
+if [ "${SPEC:-1}" = 1 ]; then
 timeout 240 python3 -m selfspec.bench.spec --shape llama-3-70b --tensor-parallel 2 --gamma 4 \
   --trace selfspec/bench/traces/qwen2.5-coder-1.5b.planes.json --json "$OUT/tp-spec-70b-tp2.json" \
   > "$OUT/tp-spec-70b-tp2.log" 2>&1
 echo "70B spec TP 2 rc=$?"; tail -8 "$OUT/tp-spec-70b-tp2.log"
+fi
