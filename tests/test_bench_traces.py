@@ -238,7 +238,7 @@ def test_replayed_acceptance_gives_a_tree_round_one_count():
 
 @pytest.mark.parametrize("extra, message", [
     (["--draft-shape", "qwen2.5-0.5b"], "draft model is not split"),
-    (["--shape", "qwen2.5-0.5b", "--tensor-parallel", "3"], "3"),
+    (["--shape", "qwen2.5-0.5b", "--tensor-parallel", "3"], "--tensor-parallel 3 does not evenly split"),
 ])
 def test_bench_spec_refuses_what_tensor_parallelism_cannot_split(extra, message):
     """`bench spec --tensor-parallel N`: a draft model's replay, or a shape N does not divide, is refused before any
