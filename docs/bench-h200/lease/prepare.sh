@@ -1,7 +1,8 @@
 # Run here, from the repository root, in a checkout that lacks the git-ignored files a lease carries:
 # .whl (the wheels the lent machine lacks: gguf, the GSM8K data), .ab/head (HEAD's selfspec) and the trees the
-# next lease's list in docs/leads/README.md names (.ab/tp-graphs: HEAD and its tests with docs/leads/tp-graphs.patch;
-# .ab/tp-peer: the same and docs/leads/tp-peer-all-reduce.patch). A lead's tree: one more `tree` line.
+# next lease's list in docs/leads/README.md names (.ab/nibble-act: HEAD and its tests with
+# docs/leads/nibble-act-ws.patch; .ab/tp-graphs: the same with docs/leads/tp-graphs.patch; .ab/tp-peer: that and
+# docs/leads/tp-peer-all-reduce.patch). A lead's tree: one more `tree` line.
 set -eu
 mkdir -p .whl .ab
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
@@ -15,6 +16,7 @@ tree() {  # tree NAME "PATCH..." PATHS...: .ab/NAME holding HEAD's PATHS, with d
 }
 
 tree head "" selfspec
+tree nibble-act nibble-act-ws.patch selfspec tests
 tree tp-graphs tp-graphs.patch selfspec tests docs/parallel.md
 tree tp-peer "tp-graphs.patch tp-peer-all-reduce.patch" selfspec tests docs/parallel.md
 du -sh .whl .ab/*
