@@ -208,8 +208,10 @@ GPU_BENCHES = {
     "quant_attention": ("quant_attention", "quantized KV attention vs bf16 at 16k-128k, decode and verify queries"),
     "ab": ("ab", "a benchmark (steps, gemm) from an old source tree and from this one in turn: each row's new / old"),
     "policy": ("policy_replay", "the gamma policy through a trace's recorded texts at given pass costs (no model)"),
+    "replicas": ("replicas", "tokens/s of N engine replicas on Ray Serve against one (GPU, or CPU with --model)"),
 }
-CPU_BENCHES = ("trace", "lookup", "trees", "draft_vocab", "resources", "spec", "policy")  # spec: --tables --device cpu
+# spec: --tables --device cpu; replicas: --device cpu --model M
+CPU_BENCHES = ("trace", "lookup", "trees", "draft_vocab", "resources", "spec", "policy", "replicas")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -226,8 +228,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.bench not in CPU_BENCHES and not wants_help and not torch.cuda.is_available():
         why = "this torch build has no CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
         raise SelfspecError(f"`selfspec bench {args.bench}` needs a CUDA GPU ({why}); "
-                            "`selfspec bench serve`, `trace`, `lookup`, `trees`, `draft_vocab`, `policy` and `spec "
-                            "--tables --device cpu` run on the CPU")
+                            "`selfspec bench serve`, `trace`, `lookup`, `trees`, `draft_vocab`, `policy`, `spec "
+                            "--tables --device cpu` and `replicas --device cpu` run on the CPU")
     module = importlib.import_module(f"selfspec.bench.{GPU_BENCHES[args.bench][0]}")
     module.main(args.args, prog=f"selfspec bench {args.bench}")
 

@@ -45,14 +45,13 @@ import selfspec
 from selfspec.bench.shapes import SHAPES
 from selfspec.bench.passes import PassLog, decode_rows
 from selfspec.bench.step_bound import bound_seconds, pass_table
-from selfspec.bench.synthetic import synthetic_model
+from selfspec.bench.synthetic import synthetic_llm
 from selfspec.bench.traces import TRACE_DIR, ReplayAcceptance, load, serve_replay
 from selfspec.engine.engine import (DEFAULT_DECODE_STEPS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT, Engine,
                                     branch_blocks)
 from selfspec.engine.llm import LLM
 from selfspec.errors import SelfspecError
 from selfspec.eval.data import package_file
-from selfspec.speculative.recipes import PRESETS
 from selfspec.speculative.decode import GreedyAcceptance
 from selfspec.speculative.sampling import SamplingParams
 from selfspec.speculative.verify import accept_greedy
@@ -382,12 +381,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="AR/spec run pairs per batch size (best of each, and each pair's spec/AR)")
     p.add_argument("--no-check", action="store_true", help="skip the solo greedy reference runs")
     p.add_argument("--out", default=None, help="write the JSON results here")
-
-
-def synthetic_llm(shape: str, recipe: str, max_gamma: int, group_size: int, device: str) -> LLM:
-    r = PRESETS[recipe]
-    model = synthetic_model(shape, r.storage, group_size, device, rotate=r.rotate)
-    return LLM(model, None, r, max_gamma, f"{shape} (SYNTHETIC weights, randn * 0.02)")
 
 
 def replayed(llm: LLM, path: Path) -> tuple[str, GreedyAcceptance]:

@@ -6,8 +6,10 @@ from dataclasses import replace
 import torch
 
 from selfspec.bench.shapes import SHAPES
+from selfspec.engine.llm import LLM
 from selfspec.model import Transformer
 from selfspec.parallel import SOLO, TensorParallel, shard_state_dict
+from selfspec.speculative.recipes import PRESETS
 
 
 def synthetic_state_dict(shape: str, device: str = "cuda", seed: int = 0,
@@ -48,3 +50,10 @@ def synthetic_model(shape: str, storage: str, group_size: int = 128, device: str
     model = Transformer(cfg, synthetic_state_dict(shape, device, seed, tp), tp)
     model.quantize(storage, group_size, rotate)
     return model.to(device)
+
+
+def synthetic_llm(shape: str, recipe: str, max_gamma: int, group_size: int, device: str) -> LLM:
+    """An LLM (no tokenizer: token ids in and out) of a recipe over a synthetic model of a named shape."""
+    r = PRESETS[recipe]
+    model = synthetic_model(shape, r.storage, group_size, device, rotate=r.rotate)
+    return LLM(model, None, r, max_gamma, f"{shape} (SYNTHETIC weights, randn * 0.02)")

@@ -34,7 +34,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from selfspec.engine.engine import EngineStats, QueueFull, RequestOutput
+from selfspec.engine.engine import Engine, EngineStats, QueueFull, RequestOutput
 from selfspec.engine.llm import Generation
 from selfspec.serve.app import APIError, PromptSide, openai_app
 from selfspec.serve.metrics import ServerMetrics
@@ -62,7 +62,9 @@ class LeastLoadedRouter(RequestRouter):
 
 class EngineReplica:
     def __init__(self, args: argparse.Namespace):
-        engine = build_engine(args)
+        self.start(build_engine(args))
+
+    def start(self, engine: Engine) -> None:
         self.prompts = PromptSide.of(engine.llm)
         self.idle_stats = engine.stats()
         self.runner = EngineRunner(engine, ServerMetrics(lambda: self.runner.latest_stats))
@@ -216,13 +218,20 @@ class Front:
         return openai_app(runner, prompts, self.model_name, metrics, lifespan, self.max_request_bytes)
 
 
-def build_app(args: argparse.Namespace, gpus_per_replica: int) -> serve.Application:
-    """The Ray Serve application of `selfspec serve --replicas N` (`gpus_per_replica`: 1 on GPUs, else 0)."""
+def engine_deployment(args: argparse.Namespace, gpus_per_replica: int,
+                      replica: type[EngineReplica] = EngineReplica) -> serve.Deployment:
+    """args.replicas engine replicas (`replica`'s class) behind the least-loaded router, each taking at most
+    --max-batch requests at once (`gpus_per_replica`: 1 on GPUs, else 0)."""
     replica_resources = {"num_gpus": 1} if gpus_per_replica else {"num_cpus": 1}
-    engines = serve.deployment(EngineReplica).options(
+    return serve.deployment(replica).options(
         num_replicas=args.replicas, max_ongoing_requests=args.max_batch, max_queued_requests=args.max_queue,
         ray_actor_options=replica_resources, logging_config=QUIET,
         request_router_config=RequestRouterConfig(request_router_class=LeastLoadedRouter))
+
+
+def build_app(args: argparse.Namespace, gpus_per_replica: int) -> serve.Application:
+    """The Ray Serve application of `selfspec serve --replicas N` (`gpus_per_replica`: 1 on GPUs, else 0)."""
+    engines = engine_deployment(args, gpus_per_replica)
     front = serve.deployment(Front).options(num_replicas=1, max_ongoing_requests=FRONT_MAX_ONGOING,
                                             ray_actor_options={"num_cpus": 0}, logging_config=QUIET)
     return front.bind(engines.bind(args), args.replicas, served_model_name(args), args.max_request_bytes)

@@ -15,6 +15,7 @@ from selfspec.serve.runner import EngineRunner
 
 if TYPE_CHECKING:
     from selfspec.engine.engine import Engine
+    from selfspec.engine.llm import LLM
 
 DRAIN_POLL_S = 0.05
 # After the drain, how long uvicorn lets the last answers reach their clients before it cancels what is left
@@ -76,14 +77,16 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise SelfspecError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
 
 
-def build_engine(args: argparse.Namespace) -> Engine:
-    """The model loaded as `selfspec serve` asks, in an engine warmed up for its first request."""
+def build_engine(args: argparse.Namespace, llm: LLM | None = None) -> Engine:
+    """The model loaded as `selfspec serve` asks (or `llm`, already built), in an engine warmed up for its first
+    request."""
     import selfspec
     from selfspec.engine.engine import Engine
 
-    llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size, args.device,
-                        draft_model=args.draft_model, kv=args.kv, kv_group=args.kv_group,
-                        tensor_parallel=args.tensor_parallel, draft_vocab=args.draft_vocab)
+    if llm is None:
+        llm = selfspec.load(args.model, args.recipe, args.draft, args.verify, args.gamma, args.group_size,
+                            args.device, draft_model=args.draft_model, kv=args.kv, kv_group=args.kv_group,
+                            tensor_parallel=args.tensor_parallel, draft_vocab=args.draft_vocab)
     kwargs = dict(max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
                   max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, prefill_wait=args.prefill_wait,
                   max_gamma=args.gamma, decode_steps=args.decode_steps)
