@@ -162,3 +162,15 @@ def test_a_dead_worker_is_a_clear_error(tiny_dir):
     finally:
         llm.close()
     assert not multiprocessing.active_children()
+
+
+def test_the_step_profile_counts_the_collectives_kernels():
+    """`bench steps --tensor-parallel`'s profile: NCCL's kernels and symmetric memory's all-reduce count as
+    collectives, per step; every kernel counts toward the step's kernel time."""
+    from selfspec.bench.steps import collective_time
+
+    step = [("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 20.0),
+            ("void c10d::symmetric_memory::one_shot_all_reduce_kernel<c10::BFloat16, 16, 2>(...)", 6.0),
+            ("_nibble_ws_kernel", 50.0), ("void at::native::elementwise_kernel<...>", 4.0)]
+    got = collective_time(step * 3, 3)
+    assert got == {"collectives": 2, "collective_ms": pytest.approx(0.026), "kernel_ms": pytest.approx(0.080)}

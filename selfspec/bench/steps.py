@@ -3,7 +3,8 @@
 python -m selfspec.bench.steps [--shape llama-3-8b] [--context 1024] [--batch 1 8 16 32] [--tensor-parallel N]
 
 With --tensor-parallel N, the same measurements on N GPUs (one process each, NCCL), rank 0's timings reported;
-tensor-parallel passes run eagerly for now (engine/graphs.py).
+tensor-parallel passes run eagerly for now (engine/graphs.py). Each mode's AR step at the first batch size is also
+profiled there: the GPU time of its collectives' kernels a step against all its kernels' (`collectives` rows).
 """
 from __future__ import annotations
 
@@ -64,6 +65,38 @@ def pass_ms(gm: GraphedModel, mode: Mode | str, batch: int, tokens: int, context
     return time_ms(lambda: gm(tok, pos, cache, mode), warmup=3, reps=20)
 
 
+# Kernels of the tensor-parallel collectives: NCCL's, and PyTorch symmetric memory's all-reduce.
+COLLECTIVE_KERNELS = ("nccl", "all_reduce")
+
+
+def collective_time(kernels: list[tuple[str, float]], steps: int) -> dict:
+    """From the GPU kernels (name, microseconds) of `steps` profiled steps: per step, the collectives' kernels (how
+    many, their ms) and all kernels' ms. A collective's time holds its wait for the slower rank."""
+    ours = [us for name, us in kernels if any(k in name.lower() for k in COLLECTIVE_KERNELS)]
+    return {"collectives": len(ours) / steps, "collective_ms": sum(ours) / 1e3 / steps,
+            "kernel_ms": sum(us for _, us in kernels) / 1e3 / steps}
+
+
+def profiled_step(gm: GraphedModel, mode_name: str, batch: int, context: int, steps: int = 8) -> dict:
+    """collective_time of greedy AR steps (as ar_ms_per_step runs them) under torch.profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    mode = MODES[mode_name]
+    cache = filled_cache(gm, batch, context, gm.max_len)
+    tok = torch.randint(0, gm.cfg.vocab_size, (batch, 1), device=gm.device)
+    pos = torch.full((batch, 1), context, device=gm.device)
+    gm(tok, pos, cache, mode)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = tok
+        for i in range(steps):
+            t = gm(t, pos + i, cache, mode)[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return collective_time(kernels, steps)
+
+
 def weight_bytes_read(model, mode_name: str) -> int:
     """Bytes one decode step reads from the weights in a mode: every linear's stored tensors (`upper` skips
     the lower planes) and the head; the embedding lookup reads a row per token (not counted)."""
@@ -90,6 +123,11 @@ def measure(shape: str, batches: list[int], context: int, verify_tokens: list[in
                 rows.append({"kind": "ar", "storage": storage, "mode": mode, "batch": b, "tokens": 1, "ms": ms,
                              "tokens_per_s": b * 1000 / ms, "weight_bytes": weight_bytes_read(model, mode)})
                 log(f"{storage:7s} {mode:6s} B={b:3d} AR {ms:7.3f} ms/step  {b * 1000 / ms:8.1f} tok/s", flush=True)
+            if tp.size > 1:
+                c = profiled_step(gm, mode, batches[0], context)
+                rows.append({"kind": "collectives", "storage": storage, "mode": mode, "batch": batches[0], **c})
+                log(f"{storage:7s} {mode:6s} B={batches[0]:3d} collectives: {c['collectives']:.0f} a step, "
+                    f"{c['collective_ms']:.3f} ms of {c['kernel_ms']:.3f} ms of kernels", flush=True)
             for b in batches[:1] + batches[-1:]:
                 for t in verify_tokens:
                     rows.append({"kind": "pass", "storage": storage, "mode": mode, "batch": b, "tokens": t,
