@@ -38,7 +38,7 @@ class SyntheticReplica(EngineReplica):
     """An engine replica over synthetic weights of args.shape (no tokenizer: token ids in and out)."""
 
     def __init__(self, args: argparse.Namespace):
-        self.start(build_engine(args, synthetic_llm(args.shape, args.recipe, args.gamma, args.group_size,
+        self._start(build_engine(args, synthetic_llm(args.shape, args.recipe, args.gamma, args.group_size,
                                                     args.device)))
 
 

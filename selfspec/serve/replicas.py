@@ -62,9 +62,10 @@ class LeastLoadedRouter(RequestRouter):
 
 class EngineReplica:
     def __init__(self, args: argparse.Namespace):
-        self.start(build_engine(args))
+        self._start(build_engine(args))
 
-    def start(self, engine: Engine) -> None:
+    def _start(self, engine: Engine) -> None:
+        """This replica serves `engine` (its runner thread started)."""
         self.prompts = PromptSide.of(engine.llm)
         self.idle_stats = engine.stats()
         self.runner = EngineRunner(engine, ServerMetrics(lambda: self.runner.latest_stats))
