@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -36,8 +37,9 @@ def filled_cache(model, batch: int, context: int, max_len: int):
     return cache
 
 
-def ar_ms_per_step(gm: GraphedModel, mode_name: str, batch: int, context: int, steps: int = 48) -> float:
-    """Milliseconds per greedy AR step: each step's argmax feeds the next on the device (no host sync)."""
+def ar_steps(gm: GraphedModel, mode_name: str, batch: int, context: int, steps: int) -> Callable[[], None]:
+    """`steps` greedy AR steps after `context` cached positions, each step's argmax feeding the next on the device
+    (no host sync), their graphs captured before the first call."""
     mode = MODES[mode_name]
     cache = filled_cache(gm, batch, context, gm.max_len)
     dev = gm.device
@@ -51,7 +53,12 @@ def ar_ms_per_step(gm: GraphedModel, mode_name: str, batch: int, context: int, s
         for i in range(steps):
             t = gm(t, pos + i, cache, mode)[:, -1:].argmax(-1)
 
-    return time_ms(run, warmup=1, reps=5) / steps
+    return run
+
+
+def ar_ms_per_step(gm: GraphedModel, mode_name: str, batch: int, context: int, steps: int = 48) -> float:
+    """Milliseconds per greedy AR step (ar_steps)."""
+    return time_ms(ar_steps(gm, mode_name, batch, context, steps), warmup=1, reps=5) / steps
 
 
 def pass_ms(gm: GraphedModel, mode: Mode | str, batch: int, tokens: int, context: int) -> float:
@@ -78,20 +85,14 @@ def collective_time(kernels: list[tuple[str, float]], steps: int) -> dict:
 
 
 def profiled_step(gm: GraphedModel, mode_name: str, batch: int, context: int, steps: int = 8) -> dict:
-    """collective_time of greedy AR steps (as ar_ms_per_step runs them) under torch.profiler."""
+    """collective_time of greedy AR steps (ar_steps) under torch.profiler."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    mode = MODES[mode_name]
-    cache = filled_cache(gm, batch, context, gm.max_len)
-    tok = torch.randint(0, gm.cfg.vocab_size, (batch, 1), device=gm.device)
-    pos = torch.full((batch, 1), context, device=gm.device)
-    gm(tok, pos, cache, mode)
+    run = ar_steps(gm, mode_name, batch, context, steps)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t = tok
-        for i in range(steps):
-            t = gm(t, pos + i, cache, mode)[:, -1:].argmax(-1)
+        run()
         torch.cuda.synchronize()
     kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
     return collective_time(kernels, steps)
