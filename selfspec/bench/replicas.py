@@ -35,11 +35,10 @@ WARM_TOKENS = 4  # each request of the untimed first wave: its prompt's prefill 
 
 
 class SyntheticReplica(EngineReplica):
-    """An engine replica over synthetic weights of args.shape (no tokenizer: token ids in and out)."""
+    """An engine replica over synthetic weights of a named shape (no tokenizer: token ids in and out)."""
 
-    def __init__(self, args: argparse.Namespace):
-        self._start(build_engine(args, synthetic_llm(args.shape, args.recipe, args.gamma, args.group_size,
-                                                    args.device)))
+    def __init__(self, args: argparse.Namespace, shape: str):
+        self._start(build_engine(args, synthetic_llm(shape, args.recipe, args.gamma, args.group_size, args.device)))
 
 
 def serve_args(args: argparse.Namespace, replicas: int) -> argparse.Namespace:
@@ -47,11 +46,9 @@ def serve_args(args: argparse.Namespace, replicas: int) -> argparse.Namespace:
     from selfspec.cli import build_parser
 
     model = ["--model", args.model] if args.model else []
-    out = build_parser().parse_args(["serve", "--replicas", str(replicas), "--max-batch", str(args.batch),
-                                     "--recipe", args.recipe, "--group-size", str(args.group_size),
-                                     "--device", args.device, *model])
-    out.shape = args.shape
-    return out
+    return build_parser().parse_args(["serve", "--replicas", str(replicas), "--max-batch", str(args.batch),
+                                      "--recipe", args.recipe, "--group-size", str(args.group_size),
+                                      "--device", args.device, *model])
 
 
 async def closed_loop(handle, prompts: list[list[int]], params: SamplingParams, in_flight: int) -> dict:
@@ -85,8 +82,11 @@ def measure(args: argparse.Namespace, replicas: int) -> dict:
     --requests per replica, --batch per replica in flight."""
     gpus = 1 if args.device.startswith("cuda") else 0
     replica_args = serve_args(args, replicas)
-    deployment = engine_deployment(replica_args, gpus, SyntheticReplica if args.shape else EngineReplica)
-    handle = serve.run(deployment.bind(replica_args), name=APP_NAME, route_prefix=None)
+    if args.shape:
+        app = engine_deployment(replica_args, gpus, SyntheticReplica).bind(replica_args, args.shape)
+    else:
+        app = engine_deployment(replica_args, gpus).bind(replica_args)
+    handle = serve.run(app, name=APP_NAME, route_prefix=None)
     try:
         prompt_side, _ = handle.prompt_side.remote().result()
         rng = random.Random(args.seed)
