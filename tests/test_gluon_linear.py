@@ -18,7 +18,9 @@ def test_many_tokens_of_nibble_formats_with_bf16_activations_take_it():
     for f in ("INT4", "UPPER", "FULL"):
         assert triton_linear.tile_config(fmt[f], False, 4096, 4096, 128, rows).warp_specialized
         assert not triton_linear.tile_config(fmt[f], False, 4096, 4096, 128, rows - 1).warp_specialized
-    assert not triton_linear.tile_config(fmt["INT4"], True, 4096, 4096, 128, 1024).warp_specialized  # w4a8
+    act = triton_linear.WARP_SPECIALIZED_ROWS["nibble-act"]  # w4a8, w4a4: INT4 codes on the int8 tensor cores
+    assert triton_linear.tile_config(fmt["INT4"], True, 4096, 4096, 128, act).warp_specialized
+    assert not triton_linear.tile_config(fmt["INT4"], True, 4096, 4096, 128, act - 1).warp_specialized
     int8 = triton_linear.WARP_SPECIALIZED_ROWS["int8"]  # w8a16: INT8 codes as 32-bit words, as the decode tiles
     assert triton_linear.tile_config(fmt["INT8"], False, 4096, 4096, 0, int8).warp_specialized
     assert not triton_linear.tile_config(fmt["INT8"], False, 4096, 4096, 0, int8 - 1).warp_specialized
@@ -96,3 +98,16 @@ def test_the_int8_gemm_takes_short_k_tiles_where_each_sm_has_few_tiles(monkeypat
     assert gluon_linear.int8_block_k(8 * 224, cpu) == 256  # gate/up at 1024 rows: 13.6 a SM
     assert gluon_linear.int8_block_k(32 * 32, cpu) == 256  # o at 4096 rows: 7.8 a SM
     assert gluon_linear.int8_stages(128) == 2 * gluon_linear.int8_stages(256)
+
+
+def test_the_int8_activation_kernel_reads_each_k_tiles_sum_of_x():
+    """w4a8 / w4a4's warp-specialized kernel reads x's sum over each K tile from one row a tile (TMA's box [1, 64]):
+    the integer sum of the tile's 64-column pieces, as float32, rows padded to 16-byte multiples with zeros."""
+    from selfspec.kernels import gluon_linear
+
+    g = torch.Generator().manual_seed(3)
+    sums = torch.randint(-8128, 8128, (37, 64), dtype=torch.int32, generator=g)
+    out = gluon_linear.tile_sums(sums, 128)
+    assert out.dtype == torch.float32 and out.shape == (32, 40)
+    assert torch.equal(out[:, :37], (sums[:, 0::2] + sums[:, 1::2]).t().float())
+    assert not out[:, 37:].any()

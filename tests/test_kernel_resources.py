@@ -72,10 +72,10 @@ def test_shape_report_compiles_the_tiles_linear_picks():
 
 def test_warp_specialized_gemms_compile_on_wgmma_without_spills():
     """The warp-specialized GEMMs (kernels/gluon_linear.py) compile for sm_90 in every nibble format and for w8a16's
-    words (and with their K chunks in CTAs of their own, and in 64-row CTAs), for bf16 (K whole and split) and for
-    w8a8 (K whole and a piece of it, K tiles of 256 and 128): wgmma that ptxas does not serialize (it does when
-    registers run short: the kernel then ran at the Triton tiles' time), no register spilled at the registers
-    setmaxnreg moves to the consumers, within an H100's shared memory."""
+    words (and with their K chunks in CTAs of their own, and in 64-row CTAs), for bf16 (K whole and split), for w8a8
+    (K whole and a piece of it, K tiles of 256 and 128) and for INT4 codes with int8 activations: wgmma that ptxas
+    does not serialize (it does when registers run short: the kernel then ran at the Triton tiles' time), no
+    register spilled at the registers setmaxnreg moves to the consumers, within an H100's shared memory."""
     env = compiling_env()
     out = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--warp-specialized"], env=env,
                          capture_output=True, text=True, check=True).stdout
@@ -83,7 +83,8 @@ def test_warp_specialized_gemms_compile_on_wgmma_without_spills():
                                           if line.startswith("| ") and not line.startswith("| mode"))}
     assert set(rows) == {"w4a16", "upper", "full", "w8a16", "full chunks apart", "w8a16 chunks apart",
                          "w4a16 64 rows", "full 64 rows", "w8a16 64 rows", "bf16 split 1", "bf16 split 4",
-                         "bf16 split 4, 64 columns", "w8a8", "w8a8 piece of K", "w8a8, K tiles of 128"}
+                         "bf16 split 4, 64 columns", "w8a8", "w8a8 piece of K", "w8a8, K tiles of 128",
+                         "w4a8 / w4a4, 64 rows", "w4a8 / w4a4, 128 rows"}
     for mode, (_, stages, _, stack, shared, mma, serialized) in rows.items():
         assert (stages == "-" or int(stages) >= 2) and stack == "0" and int(shared) <= 232448 and mma == "wgmma", mode
         assert serialized == "no", mode

@@ -167,6 +167,32 @@ def compile_int8_warp_specialized(partial: bool = False,
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
 
 
+def compile_act_warp_specialized(block_k: int = 128, group: int = 128, in_program: bool = True,
+                                 block_m: int = gll.ACT_BLOCK_M) -> triton.compiler.CompiledKernel:
+    """The warp-specialized GEMM of INT4 codes with int8 activations (kernels/gluon_linear.py, w4a8 / w4a4)
+    compiled for sm_90, as `nibble_act_gemm` launches it on an 8B layer."""
+    q = block_k // 4
+
+    def desc(dtype: str, shape: list[int], layout: object) -> str:
+        return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
+
+    row_n = desc("fp32", [1, gll.BLOCK_N], gll.ROW_LAYOUT)
+    sig = {"x_desc": desc("i8", [block_m, q], gl.NVMMASharedLayout.get_default_for([block_m, q], gl.int8)),
+           "w_desc": desc("i16", [gll.BLOCK_N, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_N, q], gl.int16)),
+           "scale_desc": row_n, "lo_desc": row_n, "sums_desc": desc("fp32", [1, block_m], gll.ROW_LAYOUT),
+           "xs_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16"}
+    sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
+    consts = dict(GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program, BLOCK_M=block_m,
+                  BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k,
+                  STAGES=gll.nibble_act_stages(block_k, block_m))
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    names = gll._nibble_act_ws_kernel.arg_names
+    aligned = ("bias_ptr", "res_ptr", "y_ptr", "N", "K", "stride_ym", "stride_rm")  # as launched on an 8B layer
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(GluonASTSource(gll._nibble_act_ws_kernel, sig, consts, attrs), target=H100,
+                          options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
+
+
 def compile_attention(in_program: bool, tails: bool, block_t: int = 16, warps: int = 8,
                       dim: int = 128) -> triton.compiler.CompiledKernel:
     """The bf16 attention's chunk kernel (or its in-program kernel), with or without tails (a tree's branch rows
@@ -326,6 +352,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                      compile_int8_warp_specialized(partial)) for partial in (False, True)]
         kernels.append(("w8a8, K tiles of 128", gll.int8_stages(gll.INT8_SHORT_BLOCK_K),
                         compile_int8_warp_specialized(block_k=gll.INT8_SHORT_BLOCK_K)))
+        kernels += [(f"w4a8 / w4a4, {rows} rows", gll.nibble_act_stages(128, rows),
+                     compile_act_warp_specialized(block_m=rows)) for rows in (gll.ACT_BLOCK_M, 2 * gll.ACT_BLOCK_M)]
         for name, stages, kernel in kernels:
             r = resources(kernel)
             print(f"| {name} | {stages} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} | "

@@ -37,6 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from selfspec.kernels import ptx
 from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY, launch_options, wait
+from selfspec.kernels.ops import ROW_SUM_COLS
 from selfspec.kernels.triton_small import sum_chunks
 
 # The formats, as kernels/triton_linear.py numbers them: INT8 codes (per-channel scale) and the nibble formats.
@@ -51,6 +52,7 @@ _WORD_NIBBLES = gl.constexpr(ptx.WORD_NIBBLES)
 _PLANE_WORDS = gl.constexpr(ptx.PLANE_WORDS)
 _INT8_WORDS = gl.constexpr(ptx.INT8_WORDS)
 _AFFINE = gl.constexpr(ptx.AFFINE)
+_WORD_INT8 = gl.constexpr(ptx.WORD_INT8)
 
 
 @gluon.jit
@@ -66,10 +68,12 @@ def _ring_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _loader(x_desc, w_desc, w2_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, m0, n0,
-            k_begin, k_end, FMT: gl.constexpr, GROUP: gl.constexpr, BLOCK_K: gl.constexpr):
+def _loader(x_desc, w_desc, w2_desc, scale_desc, lo_desc, sums_desc, x_bufs, w_bufs, w2_bufs, affine_bufs, sums_bufs,
+            ready, free, m0, n0, k_begin, k_end, FMT: gl.constexpr, GROUP: gl.constexpr, BLOCK_K: gl.constexpr,
+            SUMS: gl.constexpr):
     """One warp: each K tile's x quarters, words and group affine (scale, lo) into the ring, as its slots come free,
-    for the K tiles from k_begin to k_end (INT8 codes: the quarters and the words alone)."""
+    for the K tiles from k_begin to k_end (INT8 codes: the quarters and the words alone); with SUMS, also x's sums
+    over the tile, a row of BLOCK_M tokens (int8 activations: sums_desc over [K tiles, M])."""
     stages: gl.constexpr = ready.type.shape[0]
     q: gl.constexpr = BLOCK_K // 4
     planes: gl.constexpr = 2 if FMT == FULL else 1
@@ -77,7 +81,7 @@ def _loader(x_desc, w_desc, w2_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_buf
         nbytes: gl.constexpr = 4 * x_desc.block_type.nbytes + w_desc.block_type.nbytes
     else:
         nbytes: gl.constexpr = (4 * x_desc.block_type.nbytes + planes * w_desc.block_type.nbytes
-                                + 2 * scale_desc.block_type.nbytes)
+                                + 2 * scale_desc.block_type.nbytes + SUMS * sums_desc.block_type.nbytes)
     first = k_begin // BLOCK_K
     for j in range(gl.cdiv(k_end - k_begin, BLOCK_K)):
         i = first + j
@@ -94,6 +98,8 @@ def _loader(x_desc, w_desc, w2_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_buf
             tma.async_copy_global_to_shared(scale_desc, [i * BLOCK_K // GROUP, n0], bar, affine_bufs.index(2 * slot))
             tma.async_copy_global_to_shared(lo_desc, [i * BLOCK_K // GROUP, n0], bar,
                                             affine_bufs.index(2 * slot + 1))
+        if SUMS:
+            tma.async_copy_global_to_shared(sums_desc, [i, m0], bar, sums_bufs.index(slot))
 
 
 @gluon.jit
@@ -141,7 +147,7 @@ def _tile_weights(w_bufs, w2_bufs, affine_bufs, slot, row0, layout: gl.constexpr
 @gluon.jit
 def _row(buf, start, length: gl.constexpr, layout: gl.constexpr):
     """Values start .. start + length of a one-row ring slot (TMA's box [1, n], unswizzled), as a vector."""
-    row = buf._reinterpret(gl.float32, [buf.type.shape[1]], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    row = buf._reinterpret(buf.dtype, [buf.type.shape[1]], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     return row.slice(start, length).load(layout)
 
 
@@ -294,8 +300,111 @@ def _nibble_ws_kernel(x_desc, w_desc, w2_desc, scale_desc, lo_desc, scale_ptr, b
                      bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS,
                      stride_ym, stride_rm, FMT, HAS_BIAS, HAS_RES, IN_PROGRAM, PARTIAL, NARROWS, BLOCK_M,
                      BLOCK_K)),
-        (_loader, (x_desc, w_desc, w2_desc, scale_desc, lo_desc, x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free,
-                   m0, n0, k_begin, k_end, FMT, GROUP, BLOCK_K)),
+        (_loader, (x_desc, w_desc, w2_desc, scale_desc, lo_desc, x_desc, x_bufs, w_bufs, w2_bufs, affine_bufs, x_bufs,
+                   ready, free, m0, n0, k_begin, k_end, FMT, GROUP, BLOCK_K, False)),
+    ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
+
+
+@gluon.jit
+def _act_consume(x_bufs, w_bufs, affine_bufs, sums_bufs, total_bufs, ready, free, turns, xs_ptr, bias_ptr, res_ptr,
+                 y_ptr, row0,
+                 m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS: gl.constexpr,
+                 HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One consumer warpgroup of _nibble_act_ws_kernel: INT4 codes with int8 activations in the decode tiles'
+    arithmetic (triton_linear._nibble_chunk with ACT): per K tile (one quant group) the exact int32 dot of the codes
+    0..15 with x's int8 codes, on the int8 tensor cores (four wgmma, one a quarter, into a zero accumulator), then
+    the group's affine in fp32, total += s * dot + lo * sum(x), x's sums over the tile brought by the loader (the
+    integer sum of the decode tiles' pieces: the same value); the chunks added in order; x's row scale, bias and
+    residual at the end."""
+    stages: gl.constexpr = ready.type.shape[0]
+    rows: gl.constexpr = WARPGROUP_ROWS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_M, 32])
+    codes_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
+    tokens_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    weight_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=tokens_layout)
+    m_mask = offs_m < M
+    me = row0 // WARPGROUP_ROWS
+    # The chunks' running total waits in shared memory, each thread's own elements (registers hold the int32 dot
+    # and the chunk's sum alone: at 128 tokens a third accumulator spilled).
+    total_buf = total_bufs.index(me)
+    if IN_PROGRAM:
+        total_buf.store(gl.zeros((rows, BLOCK_M), gl.float32, acc_layout))
+    chunk = gl.zeros((rows, BLOCK_M), gl.float32, acc_layout)  # defined past the loop (one chunk: the total)
+    i = 0
+    for c in range(0, CHUNKS):
+        chunk = gl.zeros((rows, BLOCK_M), gl.float32, acc_layout)
+        for k0 in range(k_begin + c * K_CHUNK, gl.minimum(k_end, k_begin + (c + 1) * K_CHUNK), BLOCK_K):
+            slot = i % stages
+            mbarrier.wait(ready.index(slot), (i // stages) & 1)
+            words = w_bufs.index(slot).slice(row0, rows).load(codes_layout)
+            codes = gl.inline_asm_elementwise(_WORD_INT8, "=r,=r,=r,=r,r,r", [words],
+                                              dtype=(gl.int8, gl.int8, gl.int8, gl.int8), is_pure=True, pack=4)
+            mbarrier.wait(turns.index(me), (i & 1) ^ (1 - me))  # the two warpgroups' wgmma in turn (_consume)
+            dot = gl.zeros((rows, BLOCK_M), gl.int32, acc_layout)
+            for t in gl.static_range(4):
+                dot = warpgroup_mma(codes[t], x_bufs.index(4 * slot + t).permute((1, 0)), dot, is_async=True)
+            mbarrier.arrive(turns.index(1 - me))
+            # While the tensor cores work: the tile's affine and x's sums.
+            s = gl.expand_dims(_row(affine_bufs.index(2 * slot), row0, rows, weight_rows), 1)
+            lo = gl.expand_dims(_row(affine_bufs.index(2 * slot + 1), row0, rows, weight_rows), 1)
+            x_sum = gl.expand_dims(_row(sums_bufs.index(slot), 0, BLOCK_M, tokens_layout), 0)
+            dot = warpgroup_mma_wait(0, deps=(dot, ))
+            mbarrier.arrive(free.index(slot))
+            chunk += dot.to(gl.float32) * s + x_sum * lo
+            i += 1
+        if IN_PROGRAM:
+            total_buf.store(total_buf.load(acc_layout) + chunk)
+    if IN_PROGRAM:
+        total = total_buf.load(acc_layout)
+    else:
+        total = chunk
+    offs_n = n0 + row0 + gl.arange(0, rows, layout=weight_rows)
+    n_mask = offs_n < N
+    total = total * gl.expand_dims(gl.load(xs_ptr + offs_m, mask=m_mask, other=0), 0)
+    if HAS_BIAS:
+        total += gl.load(bias_ptr + offs_n, mask=n_mask, other=0).to(gl.float32)[:, None]
+    store_layout: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])  # 16-byte stores (_consume)
+    y = gl.convert_layout(total.to(gl.bfloat16), store_layout)
+    offs_n = n0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, store_layout))
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, store_layout))
+    y_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    if HAS_RES:
+        r = gl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=y_mask, other=0)
+        y = (y.to(gl.float32) + r.to(gl.float32)).to(gl.bfloat16)
+    gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], y, mask=y_mask)
+
+
+@gluon.jit(do_not_specialize=["M"])
+def _nibble_act_ws_kernel(x_desc, w_desc, scale_desc, lo_desc, sums_desc, xs_ptr, bias_ptr, res_ptr, y_ptr,
+                          M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
+                          GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
+                          IN_PROGRAM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """_nibble_ws_kernel's skeleton (the loader, the ring, the two consumer warpgroups in turn) for INT4 codes with
+    int8 activations (w4a8, w4a4): x's int8 codes quartered, the plane's 16-bit words, the group affine."""
+    m0, n0 = _grouped_tile(gl.program_id(0), M, N, BLOCK_M, BLOCK_N)
+    q: gl.constexpr = BLOCK_K // 4
+    x_bufs = gl.allocate_shared_memory(gl.int8, [4 * STAGES, BLOCK_M, q], x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, q], w_desc.layout)
+    affine_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, BLOCK_N], scale_desc.layout)
+    sums_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], sums_desc.layout)
+    total_bufs = gl.allocate_shared_memory(gl.float32, [2, WARPGROUP_ROWS, BLOCK_M],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    ready, free = _ring_barriers(STAGES)
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for r in gl.static_range(2):
+        mbarrier.init(turns.index(r), count=1)
+    gl.warp_specialize([
+        (_act_consume, (x_bufs, w_bufs, affine_bufs, sums_bufs, total_bufs, ready, free, turns, xs_ptr, bias_ptr,
+                        res_ptr, y_ptr, 0, m0, n0, M, N, 0, K, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES,
+                        IN_PROGRAM, BLOCK_M, BLOCK_K)),
+        (_act_consume, (x_bufs, w_bufs, affine_bufs, sums_bufs, total_bufs, ready, free, turns, xs_ptr, bias_ptr,
+                        res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, 0, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
+                        HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_M, BLOCK_K)),
+        (_loader, (x_desc, w_desc, w_desc, scale_desc, lo_desc, sums_desc, x_bufs, w_bufs, w_bufs, affine_bufs,
+                   sums_bufs, ready, free, m0, n0, 0, K, INT4, GROUP, BLOCK_K, True)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
@@ -326,9 +435,9 @@ def quartered(x2: torch.Tensor, block_k: int) -> torch.Tensor:
     return xq
 
 
-def ring_stages(slot: int, most: int = 6) -> int:
-    """Ring slots of `slot` bytes that fit in shared memory beside barriers and layout scratch."""
-    return min(most, (SHARED_MEMORY - 8192) // slot)
+def ring_stages(slot: int, most: int = 6, reserved: int = 0) -> int:
+    """Ring slots of `slot` bytes that fit in shared memory beside barriers, layout scratch and `reserved` bytes."""
+    return min(most, (SHARED_MEMORY - 8192 - reserved) // slot)
 
 
 def nibble_stages(fmt: int, block_k: int, block_m: int = BLOCK_M) -> int:
@@ -348,8 +457,8 @@ def descriptors(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, scale
     group scales and offsets ([N, groups] stored group-major: boxes of BLOCK_N rows of one group). INT8 codes (no
     lo): x's and the 32-bit words' alone, the words' standing in for the rest (the kernel does not read them)."""
     q = block_k // 4
-    x_desc = TensorDescriptor.from_tensor(x, [block_m, q], gl.NVMMASharedLayout.get_default_for([block_m, q],
-                                                                                               gl.bfloat16))
+    x_type = gl.int8 if x.dtype == torch.int8 else gl.bfloat16  # int8 activations' codes (nibble_act_gemm)
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, q], gl.NVMMASharedLayout.get_default_for([block_m, q], x_type))
     if lo is None:
         words = w.view(torch.int32)
         w_desc = TensorDescriptor.from_tensor(words, [BLOCK_N, q], gl.NVMMASharedLayout.get_default_for([BLOCK_N, q],
@@ -407,6 +516,59 @@ def nibble_gemm(x2: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, 
                                             0 if r2 is None else r2.stride(0), IN_PROGRAM=split_k > 1, PARTIAL=False,
                                             NARROWS=narrows(grid, x2.device), **flags)
     return y
+
+
+def nibble_act_gemm(x2: torch.Tensor, xs: torch.Tensor, sums: torch.Tensor, tensors: tuple, n: int, group: int,
+                    block_k: int, chunk: int, split_k: int, bias: torch.Tensor | None,
+                    r2: torch.Tensor | None) -> torch.Tensor:
+    """y [M, N] = (x2's int8 codes [M, K] with row scales xs) @ W^T (+ bias, + r2) for INT4 codes with int8
+    activations, x's sums per ROW_SUM_COLS columns handed over (`sums` [M, K / ROW_SUM_COLS]), in the decode
+    config's K tile (one quant group) and K split (split_k chunks of `chunk` columns, added in order): the decode
+    tiles' bits."""
+    m, k = x2.shape
+    w, _, scale, lo = tensors
+    block_m = act_block_m(m)
+    x_desc, w_desc, _, scale_desc, lo_desc = descriptors(quartered(x2, block_k), w, None, scale, lo, block_k,
+                                                         block_m)
+    sums_desc = TensorDescriptor.from_tensor(tile_sums(sums, block_k), [1, block_m], ROW_LAYOUT)
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
+    _nibble_act_ws_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N),)](
+        x_desc, w_desc, scale_desc, lo_desc, sums_desc, xs, bias, r2, y, m, n, k, chunk, split_k, y.stride(0),
+        0 if r2 is None else r2.stride(0), GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None,
+        IN_PROGRAM=split_k > 1, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+        STAGES=nibble_act_stages(block_k, block_m), num_warps=4, maxnreg=MAX_REGISTERS)
+    return y
+
+
+def tile_sums(sums: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x's sums over each K tile, [K tiles, M rounded up to 4] (rows of 16-byte multiples, as TMA reads them): the
+    integer sum of the tile's ROW_SUM_COLS pieces, the value the decode tiles add up from them, as float32 (exact:
+    a tile's sum of int8 codes is far below 2^24), the type the affine widens it to."""
+    m, pieces = sums.shape
+    per = block_k // ROW_SUM_COLS
+    per_tile = sums.reshape(m, pieces // per, per).sum(-1, dtype=torch.int32)
+    out = torch.zeros((per_tile.shape[1], triton.cdiv(m, 4) * 4), dtype=torch.float32, device=sums.device)
+    out[:, :m] = per_tile.t()
+    return out
+
+
+# Rows of x per CTA of _nibble_act_ws_kernel: 64, or 128 from ACT_WIDE_ROWS rows, where the grid still fills the
+# SMs (a weight tile's codes then built once for 128 tokens: 418 instructions a warp a K tile against 281 for 64).
+# A consumer's registers hold the int32 dot and the chunk's fp32 sum, 64 x WIDTH each, and its running total waits
+# in shared memory: with the total in registers too, 128 rows spilled 296 bytes (`selfspec.bench.kernel_resources
+# --warp-specialized`). The rows a CTA takes do not change a row's products or their order: the same bits.
+ACT_BLOCK_M, ACT_WIDE_ROWS = 64, 1024
+
+
+def act_block_m(m: int) -> int:
+    return 2 * ACT_BLOCK_M if m >= ACT_WIDE_ROWS else ACT_BLOCK_M
+
+
+def nibble_act_stages(block_k: int, block_m: int = BLOCK_M) -> int:
+    """_nibble_act_ws_kernel's ring: x's int8 quarters, the plane's words, the affine and x's tile sums per slot; at
+    most 4, beside the two consumers' running totals."""
+    return ring_stages(block_m * block_k + BLOCK_N * block_k // 2 + 2 * BLOCK_N * 4 + block_m * 4, most=4,
+                       reserved=2 * WARPGROUP_ROWS * block_m * 4)
 
 
 def nibble_block_m(m: int, n: int, k: int, block_k: int, split_k: int, device: torch.device) -> int:

@@ -93,6 +93,14 @@ INT8_WORDS = block("g, l0, l1, l2", "".join(gather_bytes("g", "$4", "$5", t)
                                             + signed_bytes_to_bf16(f"${t}", "g", "0x4240") for t in range(4)))
 
 
+# Four 16-bit words of a nibble plane (two a register) -> their codes 0..15 as int8 (for the int8 tensor cores): output
+# t holds the code at k = 4w + t of each word (the word's nibble t), words 0-3 in bytes 0-3.
+WORD_INT8 = block("a, b", "".join(
+    (f"shr.b32 a, $4, {4 * t};\nshr.b32 b, $5, {4 * t};\nand.b32 a, a, 0x000F000F;\nand.b32 b, b, 0x000F000F;\n"
+     if t else "and.b32 a, $4, 0x000F000F;\nand.b32 b, $5, 0x000F000F;\n")
+    + f"prmt.b32 ${t}, a, b, 0x6420;\n" for t in range(4)))
+
+
 # $0: the weight of two codes as the builds give them, one bf16 fused multiply-add c * $2 + $3 (one rounding):
 # a nibble code c = 1 + q / 16 times 16 scale plus lo - 16 scale (a bf16 value: quant/formats.fma_grid), both
 # planes' codes c = q8 - 128 times scale plus lo + 128 scale (a bf16 value too). On those grids lo +

@@ -770,8 +770,11 @@ def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, n: int
 #   1.14-1.41x; `ws-dense.json`);
 # - int8 codes with int8 activations (w8a8 on INT8 storage): 0.65-0.95x cuBLAS BF16 at 256-4096 rows against
 #   0.71-1.20x; at 160 rows slower on gate/up and down (`ws-int8.json`);
-# - INT8 codes with bf16 activations (w8a16, the nibble kernel's skeleton on 32-bit words): from 65 rows (above).
-WARP_SPECIALIZED_ROWS = {"nibble": 129, "planes": 129, "bf16": 193, "int8-act": 193, "int8": 65}
+# - INT8 codes with bf16 activations (w8a16, the nibble kernel's skeleton on 32-bit words): from 65 rows (above);
+# - INT4 codes with int8 activations (w4a8, w4a4): from 129 rows, 0.69-0.88x the Triton tiles' time on qkv,
+#   gate/up and down at 1,024 and 4,096 rows, 0.72-0.85x on gate/up and down at 256 (1.17x on qkv there: a
+#   layer's four still 0.87x); o keeps the Triton tiles (`s25-ab-gemm-nibble-act.json`).
+WARP_SPECIALIZED_ROWS = {"nibble": 129, "planes": 129, "bf16": 193, "int8-act": 193, "int8": 65, "nibble-act": 129}
 SPLIT_BF16_MOST_ROWS = 512
 
 
@@ -782,7 +785,9 @@ def takes_warp_specialized(fmt: int, act: bool, group: int, split_k: int, m: int
         return False
     if kind == "bf16":
         return split_k == 1 or m <= SPLIT_BF16_MOST_ROWS
-    return kind != "int8-act" or fmt == INT8.value  # both planes with int8 activations: not there
+    if kind == "nibble-act":  # the planes with int8 activations: not there
+        return fmt == INT4.value
+    return kind != "int8-act" or fmt == INT8.value
 
 
 def retile(cfg: TileConfig, tiles: tuple, k: int) -> TileConfig:
@@ -929,6 +934,10 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
             return gluon_linear.dense_gemm(x2, w, cfg.block_k, chunk, cfg.split_k, bias, r2)
         if fmt == INT8.value and act:
             return gluon_linear.int8_gemm(x2, xs, w, scale, bias, r2)
+        if (fmt == INT4.value and act and sums is not None and gluon_linear.covers(scale, n) and k % cfg.block_k == 0
+                and cfg.block_k == min(group, 128) and cfg.block_k % ROW_SUM_COLS.value == 0):
+            return gluon_linear.nibble_act_gemm(x2, xs, sums, tensors, n, group, cfg.block_k, chunk, cfg.split_k,
+                                                bias, r2)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     grid_split = 1 if cfg.in_program else cfg.split_k
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), grid_split)
