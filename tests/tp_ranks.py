@@ -36,6 +36,33 @@ def logits_and_bytes(tp, models, tokens):
     return out
 
 
+def graphed_and_eager(tp, cfg, sd, tokens, storage, group, mode_names):
+    """On one rank's GPU, for each mode: the logits of decode steps after an eager prompt pass, replayed from CUDA
+    graphs (which hold the pass's collectives) and run eagerly on a cache of their own, step by step."""
+    from selfspec.engine.graphs import GraphedModel
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = Transformer(cfg, shard_state_dict({k: v.bfloat16() for k, v in sd.items()}, tp.rank, tp.size), tp)
+    model.quantize(storage, group, False)
+    model = model.to(device)
+    graphed_model = GraphedModel(model, max_len=32)
+    tokens = tokens.to(device)
+    out = {}
+    for name in mode_names:
+        mode = MODES[name]
+        graphed, eager = graphed_model.new_cache(32), model.new_cache(32)
+        for cache in (graphed, eager):
+            model(tokens[:, :8], torch.arange(8, device=device), cache, mode)
+        steps = []
+        for i in range(8, tokens.shape[1]):
+            pos = torch.arange(i, i + 1, device=device)
+            steps.append((graphed_model(tokens[:, i:i + 1], pos, graphed, mode).clone(),
+                          model(tokens[:, i:i + 1], pos, eager, mode)))
+        out[name] = [(g.cpu(), e.cpu()) for g, e in steps]
+    graphed_model.release()  # before the group is left (comm.leave)
+    return out
+
+
 def collectives(tp, parts):
     """On one rank: all_reduce and gather_last of this rank's part."""
     x = parts[tp.rank]

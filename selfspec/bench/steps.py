@@ -2,9 +2,9 @@
 
 python -m selfspec.bench.steps [--shape llama-3-8b] [--context 1024] [--batch 1 8 16 32] [--tensor-parallel N]
 
-With --tensor-parallel N, the same measurements on N GPUs (one process each, NCCL), rank 0's timings reported;
-tensor-parallel passes run eagerly for now (engine/graphs.py). Each mode's AR step at the first batch size is also
-profiled there: the GPU time of its collectives' kernels a step against all its kernels' (`collectives` rows).
+With --tensor-parallel N, the same measurements on N GPUs (one process each, NCCL, the collectives captured in the
+graphs), rank 0's timings reported. Each mode's AR step at the first batch size is also profiled there: the GPU time
+of its collectives' kernels a step against all its kernels' (`collectives` rows).
 """
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             json.dump({"device": torch.cuda.get_device_name(), "shape": args.shape, "synthetic": True,
                        "context": args.context, "tensor_parallel": n, "copy_bandwidth": bandwidth, "rows": rows},
                       f, indent=1)
-    how = "CUDA graphs" if n == 1 else f"tensor parallel {n}, eager"
+    how = "CUDA graphs" if n == 1 else f"CUDA graphs, tensor parallel {n}"
     print(f"\n{torch.cuda.get_device_name()}, {args.shape} (synthetic weights), context {args.context}, {how}")
     print(verify_table(rows))
 

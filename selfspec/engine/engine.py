@@ -455,9 +455,12 @@ class Engine:
         return outputs
 
     def close(self) -> None:
-        """Under tensor parallelism, on rank 0: end the other ranks' engines (their step loops); else nothing."""
+        """Release the decode passes' CUDA graphs; under tensor parallelism, on rank 0, first end the other ranks'
+        engines (their step loops, which close theirs)."""
         if self.tp.size > 1 and self.tp.rank == 0:
             self.tp.broadcast(None)
+        if isinstance(self.runner, PagedGraphedModel):
+            self.runner.release()
 
     def _take_inbox(self) -> list[tuple[str, object]] | None:
         """The requests and aborts this step applies: rank 0's, broadcast to every rank under tensor parallelism

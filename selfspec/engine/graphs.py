@@ -199,14 +199,23 @@ class _Graphed:
         """The cache object the graph of this pass is bound to, and its number of rows."""
         return cache, rows
 
+    def release(self) -> None:
+        """Destroy the captured graphs (a pass of each shape captures again on its next call). Under tensor
+        parallelism every rank does so before leaving the process group: NCCL's teardown hangs while a graph that
+        holds its kernels lives."""
+        torch.cuda.synchronize(self.device)
+        for graph in self._graphs.values():
+            graph.graph.reset()
+        self._graphs.clear()
+
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode,
                  logits_at: torch.Tensor | None = None, packed: Packed | None = None,
                  tree: TreeLayout | None = None) -> torch.Tensor:
-        # A prefill runs eagerly; so does a tensor-parallel pass until capturing its collectives is proven on GPUs.
+        # A prefill runs eagerly. Under tensor parallelism every rank captures the same passes in the same order (the
+        # step plan is the same on every rank), so each graph holds the same collectives on every rank.
         width = tokens.shape[1] if tree is None else tree.rows.shape[1]
-        eager = (logits_at is not None or packed is not None or mode.prompt or width > MAX_GRAPHED_TOKENS
-                 or self.model.tp.size > 1)
+        eager = logits_at is not None or packed is not None or mode.prompt or width > MAX_GRAPHED_TOKENS
         if eager:
             return self.model(tokens, pos, cache, mode, logits_at, packed, tree)
         rows = tokens.shape[0] if tree is None else tree.rows.shape[0]
@@ -260,7 +269,7 @@ class PagedGraphedModel(_Graphed):
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, cache, mode: Mode,
                  logits_at: torch.Tensor | None = None, packed: Packed | None = None,
                  tree: TreeLayout | None = None) -> torch.Tensor:
-        if (packed is None or not mode.prompt or logits_at is None or self.model.tp.size > 1
+        if (packed is None or not mode.prompt or logits_at is None
                 or isinstance(self.cache, PagedQuantKVCache)):  # a quantized cache's prompt passes: eager
             return super().__call__(tokens, pos, cache, mode, logits_at, packed, tree)
         n, rows, width = tokens.shape[1], len(packed.lengths), max(packed.lengths)
@@ -286,6 +295,12 @@ class PagedGraphedModel(_Graphed):
     @property
     def captures(self) -> int:
         return len(self._graphs) + len(self._prompts)
+
+    def release(self) -> None:
+        super().release()
+        for graph in self._prompts.values():
+            graph.graph.reset()
+        self._prompts.clear()
 
     def _static(self, view: PagedBatchView | PagedQuantBatchView,
                 rows: int) -> tuple[PagedBatchView | PagedQuantBatchView, int]:

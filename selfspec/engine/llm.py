@@ -142,8 +142,9 @@ class LLM:
         return out
 
     def close(self) -> None:
-        """Release what the LLM holds beyond memory: nothing here (a tensor-parallel LLM ends its worker
-        processes)."""
+        """Release the decode passes' CUDA graphs (a tensor-parallel LLM also ends its worker processes)."""
+        if isinstance(self.runner, GraphedModel):
+            self.runner.release()
 
     def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Refuse, with the numbers, a request that would run past the context window (the server does too)."""

@@ -136,6 +136,7 @@ class TensorParallelLLM:
             self.llm.model.tp.broadcast(None)
         except RuntimeError:  # a rank is gone (the collective says so at once): end the others below
             pass
+        self.llm.close()  # its graphs before the group (comm.leave)
         for w in self.workers:
             w.join(timeout=30)
             if w.is_alive():
@@ -210,6 +211,8 @@ def serve_rank(rank: int, size: int, port: int, args: dict) -> None:
             engine = Engine(llm, **request[1])
             while not engine.stopped:
                 engine.step()
+            engine.close()
+    llm.close()  # its graphs before the group (comm.leave)
     leave()
 
 

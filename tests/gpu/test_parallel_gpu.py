@@ -1,5 +1,5 @@
 """Tensor parallelism over NCCL, 2 GPUs: greedy speculative == greedy AR of the verify mode, token for token, through
-the Triton kernels (eager: CUDA graphs do not capture the collectives yet). The same code as the CPU's gloo tests."""
+the Triton kernels, decode passes as CUDA graphs holding the NCCL collectives. The same code as the CPU's gloo tests."""
 import pytest
 import torch
 
@@ -9,6 +9,9 @@ if torch.cuda.device_count() < 2:
 
 import selfspec  # noqa: E402
 from conftest import tiny_model  # noqa: E402
+from tp_ranks import graphed_and_eager  # noqa: E402
+
+from selfspec.parallel.launch import run_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +60,16 @@ def test_tp2_engine_batched_equals_solo_ar_on_gpus(model_dir):
         assert [got[str(i)] for i in range(len(prompts))] == want
     finally:
         llm.close()
+
+
+def test_tp2_graphs_replay_the_eager_passes_bitwise():
+    """Decode passes captured as CUDA graphs with their NCCL collectives replay, with new tokens and positions, the
+    bits of the same passes run eagerly; the ranks agree."""
+    cfg, sd = tiny_model("qwen2", seed=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512)[:2]
+    tokens = torch.randint(3, 512, (1, 14), generator=torch.Generator().manual_seed(0))
+    ranks = run_ranks(graphed_and_eager, 2, cfg, sd, tokens, "planes", 64, ["full", "upper"], device="cuda")
+    for name in ("full", "upper"):
+        for step, ((g0, e0), (g1, _)) in enumerate(zip(ranks[0][name], ranks[1][name])):
+            assert torch.equal(g0, e0), f"{name}, step {step}: the graph's logits differ from the eager pass's"
+            assert torch.equal(g0, g1), f"{name}, step {step}: the ranks disagree"

@@ -3,7 +3,7 @@
 # next lease's list in docs/leads/README.md names (.ab/nibble-act: HEAD and its tests with
 # docs/leads/nibble-act-ws.patch; .ab/tp-graphs: the same with docs/leads/tp-graphs.patch; .ab/tp-peer: that and
 # docs/leads/tp-peer-all-reduce.patch). A lead's tree: one more `tree` line. With RAY=1, also .ray/1, .ray/2, ...:
-# ray[serve] 2.60.0 and its wheels for the machine's Python, as a tar cut in 40 MB pieces, one folder a call's carry
+# ray[serve] 2.60.0 and its wheels for the machine's Python, as a tar cut in 35 MiB pieces, one folder a call's carry
 # (replicas.sh puts them back together there).
 set -eu
 mkdir -p .whl .ab
@@ -27,7 +27,7 @@ if [ "${RAY:-0}" = 1 ]; then
   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
       --platform any -d .ray/wheels "ray[serve]==2.60.0"
-  tar -C .ray -cf - wheels | split -b 40M - .ray/part.
+  tar -C .ray -cf - wheels | split -b 35M - .ray/part.
   i=0
   for p in .ray/part.*; do i=$((i + 1)); mkdir -p ".ray/$i" && mv "$p" ".ray/$i/"; done
   rm -rf .ray/wheels
