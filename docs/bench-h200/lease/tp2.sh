@@ -1,7 +1,8 @@
 # Issue 18 on the 2-GPU machine (kind nvidia-h200-x2), from a tree of selfspec (.ab/TREE, default tp-peer: HEAD
-# with docs/leads/tp-peer-all-reduce.patch; carry [".whl", ".ab/TREE"]): the tensor-parallel GPU tests from that tree (TESTS=0: none), then the step benchmark (STEPS=0: none): the 8B shape at TP 1 and TP 2, the
-# 70B shape at TP 2 (140 GB of bf16 weights: 70 GB a GPU), and planes' replayed speculation on the 70B shape at
-# TP 2 against its own `full` AR (SPEC=0: none). The tests take ~4-5 minutes, the steps ~5, the replay ~3: one call
+# with docs/leads/tp-peer-all-reduce.patch; carry [".whl", ".ab/TREE"]): the tensor-parallel GPU tests from that
+# tree (TESTS=0: none), then the step benchmark (STEPS=0: none): the 8B shape at TP 1 and TP 2, the 70B shape at
+# TP 2 (140 GB of bf16 weights: 70 GB a GPU), and planes' replayed speculation on the 70B shape at TP 2 against its
+# own `full` AR (SPEC=0: none). The tests take ~4-5 minutes, the steps ~5, the replay ~3: one call
 # each (TESTS=1 STEPS=0 SPEC=0, then TESTS=0 STEPS=1 SPEC=0, then TESTS=0 STEPS=0 SPEC=1). Logs and JSON under
 # $OUT. main's own TP tests passed on two H200s in sessions 24 (eager) and 25 (CUDA graphs).
 set -u
