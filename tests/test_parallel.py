@@ -166,11 +166,18 @@ def test_a_dead_worker_is_a_clear_error(tiny_dir):
 
 def test_the_step_profile_counts_the_collectives_kernels():
     """`bench steps --tensor-parallel`'s profile: NCCL's kernels and symmetric memory's all-reduce count as
-    collectives, per step; every kernel counts toward the step's kernel time."""
-    from selfspec.bench.steps import collective_time
+    collectives, per step; every kernel counts toward the step's kernel time; the kernels by time a step, each with
+    its launches a step."""
+    from selfspec.bench import steps
 
     step = [("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 20.0),
             ("void c10d::symmetric_memory::one_shot_all_reduce_kernel<c10::BFloat16, 16, 2>(...)", 6.0),
-            ("_nibble_ws_kernel", 50.0), ("void at::native::elementwise_kernel<...>", 4.0)]
-    got = collective_time(step * 3, 3)
-    assert got == {"collectives": 2, "collective_ms": pytest.approx(0.026), "kernel_ms": pytest.approx(0.080)}
+            ("_nibble_ws_kernel", 50.0), ("void at::native::elementwise_kernel<...>", 4.0),
+            ("_nibble_ws_kernel", 30.0)]
+    got = steps.kernel_profile(step * 3, 3)
+    assert (got["collectives"], got["collective_ms"], got["kernel_ms"]) == (2, pytest.approx(0.026),
+                                                                            pytest.approx(0.110))
+    top = [(k["name"], k["per_step"], k["ms"]) for k in got["top_kernels"]]
+    assert top[0] == ("_nibble_ws_kernel", 2, pytest.approx(0.080))
+    assert [name for name, _, _ in top[1:]] == [step[0][0], step[1][0], step[3][0]]
+    assert len(steps.kernel_profile([(f"k{i}", 1.0 + i) for i in range(20)], 1)["top_kernels"]) == steps.TOP_KERNELS

@@ -1,10 +1,12 @@
 """Decode step costs under CUDA graphs: AR tokens/s per mode and batch, and draft / verify step times.
 
 python -m selfspec.bench.steps [--shape llama-3-8b] [--context 1024] [--batch 1 8 16 32] [--tensor-parallel N]
+                               [--profile]
 
 With --tensor-parallel N, the same measurements on N GPUs (one process each, NCCL, the collectives captured in the
-graphs), rank 0's timings reported. Each mode's AR step at the first batch size is also profiled there: the GPU time
-of its collectives' kernels a step against all its kernels' (`collectives` rows).
+graphs), rank 0's timings reported. Each mode's AR step at the first batch size is also profiled there (alone with
+--profile): the GPU time of its collectives' kernels a step against all its kernels', and its kernels by time
+(`collectives` rows).
 """
 from __future__ import annotations
 
@@ -76,16 +78,26 @@ def pass_ms(gm: GraphedModel, mode: Mode | str, batch: int, tokens: int, context
 COLLECTIVE_KERNELS = ("nccl", "all_reduce")
 
 
-def collective_time(kernels: list[tuple[str, float]], steps: int) -> dict:
+TOP_KERNELS = 8  # the profile's kernels by GPU time a step
+
+
+def kernel_profile(kernels: list[tuple[str, float]], steps: int) -> dict:
     """From the GPU kernels (name, microseconds) of `steps` profiled steps: per step, the collectives' kernels (how
-    many, their ms) and all kernels' ms. A collective's time holds its wait for the slower rank."""
+    many, their ms), all kernels' ms, and the TOP_KERNELS kernels by time (name, launches and ms a step: what TP 1
+    and TP 2 spend differently). A collective's time holds its wait for the slower rank."""
     ours = [us for name, us in kernels if any(k in name.lower() for k in COLLECTIVE_KERNELS)]
+    by_name: dict[str, list[float]] = {}
+    for name, us in kernels:
+        by_name.setdefault(name, []).append(us)
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:TOP_KERNELS]
     return {"collectives": len(ours) / steps, "collective_ms": sum(ours) / 1e3 / steps,
-            "kernel_ms": sum(us for _, us in kernels) / 1e3 / steps}
+            "kernel_ms": sum(us for _, us in kernels) / 1e3 / steps,
+            "top_kernels": [{"name": name, "per_step": len(us) / steps, "ms": sum(us) / 1e3 / steps}
+                            for name, us in top]}
 
 
 def profiled_step(gm: GraphedModel, mode_name: str, batch: int, context: int, steps: int = 8) -> dict:
-    """collective_time of greedy AR steps (ar_steps) under torch.profiler."""
+    """kernel_profile of greedy AR steps (ar_steps) under torch.profiler."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -95,7 +107,7 @@ def profiled_step(gm: GraphedModel, mode_name: str, batch: int, context: int, st
         run()
         torch.cuda.synchronize()
     kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return collective_time(kernels, steps)
+    return kernel_profile(kernels, steps)
 
 
 def weight_bytes_read(model, mode_name: str) -> int:
@@ -106,10 +118,12 @@ def weight_bytes_read(model, mode_name: str) -> int:
 
 
 def measure(shape: str, batches: list[int], context: int, verify_tokens: list[int], storages: list[str],
-            draft_vocab: int = 0, tp: TensorParallel = SOLO) -> list[dict]:
+            draft_vocab: int = 0, profile: bool = False, tp: TensorParallel = SOLO) -> list[dict]:
     """Every row on this process's GPU; under tensor parallelism (`tp`), of this rank's shard (every rank runs the
     same passes: they meet in each pass's collectives). With `draft_vocab` N, also each mode's 1-token pass at the
-    first batch size with its head over N tokens (mode "MODE vN"), as a draft step with a draft vocabulary runs."""
+    first batch size with its head over N tokens (mode "MODE vN"), as a draft step with a draft vocabulary runs.
+    With `profile` (always under tensor parallelism), each mode's AR step at the first batch size profiled
+    (`kernel_profile`)."""
     rows = []
     log = print if tp.rank == 0 else lambda *a, **k: None
     for storage in storages:
@@ -124,11 +138,13 @@ def measure(shape: str, batches: list[int], context: int, verify_tokens: list[in
                 rows.append({"kind": "ar", "storage": storage, "mode": mode, "batch": b, "tokens": 1, "ms": ms,
                              "tokens_per_s": b * 1000 / ms, "weight_bytes": weight_bytes_read(model, mode)})
                 log(f"{storage:7s} {mode:6s} B={b:3d} AR {ms:7.3f} ms/step  {b * 1000 / ms:8.1f} tok/s", flush=True)
-            if tp.size > 1:
+            if profile or tp.size > 1:
                 c = profiled_step(gm, mode, batches[0], context)
                 rows.append({"kind": "collectives", "storage": storage, "mode": mode, "batch": batches[0], **c})
                 log(f"{storage:7s} {mode:6s} B={batches[0]:3d} collectives: {c['collectives']:.0f} a step, "
                     f"{c['collective_ms']:.3f} ms of {c['kernel_ms']:.3f} ms of kernels", flush=True)
+                for k in c["top_kernels"]:
+                    log(f"    {k['ms']:7.3f} ms {k['per_step']:5.0f}x  {k['name'][:100]}", flush=True)
             for b in batches[:1] + batches[-1:]:
                 for t in verify_tokens:
                     rows.append({"kind": "pass", "storage": storage, "mode": mode, "batch": b, "tokens": t,
@@ -154,9 +170,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     help="also time each mode's 1-token pass with its head over N tokens (a draft vocabulary)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="split the model across N GPUs")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile each mode's AR step at the first batch size: its kernels by GPU time (always "
+                         "under --tensor-parallel)")
     args = ap.parse_args(argv)
     n = args.tensor_parallel
-    measured = (args.shape, args.batch, args.context, args.verify_tokens, args.storages, args.draft_vocab)
+    measured = (args.shape, args.batch, args.context, args.verify_tokens, args.storages, args.draft_vocab,
+                args.profile)
     if n == 1:
         rows = measure(*measured)
     else:

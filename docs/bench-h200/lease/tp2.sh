@@ -20,9 +20,9 @@ fi
 if [ "${STEPS:-1}" = 1 ]; then
 for run in 1 2 2-nccl; do  # 2-nccl: TP 2 with NCCL's all-gathers alone (SELFSPEC_TP_PEER=0), for the A/B
   SELFSPEC_TP_PEER=$([ "$run" = 2-nccl ] && echo 0 || echo 1) python3 -m selfspec.bench.steps --shape llama-3-8b \
-    --batch 1 8 32 --verify-tokens 1 5 --storages dense planes --tensor-parallel "${run%-nccl}" \
+    --batch 1 8 32 --verify-tokens 1 5 --storages dense planes --tensor-parallel "${run%-nccl}" --profile \
     --json "$OUT/tp-steps-8b-tp$run.json" > "$OUT/tp-steps-8b-tp$run.log" 2>&1
-  echo "8B TP $run rc=$?"; grep -E "AR .*ms/step|collectives" "$OUT/tp-steps-8b-tp$run.log" | head -12
+  echo "8B TP $run rc=$?"; grep -E "AR .*ms/step|collectives|^    " "$OUT/tp-steps-8b-tp$run.log" | head -40
 done
 timeout 300 python3 -m selfspec.bench.steps --shape llama-3-70b --batch 1 8 32 --verify-tokens 1 5 \
   --storages dense planes --tensor-parallel 2 --json "$OUT/tp-steps-70b-tp2.json" > "$OUT/tp-steps-70b-tp2.log" 2>&1
