@@ -121,11 +121,17 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in
                    PARTIAL=partial, NARROWS=True,
                    BLOCK_M=block_m, BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k,
                    STAGES=gll.nibble_stages(fmt, block_k, block_m))
+    return _compile_as_launched(gll._nibble_ws_kernel, sig, consts)
+
+
+def _compile_as_launched(kernel, sig: dict, consts: dict) -> triton.compiler.CompiledKernel:
+    """A warp-specialized nibble GEMM for sm_90 with consts as constexprs and the pointers and sizes 16-aligned, as
+    launched on an 8B layer."""
     sig.update(dict.fromkeys(consts, "constexpr"))
-    names = gll._nibble_ws_kernel.arg_names
-    aligned = ("bias_ptr", "res_ptr", "y_ptr", "N", "K", "stride_ym", "stride_rm")  # as launched on an 8B layer
+    names = kernel.arg_names
+    aligned = ("bias_ptr", "res_ptr", "y_ptr", "N", "K", "stride_ym", "stride_rm")
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    return triton.compile(GluonASTSource(gll._nibble_ws_kernel, sig, consts, attrs), target=H100,
+    return triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=H100,
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
 
 
@@ -185,12 +191,7 @@ def compile_act_warp_specialized(block_k: int = 128, group: int = 128, in_progra
     consts = dict(GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program, BLOCK_M=block_m,
                   BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k,
                   STAGES=gll.nibble_act_stages(block_k, block_m))
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    names = gll._nibble_act_ws_kernel.arg_names
-    aligned = ("bias_ptr", "res_ptr", "y_ptr", "N", "K", "stride_ym", "stride_rm")  # as launched on an 8B layer
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    return triton.compile(GluonASTSource(gll._nibble_act_ws_kernel, sig, consts, attrs), target=H100,
-                          options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
+    return _compile_as_launched(gll._nibble_act_ws_kernel, sig, consts)
 
 
 def compile_attention(in_program: bool, tails: bool, block_t: int = 16, warps: int = 8,

@@ -233,19 +233,28 @@ def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, turns, scale_ptr
     else:
         if FMT == INT8:  # the channel scale, after the sum (triton_linear._epilogue)
             total = total * gl.load(scale_ptr + offs_n, mask=n_mask, other=0)[:, None]
-        if HAS_BIAS:
-            total += gl.load(bias_ptr + offs_n, mask=n_mask, other=0).to(gl.float32)[:, None]
-        # y's rows are the accumulator's columns: 8 weights a thread, in a row of y, through shared memory, so that
-        # its stores are 16 bytes wide (the accumulator's own: 2 bytes, 8 lanes apart).
-        store_layout: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
-        y = gl.convert_layout(total.to(gl.bfloat16), store_layout)
-        offs_n = n0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, store_layout))
-        offs_m = m0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, store_layout))
-        y_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-        if HAS_RES:
-            r = gl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=y_mask, other=0)
-            y = (y.to(gl.float32) + r.to(gl.float32)).to(gl.bfloat16)
-        gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], y, mask=y_mask)
+        _store_transposed(total, offs_n, n_mask, bias_ptr, res_ptr, y_ptr, n0 + row0, m0, M, N, stride_ym, stride_rm,
+                          HAS_BIAS, HAS_RES, rows, WIDTH)
+
+
+@gluon.jit
+def _store_transposed(total, offs_n, n_mask, bias_ptr, res_ptr, y_ptr, n_first, m0, M, N, stride_ym, stride_rm,
+                      HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, ROWS: gl.constexpr, WIDTH: gl.constexpr):
+    """_store's steps for y^T's tile (ROWS weight rows from n_first, WIDTH tokens from m0; offs_n, n_mask: its rows
+    in the accumulator's layout): bias, bf16, the residual added to the bf16 product and rounded again. y's rows
+    are the accumulator's columns: 8 weights a thread, in a row of y, through shared memory, so that its stores are
+    16 bytes wide (the accumulator's own: 2 bytes, 8 lanes apart)."""
+    if HAS_BIAS:
+        total += gl.load(bias_ptr + offs_n, mask=n_mask, other=0).to(gl.float32)[:, None]
+    store_layout: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+    y = gl.convert_layout(total.to(gl.bfloat16), store_layout)
+    offs_n = n_first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
+    offs_m = m0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, store_layout))
+    y_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    if HAS_RES:
+        r = gl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=y_mask, other=0)
+        y = (y.to(gl.float32) + r.to(gl.float32)).to(gl.bfloat16)
+    gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], y, mask=y_mask)
 
 
 TILE_GROUP = gl.constexpr(8)  # M tiles a run of CTAs walks before it moves to the next N tile (_grouped_tile)
@@ -363,17 +372,8 @@ def _act_consume(x_bufs, w_bufs, affine_bufs, sums_bufs, total_bufs, ready, free
     offs_n = n0 + row0 + gl.arange(0, rows, layout=weight_rows)
     n_mask = offs_n < N
     total = total * gl.expand_dims(gl.load(xs_ptr + offs_m, mask=m_mask, other=0), 0)
-    if HAS_BIAS:
-        total += gl.load(bias_ptr + offs_n, mask=n_mask, other=0).to(gl.float32)[:, None]
-    store_layout: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])  # 16-byte stores (_consume)
-    y = gl.convert_layout(total.to(gl.bfloat16), store_layout)
-    offs_n = n0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, store_layout))
-    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, store_layout))
-    y_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    if HAS_RES:
-        r = gl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=y_mask, other=0)
-        y = (y.to(gl.float32) + r.to(gl.float32)).to(gl.bfloat16)
-    gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], y, mask=y_mask)
+    _store_transposed(total, offs_n, n_mask, bias_ptr, res_ptr, y_ptr, n0 + row0, m0, M, N, stride_ym, stride_rm,
+                      HAS_BIAS, HAS_RES, rows, BLOCK_M)
 
 
 @gluon.jit(do_not_specialize=["M"])
