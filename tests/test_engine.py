@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import fail_from, tiny_model
-from selfspec.engine.engine import Engine, QueueFull, StepPlan
+from selfspec.engine.engine import IN_STEP_ROWS, Engine, QueueFull, StepPlan, in_step
 from selfspec.engine.graphs import PagedGraphedModel, bucket, pad_into
 from selfspec.engine.llm import build
 from selfspec.errors import SelfspecError
@@ -570,6 +570,36 @@ def test_a_measuring_round_keeps_in_step_only_rows_due_alike(llm):
     assert finished["0"][0] == finished["1"][0]  # the pair still finish at one step
     assert engine.stats().num_lockstep_rows > 0
     assert_idle(engine)
+
+
+def test_rows_in_step_from_eight_rows():
+    """Rows stay in step (no drafting round) from IN_STEP_ROWS policy rows, where more than three quarters of them
+    are each due as many tokens as another row; below that, or with most rows due counts of their own, rounds draft
+    as the policy says."""
+    assert in_step([16] * IN_STEP_ROWS) and not in_step([16] * (IN_STEP_ROWS - 1))
+    assert not in_step(list(range(IN_STEP_ROWS)))
+    assert in_step([16] * 7 + [3]) and not in_step([16] * 6 + [3, 4])  # 7 of 8 paired; 6 of 8 is not past 3/4
+    assert in_step([9] * 16 + [5] * 12 + [1, 2, 3, 4])  # 28 of 32 in two groups
+
+
+def test_requests_started_together_stay_in_step_at_eight_rows(llm):
+    """Eight requests of one length started together: a policy that would draft every round drafts nothing, so all
+    finish at one step (their successors then share a prompt pass); of their own lengths the same requests draft.
+    Every output is its solo greedy run's."""
+    ps = torch.randint(3, 200, (8, 6), generator=torch.Generator().manual_seed(8)).tolist()
+    for lengths in ([12] * 8, [12, 13, 14, 15, 16, 17, 18, 19]):
+        refs = [llm.generate(p, greedy(n), gamma=0).token_ids for p, n in zip(ps, lengths)]
+        engine = Engine(llm, max_batch=8, block_size=4, num_blocks=128, max_gamma=3, policy=Drafts3(False))
+        for i, (p, n) in enumerate(zip(ps, lengths)):
+            engine.add_request(str(i), p, greedy(n))
+        finished = finish_steps(engine)
+        assert [finished[str(i)][1].token_ids for i in range(8)] == refs
+        drafts = engine.stats().num_drafts
+        if len(set(lengths)) == 1:
+            assert drafts == 0 and len({step for step, _ in finished.values()}) == 1
+        else:
+            assert drafts > 0
+        assert_idle(engine)
 
 
 def test_a_row_whose_prefill_ends_joins_the_burst(llm):

@@ -1,6 +1,7 @@
 """bench/policy_replay.py: the gamma policy through a trace's recorded texts at given pass costs, no model."""
 import pytest
 
+from selfspec.bench import policy_replay
 from selfspec.bench.policy_replay import Choice, Costs, Refill, main, replay, replay_batch, seeded_policy
 from selfspec.bench.traces import RecordedText, Round, ServeTreeReplay, serve_replay
 from selfspec.errors import SelfspecError
@@ -124,6 +125,22 @@ def test_the_cli_replays_a_lookup_trace_at_a_batch_and_refuses_a_tree_trace_ther
     with pytest.raises(SelfspecError, match="own lengths at --batch B > 1"):
         main(["--trace", "selfspec/bench/traces/qwen2.5-coder-1.5b.quasar.json", "--plain-ms", "4", "--tree-ms", "16:5",
               "--tokens-spread", "0.5"])
+
+
+def test_the_policys_rows_in_step_draft_nothing_at_eight_rows(monkeypatch):
+    """The engine's rule in the replay (`in_step`): eight requests of one length started together draft no round
+    where the policy would draft (a forced k still drafts); of their own lengths they draft."""
+    text = RecordedText(CHAINS)
+    costs = Costs(0.004, {1: 0.003, 8: 0.0041, 32: 0.0045}, draft_s=0.0001)
+
+    def drafting(choice: Choice, lengths: list[int] | None) -> int:
+        policy = seeded_policy(costs, serve_replay(CHAINS), 4, batch=8)
+        return replay_batch(policy, text, costs, 6, 8, 8, choice=choice, lengths=lengths)[2]
+
+    assert drafting(Choice(), None) == 0 and drafting(Choice(3), None) > 0
+    assert drafting(Choice(), [3, 4, 5, 6, 7, 8, 9, 10]) > 0
+    monkeypatch.setattr(policy_replay, "in_step", lambda dues: False)
+    assert drafting(Choice(), None) > 0  # without the rule the policy drafts these rows
 
 
 def test_requests_of_their_own_lengths_leave_rows_out_of_step_in_plain_decoding():

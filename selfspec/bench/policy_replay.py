@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from selfspec.bench.traces import TRACE_DIR, RecordedText, load
-from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT, finish_rate
+from selfspec.engine.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WAIT, finish_rate, in_step
 from selfspec.engine.graphs import node_bucket
 from selfspec.errors import SelfspecError
 from selfspec.speculative.drafters import Drafter, TreeDrafter, gamma_policy
@@ -129,8 +129,9 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
     an EOS ends it, which the hold cannot foresee), served `batch` at a time by chain rounds (request r reads
     the text from task r's start) in a closed loop (bench serve's: a finished request's successor is submitted after
     the step) and admitted as `refill` says. A round verifies every row's pending token and the longest proposal,
-    B(w + 1) tokens at `costs.pass_s`; a measuring round emits one token for each row due as many tokens as another
-    (the engine's lockstep); plain rounds run as bursts of up to `burst` steps, to the longest output still due,
+    B(w + 1) tokens at `costs.pass_s`; the policy's rounds draft nothing while its rows are to stay in step (the
+    engine's `in_step`), and a measuring round emits one token for each row due as many tokens as another (the
+    engine's lockstep); plain rounds run as bursts of up to `burst` steps, to the longest output still due,
     where no prompt waits for a free row or the one waiting is held, then up to the steps its wait has left
     (engine.py `_burst`; a row that joined this step takes part after its first token). Steps are decode steps: a
     burst counts each of its own. The oracle replays batch 1 alone."""
@@ -154,7 +155,8 @@ def replay_batch(policy: GammaPolicy, text: RecordedText, costs: Costs, tokens: 
             rows += [[p + 1, 1, n] for p, _, n in (waiting.popleft() for _ in range(joined))]
             seconds += refill.pass_s + joined * refill.prompt_s
         b = len(rows)
-        k = choice.drafts(policy, b, text, 0)
+        keep = choice.k is None and in_step([(due or n) - made for _, made, n in rows])  # the engine's rule
+        k = 0 if keep else choice.drafts(policy, b, text, 0)
         if k == 0:
             waits = waiting and b < batch
             most = left if waits and held else 1 if waits else burst

@@ -90,6 +90,25 @@ def finish_rate(rate: float, finished: int, steps: int) -> float:
     return keep * rate + (1 - keep) * finished / steps
 
 
+# From this many policy rows, rounds leave rows in step alone where more than this share of them are (`in_step`).
+IN_STEP_ROWS = 8
+IN_STEP_SHARE = 0.75
+
+
+def in_step(dues: list[int]) -> bool:
+    """Whether a round drafts nothing to keep the policy's rows in step, `dues` the tokens each may still make: at
+    IN_STEP_ROWS rows or more, more than IN_STEP_SHARE of them each due as many as another row (requests started
+    together, which finish and are replaced together, their successors sharing one prompt pass). One drafting round
+    moves them apart for the rest of their run and their successors then come one or two a prompt pass (`full`: one
+    512-token prompt 24.6 ms a pass against 14.5 ms a prompt among eight), which at batch 8-32 cost more than the
+    drafts saved: with one output length ngram ran 0.95x AR at batch 8 and quasar 0.97-0.99x at 32 on the GPU
+    (docs/speculative.md, sessions 19-21); the batch replay, 0.95x and 0.98x at batch 8, 0.99-1.01x at 32, gives
+    1.00x with this rule, and outputs of their own lengths (rows due counts of their own) draft as before. Below 8
+    rows trees in step pay (recycle 1.02-1.10x at batch 2-4)."""
+    paired = sum(n for n in Counter(dues).values() if n > 1)
+    return len(dues) >= IN_STEP_ROWS and paired > IN_STEP_SHARE * len(dues)
+
+
 def prefill_warm_sizes(max_tokens: int) -> list[int]:
     """Token counts of the prefill passes warm_up runs: one in each tile bucket of the GEMMs (kernels'
     MANY_TOKENS: up to 16, 64, 256 rows, then tile shapes chosen per size) up to max_tokens, and max_tokens."""
@@ -481,12 +500,17 @@ class Engine:
             self._live.update(item.id for k, item in inbox if k == "add")
         return inbox
 
-    def _choose(self, rows: int) -> tuple[int, bool]:
-        """The policy's drafts per row and whether they only measure: rank 0's under tensor parallelism (its
-        timings), broadcast."""
+    def _choose(self, seqs: list[Sequence]) -> tuple[int, bool]:
+        """The policy's drafts per row for its rows `seqs` and whether they only measure (none while the rows are to
+        stay in step: `in_step`): rank 0's under tensor parallelism (its timings), broadcast."""
+        def choice() -> tuple[int, bool]:
+            if in_step([s.tokens_due for s in seqs]):
+                return 0, False
+            return self.policy.choose(len(seqs)), self.policy.measuring
+
         if self.tp.size == 1:
-            return self.policy.choose(rows), self.policy.measuring
-        return self.tp.broadcast((self.policy.choose(rows), self.policy.measuring) if self.tp.rank == 0 else None)
+            return choice()
+        return self.tp.broadcast(choice() if self.tp.rank == 0 else None)
 
     def _drain(self, inbox: list[tuple[str, object]], outputs: list[RequestOutput]) -> None:
         for kind, item in inbox:
@@ -506,8 +530,8 @@ class Engine:
             if s.row is None and budget:  # FCFS: each takes what it needs of the budget left
                 chunks[s.id] = min(s.region_left, budget, self.cache.max_pass)
                 budget -= chunks[s.id]
-        auto = sum(s.gamma is None for s in self.running
-                   if s.row is not None or s.prefilled + chunks.get(s.id, 0) == s.context_len)
+        auto = [s for s in self.running
+                if s.gamma is None and (s.row is not None or s.prefilled + chunks.get(s.id, 0) == s.context_len)]
         k_auto, measuring = self._choose(auto) if auto else (0, False)
         plan, spare, preempted = StepPlan([], {}, {}, measuring), len(self.cache.free_blocks), False
         queue = deque(self.running)
