@@ -553,18 +553,24 @@ def test_plain_decoding_steps_run_back_to_back_with_unchanged_output(llm, monkey
     assert_idle(engine)
 
 
+def run_as_solo(llm, ps, lengths, policy, num_blocks=64):
+    """Greedy requests ps of `lengths` tokens through one engine under `policy`, all added at once: each output is
+    its solo greedy run's. -> (each request's (step it finished at, its generation), the engine)."""
+    refs = [llm.generate(p, greedy(n), gamma=0).token_ids for p, n in zip(ps, lengths)]
+    engine = Engine(llm, max_batch=len(ps), block_size=4, num_blocks=num_blocks, max_gamma=3, policy=policy)
+    for i, (p, n) in enumerate(zip(ps, lengths)):
+        engine.add_request(str(i), p, greedy(n))
+    finished = finish_steps(engine)
+    assert [finished[str(i)][1].token_ids for i in range(len(ps))] == refs
+    return finished, engine
+
+
 def test_a_measuring_round_keeps_in_step_only_rows_due_alike(llm):
     """Lockstep keeps together rows that would finish together: in a measuring round, greedy rows due as many
     tokens as another emit one token each, and a row due its own count (out of step already) commits what it
     accepts. Every output is its solo greedy run's."""
     ps = torch.randint(3, 200, (3, 6), generator=torch.Generator().manual_seed(7)).tolist()
-    lengths = [16, 16, 11]
-    refs = [llm.generate(p, greedy(n), gamma=0).token_ids for p, n in zip(ps, lengths)]
-    engine = Engine(llm, max_batch=3, block_size=4, num_blocks=64, max_gamma=3, policy=Drafts3(True))
-    for i, (p, n) in enumerate(zip(ps, lengths)):
-        engine.add_request(str(i), p, greedy(n))
-    finished = finish_steps(engine)
-    assert [finished[str(i)][1].token_ids for i in range(3)] == refs
+    finished, engine = run_as_solo(llm, ps, [16, 16, 11], Drafts3(True))
     accepted = [finished[str(i)][1].stats.draft_accepted for i in range(3)]
     assert accepted[0] == accepted[1] == 0 and accepted[2] > 0
     assert finished["0"][0] == finished["1"][0]  # the pair still finish at one step
@@ -588,12 +594,7 @@ def test_requests_started_together_stay_in_step_at_eight_rows(llm):
     Every output is its solo greedy run's."""
     ps = torch.randint(3, 200, (8, 6), generator=torch.Generator().manual_seed(8)).tolist()
     for lengths in ([12] * 8, [12, 13, 14, 15, 16, 17, 18, 19]):
-        refs = [llm.generate(p, greedy(n), gamma=0).token_ids for p, n in zip(ps, lengths)]
-        engine = Engine(llm, max_batch=8, block_size=4, num_blocks=128, max_gamma=3, policy=Drafts3(False))
-        for i, (p, n) in enumerate(zip(ps, lengths)):
-            engine.add_request(str(i), p, greedy(n))
-        finished = finish_steps(engine)
-        assert [finished[str(i)][1].token_ids for i in range(8)] == refs
+        finished, engine = run_as_solo(llm, ps, lengths, Drafts3(False), num_blocks=128)
         drafts = engine.stats().num_drafts
         if len(set(lengths)) == 1:
             assert drafts == 0 and len({step for step, _ in finished.values()}) == 1
