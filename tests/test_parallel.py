@@ -5,13 +5,13 @@ import multiprocessing
 import pytest
 import torch
 from conftest import tiny_model
-from tp_ranks import GROUP, RUNS, collectives, logits_and_bytes
+from tp_ranks import GROUP, RUNS, collectives, logits_and_bytes, rows_of_rank
 
 import selfspec
 from selfspec.cli import main
 from selfspec.errors import SelfspecError
 from selfspec.parallel import SOLO
-from selfspec.parallel.launch import run_ranks
+from selfspec.parallel.launch import on_ranks, run_ranks
 
 # Weight-only modes of group-aligned formats store the same codes at TP2 and TP1: only the split sums differ.
 # Per-channel INT8 scales and per-token activation scales of a row-split layer cover its rank's features only.
@@ -162,6 +162,13 @@ def test_a_dead_worker_is_a_clear_error(tiny_dir):
     finally:
         llm.close()
     assert not multiprocessing.active_children()
+
+
+def test_a_benchmark_measures_here_alone_or_on_ranks():
+    """`bench steps` and `bench spec` run their `measure` in this process at size 1, else on spawned ranks with
+    each rank's tp, rank 0's rows returned."""
+    assert on_ranks(rows_of_rank, 1, 2) == [(0, 1), (0, 1)]
+    assert on_ranks(rows_of_rank, 2, 3, device="cpu") == [(0, 2)] * 3
 
 
 def test_the_step_profile_counts_the_collectives_kernels():

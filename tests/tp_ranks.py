@@ -3,7 +3,7 @@
 import torch
 
 from selfspec.model import Transformer
-from selfspec.parallel import shard_state_dict
+from selfspec.parallel import SOLO, shard_state_dict
 from selfspec.quant.modes import MODES
 
 GROUP = 16  # the tiny models' K (64, 128) split in two stays whole groups of 16
@@ -67,3 +67,8 @@ def collectives(tp, parts):
     """On one rank: all_reduce and gather_last of this rank's part."""
     x = parts[tp.rank]
     return tp.all_reduce(x), tp.gather_last(x)
+
+
+def rows_of_rank(n, tp=SOLO):
+    """A benchmark's `measure` in miniature: n rows naming the rank that made them."""
+    return [(tp.rank, tp.size)] * n

@@ -32,6 +32,7 @@ from selfspec.bench.traces import (TASKS, TRACE_DIR, DraftModelReplay, Replay, R
 from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.parallel import SOLO, TensorParallel, check_tensor_parallel
+from selfspec.parallel.launch import on_ranks
 from selfspec.quant.modes import MODES, Mode
 from selfspec.speculative.decode import decode
 from selfspec.speculative.drafters import draft_modes
@@ -222,10 +223,6 @@ def measure(shape: str, traces: list[Path], gammas: list[int], context: int,
     return rows
 
 
-def measure_rank(tp: TensorParallel, *measured) -> list[dict]:
-    return measure(*measured, tp=tp)
-
-
 def markdown(rows: list[dict]) -> str:
     out = ["| recipe | acceptance replayed from | gamma | acceptance | mean acc. length | draft ms | verify ms "
            "| AR tok/s | spec tok/s | predicted | measured/predicted | spec/AR |", "|" + "---|" * 12]
@@ -290,12 +287,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         raise SelfspecError("`selfspec bench spec` needs a CUDA GPU to replay on a synthetic shape; "
                             "`selfspec bench spec --tables --device cpu` replays on a real model on the CPU")
     measured = (args.shape, args.trace, args.gamma, args.context, args.draft_shape)
-    if n == 1:
-        rows = measure(*measured)
-    else:
-        from selfspec.parallel.launch import run_ranks
-
-        rows = run_ranks(measure_rank, n, *measured, device="cuda")[0]
+    rows = on_ranks(measure, n, *measured)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "tensor_parallel": n, "rows": rows}, f, indent=1)

@@ -22,6 +22,7 @@ from selfspec.bench.shapes import SHAPES
 from selfspec.bench.synthetic import synthetic_model
 from selfspec.engine.graphs import GraphedModel
 from selfspec.parallel import SOLO, TensorParallel, check_tensor_parallel
+from selfspec.parallel.launch import on_ranks
 from selfspec.quant.modes import MODES, Mode
 
 # Each stored format and the modes measured from it.
@@ -177,13 +178,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     n = args.tensor_parallel
     measured = (args.shape, args.batch, args.context, args.verify_tokens, args.storages, args.draft_vocab,
                 args.profile)
-    if n == 1:
-        rows = measure(*measured)
-    else:
-        from selfspec.parallel.launch import run_ranks
-
+    if n > 1:
         check_tensor_parallel(SHAPES[args.shape], n, 128)
-        rows = run_ranks(measure_rank, n, *measured, device="cuda")[0]
+    rows = on_ranks(measure, n, *measured)
     bandwidth = copy_bandwidth() * 1e9  # bytes/s, read + write counted (DESIGN.md's roofline)
     for r in rows:  # AR steps against reading this GPU's weights once at the measured copy bandwidth
         if r["kind"] == "ar":
@@ -198,10 +195,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     how = "CUDA graphs" if n == 1 else f"CUDA graphs, tensor parallel {n}"
     print(f"\n{torch.cuda.get_device_name()}, {args.shape} (synthetic weights), context {args.context}, {how}")
     print(verify_table(rows))
-
-
-def measure_rank(tp: TensorParallel, *measured) -> list[dict]:
-    return measure(*measured, tp=tp)
 
 
 def verify_table(rows: list[dict]) -> str:

@@ -242,6 +242,18 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, device: str = "cpu"
     return [out[r] for r in range(size)]
 
 
+def on_ranks(fn: Callable[..., Any], size: int, *args: Any, device: str = "cuda") -> Any:
+    """fn(*args) in this process alone (size 1), else fn(*args, tp=tp) on `size` spawned ranks (run_ranks): rank
+    0's result. fn must be importable by name (a benchmark's `measure`)."""
+    if size == 1:
+        return fn(*args)
+    return run_ranks(_with_tp, size, fn, *args, device=device)[0]
+
+
+def _with_tp(tp: TensorParallel, fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args, tp=tp)
+
+
 def run_one_rank(fn: Callable[..., Any], rank: int, size: int, port: int, device: str, results, args: tuple) -> None:
     try:
         tp = init_rank(rank, size, port, device)
