@@ -316,9 +316,9 @@ def _nibble_ws_kernel(x_desc, w_desc, w2_desc, scale_desc, lo_desc, scale_ptr, b
 
 @gluon.jit
 def _act_consume(x_bufs, w_bufs, affine_bufs, sums_bufs, total_bufs, ready, free, turns, xs_ptr, bias_ptr, res_ptr,
-                 y_ptr, row0,
-                 m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS: gl.constexpr,
-                 HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+                 y_ptr, row0, m0, n0, M, N, k_begin, k_end, K_CHUNK, CHUNKS, stride_ym, stride_rm,
+                 HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_K: gl.constexpr):
     """One consumer warpgroup of _nibble_act_ws_kernel: INT4 codes with int8 activations in the decode tiles'
     arithmetic (triton_linear._nibble_chunk with ACT): per K tile (one quant group) the exact int32 dot of the codes
     0..15 with x's int8 codes, on the int8 tensor cores (four wgmma, one a quarter, into a zero accumulator), then
