@@ -72,10 +72,11 @@ def test_shape_report_compiles_the_tiles_linear_picks():
 
 def test_warp_specialized_gemms_compile_on_wgmma_without_spills():
     """The warp-specialized GEMMs (kernels/gluon_linear.py) compile for sm_90 in every nibble format and for w8a16's
-    words (and with their K chunks in CTAs of their own, and in 64-row CTAs), for bf16 (K whole and split), for w8a8
-    (K whole and a piece of it, K tiles of 256 and 128) and for INT4 codes with int8 activations: wgmma that ptxas
-    does not serialize (it does when registers run short: the kernel then ran at the Triton tiles' time), no
-    register spilled at the registers setmaxnreg moves to the consumers, within an H100's shared memory."""
+    words (and with their K chunks in CTAs of their own, and in 64-row CTAs), for bf16 (K whole and split; on
+    w8a16's scratch of codes with their channel scale), for w8a8 (K whole and a piece of it, K tiles of 256 and 128)
+    and for INT4 codes with int8 activations: wgmma that ptxas does not serialize (it does when registers run short:
+    the kernel then ran at the Triton tiles' time), no register spilled at the registers setmaxnreg moves to the
+    consumers, within an H100's shared memory."""
     env = compiling_env()
     out = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--warp-specialized"], env=env,
                          capture_output=True, text=True, check=True).stdout
@@ -83,8 +84,8 @@ def test_warp_specialized_gemms_compile_on_wgmma_without_spills():
                                           if line.startswith("| ") and not line.startswith("| mode"))}
     assert set(rows) == {"w4a16", "upper", "full", "w8a16", "full chunks apart", "w8a16 chunks apart",
                          "w4a16 64 rows", "full 64 rows", "w8a16 64 rows", "bf16 split 1", "bf16 split 4",
-                         "bf16 split 4, 64 columns", "w8a8", "w8a8 piece of K", "w8a8, K tiles of 128",
-                         "w4a8 / w4a4, 64 rows", "w4a8 / w4a4, 128 rows"}
+                         "bf16 split 4, 64 columns", "w8a16 scratch, split 4", "w8a8", "w8a8 piece of K",
+                         "w8a8, K tiles of 128", "w4a8 / w4a4, 64 rows", "w4a8 / w4a4, 128 rows"}
     for mode, (_, stages, _, stack, shared, mma, serialized) in rows.items():
         assert (stages == "-" or int(stages) >= 2) and stack == "0" and int(shared) <= 232448 and mma == "wgmma", mode
         assert serialized == "no", mode
@@ -133,3 +134,19 @@ def test_the_k_loop_of_a_decode_tile_issues_its_mma_instructions():
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
     rows = [r for r in rows if r[1] == "upper"]
     assert len(rows) == 4 and all(int(r[7].split()[0]) > 0 for r in rows)
+
+
+def test_int8_activation_tiles_the_gate_admits_are_the_ones_that_compile():
+    """w4a8 / w4a4 reach the warp-specialized kernel only in K tiles it compiles for: tiles of 64 (quant groups of
+    64, SmolLM2's 576 columns) failed in ptxas's pipeline on the GPU, and take the Triton tiles instead."""
+    code = ("from selfspec.bench import kernel_resources as kr\n"
+            "from selfspec.kernels import gluon_linear as gll\n"
+            "for block_k in (64, 128):\n"
+            "    try:\n"
+            "        kr.compile_act_warp_specialized(block_k=block_k, group=block_k)\n"
+            "        compiled = True\n"
+            "    except RuntimeError:\n"
+            "        compiled = False\n"
+            "    print(block_k, compiled, gll.takes_act_tiles(block_k))\n")
+    rows = [line.split() for line in run_code(code).splitlines()]
+    assert rows == [["64", "False", "False"], ["128", "True", "True"]]

@@ -902,6 +902,23 @@ def test_generated_tokens_past_scratch_rows_multiply_by_the_quartered_scratch(st
     assert torch.equal(y[:20], triton_linear.linear(x[:20], weight, mode, None, r[:20])) and calls == [24, 20]
 
 
+def test_int8_scratch_holds_the_codes_quartered():
+    """w8a16's generated rows past SCRATCH_ROWS (on Hopper) multiply quartered x by the scratch of INT8 codes, the
+    channel scale applied after the sum as the INT8 kernels do: the scratch holds each code exactly, each K tile's
+    columns quartered, no scale; the GPU tests compare the product's bits with the decode tiles'."""
+    torch.manual_seed(15)
+    weight = quantize_weight(torch.randn(40, 256), "int8", 64)
+    fmt = triton_linear.INT8.value
+    codes = triton_linear.dequantize(weight, fmt, quartered=True, codes=True)
+    q = weight.q.float()
+    for tile in range(2):  # K tiles of 128: quarters of 32 columns
+        for t in range(4):
+            for j in (0, 7, 31):
+                assert torch.equal(codes[:, tile * 128 + t * 32 + j].float(), q[:, tile * 128 + 4 * j + t])
+    assert not triton_linear.takes_scratch(fmt, False, 0, triton_linear.tile_config(fmt, False, 40, 256, 0, 4096),
+                                           torch.empty(4096, 256))  # on a CPU: the Triton tiles
+
+
 # --- attention over a quantized KV cache
 
 D = triton_quant_attention.MIN_DIM  # the smallest head the kernel takes (smaller ones run the reference)

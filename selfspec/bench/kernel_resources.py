@@ -135,20 +135,20 @@ def _compile_as_launched(kernel, sig: dict, consts: dict) -> triton.compiler.Com
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
 
 
-def compile_dense_warp_specialized(block_k: int = 64, split_k: int = 2,
-                                   block_n: int | None = None) -> triton.compiler.CompiledKernel:
-    """The warp-specialized bf16 GEMM (kernels/gluon_linear.py) compiled for sm_90, as `dense_gemm` launches it."""
+def compile_dense_warp_specialized(block_k: int = 64, split_k: int = 2, block_n: int | None = None,
+                                   scale: bool = False) -> triton.compiler.CompiledKernel:
+    """The warp-specialized bf16 GEMM (kernels/gluon_linear.py) compiled for sm_90, as `dense_gemm` launches it
+    (with `scale`, on INT8 codes with their channel scale: w8a16's scratch)."""
     block_n = block_n or gll.dense_block_n(split_k)
 
     def desc(shape: list[int]) -> str:
         return f"tensordesc<bf16[{shape[0]}, {shape[1]}],{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
 
-    sig = {"x_desc": desc([gll.BLOCK_M, block_k]), "w_desc": desc([block_n, block_k]), "bias_ptr": "*bf16",
-           "res_ptr": "*bf16", "y_ptr": "*bf16"}
+    sig = {"x_desc": desc([gll.BLOCK_M, block_k]), "w_desc": desc([block_n, block_k]), "scale_ptr": "*fp32",
+           "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16"}
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
-    consts = dict(HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=split_k > 1, BLOCK_M=gll.BLOCK_M, BLOCK_N=block_n,
-                  BLOCK_K=block_k,
-                  STAGES=gll.dense_stages(block_k, block_n))
+    consts = dict(HAS_SCALE=scale, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=split_k > 1, BLOCK_M=gll.BLOCK_M,
+                  BLOCK_N=block_n, BLOCK_K=block_k, STAGES=gll.dense_stages(block_k, block_n))
     sig.update(dict.fromkeys(consts, "constexpr"))
     return triton.compile(GluonASTSource(gll._dense_ws_kernel, sig, consts), target=H100,
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
@@ -349,6 +349,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                      compile_warp_specialized(mode, block_m=64)) for mode in ("w4a16", "full", "w8a16")]
         kernels += [(f"bf16 split {split}", "-", compile_dense_warp_specialized(64, split)) for split in (1, 4)]
         kernels.append(("bf16 split 4, 64 columns", "-", compile_dense_warp_specialized(64, 4, block_n=64)))
+        kernels.append(("w8a16 scratch, split 4", "-", compile_dense_warp_specialized(128, 4, scale=True)))
         kernels += [(f"w8a8{' piece of K' if partial else ''}", gll.int8_stages(gll.INT8_BLOCK_K),
                      compile_int8_warp_specialized(partial)) for partial in (False, True)]
         kernels.append(("w8a8, K tiles of 128", gll.int8_stages(gll.INT8_SHORT_BLOCK_K),

@@ -558,6 +558,13 @@ def tile_sums(sums: torch.Tensor, block_k: int) -> torch.Tensor:
 # in shared memory: with the total in registers too, 128 rows spilled 296 bytes (`selfspec.bench.kernel_resources
 # --warp-specialized`). The rows a CTA takes do not change a row's products or their order: the same bits.
 ACT_BLOCK_M, ACT_WIDE_ROWS = 64, 1024
+ACT_MMA_K = 32  # K columns of one int8 wgmma
+
+
+def takes_act_tiles(block_k: int) -> bool:
+    """Whether _nibble_act_ws_kernel takes K tiles of `block_k`: a quarter of x's int8 tile holds whole int8 wgmmas,
+    so tiles of 128 (tiles of 64, from quant groups of 64 as SmolLM2's 576 columns take, fail to compile)."""
+    return block_k // 4 % ACT_MMA_K == 0
 
 
 def act_block_m(m: int) -> int:
@@ -669,12 +676,14 @@ def _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, str
 
 
 @gluon.jit
-def _dense_consumer(x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, row0, M, N, K, K_CHUNK, CHUNKS, tiles,
-                    stride_ym, stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+def _dense_consumer(x_bufs, w_bufs, ready, free, scale_ptr, bias_ptr, res_ptr, y_ptr, row0, M, N, K, K_CHUNK, CHUNKS,
+                    tiles, stride_ym, stride_rm, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    BLOCK_K: gl.constexpr):
     """One warpgroup, for each of this CTA's tiles: rows m0 + row0 .. + WARPGROUP_ROWS of y, BLOCK_N columns from
     n0. Each chunk of the split in one accumulator, its K tiles in order (each tile's wgmma in flight while the next
-    one's is issued), the chunks added in order: _linear_kernel's bf16 arithmetic."""
+    one's is issued), the chunks added in order: _linear_kernel's bf16 arithmetic. HAS_SCALE: w holds INT8 codes and
+    the sum is multiplied by their channel scale, as the INT8 kernels do after theirs."""
     stages: gl.constexpr = ready.type.shape[0]
     rows: gl.constexpr = WARPGROUP_ROWS
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -703,24 +712,28 @@ def _dense_consumer(x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, row0,
                 total = acc
         offs_m = m0 + row0 + gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        if HAS_SCALE:
+            total = total * gl.load(scale_ptr + offs_n, mask=offs_n < N, other=0)[None, :]
         _store(total, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, stride_rm, HAS_BIAS, HAS_RES)
 
 
 @gluon.jit(do_not_specialize=["M"])  # one binary for every M
-def _dense_ws_kernel(x_desc, w_desc, bias_ptr, res_ptr, y_ptr, M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
-                     HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, IN_PROGRAM: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+def _dense_ws_kernel(x_desc, w_desc, scale_ptr, bias_ptr, res_ptr, y_ptr, M, N, K, K_CHUNK, CHUNKS, stride_ym,
+                     stride_rm, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
+                     IN_PROGRAM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                     STAGES: gl.constexpr):
     # A CTA a tile: launched as a persistent GEMM (`int8_ctas`) it ran 0.97-1.07x its time at 160-4096 rows (H100).
     tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     ready, free = _ring_barriers(STAGES)
     gl.warp_specialize([
-        (_dense_consumer, (x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, 0, M, N, K, K_CHUNK, CHUNKS, tiles,
-                           stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_K)),
-        (_dense_consumer, (x_bufs, w_bufs, ready, free, bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS, M, N, K, K_CHUNK,
-                           CHUNKS, tiles, stride_ym, stride_rm, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_M, BLOCK_N,
-                           BLOCK_K)),
+        (_dense_consumer, (x_bufs, w_bufs, ready, free, scale_ptr, bias_ptr, res_ptr, y_ptr, 0, M, N, K, K_CHUNK,
+                           CHUNKS, tiles, stride_ym, stride_rm, HAS_SCALE, HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_M,
+                           BLOCK_N, BLOCK_K)),
+        (_dense_consumer, (x_bufs, w_bufs, ready, free, scale_ptr, bias_ptr, res_ptr, y_ptr, WARPGROUP_ROWS, M, N, K,
+                           K_CHUNK, CHUNKS, tiles, stride_ym, stride_rm, HAS_SCALE, HAS_BIAS, HAS_RES, IN_PROGRAM,
+                           BLOCK_M, BLOCK_N, BLOCK_K)),
         (_tiles_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, free, M, N, K, K, tiles, BLOCK_M, BLOCK_N, BLOCK_K)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
@@ -744,9 +757,10 @@ def dense_stages(block_k: int, block_n: int) -> int:
 
 
 def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, chunk: int, split_k: int, bias: torch.Tensor | None,
-               r2: torch.Tensor | None) -> torch.Tensor:
-    """y [M, N] = x2 [M, K] @ w^T (+ bias, + r2) for bf16 w, in the K tile and the K split of the tile config
-    (block_k; split_k chunks of `chunk` columns): _linear_kernel's bits."""
+               r2: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = x2 [M, K] @ w^T (* scale, + bias, + r2) for bf16 w, in the K tile and the K split of the tile config
+    (block_k; split_k chunks of `chunk` columns): _linear_kernel's bits; with `scale` [N], w's rows are INT8 codes and
+    each output's sum is multiplied by its channel's scale before the bias (the INT8 kernels' epilogue)."""
     m, k = x2.shape
     n = w.shape[0]
     block_n = dense_block_n(split_k, m, n, x2.device)
@@ -756,9 +770,10 @@ def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, chunk: int, spli
     w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k],
                                           gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16))
     _dense_ws_kernel[(triton.cdiv(m, BLOCK_M) * triton.cdiv(n, block_n),)](
-        x_desc, w_desc, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0),
-        HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=block_k, STAGES=dense_stages(block_k, block_n), num_warps=4, maxnreg=MAX_REGISTERS)
+        x_desc, w_desc, scale, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0),
+        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=dense_stages(block_k, block_n), num_warps=4,
+        maxnreg=MAX_REGISTERS)
     return y
 
 

@@ -930,12 +930,13 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
         if words and fmt == INT8.value and k % cfg.block_k == 0:  # the quartered x holds whole K tiles
             return gluon_linear.nibble_gemm(x2, fmt, (w, None, scale, None), n, 0, cfg.block_k, chunk, cfg.split_k,
                                             bias, r2)
-        if fmt == DENSE.value and w.dtype == torch.bfloat16:
-            return gluon_linear.dense_gemm(x2, w, cfg.block_k, chunk, cfg.split_k, bias, r2)
+        if fmt == DENSE.value and w.dtype == torch.bfloat16:  # with a scale: INT8 codes (`scratch_linear`)
+            return gluon_linear.dense_gemm(x2, w, cfg.block_k, chunk, cfg.split_k, bias, r2, scale)
         if fmt == INT8.value and act:
             return gluon_linear.int8_gemm(x2, xs, w, scale, bias, r2)
         if (fmt == INT4.value and act and sums is not None and gluon_linear.covers(scale, n) and k % cfg.block_k == 0
-                and cfg.block_k == min(group, 128) and cfg.block_k % ROW_SUM_COLS.value == 0):
+                and cfg.block_k == min(group, 128) and cfg.block_k % ROW_SUM_COLS.value == 0
+                and gluon_linear.takes_act_tiles(cfg.block_k)):
             return gluon_linear.nibble_act_gemm(x2, xs, sums, tensors, n, group, cfg.block_k, chunk, cfg.split_k,
                                                 bias, r2)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
@@ -983,17 +984,20 @@ _SCRATCH: dict[torch.device, torch.Tensor] = {}  # per device: the largest weigh
 @triton.jit
 def _dequantize_kernel(w_desc, w2_desc, scale_ptr, lo_ptr, out_ptr, N, K, stride_sn, stride_sg,
                        FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       QUARTERED: tl.constexpr, PDL: tl.constexpr):
+                       QUARTERED: tl.constexpr, CODES: tl.constexpr, PDL: tl.constexpr):
     """One [BLOCK_N, BLOCK_K] tile of W in bf16: scale * code, + lo for the group-wise formats, in float32 (launched
-    without FMA contraction, so it rounds as quant/formats.affine_dequant_ does), then rounded once. QUARTERED: its
-    columns in the order the nibble kernels read x (column t * BLOCK_K / 4 + j of the tile holds its column 4j + t)."""
+    without FMA contraction, so it rounds as quant/formats.affine_dequant_ does), then rounded once; CODES: INT8's
+    codes alone (exact in bf16). QUARTERED: its columns in the order the nibble kernels read x (column
+    t * BLOCK_K / 4 + j of the tile holds its column 4j + t)."""
     wait(PDL)  # the previous GEMM may still read the scratch this overwrites
     n0 = tl.program_id(0) * BLOCK_N
     k0 = tl.program_id(1) * BLOCK_K
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     q = _load_weight(w_desc, w2_desc, n0, k0, FMT, BLOCK_K).to(tl.float32)
-    if FMT == INT8:
+    if FMT == INT8 and CODES:
+        w = q
+    elif FMT == INT8:
         w = q * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0)[:, None]
     else:  # BLOCK_K divides GROUP
         s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
@@ -1016,11 +1020,11 @@ def dequantize_block_k(fmt: int, group: int) -> int:
     return min(group, 128) if fmt >= INT4.value else 128
 
 
-def dequantize(weight: QuantWeight, fmt: int, quartered: bool = False) -> torch.Tensor:
+def dequantize(weight: QuantWeight, fmt: int, quartered: bool = False, codes: bool = False) -> torch.Tensor:
     """W [N, K] in bf16, bit for bit `weight.dequantize(mode).bfloat16()` for the mode `fmt` reads, in a scratch
     buffer the next call overwrites (one per device, as large as the largest weight: 235 MB for an 8B model's
     fused gate/up); `quartered`: each of its K tiles (`dequantize_block_k`) with its columns in the nibble kernels'
-    order (`gluon_linear.quartered`)."""
+    order (`gluon_linear.quartered`); `codes`: INT8's codes without their channel scale."""
     (n, k), dev = weight.shape, weight.scale.device
     buf = _SCRATCH.get(dev)
     if buf is None or buf.numel() < n * k:
@@ -1034,7 +1038,7 @@ def dequantize(weight: QuantWeight, fmt: int, quartered: bool = False) -> torch.
     stride_sn, stride_sg = (0, 0) if lo is None else lo.stride()
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         *descs, scale, lo, out, n, k, stride_sn, stride_sg, FMT=fmt, GROUP=group, BLOCK_N=block_n,
-        BLOCK_K=block_k, QUARTERED=quartered, enable_fp_fusion=False, **launch_options())
+        BLOCK_K=block_k, QUARTERED=quartered, CODES=codes, enable_fp_fusion=False, **launch_options())
     return out
 
 
@@ -1055,29 +1059,37 @@ def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.T
 # `full` from 2,048 rows (H200, 8B layers, against today's nibble kernel with its wgmma in turns: 0.86-0.96x the
 # time at 2,048 rows, 0.77-0.86x at 4,096, but 0.99-1.08x at 1,024; docs/gpu.md, session 24); w4a16 took
 # 1.17-1.24x at 1,024 and 1.02-1.06x at 4,096, so the INT4 nibbles (and `upper`, as cheap to build) keep their
-# kernel (session 23).
-SCRATCH_ROWS = {FULL.value: 2048}
+# kernel (session 23). w8a16 (INT8 codes as words, the same kernel and x quartered alike) takes its codes from the
+# scratch, unscaled (exact in bf16), the channel scale in the bf16 kernel's epilogue after the sum, as its own
+# kernel applies it: from 2,048 rows, not measured yet (its generated rows ran 1.43-1.59x cuBLAS at 4,096 rows where
+# prompt rows, dequantized then one bf16 K chain, ran 1.18-1.33x: docs/gpu.md, session 25).
+SCRATCH_ROWS = {FULL.value: 2048, INT8.value: 2048}
 
 
 def takes_scratch(fmt: int, act: bool, group: int, cfg: TileConfig, x2: torch.Tensor) -> bool:
     """Whether a GEMM of generated tokens goes through the quartered scratch (`scratch_linear`): a nibble format
-    with bf16 activations past its SCRATCH_ROWS, its K whole K tiles (x is quartered by whole tiles) of the size
-    `dequantize` quarters the scratch by (every decode config of the shapes we know)."""
+    with bf16 activations, or INT8 codes on Hopper (their scale needs the warp-specialized bf16 kernel's epilogue),
+    past its SCRATCH_ROWS, its K whole K tiles (x is quartered by whole tiles) of the size `dequantize` quarters the
+    scratch by (every decode config of the shapes we know)."""
     m, k = x2.shape
-    return (not act and uses_nibble_kernel(fmt, act, group) and m >= SCRATCH_ROWS.get(fmt, 1 << 62)
-            and k % cfg.block_k == 0 and cfg.block_k == dequantize_block_k(fmt, group))
+    kernel = uses_nibble_kernel(fmt, act, group) or (fmt == INT8.value and gluon_linear.runs_on(x2.device))
+    return (not act and kernel and m >= SCRATCH_ROWS.get(fmt, 1 << 62) and k % cfg.block_k == 0
+            and cfg.block_k == dequantize_block_k(fmt, group))
 
 
 def scratch_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.Tensor | None,
                    r2: torch.Tensor | None, cfg: TileConfig) -> torch.Tensor:
-    """y [M, N] (+ r2) of generated tokens: the weight dequantized, columns quartered, times quartered x in the bf16
-    GEMM's tiles for M rows, with cfg's (the nibble decode config's) K tile and split."""
+    """y [M, N] (+ r2) of generated tokens: the weight dequantized (INT8: its codes, the channel scale applied after
+    the sum), columns quartered, times quartered x in the bf16 GEMM's tiles for M rows, with cfg's (the weight's
+    decode config's) K tile and split."""
     (n, k), m = weight.shape, x2.shape[0]
     dense = replace(decode_config(DENSE.value, False, n, k, 0), block_k=cfg.block_k, split_k=cfg.split_k)
     dense = many_tokens(dense, DENSE.value, False, 0, m, n, k)
     dense = replace(dense, warp_specialized=True)  # Gluon's: the chunks' total in registers (Triton's tiles spill)
-    w = dequantize(weight, fmt, quartered=True)
-    return _run(gluon_linear.quartered(x2, cfg.block_k), None, (w, None, None, None), n, 0, DENSE.value, False, bias,
+    codes = fmt == INT8.value  # their channel scale after the sum, in the kernel's epilogue
+    w = dequantize(weight, fmt, quartered=True, codes=codes)
+    scale = _tensors(weight, fmt)[2] if codes else None
+    return _run(gluon_linear.quartered(x2, cfg.block_k), None, (w, None, scale, None), n, 0, DENSE.value, False, bias,
                 dense, r2)
 
 

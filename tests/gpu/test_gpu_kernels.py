@@ -544,6 +544,29 @@ def test_nibble_gemms_of_few_tiles_keep_each_rows_bits(storage, mode_name, m, n,
                            y[rows]), f"row {i}"
 
 
+@pytest.mark.parametrize("storage,mode_name", [("int8", "w8a16"), ("planes", "full")])
+def test_generated_rows_through_the_scratch_keep_each_rows_bits(storage, mode_name, monkeypatch):
+    """Past SCRATCH_ROWS (here from 17 rows) generated rows multiply quartered x by the dequantize scratch (w8a16:
+    its codes, the channel scale after the sum) in the decode config's K tile and chunks: each row gets the decode
+    tiles' bits, bias and residual included, on 8B down (K split) and qkv."""
+    torch.manual_seed(8)
+    mode = MODES[mode_name]
+    for n, k in ((4096, 14336), (6144, 4096)):
+        weight = quantize_weight(torch.randn(n, k, device=DEV) * 0.02, storage, 128)
+        fmt = triton_linear.kernel_format(weight, mode)
+        x = torch.randn(300, k, device=DEV).bfloat16()
+        bias, r = torch.randn(n, device=DEV).bfloat16(), torch.randn(300, n, device=DEV).bfloat16()
+        y16 = triton_linear.linear(x[:16], weight, mode, bias, r[:16])
+        monkeypatch.setitem(triton_linear.SCRATCH_ROWS, fmt, 17)
+        cfg = triton_linear.tile_config(fmt, False, n, k, 128, 300)
+        assert triton_linear.takes_scratch(fmt, False, 128, cfg, x)
+        y = triton_linear.linear(x, weight, mode, bias, r)
+        assert torch.equal(y[:16], y16), f"{n} x {k}"
+        for i in (0, 17, 299):
+            assert torch.equal(triton_linear.linear(x[i:i + 1], weight, mode, bias, r[i:i + 1]), y[i:i + 1]), i
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("m", [130, 256, 1024])
 @pytest.mark.parametrize("n,k", [(4096, 14336), (6144, 4096)])  # 8B down (K split 4 at decode), qkv (split 2)
 def test_int8_sums_are_exact_so_any_split_of_k_keeps_each_rows_bits(m, n, k):
