@@ -1,8 +1,7 @@
 # Run here, from the repository root, in a checkout that lacks the git-ignored files a lease carries:
 # .whl (the wheels the lent machine lacks: gguf, the GSM8K data), .ab/head (HEAD's selfspec) and the trees the
 # next lease's list in docs/leads/README.md names (.ab/tp-peer: HEAD and its tests with
-# docs/leads/tp-peer-all-reduce.patch; .ab/w8a16-scratch: with docs/leads/w8a16-scratch.patch; .ab/w4a8-affine: with
-# docs/leads/w4a8-affine.patch). A lead's tree: one more `tree` line. With RAY=1, also .ray/1, .ray/2, ...:
+# docs/leads/tp-peer-all-reduce.patch; .ab/w4a8-affine: with docs/leads/w4a8-affine.patch). A lead's tree: one more `tree` line. With RAY=1, also .ray/1, .ray/2, ...:
 # ray[serve] 2.60.0 and its wheels for the machine's Python, as a tar cut in 35 MiB pieces, one folder a call's carry
 # (replicas.sh puts them back together there).
 set -eu
@@ -19,7 +18,6 @@ tree() {  # tree NAME "PATCH..." PATHS...: .ab/NAME holding HEAD's PATHS, with d
 
 tree head "" selfspec
 tree tp-peer tp-peer-all-reduce.patch selfspec tests
-tree w8a16-scratch w8a16-scratch.patch selfspec tests
 tree w4a8-affine w4a8-affine.patch selfspec tests
 du -sh .whl .ab/*
 if [ "${RAY:-0}" = 1 ]; then
