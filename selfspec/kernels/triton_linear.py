@@ -1061,8 +1061,8 @@ def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.T
 # 1.17-1.24x at 1,024 and 1.02-1.06x at 4,096, so the INT4 nibbles (and `upper`, as cheap to build) keep their
 # kernel (session 23). w8a16 (INT8 codes as words, the same kernel and x quartered alike) takes its codes from the
 # scratch, unscaled (exact in bf16), the channel scale in the bf16 kernel's epilogue after the sum, as its own
-# kernel applies it: from 2,048 rows, not measured yet (its generated rows ran 1.43-1.59x cuBLAS at 4,096 rows where
-# prompt rows, dequantized then one bf16 K chain, ran 1.18-1.33x: docs/gpu.md, session 25).
+# kernel applies it: from 2,048 rows (H200, 8B layers: 0.99-1.04x the time of its word kernel at 2,048 rows, the
+# spread; 0.83-0.95x at 4,096; docs/gpu.md, session 26).
 SCRATCH_ROWS = {FULL.value: 2048, INT8.value: 2048}
 
 
