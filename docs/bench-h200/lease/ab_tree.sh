@@ -2,7 +2,8 @@
 # then `selfspec.bench.ab` of the GEMM bench with .ab/head as the old side and the tree as the new one. Logs and JSON
 # under $OUT. Carry [".whl", ".ab/head", ".ab/TREE"].
 #   bash docs/bench-h200/lease/ab_tree.sh TREE
-#   env: K (pytest -k), TESTS=0 (no tests), M (rows), MODES, ROUNDS (default 2), SWAP=1 (the tree as the old side
+#   env: K (pytest -k), TESTS=0 (no tests), TEST_TIMEOUT (s, default 420: a hung kernel ends the tests, not the
+#   call), M (rows), MODES, ROUNDS (default 2), SWAP=1 (the tree as the old side
 #   and HEAD as the new: a row slower on whichever side is new is the harness's, not the change's)
 set -u
 source "$(dirname "$0")/common.sh"
@@ -12,7 +13,8 @@ K=${K:-"nibble or planes or int4 or w4 or many_tokens or reference_weight or upp
 tests=$T/tests/gpu/test_gpu_kernels.py  # the tree's own tests where it has them (a patch may add some)
 [ -f "$tests" ] || tests=tests/gpu/test_gpu_kernels.py
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 -c "import sys; sys.path.insert(0, '$T'); import pytest, selfspec; print(selfspec.__file__); \
+  timeout "${TEST_TIMEOUT:-420}" python3 -c "import sys; sys.path.insert(0, '$T'); import pytest, selfspec; \
+print(selfspec.__file__); \
 sys.exit(pytest.main(['-q', '-m', 'gpu', '$tests', '-k', '''$K''', '-p', 'no:cacheprovider']))" \
     > "$OUT/gpu-tests-$tree.log" 2>&1
   echo "tests rc=$?"; tail -3 "$OUT/gpu-tests-$tree.log"
