@@ -2,7 +2,7 @@
 # .whl (the wheels the lent machine lacks: gguf, the GSM8K data), .ab/head (HEAD's selfspec) and the trees the
 # next lease's list in docs/leads/README.md names (.ab/tp-peer: HEAD and its tests with
 # docs/leads/tp-peer-all-reduce.patch; .ab/w4a8-affine: with docs/leads/w4a8-affine.patch; .ab/stream-k: with
-# docs/leads/stream-k.patch). A lead's tree: one more `tree` line. With RAY=1, also .ray/1, .ray/2, ...:
+# docs/leads/stream-k.patch; .ab/stream-k-few: and docs/leads/stream-k-few.patch on top). A lead's tree: one more `tree` line. With RAY=1, also .ray/1, .ray/2, ...:
 # ray[serve] 2.60.0 and its wheels for the machine's Python, as a tar cut in 35 MiB pieces, one folder a call's carry
 # (replicas.sh puts them back together there).
 set -eu
@@ -21,6 +21,7 @@ tree head "" selfspec
 tree tp-peer tp-peer-all-reduce.patch selfspec tests
 tree w4a8-affine w4a8-affine.patch selfspec tests
 tree stream-k stream-k.patch selfspec tests
+tree stream-k-few "stream-k.patch stream-k-few.patch" selfspec tests
 du -sh .whl .ab/*
 if [ "${RAY:-0}" = 1 ]; then
   rm -rf .ray && mkdir -p .ray/wheels
