@@ -138,7 +138,7 @@ def test_the_k_loop_of_a_decode_tile_issues_its_mma_instructions():
 
 def test_int8_activation_tiles_the_gate_admits_are_the_ones_that_compile():
     """w4a8 / w4a4 reach the warp-specialized kernel only in K tiles it compiles for: tiles of 64 (quant groups of
-    64, SmolLM2's 576 columns) failed in ptxas's pipeline on the GPU, and take the Triton tiles instead."""
+    64, SmolLM2's 576 columns) failed in Triton's compile pipeline on the GPU, and take the Triton tiles instead."""
     code = ("from selfspec.bench import kernel_resources as kr\n"
             "from selfspec.kernels import gluon_linear as gll\n"
             "for block_k in (64, 128):\n"

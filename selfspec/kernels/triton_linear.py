@@ -773,7 +773,7 @@ def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, n: int
 # - INT8 codes with bf16 activations (w8a16, the nibble kernel's skeleton on 32-bit words): from 65 rows (above);
 # - INT4 codes with int8 activations (w4a8, w4a4): from 129 rows, 0.69-0.88x the Triton tiles' time on qkv,
 #   gate/up and down at 1,024 and 4,096 rows, 0.72-0.85x on gate/up and down at 256 (1.17x on qkv there: a
-#   layer's four still 0.87x); o keeps the Triton tiles (`s25-ab-gemm-nibble-act.json`).
+#   layer's four still 0.87x); o takes it too, at the Triton tiles' time (1.00-1.02x; `s25-ab-gemm-nibble-act.json`).
 WARP_SPECIALIZED_ROWS = {"nibble": 129, "planes": 129, "bf16": 193, "int8-act": 193, "int8": 65, "nibble-act": 129}
 SPLIT_BF16_MOST_ROWS = 512
 
