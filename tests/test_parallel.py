@@ -188,3 +188,18 @@ def test_the_step_profile_counts_the_collectives_kernels():
     assert top[0] == ("_nibble_ws_kernel", 2, pytest.approx(0.080))
     assert [name for name, _, _ in top[1:]] == [step[0][0], step[1][0], step[3][0]]
     assert len(steps.kernel_profile([(f"k{i}", 1.0 + i) for i in range(20)], 1)["top_kernels"]) == steps.TOP_KERNELS
+
+
+@pytest.mark.parametrize("joined_before,fresh", [(False, True), (True, False)])
+def test_a_group_sums_through_peer_memory_only_when_no_rank_joined_one_before(monkeypatch, joined_before, fresh):
+    """Symmetric memory numbers its store exchanges per process, so a process's second peer group would wait forever
+    on a fresh peer (comm._joined_peer): every rank reads every rank's flag and all agree."""
+    import torch.distributed as dist
+
+    from selfspec.parallel import comm
+
+    monkeypatch.setattr(comm, "_joined_peer", joined_before)
+    store = dist.HashStore()
+    store.set("peer-fresh/1", "1")  # rank 1: a fresh process
+    assert comm._all_fresh(store, 0, 2) is fresh
+    assert store.get("peer-fresh/0") == (b"1" if fresh else b"0")

@@ -72,3 +72,13 @@ def collectives(tp, parts):
 def rows_of_rank(n, tp=SOLO):
     """A benchmark's `measure` in miniature: n rows naming the rank that made them."""
     return [(tp.rank, tp.size)] * n
+
+
+def peer_and_gathered(tp, parts):
+    """On one rank's GPU: the sum of the parts through the peer-memory all-reduce and through the all-gather."""
+    from selfspec.parallel.comm import TensorParallel
+
+    assert tp.peer is not None, "two GPUs sum small bf16 tensors through peer memory"
+    x = parts[tp.rank].to(torch.device("cuda", torch.cuda.current_device()))
+    gathered = TensorParallel(tp.rank, tp.size, tp.group, tp.control)
+    return [(tp.all_reduce(x[:n]).cpu(), gathered.all_reduce(x[:n]).cpu()) for n in (1, 7, len(x))]

@@ -9,7 +9,7 @@ if torch.cuda.device_count() < 2:
 
 import selfspec  # noqa: E402
 from conftest import tiny_model  # noqa: E402
-from tp_ranks import graphed_and_eager  # noqa: E402
+from tp_ranks import graphed_and_eager, peer_and_gathered  # noqa: E402
 
 from selfspec.parallel.launch import run_ranks  # noqa: E402
 
@@ -73,3 +73,15 @@ def test_tp2_graphs_replay_the_eager_passes_bitwise():
         for step, ((g0, e0), (g1, _)) in enumerate(zip(ranks[0][name], ranks[1][name])):
             assert torch.equal(g0, e0), f"{name}, step {step}: the graph's logits differ from the eager pass's"
             assert torch.equal(g0, g1), f"{name}, step {step}: the ranks disagree"
+
+
+def test_tp2_peer_all_reduce_has_the_all_gathers_bits():
+    """Two GPUs' small bf16 sums through peer memory (comm.PeerAllReduce): the bits of the float32 sum of the two
+    parts rounded once, as the all-gather path gives them, at 1, 7 and 160 rows of 4,096."""
+    g = torch.Generator().manual_seed(5)
+    parts = [(torch.randn(160, 4096, generator=g) * torch.logspace(-6, 6, 4096)).bfloat16() for _ in range(2)]
+    for rank in run_ranks(peer_and_gathered, 2, parts, device="cuda"):
+        for n, (peer, gathered) in zip((1, 7, 160), rank):
+            want = (parts[0][:n].float() + parts[1][:n].float()).bfloat16()
+            assert torch.equal(gathered, want)
+            assert torch.equal(peer, want), f"{n} rows: the peer-memory sum differs from the all-gather's"
