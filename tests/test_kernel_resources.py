@@ -38,6 +38,24 @@ def test_decode_and_many_token_nibble_tiles_fit_registers():
     assert many[0] == "64 x 128 x 4" and many[2] == "0" and many[4] == "wgmma"
 
 
+def test_int4g_tiles_compile_for_sm_90():
+    """INT4G's codes built in registers (s2 q - z s2) compile in every tile its GEMMs take: int8 activations split
+    and whole (int32 partials) and in many-token tiles, bf16 activations on mma.sync, and the int8 codes' scratch."""
+    code = ("from dataclasses import replace\n"
+            "from selfspec.bench import kernel_resources as kr\n"
+            "from selfspec.kernels import triton_linear as tlin\n"
+            "fmt = tlin.INT4G.value\n"
+            "for mode, m, n in (('w4a8', 1, 6144), ('w4a8', 1, 28672), ('w4a4', 160, 4096), ('w4a16', 1, 6144),\n"
+            "                   ('w4a16', 300, 4096)):\n"
+            "    act = mode != 'w4a16'\n"
+            "    cfg = tlin.tile_config(fmt, act, n, 4096, 128, m)\n"
+            "    r = kr.resources(kr.compile_linear(mode, cfg, fmt=fmt))\n"
+            "    print(mode, m, cfg.split_k, r.stack_bytes, r.mma)\n")
+    rows = [line.split() for line in run_code(code).splitlines()]
+    assert len(rows) == 5 and all(r[3] == "0" for r in rows)  # no spills
+    assert [r[4] for r in rows] == ["mma.sync", "mma.sync", "wgmma", "mma.sync", "mma.sync"]
+
+
 def test_bad_tiles_say_what_to_write():
     env = compiling_env()
     run = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--tiles", "64x128"], env=env,

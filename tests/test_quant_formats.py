@@ -12,6 +12,7 @@ from selfspec.model import Transformer
 from selfspec.quant.act import fake_quantize_per_token, quantize_per_token
 from selfspec.quant.formats import (
     STORAGES,
+    Int4IntScaleWeight,
     Int4Weight,
     Int8PlanesWeight,
     Int8Weight,
@@ -151,6 +152,28 @@ def test_int4_error_within_half_step():
     assert qw.packed.dtype == torch.uint8 and qw.packed.shape == (w.shape[0], w.shape[1] // 2)
 
 
+def test_int4g_codes_are_int8_of_one_channel_scale_within_half_a_group_step():
+    """Int4IntScaleWeight: w = scale[n] * w8, w8 = s2 (q - z) an integer in [-127, 127] (int8, whatever a group's
+    range), s2 in 1..16 and z in 0..15 a group; each weight within half an INT8 step plus half its group's step
+    s2 of the INT8 grid."""
+    w = rand_weight(seed=4)
+    w[5, 17] = 0.5  # an outlier: its channel's grid coarse, its group's step large
+    qw = Int4IntScaleWeight(w, GROUP)
+    s2, zs = (qw.group & 255), (qw.group >> 8)
+    assert qw.group.dtype == torch.int32 and qw.group.stride() == (1, w.shape[0])  # group-major
+    assert (s2 >= 1).all() and (s2 <= 16).all() and (zs % s2 == 0).all() and (zs // s2 <= 15).all()
+    w8 = qw.int8_codes()
+    assert torch.equal(w8, w8.round()) and w8.abs().max() <= 127
+    codes = group_view(unpack_nibbles(qw.packed).float(), GROUP)
+    assert torch.equal(group_view(w8, GROUP), codes * s2[..., None].float() - zs[..., None].float())
+    deq = qw.dequantize(MODES["w4a8"])
+    err = group_view((deq - w).abs(), GROUP)
+    step = qw.scale[:, None, None] * (0.5 + s2[..., None].float() / 2)
+    assert (err <= step * (1 + 1e-4) + 1e-7).all()
+    torch.testing.assert_close(qw.scale, w.abs().amax(1) / 119)
+    assert s2[5].float().mean() < s2[4].float().mean()  # the outlier's channel: a coarser grid, fewer steps a group
+
+
 def test_int8_error_within_half_step():
     w = rand_weight(seed=3)
     qw = Int8Weight(w)
@@ -207,6 +230,7 @@ SUPPORTED = {
     "dense": {"fp32", "bf16"},
     "int8": {"w8a16", "w8a8"},
     "int4": {"w4a16", "w4a8", "w4a4"},
+    "int4g": {"w4a16", "w4a8", "w4a4"},
     "planes": {"w8a16", "w8a8", "w4a16", "w4a8", "w4a4", "upper", "full"},
 }
 
@@ -280,6 +304,7 @@ def analytic_linear_bytes(n: int, k: int, storage: str, group: int) -> int:
         "dense": 4 * n * k,
         "int8": n * k + 4 * n,  # int8 codes + one fp32 scale per output channel
         "int4": n * k // 2 + meta,
+        "int4g": n * k // 2 + (n * k // g) * 4 + 4 * n,  # an int32 of s2 and z s2 a group, an fp32 scale a channel
         "planes": n * k + 3 * meta,  # on the CPU: the codes, and the scales and offsets once more, doubled
     }[storage]
 
@@ -333,6 +358,7 @@ def test_weight_bytes_match_analytic_size(storage, tied):
 
 PAIRS = {  # storage -> (draft, verify) pairs it runs from its one copy
     "int4": [("w4a4", "w4a16"), ("w4a8", "w4a16")],
+    "int4g": [("w4a4", "w4a16"), ("w4a8", "w4a16")],
     "planes": [("upper", "full"), ("w4a8", "w8a16"), ("w4a4", "w8a8")],
     "int8": [("w8a8", "w8a16")],
     "dense": [("bf16", "fp32")],

@@ -578,7 +578,7 @@ def test_tile_configs_compute_the_same_linear(storage, mode_name):
 
 @pytest.mark.parametrize("storage,mode_name", [("dense", "bf16"), ("int8", "w8a16"), ("int8", "w8a8"),
                                                ("int4", "w4a16"), ("int4", "w4a8"), ("planes", "w8a8"),
-                                               ("planes", "full")])
+                                               ("planes", "full"), ("int4g", "w4a16"), ("int4g", "w4a8")])
 def test_many_token_tiles_keep_every_rows_bits(storage, mode_name):
     """The K chunks of a split walked in one program add up as the split's partials do, bit for bit, and larger M
     and N tiles leave each row's bits as they are; linear takes those tiles past BLOCK_M rows."""
@@ -852,7 +852,7 @@ def test_one_plane_decode_tiles_widen_where_the_rows_fill_more_than_a_wave():
 
 
 @pytest.mark.parametrize("storage,mode_name", [("int8", "w8a16"), ("int4", "w4a16"), ("planes", "upper"),
-                                               ("planes", "full")])
+                                               ("planes", "full"), ("int4g", "w4a16")])
 def test_prompt_tokens_run_the_bf16_gemm_on_the_dequantized_weight(storage, mode_name):
     """Mode.prompt: the weight dequantized exactly as the reference rounds it, then the bf16 GEMM (whose tiles keep
     every row's bits at any M); the integer kernels' own arithmetic stays for other passes."""
@@ -900,6 +900,19 @@ def test_generated_tokens_past_scratch_rows_multiply_by_the_quartered_scratch(st
     assert calls == [24]  # 24 rows past 17: the scratch; the 20-row run below too
     assert rel_err(y, kernel) < TOL and rel_err(y, linear_oracle(x, weight, mode, None) + r) < TOL
     assert torch.equal(y[:20], triton_linear.linear(x[:20], weight, mode, None, r[:20])) and calls == [24, 20]
+
+
+def test_int4g_codes_scratch_holds_its_int8_codes():
+    """INT4G with int8 activations past CODES_SCRATCH_ROWS (on Hopper) builds its INT8 codes once into an int8
+    scratch for w8a8's int8 GEMM: the scratch holds each code w8 = s2 q - z s2 exactly (the GPU tests compare the
+    GEMM's bits with the decode tiles'); on a CPU the Triton tiles run at any M."""
+    torch.manual_seed(16)
+    weight = quantize_weight(torch.randn(40, 256), "int4g", 64)
+    fmt = triton_linear.INT4G.value
+    codes = triton_linear.dequantize(weight, fmt, codes=True, dtype=torch.int8)
+    assert codes.dtype == torch.int8 and torch.equal(codes.float(), weight.int8_codes())
+    assert torch.equal(triton_linear.dequantize(weight, fmt, codes=True).float(), weight.int8_codes())  # bf16
+    assert not triton_linear.takes_codes_scratch(fmt, True, torch.empty(4096, 256))
 
 
 def test_int8_scratch_holds_the_codes_quartered():

@@ -25,13 +25,13 @@ import torch
 import selfspec.kernels.gluon_linear as main_module
 import selfspec.kernels.triton_linear as tlin
 from selfspec.bench.device import copies_past_l2, graph_time_ms
-from selfspec.bench.gemm import PAIRS
+from selfspec.bench.gemm import FIRST_STORAGE
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import linear
 from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES
 
-STORAGE = {mode: storage for storage, mode in PAIRS}  # each mode from the storage the GEMM bench times
+STORAGE = FIRST_STORAGE  # each mode from the storage the GEMM bench names it by
 
 
 def no_build(src: str) -> str:

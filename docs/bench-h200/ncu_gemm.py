@@ -10,13 +10,13 @@ import sys
 
 import torch
 
-from selfspec.bench.gemm import PAIRS
+from selfspec.bench.gemm import FIRST_STORAGE
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import linear
 from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES
 
-STORAGE = {mode: storage for storage, mode in PAIRS}  # each mode from the storage the GEMM bench times
+STORAGE = FIRST_STORAGE  # each mode from the storage the GEMM bench names it by
 
 m, names = int(sys.argv[1]), sys.argv[2].split(",")
 mode = sys.argv[3] if len(sys.argv) > 3 else "w4a16"

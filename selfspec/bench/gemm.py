@@ -22,9 +22,12 @@ from selfspec.quant.act import quantize_per_token
 from selfspec.quant.formats import quantize_weight, storage_supports
 from selfspec.quant.modes import MODES, Mode, prompt_mode
 
-# (storage, mode) pairs measured: each mode from the cheapest storage that runs it, plus the plane views.
+# (storage, mode) pairs measured: each mode from the cheapest storage that runs it, plus the plane views and the
+# INT4 codes of integer group scales (their int8-activation GEMMs exact in int32 over all of K).
 PAIRS = [("dense", "bf16"), ("int8", "w8a16"), ("int8", "w8a8"), ("int4", "w4a16"), ("int4", "w4a8"),
-         ("int4", "w4a4"), ("planes", "upper"), ("planes", "full")]
+         ("int4", "w4a4"), ("planes", "upper"), ("planes", "full"), ("int4g", "w4a16"), ("int4g", "w4a8"),
+         ("int4g", "w4a4")]
+FIRST_STORAGE = {m: s for s, m in reversed(PAIRS)}  # a mode's row is named by the mode alone on this storage
 
 
 def handed_over(gemm: str, x: torch.Tensor, mode: Mode) -> Handover | None:
@@ -88,14 +91,15 @@ def table(rows: list[dict], copy_gb_s: float) -> str:
     ms = sorted({r["m"] for r in rows})
     out = ["| gemm | mode | " + " | ".join(f"M={m} us (x cuBLAS)" for m in ms) + " | BW@M=1 (of copy) |",
            "|---|---|" + "---|" * (len(ms) + 1)]
-    keys = list(dict.fromkeys((r["gemm"], r["mode"]) for r in rows))
-    for g, mode in keys:
-        sel = {r["m"]: r for r in rows if r["gemm"] == g and r["mode"] == mode}
+    keys = list(dict.fromkeys((r["gemm"], r["storage"], r["mode"]) for r in rows))
+    for g, storage, mode in keys:
+        sel = {r["m"]: r for r in rows if (r["gemm"], r["storage"], r["mode"]) == (g, storage, mode)}
         cublas = {r["m"]: r["ms"] for r in rows if r["gemm"] == g and r["mode"] == "cublas-bf16"}
         cells = [f"{1000 * sel[m]['ms']:.1f} ({sel[m]['ms'] / cublas[m]:.2f})" if m in sel else "-" for m in ms]
         first = sel.get(ms[0])
         bw = f"{first['gb_per_s']:.0f} GB/s ({100 * first['gb_per_s'] / copy_gb_s:.0f}%)" if first else "-"
-        out.append(f"| {g} | {mode} | " + " | ".join(cells) + f" | {bw} |")
+        name = mode if FIRST_STORAGE.get(mode.split(" (")[0], storage) == storage else f"{mode} [{storage}]"
+        out.append(f"| {g} | {name} | " + " | ".join(cells) + f" | {bw} |")
     return "\n".join(out)
 
 

@@ -50,10 +50,12 @@ class Resources:
     mma: str  # "wgmma", "mma.sync" or "none"
 
 
-def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 128) -> triton.compiler.CompiledKernel:
+def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 128,
+                   fmt: int | None = None) -> triton.compiler.CompiledKernel:
     """The kernel `_launch` would run for `mode` under `cfg` (K = k), compiled for sm_90 (no launch, no GPU); with
-    its int8 codes' row sums where the kernel takes them."""
-    fmt, act = FORMATS[mode], MODES[mode].act_bits is not None
+    its int8 codes' row sums where the kernel takes them. `fmt`: the weight's format where not the mode's FORMATS
+    one (INT4G)."""
+    fmt, act = FORMATS[mode] if fmt is None else fmt, MODES[mode].act_bits is not None
     nibble = tlin.uses_nibble_kernel(fmt, act, group)
     words = tlin.reads_words(fmt, act, group, cfg)
     word_type = "i32" if fmt == tlin.INT8.value else "i16"
@@ -64,8 +66,10 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
         w_cols = cfg.block_k // 2 if fmt >= tlin.INT4.value else cfg.block_k
     desc = f"tensordesc<{w_type}[{cfg.block_n}, {w_cols}]>"
     sig = {"x_ptr": "*i8" if act else "*bf16", "xs_ptr": "*fp32", "w_desc": desc,
-           "w2_desc": desc if fmt == tlin.FULL.value else "constexpr", "scale_ptr": "*fp32", "lo_ptr": "*fp32",
-           "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+           "w2_desc": desc if fmt == tlin.FULL.value else "constexpr", "scale_ptr": "*fp32",
+           "lo_ptr": "*i32" if fmt == tlin.INT4G.value else "*fp32",
+           "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16",
+           "part_ptr": "*i32" if act and fmt in (tlin.INT8.value, tlin.INT4G.value) else "*fp32", "count_ptr": "*i32"}
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_xm", "stride_sn", "stride_sg",
                               "stride_ym", "stride_rm"), "i32"))
     consts = dict(FMT=fmt, ACT=act, GROUP=group if fmt >= tlin.INT4.value else 0, HAS_BIAS=False, HAS_RES=False,

@@ -52,12 +52,13 @@ from selfspec.kernels.triton_small import ROW_SUM_COLS, qmax, row_codes, row_sca
 from selfspec.quant.formats import STORAGES, DenseWeight, QuantWeight
 from selfspec.quant.modes import MODES, Mode
 
-# How the kernel reads W. Formats from INT4 on are group-wise affine (w = lo + scale * q).
+# How the kernel reads W. Formats INT4 to FULL are group-wise affine (w = lo + scale * q).
 DENSE = tl.constexpr(0)  # floats as stored
 INT8 = tl.constexpr(1)  # signed codes, per-channel scale (applied after the K loop)
 INT4 = tl.constexpr(2)  # nibbles
 UPPER = tl.constexpr(3)  # the upper nibble plane of the INT8-plane format, alone
 FULL = tl.constexpr(4)  # both planes: q8 = 16 * upper + lower
+INT4G = tl.constexpr(5)  # nibbles with integer group scales: INT8 codes built in registers, then as INT8's
 
 INT8_ACT_MAX_K = 1 << 16  # int8 dots summed in int32 over all of K: |sum| <= 128 * 128 * K stays below 2^31
 BLOCK_M = 16  # decode's M tile (M <= 16); the smallest tl.dot tile
@@ -125,6 +126,21 @@ def _load_weight(w_desc, w2_desc, n0, k0, FMT: tl.constexpr, BLOCK_K: tl.constex
 
 
 @triton.jit
+def _weight_codes(w_desc, w2_desc, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg, FMT: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_load_weight's tile, but INT4G's as its int8 codes w8 = s2 q - z s2 (quant/formats.Int4IntScaleWeight; the
+    group's s2 | z s2 << 8 from lo_ptr, group-major), read by INT8's path from there on."""
+    if FMT == INT4G:  # BLOCK_K divides GROUP, so the tile lies in one group
+        q = _load_weight(w_desc, w2_desc, n0, k0, INT4, BLOCK_K)
+        g = tl.load(lo_ptr + offs_n * stride_sn + (k0 // GROUP) * stride_sg, mask=offs_n < N, other=0)
+        s2, zs = (g & 255).to(tl.int16), (g >> 8).to(tl.int16)
+        q = (q.to(tl.int16) * s2[:, None] - zs[:, None]).to(tl.int8)
+    else:
+        q = _load_weight(w_desc, w2_desc, n0, k0, FMT, BLOCK_K)
+    return q
+
+
+@triton.jit
 def _group_affine(scale_ptr, lo_ptr, offs_n, g, N, stride_sn, stride_sg, FMT: tl.constexpr):
     """(scale, lo) [BLOCK_N] of quant group g, for the codes _load_weight returns: w = lo + scale * q. The
     formats store them group-major (stride_sn == 1), so a tile's values are one contiguous run."""
@@ -155,7 +171,7 @@ def _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, 
     acc = acc.to(tl.float32)
     if ACT:
         acc = acc * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
-    if FMT == INT8:
+    if FMT == INT8 or FMT == INT4G:
         acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)[None, :]
@@ -171,7 +187,7 @@ def _epilogue(acc, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, 
 def _zeros(ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr, ACT: tl.constexpr):
     """A tile's zero accumulator: int32 for INT8 codes with int8 activations, whose dots are summed exactly over all
     of K (INT8_ACT_MAX_K) and converted once, so that no K tile, split or instruction changes a bit; else fp32."""
-    if ACT and FMT == INT8:
+    if ACT and (FMT == INT8 or FMT == INT4G):
         z = tl.zeros((ROWS, COLS), dtype=tl.int32)
     else:
         z = tl.zeros((ROWS, COLS), dtype=tl.float32)
@@ -229,10 +245,10 @@ def _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, n0, k0, N, str
     if WORDS:
         q = w_desc.load([n0, k0 // 4])
     else:
-        q = _load_weight(w_desc, w2_desc, n0, k0, FMT, BLOCK_K)
-    if FMT >= INT4:  # BLOCK_K divides GROUP, so the tile lies in one group
+        q = _weight_codes(w_desc, w2_desc, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg, FMT, GROUP, BLOCK_K)
+    if FMT >= INT4 and FMT <= FULL:  # BLOCK_K divides GROUP, so the tile lies in one group
         s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
-    if ACT and FMT == INT8:  # exact int32 sums over all of K (`_zeros`)
+    if ACT and (FMT == INT8 or FMT == INT4G):  # exact int32 sums over all of K (`_zeros`)
         if SWAP:
             acc = tl.dot(q, tl.trans(x), acc, out_dtype=tl.int32)
         else:
@@ -257,7 +273,7 @@ def _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, n0, k0, N, str
             acc = tl.dot(x0, tl.trans(c0), acc)
             acc = tl.dot(x3, tl.trans(c3), tl.dot(x2, tl.trans(c2), tl.dot(x1, tl.trans(c1), acc)))
     else:
-        if FMT == INT8:
+        if FMT == INT8 or FMT == INT4G:
             w = q.to(tl.float32).to(tl.bfloat16)  # via fp32: exact for int8 codes
         else:
             w = q.to(tl.bfloat16)
@@ -572,6 +588,8 @@ def kernel_format(weight: QuantWeight, mode: Mode) -> int | None:
         fmt = None  # a tile must fit in a group and int8 dots need K >= 32
     elif weight.storage == "int4":
         fmt = INT4.value
+    elif weight.storage == "int4g":  # its int32 sums as INT8's (INT8_ACT_MAX_K)
+        fmt = INT4G.value if mode.act_bits is None or weight.shape[1] <= INT8_ACT_MAX_K else None
     else:
         fmt = UPPER.value if mode.weight_bits == 4 else FULL.value
     if fmt is None or not all(_tma_ready(t) for t in _tensors(weight, fmt)[:2] if t is not None):
@@ -596,7 +614,7 @@ def uses_nibble_kernel(fmt: int, act: bool, group: int) -> bool:
     """_nibble_kernel takes the nibble formats but both planes with int8 activations (w8a8 etc. on planes) and
     int8 activations in groups under 64: its even/odd halves give an int8 dot K = group / 2, and int8 tensor
     cores need K >= 32."""
-    return fmt >= INT4.value and not (act and (fmt == FULL.value or group < 64))
+    return INT4.value <= fmt <= FULL.value and not (act and (fmt == FULL.value or group < 64))
 
 
 @functools.lru_cache(maxsize=4096)  # called per GEMM launch: an eager prompt pass of an 8B model makes ~130
@@ -638,9 +656,9 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
         return TileConfig(64 if fmt == FULL.value else 128, block_k, split_k)
     if fmt == INT8.value and not act:  # INT8 codes as 32-bit words (`reads_words`)
         return int8_words_config(n, k)
-    int4_act = act and fmt >= INT4.value
+    int4_act = act and INT4.value <= fmt <= FULL.value
     block_n = 64 if int4_act or n > 32768 else 32
-    if fmt >= INT4.value:
+    if fmt >= INT4.value:  # a K tile in one quant group
         block_k = min(group, 128)
     else:
         block_k = max(min(triton.next_power_of_2(k), 256 if fmt == INT8.value else 128), 32 if act else 16)
@@ -672,6 +690,9 @@ def int8_words_config(n: int, k: int) -> TileConfig:
 # Llama-3-8B layers, M = 64 to 4096), each candidate against the decode tiles' bits over all rows:
 # - int8 activations (int8-act, nibble-act): any M and N tile, warps, stages, mma or wgmma keep the bits (exact
 #   int32 dots per K tile, then the same fp32 affine per element; INT8 codes: exact int32 sums over all of K);
+# - INT4G (int4g-act, int4g): its INT8 codes built in registers; with int8 activations any tile (exact int32 sums),
+#   64 x 128 on 8 warps (4 warps spilled 184-328 bytes a thread, compiled for sm_90); with bf16 activations its
+#   codes are built from bytes, so 32-row mma.sync tiles only (below);
 # - bf16 activations (bf16, int8 and nibble weights): warps, stages, N tiles and M tiles up to 32 keep the bits,
 #   but M tiles of 64 or more (where Triton issues Hopper's wgmma instead of mma.sync) changed 4e-5 to 1.5e-3 of
 #   the outputs of integer-coded weights (int8 codes, nibbles, planes) built from bytes, whose mma.sync operands
@@ -710,6 +731,10 @@ MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
              (256, (64, 128, 4, 4, True, 64), (128, 128, 8, 3, False, 64)),
              (1 << 62, [(128, 256, 8, 3, True, 64), (128, 128, 8, 3, True, 128)],
               [(128, 256, 8, 3, False, 64), (128, 128, 8, 3, False, 64)])],
+    "int4g-act": [(64, (64, 128, 8, 3, False), (64, 128, 8, 3, False)),
+                  (1 << 62, (64, 128, 8, 3, True), (64, 128, 8, 3, False))],
+    "int4g": [(32, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
+              (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
     "int8": [(32, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
              (64, (64, 64, 4, 3, False), (64, 64, 4, 3, False)),
              (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
@@ -732,6 +757,8 @@ def kernel_kind(fmt: int, act: bool, group: int) -> str:
     """Which row of MANY_TOKENS a GEMM takes."""
     if uses_nibble_kernel(fmt, act, group):
         return "nibble-act" if act else "planes" if fmt == FULL.value else "nibble"
+    if fmt == INT4G.value:
+        return "int4g-act" if act else "int4g"
     if act:
         return "int8-act"
     return "bf16" if fmt == DENSE.value else "int8"
@@ -825,7 +852,7 @@ def k_chunk(k: int, split_k: int, block_k: int) -> int:
 
 def _shift(fmt: int) -> int:
     """What moves a format's unsigned codes into the int8 range."""
-    return {INT8.value: 0, INT4.value: 8, UPPER.value: 8, FULL.value: 128}[fmt]
+    return {INT8.value: 0, INT4.value: 8, UPPER.value: 8, FULL.value: 128, INT4G.value: 0}[fmt]
 
 
 def _tensors(weight: QuantWeight, fmt: int) -> tuple:
@@ -836,6 +863,8 @@ def _tensors(weight: QuantWeight, fmt: int) -> tuple:
         return weight.q, None, weight.scale, None
     if fmt == INT4.value:
         return weight.packed, None, weight.scale, weight.lo
+    if fmt == INT4G.value:  # the group's integers where the affine formats keep lo
+        return weight.packed, None, weight.scale, weight.group
     upper, lower = weight.planes()  # as stored on a GPU; made from the CPU layout for Triton's interpreter
     return upper, lower if fmt == FULL.value else None, weight.scale, weight.lo
 
@@ -863,6 +892,9 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     if takes_scratch(fmt, act, group, cfg, x2):
         return scratch_linear(x2, weight, fmt, bias, r2, cfg).view(*x.shape[:-1], n)
     x2, xs, sums = kernel_inputs(x2, mode, fmt, group, cfg, handover)
+    if takes_codes_scratch(fmt, act, x2):
+        codes = dequantize(weight, fmt, codes=True, dtype=torch.int8)
+        return gluon_linear.int8_gemm(x2, xs, codes, weight.scale, bias, r2).view(*x.shape[:-1], n)
     return _launch(x2, xs, weight, fmt, act, bias, cfg, r2, sums).view(*x.shape[:-1], n)
 
 
@@ -944,7 +976,7 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), grid_split)
     part = counts = None
     if grid_split > 1:
-        exact = fmt == INT8.value and act  # int32 partial sums (`_zeros`)
+        exact = fmt in (INT8.value, INT4G.value) and act  # int32 partial sums (`_zeros`)
         part = torch.empty((grid_split, m, n), dtype=torch.int32 if exact else torch.float32, device=x2.device)
         counts = group_counts(x2.device, grid[0] * grid[1])
     flags = dict(FMT=fmt, ACT=act, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None,
@@ -978,7 +1010,8 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
 # prefilled in one piece or in chunks of any size, alone or packed with others, gets the same bits; decode and verify
 # passes multiply by the same bf16 weights in the integer kernels (their K tiles, split and k order).
 
-_SCRATCH: dict[torch.device, torch.Tensor] = {}  # per device: the largest weight dequantized so far, reused
+# Per device and dtype (bf16 weights, int8 codes): the largest weight dequantized so far, reused.
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 @triton.jit
@@ -986,18 +1019,19 @@ def _dequantize_kernel(w_desc, w2_desc, scale_ptr, lo_ptr, out_ptr, N, K, stride
                        FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        QUARTERED: tl.constexpr, CODES: tl.constexpr, PDL: tl.constexpr):
     """One [BLOCK_N, BLOCK_K] tile of W in bf16: scale * code, + lo for the group-wise formats, in float32 (launched
-    without FMA contraction, so it rounds as quant/formats.affine_dequant_ does), then rounded once; CODES: INT8's
-    codes alone (exact in bf16). QUARTERED: its columns in the order the nibble kernels read x (column
-    t * BLOCK_K / 4 + j of the tile holds its column 4j + t)."""
+    without FMA contraction, so it rounds as quant/formats.affine_dequant_ does), then rounded once; CODES: the INT8
+    codes alone (INT8's or INT4G's, exact in bf16, or stored as int8 where out_ptr is). QUARTERED: its columns in
+    the order the nibble kernels read x (column t * BLOCK_K / 4 + j of the tile holds its column 4j + t)."""
     wait(PDL)  # the previous GEMM may still read the scratch this overwrites
     n0 = tl.program_id(0) * BLOCK_N
     k0 = tl.program_id(1) * BLOCK_K
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    q = _load_weight(w_desc, w2_desc, n0, k0, FMT, BLOCK_K).to(tl.float32)
-    if FMT == INT8 and CODES:
+    q = _weight_codes(w_desc, w2_desc, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg, FMT, GROUP,
+                      BLOCK_K).to(tl.float32)
+    if (FMT == INT8 or FMT == INT4G) and CODES:
         w = q
-    elif FMT == INT8:
+    elif FMT == INT8 or FMT == INT4G:
         w = q * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0)[:, None]
     else:  # BLOCK_K divides GROUP
         s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
@@ -1005,13 +1039,13 @@ def _dequantize_kernel(w_desc, w2_desc, scale_ptr, lo_ptr, out_ptr, N, K, stride
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
     if QUARTERED:  # reordered in registers, so that the stores stay contiguous
         w = tl.reshape(tl.permute(tl.reshape(w, (BLOCK_N, BLOCK_K // 4, 4)), (0, 2, 1)), (BLOCK_N, BLOCK_K))
-    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w.to(tl.bfloat16), mask=mask)
+    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def dequantize_scratch(device: torch.device) -> torch.Tensor | None:
-    """The scratch buffer `dequantize` writes on this device. A larger weight replaces it, so a CUDA graph that
-    dequantizes holds on to the one it was captured with."""
-    return _SCRATCH.get(device)
+def dequantize_scratch(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The scratch buffers `dequantize` writes on this device. A larger weight replaces one, so a CUDA graph that
+    dequantizes holds on to those it was captured with."""
+    return tuple(buf for (dev, _), buf in _SCRATCH.items() if dev == device)
 
 
 def dequantize_block_k(fmt: int, group: int) -> int:
@@ -1020,15 +1054,17 @@ def dequantize_block_k(fmt: int, group: int) -> int:
     return min(group, 128) if fmt >= INT4.value else 128
 
 
-def dequantize(weight: QuantWeight, fmt: int, quartered: bool = False, codes: bool = False) -> torch.Tensor:
+def dequantize(weight: QuantWeight, fmt: int, quartered: bool = False, codes: bool = False,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """W [N, K] in bf16, bit for bit `weight.dequantize(mode).bfloat16()` for the mode `fmt` reads, in a scratch
-    buffer the next call overwrites (one per device, as large as the largest weight: 235 MB for an 8B model's
-    fused gate/up); `quartered`: each of its K tiles (`dequantize_block_k`) with its columns in the nibble kernels'
-    order (`gluon_linear.quartered`); `codes`: INT8's codes without their channel scale."""
+    buffer the next call overwrites (one per device and dtype, as large as the largest weight: 235 MB for an 8B
+    model's fused gate/up); `quartered`: each of its K tiles (`dequantize_block_k`) with its columns in the nibble
+    kernels' order (`gluon_linear.quartered`); `codes`: the INT8 codes without their channel scale (INT8's or
+    INT4G's), in `dtype` (bf16 or int8)."""
     (n, k), dev = weight.shape, weight.scale.device
-    buf = _SCRATCH.get(dev)
+    buf = _SCRATCH.get((dev, dtype))
     if buf is None or buf.numel() < n * k:
-        buf = _SCRATCH[dev] = torch.empty(n * k, dtype=torch.bfloat16, device=dev)
+        buf = _SCRATCH[dev, dtype] = torch.empty(n * k, dtype=dtype, device=dev)
     out = buf[:n * k].view(n, k)
     w, w2, scale, lo = _tensors(weight, fmt)
     group = getattr(weight, "group_size", 0)
@@ -1075,6 +1111,22 @@ def takes_scratch(fmt: int, act: bool, group: int, cfg: TileConfig, x2: torch.Te
     kernel = uses_nibble_kernel(fmt, act, group) or (fmt == INT8.value and gluon_linear.runs_on(x2.device))
     return (not act and kernel and m >= SCRATCH_ROWS.get(fmt, 1 << 62) and k % cfg.block_k == 0
             and cfg.block_k == dequantize_block_k(fmt, group))
+
+
+# INT4G with int8 activations from CODES_SCRATCH_ROWS rows: its INT8 codes built once a GEMM into an int8 scratch,
+# then w8a8's warp-specialized int8 GEMM with the channel scale: exact int32 sums over all of K, so the decode tiles'
+# bits whatever the tiles (one code build a weight instead of one per M tile of programs). H200, 8B layers, w4a8
+# (docs/gpu.md, session 27): at 96 and 128 rows 0.36-0.58x the time of the Triton tiles, at 256-1,024 0.24-0.40x;
+# at 64 rows 1.00-1.43x (gate/up and down slower), at 1-32 1.3-2.0x (the build alone takes ~50 us for gate/up).
+CODES_SCRATCH_ROWS = 65
+
+
+def takes_codes_scratch(fmt: int, act: bool, x2: torch.Tensor) -> bool:
+    """Whether a GEMM goes through the int8 codes' scratch and the int8 GEMM (above): INT4G with int8 activations
+    past CODES_SCRATCH_ROWS rows, on Hopper, rows TMA can read (K a multiple of 16 bytes)."""
+    m, k = x2.shape
+    return (fmt == INT4G.value and act and m >= CODES_SCRATCH_ROWS and k % 16 == 0
+            and gluon_linear.runs_on(x2.device))
 
 
 def scratch_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.Tensor | None,

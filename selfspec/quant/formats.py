@@ -14,7 +14,7 @@ from selfspec.errors import SelfspecError
 from selfspec.quant.modes import Mode
 from selfspec.quant.rotation import BlockHadamard
 
-STORAGES = ("dense", "int8", "int4", "planes")
+STORAGES = ("dense", "int8", "int4", "int4g", "planes")
 
 
 def fit_group_size(k: int, group_size: int) -> int:
@@ -185,6 +185,53 @@ class Int4Weight(QuantWeight):
         return affine_dequant_(unpack_nibbles(self.packed, torch.float32), self.scale, self.lo)
 
 
+class Int4IntScaleWeight(QuantWeight):
+    """INT4 codes whose group scales are integers over a per-channel INT8 grid (QServe's progressive group
+    quantization): w = s[n] * w8 with w8 = s2 * (q - z) an integer in [-127, 127], q the 4-bit code, s2 (1..16)
+    and z (0..15) integers per group. A group's weights are then INT8 codes of one channel scale, so with int8
+    activations the int32 dot runs over all of K and is exact (no group affine per K tile, any tiling the same
+    bits) and the scale comes once an output; with bf16 activations w8 is exact in bf16 and the channel scale
+    comes after the sum too. The INT8 grid is 119 steps a side so that a group's step rounding stays within int8."""
+
+    storage = "int4g"
+
+    def __init__(self, w: torch.Tensor, group_size: int = 128):
+        super().__init__()
+        self.group_size = fit_group_size(w.shape[1], group_size)
+        q, group, scale = int_scale_quant(w, self.group_size)
+        self.register_buffer("packed", pack_nibbles(q))
+        self.register_buffer("group", group)  # int32 [N, G] group-major: s2 | (z * s2) << 8
+        self.register_buffer("scale", scale)  # float32 [N]
+        self.shape = tuple(w.shape)
+
+    def int8_codes(self) -> torch.Tensor:
+        """w8 = s2 * q - z * s2 as float32 [N, K] (exact integers)."""
+        n, k = self.shape
+        q = unpack_nibbles(self.packed, torch.float32).view(n, self.group.shape[1], -1)
+        s2 = (self.group & 0xFF).float()[..., None]
+        zs = (self.group >> 8).float()[..., None]
+        return (q * s2 - zs).view(n, k)
+
+    def dequantize(self, mode: Mode) -> torch.Tensor:
+        return self.int8_codes() * self.scale[:, None]
+
+
+def int_scale_quant(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Int4IntScaleWeight's codes: (q uint8 [N, K], group int32 [N, G] group-major packing s2 | (z * s2) << 8,
+    scale float32 [N]). Per channel w8 = round(w / scale) in [-119, 119]; per group s2 = ceil(range / 15) (at least
+    1; the range widened to hold 0), z = round(-min / s2), q = round(w8 / s2) + z in [0, 15]. s2 * (q - z) then
+    lies within half a step s2 / 2 <= 8 of the group's range: inside [-127, 127]."""
+    n, k = w.shape
+    scale = (w.float().abs().amax(1) / 119).clamp_min(1e-10)
+    w8 = (w.float() / scale[:, None]).round().clamp(-119, 119).view(n, k // group_size, group_size)
+    lo, hi = w8.amin(-1).clamp(max=0), w8.amax(-1).clamp(min=0)  # codes q - z span 0: so does the range
+    s2 = ((hi - lo) / 15).ceil().clamp(1, 16)
+    z = (-lo / s2).round().clamp(0, 15)
+    q = ((w8 / s2[..., None]).round() + z[..., None]).clamp(0, 15)
+    group = s2.to(torch.int32) | ((z * s2).to(torch.int32) << 8)
+    return q.view(n, k).to(torch.uint8), group_major(group), scale
+
+
 class Int8PlanesWeight(QuantWeight):
     """Group-wise asymmetric INT8 stored as an upper and a lower 4-bit plane.
 
@@ -333,6 +380,8 @@ def quantize_weight(w: torch.Tensor, storage: str, group_size: int = 128,
         qw = Int8Weight(w)
     elif storage == "int4":
         qw = Int4Weight(w, group_size)
+    elif storage == "int4g":
+        qw = Int4IntScaleWeight(w, group_size)
     elif storage == "planes":
         qw = Int8PlanesWeight(w, group_size)
     elif storage == "dense+int4":
@@ -349,6 +398,7 @@ def storage_supports(storage: str, mode: Mode) -> bool:
         "dense": mode.dense,
         "int8": mode.weight_bits == 8 and not mode.planes_only,
         "int4": mode.weight_bits == 4 and not mode.planes_only,
+        "int4g": mode.weight_bits == 4 and not mode.planes_only,
         "planes": mode.weight_bits in (4, 8),
         "dense+int4": mode.dense or mode.weight_bits == 4 and not mode.planes_only,
     }[storage]

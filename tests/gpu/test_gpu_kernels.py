@@ -122,7 +122,7 @@ def test_linear_many_tokens_keeps_each_rows_bits(storage, mode_name, n, k, hando
 
 
 @pytest.mark.parametrize("storage,mode_name", [("int8", "w8a16"), ("int4", "w4a16"), ("planes", "upper"),
-                                               ("planes", "full")])
+                                               ("planes", "full"), ("int4g", "w4a16")])
 def test_prompt_tokens_keep_each_rows_bits_at_any_m(storage, mode_name):
     """Mode.prompt on the GPU: the weight dequantized exactly as the reference rounds it (no FMA), then the bf16
     GEMM: a row alone, among 16 and among up to 8192 rows gets the same bits, and those of the bf16 GEMM on the

@@ -1,7 +1,7 @@
 # Run here, from the repository root, in a checkout that lacks the git-ignored files a lease carries:
 # .whl (the wheels the lent machine lacks: gguf, the GSM8K data), .ab/head (HEAD's selfspec) and the trees the
-# next lease's list in docs/leads/README.md names (.ab/tp-peer: HEAD and its tests with
-# docs/leads/tp-peer-all-reduce.patch; .ab/w4a8-affine: with docs/leads/w4a8-affine.patch; .ab/stream-k: with
+# next lease's list in docs/leads/README.md names (.ab/w4a8-affine: HEAD and its tests with
+# docs/leads/w4a8-affine.patch; .ab/w4a8-affine-split2: and w4a8-affine-split2.patch on top; .ab/stream-k: with
 # docs/leads/stream-k.patch; .ab/stream-k-few: and docs/leads/stream-k-few.patch on top). A lead's tree: one more `tree` line. With RAY=1, also .ray/1, .ray/2, ...:
 # ray[serve] 2.60.0 and its wheels for the machine's Python, as a tar cut in 35 MiB pieces, one folder a call's carry
 # (replicas.sh puts them back together there).
@@ -17,9 +17,9 @@ tree() {  # tree NAME "PATCH..." PATHS...: .ab/NAME holding HEAD's PATHS, with d
   for p in $patches; do (cd ".ab/$name" && patch -s -p1 < "../../docs/leads/$p"); done
 }
 
-tree head "" selfspec
-tree tp-peer tp-peer-all-reduce.patch selfspec tests
+tree head "" selfspec tests
 tree w4a8-affine w4a8-affine.patch selfspec tests
+tree w4a8-affine-split2 "w4a8-affine.patch w4a8-affine-split2.patch" selfspec tests
 tree stream-k stream-k.patch selfspec tests
 tree stream-k-few "stream-k.patch stream-k-few.patch" selfspec tests
 du -sh .whl .ab/*

@@ -1,5 +1,5 @@
-# Issue 18 on the 2-GPU machine (kind nvidia-h200-x2), from a tree of selfspec (.ab/TREE, default tp-peer: HEAD
-# with docs/leads/tp-peer-all-reduce.patch; carry [".whl", ".ab/TREE"]): the tensor-parallel GPU tests from that
+# Issue 18 on the 2-GPU machine (kind nvidia-h200-x2), from a tree of selfspec (.ab/TREE, default head: HEAD's,
+# or a lead's tree from prepare.sh; carry [".whl", ".ab/TREE"]): the tensor-parallel GPU tests from that
 # tree (TESTS=0: none), then the step benchmark (STEPS=0: none): the 8B shape at TP 1 and TP 2, the 70B shape at
 # TP 2 (140 GB of bf16 weights: 70 GB a GPU), and planes' replayed speculation on the 70B shape at TP 2 against its
 # own `full` AR (SPEC=0: none). The tests take ~4-5 minutes, the steps ~5, the replay ~3: one call
@@ -7,7 +7,7 @@
 # $OUT. main's own TP tests passed on two H200s in sessions 24 (eager) and 25 (CUDA graphs).
 set -u
 source "$(dirname "$0")/common.sh"
-G=$PWD/.ab/${1:-tp-peer}
+G=$PWD/.ab/${1:-head}
 export PYTHONPATH=/tmp/site:$G
 nvidia-smi -L
 cd "$G"
