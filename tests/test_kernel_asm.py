@@ -67,6 +67,12 @@ def run_ptx(text: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarra
             r = a[0] >> a[1]
         elif op == "mov.b32":
             r = a[0]
+        elif op == "not.b32":
+            r = ~a[0] & MASK
+        elif op == "mul.lo.u32":
+            r = (a[0] * a[1]) & MASK
+        elif op == "sub.u32":
+            r = (a[0] - a[1]) & MASK
         elif op == "lop3.b32":  # bit by bit, the lookup table's bit at index 4a + 2b + c
             lut = int(args[3], 16)
             r = sum(((lut >> (4 * ((a[0] >> np.uint64(i)) & 1) + 2 * ((a[1] >> np.uint64(i)) & 1)
@@ -106,11 +112,11 @@ def words(rng, n):
 
 def test_emulator_knows_the_instructions_it_runs():
     for name in ("WORD_NIBBLES", "PLANE_WORDS", "NIBBLES", "NIBBLES_I8", "PLANES", "BYTES_F16",
-                 "NIBBLES_F16", "PLANES_F16", "AFFINE"):
+                 "NIBBLES_F16", "PLANES_F16", "AFFINE", "WORD_INT8", "WORD_INT8_SCALED"):
         text = getattr(ptx, name)
         ops = set(re.findall(r"^\s*([a-z]+\.[a-z0-9.]+)", text, re.M)) - {".reg"}
         assert ops <= {"and.b32", "or.b32", "xor.b32", "shl.b32", "shr.b32", "mov.b32", "prmt.b32", "lop3.b32",
-                       "sub.bf16x2", "sub.f16x2", "fma.rn.bf16x2"}, name
+                       "sub.bf16x2", "sub.f16x2", "fma.rn.bf16x2", "not.b32", "mul.lo.u32", "sub.u32"}, name
 
 
 def test_word_nibbles_give_the_codes_at_k_4j_to_4j_plus_3():
@@ -120,6 +126,24 @@ def test_word_nibbles_give_the_codes_at_k_4j_to_4j_plus_3():
     for t, out in enumerate(outs):  # word j holds k = 4j .. 4j + 3, nibble t at bits 4t .. 4t + 3
         codes = ((w >> np.uint64(4 * t)) & np.uint64(15)).astype(np.float32)
         assert np.array_equal(halves(out), 1 + codes / 16), t
+
+
+def test_scaled_word_codes_give_int4g_int8_codes():
+    """WORD_INT8_SCALED: the codes at k = 4j + t of four words (two registers), each made s2 q - z s2 (the row's
+    group integers, a register of two copies of s2 | z s2 << 8), as int8 bytes, for every q, s2 and z."""
+    rng = np.random.default_rng(5)
+    n = 8192
+    (lo, w_lo), (hi, w_hi) = words(rng, n), words(rng, n)
+    s2 = rng.integers(1, 17, size=n, dtype=np.uint64)
+    z = rng.integers(0, 16, size=n, dtype=np.uint64)
+    g = s2 | ((z * s2) << np.uint64(8))
+    outs = run_ptx(ptx.WORD_INT8_SCALED, [lo, hi, (g | (g << np.uint64(16))).astype(np.uint32), g], 4)
+    w = np.concatenate([w_lo, w_hi], 1)  # words 0-3 of each register pair
+    for t, out in enumerate(outs):
+        got = out.view(np.uint8).reshape(n, 4).view(np.int8).astype(np.int64)
+        codes = ((w >> np.uint64(4 * t)) & np.uint64(15)).astype(np.int64)
+        want = codes * s2[:, None].astype(np.int64) - (z * s2)[:, None].astype(np.int64)
+        assert np.array_equal(got, (want + 128) % 256 - 128), t  # as int8 bytes (the format keeps them in range)
 
 
 def test_plane_words_give_the_signed_int8_codes():

@@ -903,16 +903,17 @@ def test_generated_tokens_past_scratch_rows_multiply_by_the_quartered_scratch(st
 
 
 def test_int4g_codes_scratch_holds_its_int8_codes():
-    """INT4G with int8 activations past CODES_SCRATCH_ROWS (on Hopper) builds its INT8 codes once into an int8
-    scratch for w8a8's int8 GEMM: the scratch holds each code w8 = s2 q - z s2 exactly (the GPU tests compare the
-    GEMM's bits with the decode tiles'); on a CPU the Triton tiles run at any M."""
+    """INT4G with int8 activations from INT_SCALE_ROWS rows (on Hopper) where the warp-specialized kernel does not
+    take its K tile builds its INT8 codes once into an int8 scratch for w8a8's int8 GEMM: the scratch holds each
+    code w8 = s2 q - z s2 exactly (the GPU tests compare the GEMM's bits with the decode tiles'); on a CPU the
+    Triton tiles run at any M."""
     torch.manual_seed(16)
     weight = quantize_weight(torch.randn(40, 256), "int4g", 64)
     fmt = triton_linear.INT4G.value
     codes = triton_linear.dequantize(weight, fmt, codes=True, dtype=torch.int8)
     assert codes.dtype == torch.int8 and torch.equal(codes.float(), weight.int8_codes())
     assert torch.equal(triton_linear.dequantize(weight, fmt, codes=True).float(), weight.int8_codes())  # bf16
-    assert not triton_linear.takes_codes_scratch(fmt, True, torch.empty(4096, 256))
+    assert not triton_linear.takes_int_scale_kernels(fmt, True, torch.empty(4096, 256))
 
 
 def test_int8_scratch_holds_the_codes_quartered():

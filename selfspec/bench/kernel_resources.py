@@ -178,9 +178,10 @@ def compile_int8_warp_specialized(partial: bool = False,
 
 
 def compile_act_warp_specialized(block_k: int = 128, group: int = 128, in_program: bool = True,
-                                 block_m: int = gll.ACT_BLOCK_M) -> triton.compiler.CompiledKernel:
+                                 block_m: int = gll.ACT_BLOCK_M, ints: bool = False) -> triton.compiler.CompiledKernel:
     """The warp-specialized GEMM of INT4 codes with int8 activations (kernels/gluon_linear.py, w4a8 / w4a4)
-    compiled for sm_90, as `nibble_act_gemm` launches it on an 8B layer."""
+    compiled for sm_90, as `nibble_act_gemm` launches it on an 8B layer; `ints`: INT4G's, as `int_scale_gemm`
+    launches it."""
     q = block_k // 4
 
     def desc(dtype: str, shape: list[int], layout: object) -> str:
@@ -190,11 +191,13 @@ def compile_act_warp_specialized(block_k: int = 128, group: int = 128, in_progra
     sig = {"x_desc": desc("i8", [block_m, q], gl.NVMMASharedLayout.get_default_for([block_m, q], gl.int8)),
            "w_desc": desc("i16", [gll.BLOCK_N, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_N, q], gl.int16)),
            "scale_desc": row_n, "lo_desc": row_n, "sums_desc": desc("fp32", [1, block_m], gll.ROW_LAYOUT),
-           "xs_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16"}
+           "xs_ptr": "*fp32", "scale_ptr": "*fp32" if ints else "constexpr", "bias_ptr": "*bf16",
+           "res_ptr": "*bf16", "y_ptr": "*bf16"}
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
-    consts = dict(GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program, BLOCK_M=block_m,
-                  BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k,
-                  STAGES=gll.nibble_act_stages(block_k, block_m))
+    consts = dict(GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program and not ints, INTS=ints,
+                  BLOCK_M=block_m, BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k, STAGES=gll.nibble_act_stages(block_k, block_m))
+    if not ints:
+        consts["scale_ptr"] = None
     return _compile_as_launched(gll._nibble_act_ws_kernel, sig, consts)
 
 

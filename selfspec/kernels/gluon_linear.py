@@ -53,6 +53,7 @@ _PLANE_WORDS = gl.constexpr(ptx.PLANE_WORDS)
 _INT8_WORDS = gl.constexpr(ptx.INT8_WORDS)
 _AFFINE = gl.constexpr(ptx.AFFINE)
 _WORD_INT8 = gl.constexpr(ptx.WORD_INT8)
+_WORD_INT8_SCALED = gl.constexpr(ptx.WORD_INT8_SCALED)
 
 
 @gluon.jit
@@ -376,14 +377,59 @@ def _act_consume(x_bufs, w_bufs, affine_bufs, sums_bufs, total_bufs, ready, free
                       HAS_BIAS, HAS_RES, rows, BLOCK_M)
 
 
+@gluon.jit
+def _ints_consume(x_bufs, w_bufs, affine_bufs, ready, free, turns, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, row0,
+                  m0, n0, M, N, K, stride_ym, stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+    """One consumer warpgroup of _nibble_act_ws_kernel for INT4G (triton_linear's INT4G with int8 activations): per
+    K tile each code made s2 q - z s2 in registers (the tile's group integers from the ring), the int8 tensor cores'
+    dots summed into one int32 accumulator over all of K (exact: the decode tiles' sum whatever the tiles), then
+    x's row scale and the channel scale, bias and residual once, as triton_linear._epilogue."""
+    stages: gl.constexpr = ready.type.shape[0]
+    rows: gl.constexpr = WARPGROUP_ROWS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_M, 32])
+    codes_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
+    tokens_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    weight_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    me = row0 // WARPGROUP_ROWS
+    dot = gl.zeros((rows, BLOCK_M), gl.int32, acc_layout)
+    i = 0
+    for k0 in range(0, K, BLOCK_K):
+        slot = i % stages
+        mbarrier.wait(ready.index(slot), (i // stages) & 1)
+        words = w_bufs.index(slot).slice(row0, rows).load(codes_layout)
+        group = _row(affine_bufs.index(2 * slot + 1), row0, rows, gl.SliceLayout(1, codes_layout))
+        group = gl.expand_dims(group.to(gl.int32, bitcast=True).to(gl.int16), 1)  # s2 | z s2 << 8, below 2^16
+        codes = gl.inline_asm_elementwise(_WORD_INT8_SCALED, "=r,=r,=r,=r,r,r,r,r",
+                                          [words, gl.broadcast(group, words)[0]],
+                                          dtype=(gl.int8, gl.int8, gl.int8, gl.int8), is_pure=True, pack=4)
+        mbarrier.wait(turns.index(me), (i & 1) ^ (1 - me))  # the two warpgroups' wgmma in turn (_consume)
+        for t in gl.static_range(4):
+            dot = warpgroup_mma(codes[t], x_bufs.index(4 * slot + t).permute((1, 0)), dot, is_async=True)
+        mbarrier.arrive(turns.index(1 - me))
+        dot = warpgroup_mma_wait(0, deps=(dot, ))
+        mbarrier.arrive(free.index(slot))
+        i += 1
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=tokens_layout)
+    offs_n = n0 + row0 + gl.arange(0, rows, layout=weight_rows)
+    n_mask = offs_n < N
+    total = dot.to(gl.float32) * gl.expand_dims(gl.load(xs_ptr + offs_m, mask=offs_m < M, other=0), 0)
+    total = total * gl.expand_dims(gl.load(scale_ptr + offs_n, mask=n_mask, other=0), 1)
+    _store_transposed(total, offs_n, n_mask, bias_ptr, res_ptr, y_ptr, n0 + row0, m0, M, N, stride_ym, stride_rm,
+                      HAS_BIAS, HAS_RES, rows, BLOCK_M)
+
+
 @gluon.jit(do_not_specialize=["M"])
-def _nibble_act_ws_kernel(x_desc, w_desc, scale_desc, lo_desc, sums_desc, xs_ptr, bias_ptr, res_ptr, y_ptr,
-                          M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
+def _nibble_act_ws_kernel(x_desc, w_desc, scale_desc, lo_desc, sums_desc, xs_ptr, scale_ptr, bias_ptr, res_ptr,
+                          y_ptr, M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
                           GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
-                          IN_PROGRAM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                          IN_PROGRAM: gl.constexpr, INTS: gl.constexpr, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """_nibble_ws_kernel's skeleton (the loader, the ring, the two consumer warpgroups in turn) for INT4 codes with
-    int8 activations (w4a8, w4a4): x's int8 codes quartered, the plane's 16-bit words, the group affine."""
+    int8 activations (w4a8, w4a4): x's int8 codes quartered, the plane's 16-bit words, the group affine. INTS:
+    INT4G's codes (`_ints_consume`), lo_desc over its group integers (read as float32 bits), scale_ptr its channel
+    scales."""
     m0, n0 = _grouped_tile(gl.program_id(0), M, N, BLOCK_M, BLOCK_N)
     q: gl.constexpr = BLOCK_K // 4
     x_bufs = gl.allocate_shared_memory(gl.int8, [4 * STAGES, BLOCK_M, q], x_desc.layout)
@@ -396,16 +442,27 @@ def _nibble_act_ws_kernel(x_desc, w_desc, scale_desc, lo_desc, sums_desc, xs_ptr
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for r in gl.static_range(2):
         mbarrier.init(turns.index(r), count=1)
-    gl.warp_specialize([
-        (_act_consume, (x_bufs, w_bufs, affine_bufs, sums_bufs, total_bufs, ready, free, turns, xs_ptr, bias_ptr,
-                        res_ptr, y_ptr, 0, m0, n0, M, N, 0, K, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS, HAS_RES,
-                        IN_PROGRAM, BLOCK_M, BLOCK_K)),
-        (_act_consume, (x_bufs, w_bufs, affine_bufs, sums_bufs, total_bufs, ready, free, turns, xs_ptr, bias_ptr,
-                        res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, 0, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
-                        HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_M, BLOCK_K)),
-        (_loader, (x_desc, w_desc, w_desc, scale_desc, lo_desc, sums_desc, x_bufs, w_bufs, w_bufs, affine_bufs,
-                   sums_bufs, ready, free, m0, n0, 0, K, INT4, GROUP, BLOCK_K, True)),
-    ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
+    if INTS:
+        gl.warp_specialize([
+            (_ints_consume, (x_bufs, w_bufs, affine_bufs, ready, free, turns, xs_ptr, scale_ptr, bias_ptr, res_ptr,
+                             y_ptr, 0, m0, n0, M, N, K, stride_ym, stride_rm, HAS_BIAS, HAS_RES, BLOCK_M, BLOCK_K)),
+            (_ints_consume, (x_bufs, w_bufs, affine_bufs, ready, free, turns, xs_ptr, scale_ptr, bias_ptr, res_ptr,
+                             y_ptr, WARPGROUP_ROWS, m0, n0, M, N, K, stride_ym, stride_rm, HAS_BIAS, HAS_RES, BLOCK_M,
+                             BLOCK_K)),
+            (_loader, (x_desc, w_desc, w_desc, scale_desc, lo_desc, sums_desc, x_bufs, w_bufs, w_bufs, affine_bufs,
+                       sums_bufs, ready, free, m0, n0, 0, K, INT4, GROUP, BLOCK_K, False)),
+        ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
+    else:
+        gl.warp_specialize([
+            (_act_consume, (x_bufs, w_bufs, affine_bufs, sums_bufs, total_bufs, ready, free, turns, xs_ptr, bias_ptr,
+                            res_ptr, y_ptr, 0, m0, n0, M, N, 0, K, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS,
+                            HAS_RES, IN_PROGRAM, BLOCK_M, BLOCK_K)),
+            (_act_consume, (x_bufs, w_bufs, affine_bufs, sums_bufs, total_bufs, ready, free, turns, xs_ptr, bias_ptr,
+                            res_ptr, y_ptr, WARPGROUP_ROWS, m0, n0, M, N, 0, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
+                            HAS_BIAS, HAS_RES, IN_PROGRAM, BLOCK_M, BLOCK_K)),
+            (_loader, (x_desc, w_desc, w_desc, scale_desc, lo_desc, sums_desc, x_bufs, w_bufs, w_bufs, affine_bufs,
+                       sums_bufs, ready, free, m0, n0, 0, K, INT4, GROUP, BLOCK_K, True)),
+        ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
 @triton.jit
@@ -533,9 +590,29 @@ def nibble_act_gemm(x2: torch.Tensor, xs: torch.Tensor, sums: torch.Tensor, tens
     sums_desc = TensorDescriptor.from_tensor(tile_sums(sums, block_k), [1, block_m], ROW_LAYOUT)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     _nibble_act_ws_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N),)](
-        x_desc, w_desc, scale_desc, lo_desc, sums_desc, xs, bias, r2, y, m, n, k, chunk, split_k, y.stride(0),
+        x_desc, w_desc, scale_desc, lo_desc, sums_desc, xs, None, bias, r2, y, m, n, k, chunk, split_k, y.stride(0),
         0 if r2 is None else r2.stride(0), GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None,
-        IN_PROGRAM=split_k > 1, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+        IN_PROGRAM=split_k > 1, INTS=False, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+        STAGES=nibble_act_stages(block_k, block_m), num_warps=4, maxnreg=MAX_REGISTERS)
+    return y
+
+
+def int_scale_gemm(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, group_ints: torch.Tensor,
+                   scale: torch.Tensor, n: int, group: int, block_k: int, bias: torch.Tensor | None,
+                   r2: torch.Tensor | None) -> torch.Tensor:
+    """y [M, N] = (x2's int8 codes [M, K] with row scales xs) @ W^T * scale (+ bias, + r2) for INT4G (the nibbles
+    `packed` [N, K / 2], their group integers [N, K / group] group-major, channel scales `scale`): its INT8 codes
+    built in registers a K tile at a time, one int32 sum over all of K (any K tile, any split: the same bits)."""
+    m, k = x2.shape
+    block_m = act_block_m(m)
+    ints = group_ints.view(torch.float32)  # TMA copies the bits; the consumers read them back as integers
+    x_desc, w_desc, _, scale_desc, lo_desc = descriptors(quartered(x2, block_k), packed, None, ints, ints, block_k,
+                                                         block_m)
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
+    _nibble_act_ws_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N),)](
+        x_desc, w_desc, scale_desc, lo_desc, lo_desc, xs, scale, bias, r2, y, m, n, k, k, 1, y.stride(0),
+        0 if r2 is None else r2.stride(0), GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None,
+        IN_PROGRAM=False, INTS=True, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
         STAGES=nibble_act_stages(block_k, block_m), num_warps=4, maxnreg=MAX_REGISTERS)
     return y
 

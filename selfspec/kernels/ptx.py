@@ -101,6 +101,19 @@ WORD_INT8 = block("a, b", "".join(
     + f"prmt.b32 ${t}, a, b, 0x6420;\n" for t in range(4)))
 
 
+# INT4G: as WORD_INT8, each code q then made s2 q - z s2 (quant/formats.Int4IntScaleWeight), four bytes a register:
+# $6 (and $7, the same) holds the row's group integers s2 | z s2 << 8 twice. s2 q <= 240 stays inside its byte; the
+# bytes' subtraction runs without borrows across them (Hacker's Delight 2-18: ((a | H) - (b & ~H)) ^ ((a ^ ~b) & H),
+# H the bytes' top bits), giving w8 in [-127, 127] as two's complement bytes.
+WORD_INT8_SCALED = block("a, b, s, zl, zn, h, l", (
+    "and.b32 s, $6, 0xFF;\nshr.b32 zl, $6, 8;\nand.b32 zl, zl, 0xFF;\nmul.lo.u32 zl, zl, 0x01010101;\n"
+    "not.b32 zn, zl;\nand.b32 zn, zn, 0x80808080;\nand.b32 zl, zl, 0x7F7F7F7F;\n") + "".join(
+    (f"shr.b32 a, $4, {4 * t};\nshr.b32 b, $5, {4 * t};\nand.b32 a, a, 0x000F000F;\nand.b32 b, b, 0x000F000F;\n"
+     if t else "and.b32 a, $4, 0x000F000F;\nand.b32 b, $5, 0x000F000F;\n")
+    + f"prmt.b32 a, a, b, 0x6420;\nmul.lo.u32 a, a, s;\nor.b32 h, a, 0x80808080;\nsub.u32 h, h, zl;\n"
+      f"and.b32 l, a, 0x80808080;\nxor.b32 l, l, zn;\nxor.b32 ${t}, h, l;\n" for t in range(4)))
+
+
 # $0: the weight of two codes as the builds give them, one bf16 fused multiply-add c * $2 + $3 (one rounding):
 # a nibble code c = 1 + q / 16 times 16 scale plus lo - 16 scale (a bf16 value: quant/formats.fma_grid), both
 # planes' codes c = q8 - 128 times scale plus lo + 128 scale (a bf16 value too). On those grids lo +

@@ -892,9 +892,8 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     if takes_scratch(fmt, act, group, cfg, x2):
         return scratch_linear(x2, weight, fmt, bias, r2, cfg).view(*x.shape[:-1], n)
     x2, xs, sums = kernel_inputs(x2, mode, fmt, group, cfg, handover)
-    if takes_codes_scratch(fmt, act, x2):
-        codes = dequantize(weight, fmt, codes=True, dtype=torch.int8)
-        return gluon_linear.int8_gemm(x2, xs, codes, weight.scale, bias, r2).view(*x.shape[:-1], n)
+    if takes_int_scale_kernels(fmt, act, x2):
+        return int_scale_linear(x2, xs, weight, cfg, bias, r2).view(*x.shape[:-1], n)
     return _launch(x2, xs, weight, fmt, act, bias, cfg, r2, sums).view(*x.shape[:-1], n)
 
 
@@ -1113,20 +1112,36 @@ def takes_scratch(fmt: int, act: bool, group: int, cfg: TileConfig, x2: torch.Te
             and cfg.block_k == dequantize_block_k(fmt, group))
 
 
-# INT4G with int8 activations from CODES_SCRATCH_ROWS rows: its INT8 codes built once a GEMM into an int8 scratch,
-# then w8a8's warp-specialized int8 GEMM with the channel scale: exact int32 sums over all of K, so the decode tiles'
-# bits whatever the tiles (one code build a weight instead of one per M tile of programs). H200, 8B layers, w4a8
-# (docs/gpu.md, session 27): at 96 and 128 rows 0.36-0.58x the time of the Triton tiles, at 256-1,024 0.24-0.40x;
-# at 64 rows 1.00-1.43x (gate/up and down slower), at 1-32 1.3-2.0x (the build alone takes ~50 us for gate/up).
-CODES_SCRATCH_ROWS = 65
+# INT4G with int8 activations from INT_SCALE_ROWS rows, on Hopper: exact int32 sums over all of K, so the decode
+# tiles' bits whatever the kernel. Up to INT_SCALE_SCRATCH_ROWS rows the warp-specialized int8 kernel builds its INT8
+# codes in registers a K tile at a time (gluon_linear.int_scale_gemm) where it takes the K tile (128: quant groups of
+# 128 and more); from there (and where it does not) the codes are built once a GEMM into an int8 scratch for w8a8's
+# int8 GEMM with the channel scale. H200, 8B layers, w4a8, time / cuBLAS BF16 (docs/bench-h200/s27-int4g-paths.json):
+# at 96-128 rows the kernel 1.16-1.72, the scratch 1.50-1.75, the Triton tiles 2.0-4.2 (down: the scratch 1.50
+# against the kernel's 1.70); at 256 the scratch 1.29-1.51, the kernel 1.35-1.99; at 1,024-4,096 the scratch
+# 0.65-1.09, the kernel 0.90-1.26 (each weight tile built again for every 64 or 128 rows); at 64 rows the tiles
+# 1.24-1.85 (the kernel 0.68 on gate/up, 2.05 on o; the scratch's build alone takes ~50 us on gate/up).
+INT_SCALE_ROWS, INT_SCALE_SCRATCH_ROWS = 65, 256
 
 
-def takes_codes_scratch(fmt: int, act: bool, x2: torch.Tensor) -> bool:
-    """Whether a GEMM goes through the int8 codes' scratch and the int8 GEMM (above): INT4G with int8 activations
-    past CODES_SCRATCH_ROWS rows, on Hopper, rows TMA can read (K a multiple of 16 bytes)."""
+def takes_int_scale_kernels(fmt: int, act: bool, x2: torch.Tensor) -> bool:
+    """Whether a GEMM goes to `int_scale_linear`: INT4G with int8 activations from INT_SCALE_ROWS rows, on Hopper,
+    rows TMA can read (K a multiple of 16 bytes)."""
     m, k = x2.shape
-    return (fmt == INT4G.value and act and m >= CODES_SCRATCH_ROWS and k % 16 == 0
-            and gluon_linear.runs_on(x2.device))
+    return (fmt == INT4G.value and act and m >= INT_SCALE_ROWS and k % 16 == 0 and gluon_linear.runs_on(x2.device))
+
+
+def int_scale_linear(x2: torch.Tensor, xs: torch.Tensor, weight: QuantWeight, cfg: TileConfig,
+                     bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
+    """y [M, N] (+ r2) of INT4G with x2's int8 codes and row scales xs, on the int8 tensor cores (above)."""
+    (n, k), block_k = weight.shape, cfg.block_k
+    ints = weight.group.view(torch.float32)  # as the kernel's TMA reads them
+    if (x2.shape[0] < INT_SCALE_SCRATCH_ROWS and gluon_linear.takes_act_tiles(block_k) and k % block_k == 0
+            and gluon_linear.covers(ints, n)):
+        return gluon_linear.int_scale_gemm(x2, xs, weight.packed, weight.group, weight.scale, n, weight.group_size,
+                                           block_k, bias, r2)
+    codes = dequantize(weight, INT4G.value, codes=True, dtype=torch.int8)
+    return gluon_linear.int8_gemm(x2, xs, codes, weight.scale, bias, r2)
 
 
 def scratch_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.Tensor | None,
