@@ -86,19 +86,24 @@ def measure(shape: str, ms: list[int], group_size: int = 128, modes: list[str] |
     return rows
 
 
+def row_name(row: dict) -> str:
+    """A row's mode as tables and plots name it: with its storage where that is not the mode's first (PAIRS)."""
+    mode, storage = row["mode"], row["storage"]
+    return mode if FIRST_STORAGE.get(mode.split(" (")[0], storage) == storage else f"{mode} [{storage}]"
+
+
 def table(rows: list[dict], copy_gb_s: float) -> str:
     """Microseconds per GEMM, each with its ratio to cuBLAS BF16 at the same shape and M."""
     ms = sorted({r["m"] for r in rows})
     out = ["| gemm | mode | " + " | ".join(f"M={m} us (x cuBLAS)" for m in ms) + " | BW@M=1 (of copy) |",
            "|---|---|" + "---|" * (len(ms) + 1)]
-    keys = list(dict.fromkeys((r["gemm"], r["storage"], r["mode"]) for r in rows))
-    for g, storage, mode in keys:
-        sel = {r["m"]: r for r in rows if (r["gemm"], r["storage"], r["mode"]) == (g, storage, mode)}
+    keys = list(dict.fromkeys((r["gemm"], row_name(r)) for r in rows))
+    for g, name in keys:
+        sel = {r["m"]: r for r in rows if (r["gemm"], row_name(r)) == (g, name)}
         cublas = {r["m"]: r["ms"] for r in rows if r["gemm"] == g and r["mode"] == "cublas-bf16"}
         cells = [f"{1000 * sel[m]['ms']:.1f} ({sel[m]['ms'] / cublas[m]:.2f})" if m in sel else "-" for m in ms]
         first = sel.get(ms[0])
         bw = f"{first['gb_per_s']:.0f} GB/s ({100 * first['gb_per_s'] / copy_gb_s:.0f}%)" if first else "-"
-        name = mode if FIRST_STORAGE.get(mode.split(" (")[0], storage) == storage else f"{mode} [{storage}]"
         out.append(f"| {g} | {name} | " + " | ".join(cells) + f" | {bw} |")
     return "\n".join(out)
 

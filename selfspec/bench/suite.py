@@ -87,8 +87,9 @@ def plot(results: dict, traces: list, out: Path, title: str) -> list[Path]:
     if "gemm" in results:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         name = "gate/up"
-        for mode in dict.fromkeys(r["mode"] for r in results["gemm"]):
-            t = sorted((r["m"], 1000 * r["ms"]) for r in results["gemm"] if r["mode"] == mode and r["gemm"] == name)
+        rows = [r for r in results["gemm"] if r["gemm"] == name]
+        for mode in dict.fromkeys(gemm.row_name(r) for r in rows):
+            t = sorted((r["m"], 1000 * r["ms"]) for r in rows if gemm.row_name(r) == mode)
             ax.plot(*zip(*t), marker="o", label=mode)
         ax.set(xlabel="M (rows)", ylabel="us", title=f"{title}: {name} GEMM time vs M", xscale="log", yscale="log")
         ax.legend(fontsize=8)
