@@ -112,7 +112,7 @@ def words(rng, n):
 
 def test_emulator_knows_the_instructions_it_runs():
     for name in ("WORD_NIBBLES", "PLANE_WORDS", "NIBBLES", "NIBBLES_I8", "PLANES", "BYTES_F16",
-                 "NIBBLES_F16", "PLANES_F16", "AFFINE", "WORD_INT8", "WORD_INT8_SCALED"):
+                 "NIBBLES_F16", "PLANES_F16", "AFFINE", "WORD_INT8", "WORD_INT8_SCALED", "NIBBLES_I8_SCALED"):
         text = getattr(ptx, name)
         ops = set(re.findall(r"^\s*([a-z]+\.[a-z0-9.]+)", text, re.M)) - {".reg"}
         assert ops <= {"and.b32", "or.b32", "xor.b32", "shl.b32", "shr.b32", "mov.b32", "prmt.b32", "lop3.b32",
@@ -144,6 +144,23 @@ def test_scaled_word_codes_give_int4g_int8_codes():
         codes = ((w >> np.uint64(4 * t)) & np.uint64(15)).astype(np.int64)
         want = codes * s2[:, None].astype(np.int64) - (z * s2)[:, None].astype(np.int64)
         assert np.array_equal(got, (want + 128) % 256 - 128), t  # as int8 bytes (the format keeps them in range)
+
+
+def test_scaled_nibbles_give_int4g_int8_codes():
+    """NIBBLES_I8_SCALED: the low ($0) and the high ($1) nibbles of four bytes made s2 q - z s2 as int8 bytes, s2 and
+    z s2 in every byte of their registers (a row's group integers), for every q, s2 and z."""
+    rng = np.random.default_rng(6)
+    n = 8192
+    b = rng.integers(0, 1 << 32, size=n, dtype=np.uint64)
+    s2 = rng.integers(1, 17, size=n, dtype=np.uint64)
+    zs = rng.integers(0, 16, size=n, dtype=np.uint64) * s2
+    every_byte = np.uint64(0x01010101)
+    outs = run_ptx(ptx.NIBBLES_I8_SCALED, [b, s2 * every_byte, zs * every_byte], 2)
+    for half, out in enumerate(outs):
+        got = out.view(np.uint8).reshape(n, 4).view(np.int8).astype(np.int64)
+        codes = np.stack([(b >> np.uint64(8 * j + 4 * half)) & np.uint64(15) for j in range(4)], 1).astype(np.int64)
+        want = codes * s2[:, None].astype(np.int64) - zs[:, None].astype(np.int64)
+        assert np.array_equal(got, (want + 128) % 256 - 128), half
 
 
 def test_plane_words_give_the_signed_int8_codes():

@@ -73,6 +73,14 @@ NIBBLES = block("lo, hi, m, k", nibbles_under_one("$4") + "prmt.b32 $0, lo, 0x3F
 # Four bytes -> their low ($0) and their high ($1) nibbles as int8 codes 0..15 (for the int8 tensor cores).
 NIBBLES_I8 = "{\nand.b32 $0, $2, 0x0F0F0F0F;\nshr.b32 $1, $2, 4;\nand.b32 $1, $1, 0x0F0F0F0F;\n}\n"
 
+# INT4G's bytes: as NIBBLES_I8, each code q then made s2 q - z s2 (quant/formats.Int4IntScaleWeight): $3 holds s2 and
+# $4 z s2 in each of its bytes (the row's group integers); the bytes' subtraction as WORD_INT8_SCALED's.
+NIBBLES_I8_SCALED = block("s, zl, zn, a, h, l", (
+    "and.b32 s, $3, 0xFF;\nnot.b32 zn, $4;\nand.b32 zn, zn, 0x80808080;\nand.b32 zl, $4, 0x7F7F7F7F;\n") + "".join(
+    ("shr.b32 a, $2, 4;\nand.b32 a, a, 0x0F0F0F0F;\n" if t else "and.b32 a, $2, 0x0F0F0F0F;\n")
+    + f"mul.lo.u32 a, a, s;\nor.b32 h, a, 0x80808080;\nsub.u32 h, h, zl;\nand.b32 l, a, 0x80808080;\n"
+      f"xor.b32 l, l, zn;\nxor.b32 ${t}, h, l;\n" for t in range(2)))
+
 # The two planes' bytes (4 + 4) -> the signed 8-bit codes q8 - 128 at the even ($0) and the odd ($1) k.
 PLANES = block("a, b, t", plane_bytes("$2", "$3") + "mov.b32 $0, a;\nmov.b32 $1, b;\n")
 

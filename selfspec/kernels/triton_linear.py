@@ -125,16 +125,27 @@ def _load_weight(w_desc, w2_desc, n0, k0, FMT: tl.constexpr, BLOCK_K: tl.constex
     return q
 
 
+_NIBBLES_I8_SCALED_ASM = tl.constexpr(ptx.NIBBLES_I8_SCALED)
+
+
 @triton.jit
 def _weight_codes(w_desc, w2_desc, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg, FMT: tl.constexpr,
-                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     """_load_weight's tile, but INT4G's as its int8 codes w8 = s2 q - z s2 (quant/formats.Int4IntScaleWeight; the
     group's s2 | z s2 << 8 from lo_ptr, group-major), read by INT8's path from there on."""
     if FMT == INT4G:  # BLOCK_K divides GROUP, so the tile lies in one group
-        q = _load_weight(w_desc, w2_desc, n0, k0, INT4, BLOCK_K)
+        b = w_desc.load([n0, k0 // 2])  # byte b holds k = 2b (low nibble) and 2b + 1 (high)
         g = tl.load(lo_ptr + offs_n * stride_sn + (k0 // GROUP) * stride_sg, mask=offs_n < N, other=0)
-        s2, zs = (g & 255).to(tl.int16), (g >> 8).to(tl.int16)
-        q = (q.to(tl.int16) * s2[:, None] - zs[:, None]).to(tl.int8)
+        s2, zs = (g & 255).to(tl.uint8), (g >> 8).to(tl.uint8)
+        if ASM:  # four codes a register by byte arithmetic (kernels/ptx.py)
+            s2, zs = tl.broadcast_to(s2[:, None], b.shape), tl.broadcast_to(zs[:, None], b.shape)
+            lo, hi = tl.inline_asm_elementwise(_NIBBLES_I8_SCALED_ASM, "=r,=r,r,r,r", [b, s2, zs],
+                                               dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+        else:  # the same integers, element by element
+            s2, zs = s2.to(tl.int16)[:, None], zs.to(tl.int16)[:, None]
+            lo = ((b & 15).to(tl.int16) * s2 - zs).to(tl.int8)
+            hi = ((b >> 4).to(tl.int16) * s2 - zs).to(tl.int8)
+        q = tl.interleave(lo, hi)
     else:
         q = _load_weight(w_desc, w2_desc, n0, k0, FMT, BLOCK_K)
     return q
@@ -245,7 +256,7 @@ def _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, n0, k0, N, str
     if WORDS:
         q = w_desc.load([n0, k0 // 4])
     else:
-        q = _weight_codes(w_desc, w2_desc, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg, FMT, GROUP, BLOCK_K)
+        q = _weight_codes(w_desc, w2_desc, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg, FMT, GROUP, BLOCK_K, ASM)
     if FMT >= INT4 and FMT <= FULL:  # BLOCK_K divides GROUP, so the tile lies in one group
         s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, k0 // GROUP, N, stride_sn, stride_sg, FMT)
     if ACT and (FMT == INT8 or FMT == INT4G):  # exact int32 sums over all of K (`_zeros`)
@@ -1016,7 +1027,7 @@ _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 @triton.jit
 def _dequantize_kernel(w_desc, w2_desc, scale_ptr, lo_ptr, out_ptr, N, K, stride_sn, stride_sg,
                        FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       QUARTERED: tl.constexpr, CODES: tl.constexpr, PDL: tl.constexpr):
+                       QUARTERED: tl.constexpr, CODES: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     """One [BLOCK_N, BLOCK_K] tile of W in bf16: scale * code, + lo for the group-wise formats, in float32 (launched
     without FMA contraction, so it rounds as quant/formats.affine_dequant_ does), then rounded once; CODES: the INT8
     codes alone (INT8's or INT4G's, exact in bf16, or stored as int8 where out_ptr is). QUARTERED: its columns in
@@ -1026,8 +1037,8 @@ def _dequantize_kernel(w_desc, w2_desc, scale_ptr, lo_ptr, out_ptr, N, K, stride
     k0 = tl.program_id(1) * BLOCK_K
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    q = _weight_codes(w_desc, w2_desc, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg, FMT, GROUP,
-                      BLOCK_K).to(tl.float32)
+    q = _weight_codes(w_desc, w2_desc, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg, FMT, GROUP, BLOCK_K,
+                      ASM).to(tl.float32)
     if (FMT == INT8 or FMT == INT4G) and CODES:
         w = q
     elif FMT == INT8 or FMT == INT4G:
@@ -1073,7 +1084,8 @@ def dequantize(weight: QuantWeight, fmt: int, quartered: bool = False, codes: bo
     stride_sn, stride_sg = (0, 0) if lo is None else lo.stride()
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         *descs, scale, lo, out, n, k, stride_sn, stride_sg, FMT=fmt, GROUP=group, BLOCK_N=block_n,
-        BLOCK_K=block_k, QUARTERED=quartered, CODES=codes, enable_fp_fusion=False, **launch_options())
+        BLOCK_K=block_k, QUARTERED=quartered, CODES=codes, ASM=not INTERPRETING, enable_fp_fusion=False,
+        **launch_options())
     return out
 
 
