@@ -1,0 +1,25 @@
+"""Perplexity of SmolLM2-135M on Paul Graham's essays (`selfspec eval`'s ppl task: windows of 512 tokens, each from
+an empty cache) per stored format and mode, on the CPU: the formats `eval` does not pick by recipe (`int4g`) beside
+the ones it does. Session 27:
+    python docs/bench-cpu/storage_ppl.py [WINDOWS]"""
+import math
+import sys
+import time
+
+from selfspec.engine.llm import build_model
+from selfspec.eval.tasks.ppl import load_windows, window_nll
+from selfspec.loading import resolve
+from selfspec.loading.named import DEFAULT_MODEL
+from selfspec.quant.modes import MODES
+
+RUNS = (("dense", ["fp32"]), ("int4", ["w4a16", "w4a8"]), ("int4g", ["w4a16", "w4a8"]))
+
+cfg, state_dict, tokenizer, _ = resolve(DEFAULT_MODEL)
+windows = load_windows(tokenizer, None, int(sys.argv[1]) if len(sys.argv) > 1 else 8)
+for storage, modes in RUNS:
+    start = time.time()
+    model = build_model(cfg, {k: v.clone() for k, v in state_dict.items()}, storage, 128, tokenizer=tokenizer)
+    for mode in modes:
+        nll, tokens = map(sum, zip(*(window_nll(model, w.prompt, MODES[mode]) for w in windows)))
+        print(f"{storage:6s} {mode:6s} perplexity {math.exp(nll / tokens):.2f} ({time.time() - start:.0f} s)",
+              flush=True)
