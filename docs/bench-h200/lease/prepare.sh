@@ -1,7 +1,8 @@
 # Run here, from the repository root, in a checkout that lacks the git-ignored files a lease carries:
 # .whl (the wheels the lent machine lacks: gguf, the GSM8K data), .ab/head (HEAD's selfspec and tests) and the
 # trees of the leads docs/leads/README.md lists (.ab/int4g-pieces: HEAD with docs/leads/int4g-pieces.patch,
-# .ab/int4g-w4a16: with docs/leads/int4g-w4a16-nibbles.patch, .ab/attention-chunk: with
+# .ab/int4g-w4a16: with docs/leads/int4g-w4a16-nibbles.patch, .ab/int4g-affine: and int4g-decode-affine.patch on
+# top, .ab/attention-chunk: with
 # docs/leads/attention-chunk-heads.patch; a lead
 # written as a patch adds its line: `tree NAME "A.patch B.patch" PATHS` for .ab/NAME, HEAD's PATHS with
 # docs/leads/A.patch and B.patch applied).
@@ -23,6 +24,7 @@ tree() {  # tree NAME "PATCH..." PATHS...: .ab/NAME holding HEAD's PATHS, with d
 tree head "" selfspec tests
 tree int4g-pieces int4g-pieces.patch selfspec tests docs/bench-h200/int4g_paths_probe.py
 tree int4g-w4a16 int4g-w4a16-nibbles.patch selfspec tests
+tree int4g-affine "int4g-w4a16-nibbles.patch int4g-decode-affine.patch" selfspec tests
 tree attention-chunk attention-chunk-heads.patch selfspec tests
 du -sh .whl .ab/*
 if [ "${RAY:-0}" = 1 ]; then
