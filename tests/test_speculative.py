@@ -14,7 +14,7 @@ from selfspec.engine.stats import GenerationStats
 from selfspec.errors import SelfspecError
 from selfspec.quant.modes import MODES
 from selfspec.speculative.decode import Row, decode, run_round
-from selfspec.speculative.recipes import resolve_recipe
+from selfspec.speculative.recipes import Recipe, resolve_recipe
 from selfspec.speculative.sampling import SamplingParams, sample, to_probs
 from selfspec.speculative.verify import accept_greedy, accept_rejection
 
@@ -57,6 +57,7 @@ RECIPES = {
     "planes": resolve_recipe("planes"),  # planes: draft upper, verify full
     "planes-w4a8-w8a16": resolve_recipe("planes", draft="w4a8", verify="w8a16"),
     "planes-w4a4": resolve_recipe("planes", draft="w4a4"),
+    "int4g": Recipe("int4g", "int4g", "w4a16", "w4a8"),  # int4g: draft w4a8 (int32 sums over K), verify w4a16
 }
 N_NEW = 24
 
