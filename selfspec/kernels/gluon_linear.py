@@ -644,6 +644,13 @@ def takes_act_tiles(block_k: int) -> bool:
     return block_k // 4 % ACT_MMA_K == 0
 
 
+def takes_act_weight(k: int, n: int, block_k: int, affine: torch.Tensor) -> bool:
+    """Whether _nibble_act_ws_kernel takes a weight of N rows and K columns in K tiles of `block_k`: tiles it takes,
+    K whole tiles (x is quartered by them), its group-wise values `affine` (float32, or INT4G's integers read as
+    float32 bits) rows TMA reads (`covers`)."""
+    return takes_act_tiles(block_k) and k % block_k == 0 and covers(affine, n)
+
+
 def act_block_m(m: int) -> int:
     return 2 * ACT_BLOCK_M if m >= ACT_WIDE_ROWS else ACT_BLOCK_M
 

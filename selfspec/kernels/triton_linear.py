@@ -976,9 +976,8 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
             return gluon_linear.dense_gemm(x2, w, cfg.block_k, chunk, cfg.split_k, bias, r2, scale)
         if fmt == INT8.value and act:
             return gluon_linear.int8_gemm(x2, xs, w, scale, bias, r2)
-        if (fmt == INT4.value and act and sums is not None and gluon_linear.covers(scale, n) and k % cfg.block_k == 0
-                and cfg.block_k == min(group, 128) and cfg.block_k % ROW_SUM_COLS.value == 0
-                and gluon_linear.takes_act_tiles(cfg.block_k)):
+        if (fmt == INT4.value and act and sums is not None and cfg.block_k == min(group, 128)
+                and cfg.block_k % ROW_SUM_COLS.value == 0 and gluon_linear.takes_act_weight(k, n, cfg.block_k, scale)):
             return gluon_linear.nibble_act_gemm(x2, xs, sums, tensors, n, group, cfg.block_k, chunk, cfg.split_k,
                                                 bias, r2)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
@@ -1147,9 +1146,8 @@ def int_scale_linear(x2: torch.Tensor, xs: torch.Tensor, weight: QuantWeight, cf
                      bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
     """y [M, N] (+ r2) of INT4G with x2's int8 codes and row scales xs, on the int8 tensor cores (above)."""
     (n, k), block_k = weight.shape, cfg.block_k
-    ints = weight.group.view(torch.float32)  # as the kernel's TMA reads them
-    if (x2.shape[0] < INT_SCALE_SCRATCH_ROWS and gluon_linear.takes_act_tiles(block_k) and k % block_k == 0
-            and gluon_linear.covers(ints, n)):
+    if x2.shape[0] < INT_SCALE_SCRATCH_ROWS and gluon_linear.takes_act_weight(k, n, block_k,
+                                                                            weight.group.view(torch.float32)):
         return gluon_linear.int_scale_gemm(x2, xs, weight.packed, weight.group, weight.scale, n, weight.group_size,
                                            block_k, bias, r2)
     codes = dequantize(weight, INT4G.value, codes=True, dtype=torch.int8)
