@@ -39,21 +39,29 @@ def test_decode_and_many_token_nibble_tiles_fit_registers():
 
 
 def test_int4g_tiles_compile_for_sm_90():
-    """INT4G's codes built in registers (s2 q - z s2) compile in every tile its GEMMs take: int8 activations split
-    and whole (int32 partials) and in many-token tiles, bf16 activations on mma.sync, and the int8 codes' scratch."""
+    """INT4G compiles in every tile its GEMMs take: int8 activations in the nibble kernel's decode tiles (the codes'
+    int32 dots and an integer affine, split and whole) and as INT8 codes built in registers past them, bf16
+    activations in the nibble kernel's tiles and its warp-specialized kernel (no spills, wgmma not serialized)."""
     code = ("from dataclasses import replace\n"
             "from selfspec.bench import kernel_resources as kr\n"
             "from selfspec.kernels import triton_linear as tlin\n"
             "fmt = tlin.INT4G.value\n"
-            "for mode, m, n in (('w4a8', 1, 6144), ('w4a8', 1, 28672), ('w4a4', 160, 4096), ('w4a16', 1, 6144),\n"
+            "for mode, m, n in (('w4a8', 1, 6144), ('w4a8', 1, 28672), ('w4a4', 64, 4096), ('w4a16', 1, 6144),\n"
             "                   ('w4a16', 300, 4096)):\n"
             "    act = mode != 'w4a16'\n"
             "    cfg = tlin.tile_config(fmt, act, n, 4096, 128, m)\n"
             "    r = kr.resources(kr.compile_linear(mode, cfg, fmt=fmt))\n"
             "    print(mode, m, cfg.split_k, r.stack_bytes, r.mma)\n")
     rows = [line.split() for line in run_code(code).splitlines()]
-    assert len(rows) == 5 and all(r[3] == "0" for r in rows)  # no spills
-    assert [r[4] for r in rows] == ["mma.sync", "mma.sync", "wgmma", "mma.sync", "mma.sync"]
+    assert len(rows) == 5 and all(r[3] == "0" for r in rows[:4])  # no spills but in the nibble kernel's 64-row
+    # tile at many rows, which spills as int4's own (912 bytes a thread; past 128 rows int4 runs warp-specialized)
+    assert [r[4] for r in rows] == ["mma.sync", "mma.sync", "wgmma", "mma.sync", "wgmma"]
+    code = ("from selfspec.bench import kernel_resources as kr\n"
+            "from selfspec.kernels import triton_linear as tlin\n"
+            "for ip, partial in ((True, False), (False, True)):\n"
+            "    k = kr.compile_warp_specialized('w4a16', in_program=ip, partial=partial, fmt=tlin.INT4G.value)\n"
+            "    print(kr.resources(k).stack_bytes, kr.wgmma_serialized(k))\n")
+    assert run_code(code).split() == ["0", "False", "0", "False"]  # the warp-specialized nibble kernel's INT4G
 
 
 def test_bad_tiles_say_what_to_write():

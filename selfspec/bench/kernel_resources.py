@@ -56,7 +56,7 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
     its int8 codes' row sums where the kernel takes them. `fmt`: the weight's format where not the mode's FORMATS
     one (INT4G)."""
     fmt, act = FORMATS[mode] if fmt is None else fmt, MODES[mode].act_bits is not None
-    nibble = tlin.uses_nibble_kernel(fmt, act, group)
+    nibble = tlin.uses_nibble_kernel(fmt, act, group, cfg.block_m)
     words = tlin.reads_words(fmt, act, group, cfg)
     word_type = "i32" if fmt == tlin.INT8.value else "i16"
     w_type = word_type if words else {tlin.DENSE.value: "bf16", tlin.INT8.value: "i8"}.get(fmt, "u8")
@@ -96,12 +96,14 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
 
 
 def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in_program: bool = True,
-                             partial: bool = False, block_m: int = gll.BLOCK_M) -> triton.compiler.CompiledKernel:
+                             partial: bool = False, block_m: int = gll.BLOCK_M,
+                             fmt: int | None = None) -> triton.compiler.CompiledKernel:
     """The warp-specialized nibble GEMM (kernels/gluon_linear.py) for `mode` (w4a16, upper, full, or w8a16: INT8
     codes as 32-bit words), compiled for sm_90 (no launch, no GPU), as `nibble_gemm` launches it on an 8B layer
     (16-byte aligned tensors; N, K and the strides multiples of 16, which Triton specializes on); `partial`: one K
-    chunk per CTA, its fp32 sum stored (`chunks_apart`); `block_m`: rows of x per CTA (`nibble_block_m`)."""
-    fmt = FORMATS[mode]
+    chunk per CTA, its fp32 sum stored (`chunks_apart`); `block_m`: rows of x per CTA (`nibble_block_m`); `fmt`:
+    the weight's format where not the mode's FORMATS one (INT4G)."""
+    fmt = FORMATS[mode] if fmt is None else fmt
     q = block_k // 4
 
     def desc(dtype: str, shape: list[int], layout: object) -> str:
@@ -115,11 +117,11 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in
            "scale_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*fp32" if partial else "*bf16"}
     if fmt == tlin.INT8.value:  # the words' descriptor stands in for the ones it does not read
         sig.update(w2_desc=words, scale_desc=words, lo_desc=words)
-    else:
+    elif fmt != tlin.INT4G.value:  # INT4G: its channel scales after the sum
         sig["scale_ptr"] = "constexpr"
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
     consts = dict(CHUNKS=1) if partial else {}  # a launch's 1 is specialized as a constant
-    if fmt != tlin.INT8.value or partial:
+    if fmt not in (tlin.INT8.value, tlin.INT4G.value) or partial:
         consts["scale_ptr"] = None
     consts |= dict(FMT=fmt, GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program and not partial,
                    PARTIAL=partial, NARROWS=True,
@@ -178,7 +180,8 @@ def compile_int8_warp_specialized(partial: bool = False,
 
 
 def compile_act_warp_specialized(block_k: int = 128, group: int = 128, in_program: bool = True,
-                                 block_m: int = gll.ACT_BLOCK_M, ints: bool = False) -> triton.compiler.CompiledKernel:
+                                 block_m: int = gll.ACT_BLOCK_M, ints: bool = False,
+                                 partial: bool = False) -> triton.compiler.CompiledKernel:
     """The warp-specialized GEMM of INT4 codes with int8 activations (kernels/gluon_linear.py, w4a8 / w4a4)
     compiled for sm_90, as `nibble_act_gemm` launches it on an 8B layer; `ints`: INT4G's, as `int_scale_gemm`
     launches it."""
@@ -192,9 +195,10 @@ def compile_act_warp_specialized(block_k: int = 128, group: int = 128, in_progra
            "w_desc": desc("i16", [gll.BLOCK_N, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_N, q], gl.int16)),
            "scale_desc": row_n, "lo_desc": row_n, "sums_desc": desc("fp32", [1, block_m], gll.ROW_LAYOUT),
            "xs_ptr": "*fp32", "scale_ptr": "*fp32" if ints else "constexpr", "bias_ptr": "*bf16",
-           "res_ptr": "*bf16", "y_ptr": "*bf16"}
+           "res_ptr": "*bf16", "y_ptr": "*i32" if partial else "*bf16"}
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
     consts = dict(GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program and not ints, INTS=ints,
+                  PARTIAL=partial,
                   BLOCK_M=block_m, BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k, STAGES=gll.nibble_act_stages(block_k, block_m))
     if not ints:
         consts["scale_ptr"] = None

@@ -119,8 +119,8 @@ def tune_many(shape: str, ms: tuple[int, ...], kernels: list[str], save: str | N
             weight = quantize_weight(w.bfloat16() if storage == "dense" else w, storage, 128)
             group = getattr(weight, "group_size", 0)
             fmt, act = tlin.kernel_format(weight, mode), mode.act_bits is not None
-            base = tlin.decode_config(fmt, act, n, k, group)
-            kind = tlin.kernel_kind(fmt, act, group)
+            base = tlin.decode_config(fmt, act, n, k, group, max(ms))
+            kind = tlin.kernel_kind(fmt, act, group, max(ms))
             dense = w.bfloat16()
             for m in ms:
                 x = torch.randn(m, k, device="cuda").bfloat16()

@@ -40,8 +40,10 @@ from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY, launch_options,
 from selfspec.kernels.ops import ROW_SUM_COLS
 from selfspec.kernels.triton_small import sum_chunks
 
-# The formats, as kernels/triton_linear.py numbers them: INT8 codes (per-channel scale) and the nibble formats.
+# The formats, as kernels/triton_linear.py numbers them: INT8 codes (per-channel scale), the nibble formats and INT4G
+# (nibbles with integer group scales over a channel scale).
 INT8, INT4, UPPER, FULL = gl.constexpr(1), gl.constexpr(2), gl.constexpr(3), gl.constexpr(4)
+INT4G = gl.constexpr(5)
 BLOCK_N = 128  # weight rows per CTA: two consumer warpgroups of WARPGROUP_ROWS
 BLOCK_M = 128  # rows of x per CTA
 NARROW = gl.constexpr(32)  # the fewest columns of x a CTA's product takes (M's last tile: 32, 64 or BLOCK_M)
@@ -126,13 +128,29 @@ def _tile_weights(w_bufs, w2_bufs, affine_bufs, slot, row0, layout: gl.constexpr
                                               is_pure=True, pack=2)
         s = _row(affine_bufs.index(2 * slot), row0, rows, gl.SliceLayout(1, layout))
         lo = _row(affine_bufs.index(2 * slot + 1), row0, rows, gl.SliceLayout(1, layout))
+        if FMT == INT4G:  # the group's integers (float32 bits): 16 c - (16 + z) = q - z, times s2 (_code_weight)
+            g = lo.to(gl.int32, bitcast=True)
+            s = (g & 255).to(gl.float32)
+            lo = ((g >> 8) & 255).to(gl.float32) / s
+            sixteen = gl.expand_dims(gl.full(lo.shape, 16, gl.bfloat16, lo.type.layout), 1)
+            shift = gl.expand_dims((-16 - lo).to(gl.bfloat16), 1)
+            c0, c1, c2, c3 = codes
+            codes = (gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c0, sixteen, shift], dtype=gl.bfloat16,
+                                               is_pure=True, pack=2),
+                     gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c1, sixteen, shift], dtype=gl.bfloat16,
+                                               is_pure=True, pack=2),
+                     gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c2, sixteen, shift], dtype=gl.bfloat16,
+                                               is_pure=True, pack=2),
+                     gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c3, sixteen, shift], dtype=gl.bfloat16,
+                                               is_pure=True, pack=2))
+            lo = s * 0
         if FMT == UPPER:  # triton_linear._group_affine
             lo = (lo + s * 7.5).to(gl.bfloat16).to(gl.float32)
             lo = (lo - s * 256).to(gl.bfloat16).to(gl.float32) + s * 256
             s = s * 16
         if FMT == FULL:  # the codes are q8 - 128: the offset is the weight of code 128 (triton_linear._nibble_chunk)
             lo = lo + s * 128
-        else:  # the codes are 1 + q / 16: 16 s times them, plus lo - 16 s
+        elif FMT != INT4G:  # the codes are 1 + q / 16: 16 s times them, plus lo - 16 s
             lo = lo - s * 16
             s = s * 16
         s = gl.expand_dims(s.to(gl.bfloat16), 1)
@@ -232,7 +250,7 @@ def _consume(x_bufs, w_bufs, w2_bufs, affine_bufs, ready, free, turns, scale_ptr
         gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], total,
                  mask=n_mask[:, None] & (offs_m < M)[None, :])
     else:
-        if FMT == INT8:  # the channel scale, after the sum (triton_linear._epilogue)
+        if FMT == INT8 or FMT == INT4G:  # the channel scale, after the sum (triton_linear._epilogue)
             total = total * gl.load(scale_ptr + offs_n, mask=n_mask, other=0)[:, None]
         _store_transposed(total, offs_n, n_mask, bias_ptr, res_ptr, y_ptr, n0 + row0, m0, M, N, stride_ym, stride_rm,
                           HAS_BIAS, HAS_RES, rows, WIDTH)
@@ -379,12 +397,13 @@ def _act_consume(x_bufs, w_bufs, affine_bufs, sums_bufs, total_bufs, ready, free
 
 @gluon.jit
 def _ints_consume(x_bufs, w_bufs, affine_bufs, ready, free, turns, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, row0,
-                  m0, n0, M, N, K, stride_ym, stride_rm, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+                  m0, n0, M, N, k_begin, k_end, piece, stride_ym, stride_rm, HAS_BIAS: gl.constexpr,
+                  HAS_RES: gl.constexpr, PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
     """One consumer warpgroup of _nibble_act_ws_kernel for INT4G (triton_linear's INT4G with int8 activations): per
-    K tile each code made s2 q - z s2 in registers (the tile's group integers from the ring), the int8 tensor cores'
-    dots summed into one int32 accumulator over all of K (exact: the decode tiles' sum whatever the tiles), then
-    x's row scale and the channel scale, bias and residual once, as triton_linear._epilogue."""
+    K tile from k_begin to k_end each code made s2 q - z s2 in registers (the tile's group integers from the ring),
+    the int8 tensor cores' dots summed into one int32 accumulator (exact: the decode tiles' sum whatever the tiles
+    and pieces), then x's row scale and the channel scale, bias and residual once, as triton_linear._epilogue; with
+    PARTIAL the int32 sum of this piece of K into y_ptr's [pieces, M, N] instead (sum_chunks adds and scales them)."""
     stages: gl.constexpr = ready.type.shape[0]
     rows: gl.constexpr = WARPGROUP_ROWS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -395,7 +414,7 @@ def _ints_consume(x_bufs, w_bufs, affine_bufs, ready, free, turns, xs_ptr, scale
     me = row0 // WARPGROUP_ROWS
     dot = gl.zeros((rows, BLOCK_M), gl.int32, acc_layout)
     i = 0
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         slot = i % stages
         mbarrier.wait(ready.index(slot), (i // stages) & 1)
         words = w_bufs.index(slot).slice(row0, rows).load(codes_layout)
@@ -414,22 +433,28 @@ def _ints_consume(x_bufs, w_bufs, affine_bufs, ready, free, turns, xs_ptr, scale
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=tokens_layout)
     offs_n = n0 + row0 + gl.arange(0, rows, layout=weight_rows)
     n_mask = offs_n < N
-    total = dot.to(gl.float32) * gl.expand_dims(gl.load(xs_ptr + offs_m, mask=offs_m < M, other=0), 0)
-    total = total * gl.expand_dims(gl.load(scale_ptr + offs_n, mask=n_mask, other=0), 1)
-    _store_transposed(total, offs_n, n_mask, bias_ptr, res_ptr, y_ptr, n0 + row0, m0, M, N, stride_ym, stride_rm,
-                      HAS_BIAS, HAS_RES, rows, BLOCK_M)
+    if PARTIAL:
+        mask = gl.expand_dims(n_mask, 1) & gl.expand_dims(offs_m < M, 0)
+        ptrs = y_ptr + piece * M * N + gl.expand_dims(offs_m, 0) * N + gl.expand_dims(offs_n, 1)
+        gl.store(ptrs, dot, mask=mask)
+    else:
+        total = dot.to(gl.float32) * gl.expand_dims(gl.load(xs_ptr + offs_m, mask=offs_m < M, other=0), 0)
+        total = total * gl.expand_dims(gl.load(scale_ptr + offs_n, mask=n_mask, other=0), 1)
+        _store_transposed(total, offs_n, n_mask, bias_ptr, res_ptr, y_ptr, n0 + row0, m0, M, N, stride_ym,
+                          stride_rm, HAS_BIAS, HAS_RES, rows, BLOCK_M)
 
 
 @gluon.jit(do_not_specialize=["M"])
 def _nibble_act_ws_kernel(x_desc, w_desc, scale_desc, lo_desc, sums_desc, xs_ptr, scale_ptr, bias_ptr, res_ptr,
                           y_ptr, M, N, K, K_CHUNK, CHUNKS, stride_ym, stride_rm,
                           GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
-                          IN_PROGRAM: gl.constexpr, INTS: gl.constexpr, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                          IN_PROGRAM: gl.constexpr, INTS: gl.constexpr, PARTIAL: gl.constexpr,
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """_nibble_ws_kernel's skeleton (the loader, the ring, the two consumer warpgroups in turn) for INT4 codes with
     int8 activations (w4a8, w4a4): x's int8 codes quartered, the plane's 16-bit words, the group affine. INTS:
     INT4G's codes (`_ints_consume`), lo_desc over its group integers (read as float32 bits), scale_ptr its channel
-    scales."""
+    scales; its CTAs the tiles times CHUNKS pieces of K_CHUNK columns (the tiles fastest), PARTIAL where there are
+    several."""
     m0, n0 = _grouped_tile(gl.program_id(0), M, N, BLOCK_M, BLOCK_N)
     q: gl.constexpr = BLOCK_K // 4
     x_bufs = gl.allocate_shared_memory(gl.int8, [4 * STAGES, BLOCK_M, q], x_desc.layout)
@@ -443,14 +468,20 @@ def _nibble_act_ws_kernel(x_desc, w_desc, scale_desc, lo_desc, sums_desc, xs_ptr
     for r in gl.static_range(2):
         mbarrier.init(turns.index(r), count=1)
     if INTS:
+        tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        piece = gl.program_id(0) // tiles
+        m0, n0 = _grouped_tile(gl.program_id(0) % tiles, M, N, BLOCK_M, BLOCK_N)
+        k_begin = piece * K_CHUNK
+        k_end = gl.minimum(K, k_begin + K_CHUNK)
         gl.warp_specialize([
             (_ints_consume, (x_bufs, w_bufs, affine_bufs, ready, free, turns, xs_ptr, scale_ptr, bias_ptr, res_ptr,
-                             y_ptr, 0, m0, n0, M, N, K, stride_ym, stride_rm, HAS_BIAS, HAS_RES, BLOCK_M, BLOCK_K)),
+                             y_ptr, 0, m0, n0, M, N, k_begin, k_end, piece, stride_ym, stride_rm, HAS_BIAS, HAS_RES,
+                             PARTIAL, BLOCK_M, BLOCK_K)),
             (_ints_consume, (x_bufs, w_bufs, affine_bufs, ready, free, turns, xs_ptr, scale_ptr, bias_ptr, res_ptr,
-                             y_ptr, WARPGROUP_ROWS, m0, n0, M, N, K, stride_ym, stride_rm, HAS_BIAS, HAS_RES, BLOCK_M,
-                             BLOCK_K)),
+                             y_ptr, WARPGROUP_ROWS, m0, n0, M, N, k_begin, k_end, piece, stride_ym, stride_rm,
+                             HAS_BIAS, HAS_RES, PARTIAL, BLOCK_M, BLOCK_K)),
             (_loader, (x_desc, w_desc, w_desc, scale_desc, lo_desc, sums_desc, x_bufs, w_bufs, w_bufs, affine_bufs,
-                       sums_bufs, ready, free, m0, n0, 0, K, INT4, GROUP, BLOCK_K, False)),
+                       sums_bufs, ready, free, m0, n0, k_begin, k_end, INT4, GROUP, BLOCK_K, False)),
         ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
     else:
         gl.warp_specialize([
@@ -548,15 +579,17 @@ MAX_REGISTERS = 65536 // (3 * 128) // 8 * 8
 
 def nibble_gemm(x2: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, block_k: int, chunk: int,
                 split_k: int, bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
-    """y [M, N] = x2 [M, K] @ W^T (+ bias, + r2) for a nibble format with bf16 activations, or for INT8 codes (as
-    32-bit words, lo None; K a multiple of block_k), in the K tile and the K split of the decode config (block_k;
+    """y [M, N] = x2 [M, K] @ W^T (+ bias, + r2) for a nibble format with bf16 activations (INT4G: lo its group
+    integers, scale its channel scales), or for INT8 codes (as 32-bit words, lo None; K a multiple of block_k), in
+    the K tile and the K split of the decode config (block_k;
     split_k chunks of `chunk` columns, triton_linear.k_chunk): the chunks are walked in order, each from zero, and
     added in order (as the split's partial sums are)."""
     m, k = x2.shape
     w, w2, scale, lo = tensors
     block_m = nibble_block_m(m, n, k, block_k, split_k, x2.device)
-    descs = descriptors(quartered(x2, block_k), w, w2, scale, lo, block_k, block_m)
-    channel = scale if fmt == INT8.value else None
+    affine = (lo.view(torch.float32),) * 2 if fmt == INT4G.value else (scale, lo)  # INT4G: its group integers
+    descs = descriptors(quartered(x2, block_k), w, w2, *affine, block_k, block_m)
+    channel = scale if fmt in (INT8.value, INT4G.value) else None
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))  # the tiles; launched as one dimension of them
     flags = dict(FMT=fmt, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=block_m,
                  BLOCK_N=BLOCK_N, BLOCK_K=block_k, STAGES=nibble_stages(fmt, block_k, block_m), num_warps=4,
@@ -592,7 +625,7 @@ def nibble_act_gemm(x2: torch.Tensor, xs: torch.Tensor, sums: torch.Tensor, tens
     _nibble_act_ws_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N),)](
         x_desc, w_desc, scale_desc, lo_desc, sums_desc, xs, None, bias, r2, y, m, n, k, chunk, split_k, y.stride(0),
         0 if r2 is None else r2.stride(0), GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None,
-        IN_PROGRAM=split_k > 1, INTS=False, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+        IN_PROGRAM=split_k > 1, INTS=False, PARTIAL=False, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
         STAGES=nibble_act_stages(block_k, block_m), num_warps=4, maxnreg=MAX_REGISTERS)
     return y
 
@@ -602,18 +635,31 @@ def int_scale_gemm(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, gro
                    r2: torch.Tensor | None) -> torch.Tensor:
     """y [M, N] = (x2's int8 codes [M, K] with row scales xs) @ W^T * scale (+ bias, + r2) for INT4G (the nibbles
     `packed` [N, K / 2], their group integers [N, K / group] group-major, channel scales `scale`): its INT8 codes
-    built in registers a K tile at a time, one int32 sum over all of K (any K tile, any split: the same bits)."""
+    built in registers a K tile at a time, int32 sums over K (any K tile, any split: the same bits). K goes in
+    `int8_pieces` CTAs of whole K tiles, their int32 sums added and scaled by sum_chunks; INTS_BLOCK_M rows of x a
+    CTA."""
     m, k = x2.shape
-    block_m = act_block_m(m)
+    block_m = INTS_BLOCK_M
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
+    pieces = int8_pieces(grid, k, block_k, x2.device)
+    piece = triton.cdiv(triton.cdiv(k, pieces), block_k) * block_k
+    live = triton.cdiv(k, piece)
     ints = group_ints.view(torch.float32)  # TMA copies the bits; the consumers read them back as integers
     x_desc, w_desc, _, scale_desc, lo_desc = descriptors(quartered(x2, block_k), packed, None, ints, ints, block_k,
                                                          block_m)
+    flags = dict(GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=False, INTS=True,
+                 PARTIAL=live > 1, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+                 STAGES=nibble_act_stages(block_k, block_m), num_warps=4, maxnreg=MAX_REGISTERS)
+    if live > 1:
+        part = torch.empty((live, m, n), dtype=torch.int32, device=x2.device)
+        _nibble_act_ws_kernel[(tiles * live,)](x_desc, w_desc, scale_desc, lo_desc, lo_desc, None, None, None, None,
+                                               part, m, n, k, piece, live, n, 0,
+                                               **{**flags, "HAS_BIAS": False, "HAS_RES": False})
+        return sum_chunks(part, live, bias, r2, scales=(xs, scale))
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
-    _nibble_act_ws_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N),)](
-        x_desc, w_desc, scale_desc, lo_desc, lo_desc, xs, scale, bias, r2, y, m, n, k, k, 1, y.stride(0),
-        0 if r2 is None else r2.stride(0), GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None,
-        IN_PROGRAM=False, INTS=True, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        STAGES=nibble_act_stages(block_k, block_m), num_warps=4, maxnreg=MAX_REGISTERS)
+    _nibble_act_ws_kernel[(tiles,)](x_desc, w_desc, scale_desc, lo_desc, lo_desc, xs, scale, bias, r2, y, m, n, k, k,
+                                    1, y.stride(0), 0 if r2 is None else r2.stride(0), **flags)
     return y
 
 
@@ -635,6 +681,11 @@ def tile_sums(sums: torch.Tensor, block_k: int) -> torch.Tensor:
 # in shared memory: with the total in registers too, 128 rows spilled 296 bytes (`selfspec.bench.kernel_resources
 # --warp-specialized`). The rows a CTA takes do not change a row's products or their order: the same bits.
 ACT_BLOCK_M, ACT_WIDE_ROWS = 64, 1024
+# INT4G's kernel (`int_scale_gemm`) takes 128 rows a CTA at any M: its codes, built from nibbles and group integers,
+# cost more a tile than INT4's, so building each for 128 tokens paid from 96 rows up (H200, 8B layers, w4a8 against
+# 64 rows a CTA: qkv 1.14-1.17x cuBLAS against 1.31-1.93x at 96-256 rows, gate/up 0.80-1.02 against 1.24-1.54,
+# down 0.76-0.99 against 1.00-1.39; docs/bench-h200/s28-int4g-paths-pieces.json).
+INTS_BLOCK_M = 2 * ACT_BLOCK_M
 ACT_MMA_K = 32  # K columns of one int8 wgmma
 
 

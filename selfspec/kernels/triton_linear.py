@@ -457,6 +457,29 @@ def _weight(c, s, lo, ASM: tl.constexpr):
 
 
 @triton.jit
+def _act_affine(scale_ptr, lo_ptr, offs_n, g, N, stride_sn, stride_sg, FMT: tl.constexpr):
+    """The affine of quant group g that follows a K tile's int32 dot of the codes 0..15 with int8 activations: the
+    affine formats' (scale, lo) in fp32 (`_group_affine`); INT4G's integers (s2, z s2), int32."""
+    if FMT == INT4G:
+        ints = tl.load(lo_ptr + offs_n * stride_sn + g * stride_sg, mask=offs_n < N, other=0)
+        s, lo = ints & 255, ints >> 8
+    else:
+        s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, g, N, stride_sn, stride_sg, FMT)
+    return s, lo
+
+
+@triton.jit
+def _code_weight(c, s, lo, FMT: tl.constexpr, ASM: tl.constexpr):
+    """The bf16 weight of codes c as the builds give them (1 + q / 16, or both planes' q8 - 128): `_weight` of the
+    affine formats; INT4G's int8 value s2 (q - z) (s, lo: s2 and z, [BLOCK_N, 1]), exact, in two fused
+    multiply-adds: 16 c - (16 + z) = q - z, then times s2 (every operand a small integer, exact in bf16); its channel
+    scale comes after the sum."""
+    if FMT == INT4G:
+        return _weight(_weight(c, tl.full(s.shape, 16, tl.float32), -16 - lo, ASM), s, tl.zeros_like(s), ASM)
+    return _weight(c, s, lo, ASM)
+
+
+@triton.jit
 def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0, k_start, k_end, M,
                   N, K, stride_xm, stride_sn, stride_sg, FMT: tl.constexpr, ACT: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_SUMS: tl.constexpr,
@@ -471,13 +494,13 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
         sum_ptrs = sums_ptr + offs_m * (K // ROW_SUM_COLS) + k_start // ROW_SUM_COLS
     if ACT and not ROW_SUMS:
         ones = tl.full((BLOCK_K // 2, BLOCK_N), 1, tl.int8)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _zeros(BLOCK_M, BLOCK_N, FMT, ACT)
     last_group = K // GROUP - 1
     # int8 activations: the affine, used after the dot, loaded one tile ahead (at once, its load would stall every
     # tile), its group clamped to the last one: a program's last tile loads a group it does not use.
     if ACT:
-        s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, tl.minimum(k_start // GROUP, last_group), N,
-                                        stride_sn, stride_sg, FMT)
+        s_next, lo_next = _act_affine(scale_ptr, lo_ptr, offs_n, tl.minimum(k_start // GROUP, last_group), N,
+                                      stride_sn, stride_sg, FMT)
     # The weights' rows as a column of their own arange: the group affine is then loaded straight into the layout
     # the weight tile is built in (the pipeliner prefetches it with the words), not moved there through shared
     # memory from the epilogue's.
@@ -489,8 +512,8 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
             x = tl.load(x_ptrs, mask=x_mask, other=0)
         if ACT:  # int8 codes 0..15 on int8 tensor cores, exact int32 sums per tile, then the group's affine
             s, lo = s_next, lo_next  # BLOCK_K divides GROUP: one group per tile
-            s_next, lo_next = _group_affine(scale_ptr, lo_ptr, offs_n, tl.minimum((k0 + BLOCK_K) // GROUP, last_group),
-                                            N, stride_sn, stride_sg, FMT)
+            s_next, lo_next = _act_affine(scale_ptr, lo_ptr, offs_n, tl.minimum((k0 + BLOCK_K) // GROUP, last_group),
+                                          N, stride_sn, stride_sg, FMT)
             xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
             lo_c, hi_c = _int8_codes(w_desc.load([n0, k0 // 2]), ASM)
             d = tl.dot(xo, tl.trans(hi_c), tl.dot(xe, tl.trans(lo_c), out_dtype=tl.int32), out_dtype=tl.int32)
@@ -501,12 +524,20 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
                 sum_ptrs += BLOCK_K // ROW_SUM_COLS
             else:  # exact int32 sums from the int8 tensor cores (a dot with ones) measured faster here
                 x_sum = tl.dot(xo, ones, tl.dot(xe, ones, out_dtype=tl.int32), out_dtype=tl.int32).to(tl.float32)
-            acc += d.to(tl.float32) * s[None, :] + x_sum * lo[None, :]
+            if FMT == INT4G:  # x . s2 (q - z) = s2 (x . q) - z s2 sum(x): exact integers, summed over all of K
+                acc += d * s[None, :] - x_sum.to(tl.int32) * lo[None, :]
+            else:
+                acc += d.to(tl.float32) * s[None, :] + x_sum * lo[None, :]
         else:
-            s, lo = _group_affine(scale_ptr, lo_ptr, rows, k0 // GROUP, N, stride_sn, stride_sg, FMT)  # [BLOCK_N, 1]
+            if FMT == INT4G:  # the group's integers s2 and z: [BLOCK_N, 1] each
+                g = tl.load(lo_ptr + rows * stride_sn + (k0 // GROUP) * stride_sg, mask=rows < N, other=1)
+                s = (g & 255).to(tl.float32)
+                lo = ((g >> 8) & 255).to(tl.float32) / s
+            else:
+                s, lo = _group_affine(scale_ptr, lo_ptr, rows, k0 // GROUP, N, stride_sn, stride_sg, FMT)
             if FMT == FULL:  # the builds give q8 - 128: the offset is the weight of code 128 (a bf16 value)
                 lo = lo + s * 128
-            else:  # the builds give 1 + q / 16: 16 s times it, plus lo - 16 s (a bf16 value)
+            elif FMT != INT4G:  # the builds give 1 + q / 16: 16 s times it, plus lo - 16 s (a bf16 value)
                 lo = lo - s * 16
                 s = s * 16
             if WORDS:  # the planes as 16-bit words, four codes each, met by x's columns k = 4j + t
@@ -516,10 +547,10 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
                     c0, c1, c2, c3 = _plane_word_codes(w, w2_desc.load([n0, k0 // 4]), ASM)
                 else:
                     c0, c1, c2, c3 = _word_codes(w, ASM)
-                acc = tl.dot(x0, tl.trans(_weight(c0, s, lo, ASM)), acc)
-                acc = tl.dot(x1, tl.trans(_weight(c1, s, lo, ASM)), acc)
-                acc = tl.dot(x2, tl.trans(_weight(c2, s, lo, ASM)), acc)
-                acc = tl.dot(x3, tl.trans(_weight(c3, s, lo, ASM)), acc)
+                acc = tl.dot(x0, tl.trans(_code_weight(c0, s, lo, FMT, ASM)), acc)
+                acc = tl.dot(x1, tl.trans(_code_weight(c1, s, lo, FMT, ASM)), acc)
+                acc = tl.dot(x2, tl.trans(_code_weight(c2, s, lo, FMT, ASM)), acc)
+                acc = tl.dot(x3, tl.trans(_code_weight(c3, s, lo, FMT, ASM)), acc)
             else:  # bytes (K tiles under 64): the even and the odd columns of x meet the low and the high nibbles
                 xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
                 b = w_desc.load([n0, k0 // 2])
@@ -527,8 +558,8 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
                     even, odd = _plane_codes(b, w2_desc.load([n0, k0 // 2]), ASM)
                 else:
                     even, odd = _codes(b, ASM)
-                acc = tl.dot(xe, tl.trans(_weight(even, s, lo, ASM)), acc)
-                acc = tl.dot(xo, tl.trans(_weight(odd, s, lo, ASM)), acc)
+                acc = tl.dot(xe, tl.trans(_code_weight(even, s, lo, FMT, ASM)), acc)
+                acc = tl.dot(xo, tl.trans(_code_weight(odd, s, lo, FMT, ASM)), acc)
         if not X_DESC:
             x_ptrs += BLOCK_K
     return acc
@@ -563,7 +594,7 @@ def _nibble_kernel(
     n0 = pid_n * BLOCK_N
     wait(PDL)
     if IN_PROGRAM:  # as _linear_kernel: the CHUNKS chunks in order, the split-K sum bit for bit
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _zeros(BLOCK_M, BLOCK_N, FMT, ACT)
         for c in range(0, CHUNKS):
             acc += _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0,
                                  c * K_CHUNK, tl.minimum(K, (c + 1) * K_CHUNK), M, N, K, stride_xm, stride_sn,
@@ -621,10 +652,15 @@ class TileConfig:
     warp_specialized: bool = False  # on Hopper (nibbles: given x's row sums): kernels/gluon_linear.py, its tiles
 
 
-def uses_nibble_kernel(fmt: int, act: bool, group: int) -> bool:
-    """_nibble_kernel takes the nibble formats but both planes with int8 activations (w8a8 etc. on planes) and
-    int8 activations in groups under 64: its even/odd halves give an int8 dot K = group / 2, and int8 tensor
-    cores need K >= 32."""
+def uses_nibble_kernel(fmt: int, act: bool, group: int, m: int = 1) -> bool:
+    """Whether _nibble_kernel takes a GEMM of M rows (or a tile of M rows): the nibble formats but both planes with
+    int8 activations (w8a8 etc. on planes) and int8 activations in groups under 64: its even/odd halves give an
+    int8 dot K = group / 2, and int8 tensor cores need K >= 32; INT4G likewise, with int8 activations in decode's
+    tiles alone."""
+    if fmt == INT4G.value:  # bf16 weights as the nibble formats' (`_code_weight`); the codes' int32 dots per K tile
+        # with an integer affine (`_nibble_chunk`) up to BLOCK_M rows: 0.66-0.89x the time of its INT8 codes built
+        # in registers, but 1.17-1.30x at 64 rows (H200, 8B layers, docs/bench-h200/s28-ab-gemm-int4g-affine.log)
+        return not act or (group >= 64 and m <= BLOCK_M)
     return INT4.value <= fmt <= FULL.value and not (act and (fmt == FULL.value or group < 64))
 
 
@@ -633,12 +669,13 @@ def tile_config(fmt: int, act: bool, n: int, k: int, group: int, m: int = 1) -> 
     """The tiles of a GEMM of M rows. What fixes a row's sums (BLOCK_K, the K split, the swap, and so the order
     of every add) comes from the weight and the mode only (`decode_config`); the M and N tiles, the warps and the
     stages follow M (`many_tokens`), which leaves every row's bits unchanged (tests/gpu/test_gpu_kernels.py)."""
-    cfg = decode_config(fmt, act, n, k, group)
+    cfg = decode_config(fmt, act, n, k, group, m)
     return cfg if m <= BLOCK_M else many_tokens(cfg, fmt, act, group, m, n, k)
 
 
-def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig:
-    """The tiles of a GEMM of up to BLOCK_M rows: from the weight and the mode only.
+def decode_config(fmt: int, act: bool, n: int, k: int, group: int, m: int = 1) -> TileConfig:
+    """The tiles of a GEMM of up to BLOCK_M rows: from the weight and the mode only (and for INT4G with int8
+    activations, exact whatever its tiles, from the kernel M rows take: `uses_nibble_kernel`).
 
     Chosen by `python -m selfspec.bench.tune_linear` on an H100 (Llama-3-8B layers, M = 1 and 9, under CUDA
     graphs, weights streamed from HBM): INT8 codes stream best in K tiles of 256, both planes with int8
@@ -650,7 +687,7 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int) -> TileConfig
     (an 8B model's down 0.87x the time of 256-wide tiles for one plane, `full`'s gate/up and down 0.93-0.95x that
     of 128-wide ones: docs/bench-h100/tune-decode-2026-11-26.json); with int8 activations:
     N tiles of 64 and as many K pieces (a power of two) as keep the programs within 512."""
-    if uses_nibble_kernel(fmt, act, group):
+    if uses_nibble_kernel(fmt, act, group, m):
         block_k = min(group, 128)
         k_tiles = triton.cdiv(k, block_k)
         if act:
@@ -701,9 +738,9 @@ def int8_words_config(n: int, k: int) -> TileConfig:
 # Llama-3-8B layers, M = 64 to 4096), each candidate against the decode tiles' bits over all rows:
 # - int8 activations (int8-act, nibble-act): any M and N tile, warps, stages, mma or wgmma keep the bits (exact
 #   int32 dots per K tile, then the same fp32 affine per element; INT8 codes: exact int32 sums over all of K);
-# - INT4G (int4g-act, int4g): its INT8 codes built in registers; with int8 activations any tile (exact int32 sums),
-#   64 x 128 on 8 warps (4 warps spilled 184-328 bytes a thread, compiled for sm_90); with bf16 activations its
-#   codes are built from bytes, so 32-row mma.sync tiles only (below);
+# - INT4G with int8 activations past decode's rows (int4g-act): its INT8 codes built in registers, any tile (exact
+#   int32 sums), 64 x 128 on 8 warps (4 warps spilled 184-328 bytes a thread, compiled for sm_90); in decode's
+#   tiles (groups of 64 and more), and with bf16 activations, the nibble kernel's (its integer affine, `_code_weight`);
 # - bf16 activations (bf16, int8 and nibble weights): warps, stages, N tiles and M tiles up to 32 keep the bits,
 #   but M tiles of 64 or more (where Triton issues Hopper's wgmma instead of mma.sync) changed 4e-5 to 1.5e-3 of
 #   the outputs of integer-coded weights (int8 codes, nibbles, planes) built from bytes, whose mma.sync operands
@@ -744,8 +781,6 @@ MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
               [(128, 256, 8, 3, False, 64), (128, 128, 8, 3, False, 64)])],
     "int4g-act": [(64, (64, 128, 8, 3, False), (64, 128, 8, 3, False)),
                   (1 << 62, (64, 128, 8, 3, True), (64, 128, 8, 3, False))],
-    "int4g": [(32, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
-              (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
     "int8": [(32, (32, 128, 4, 3, False), (32, 128, 4, 3, False)),
              (64, (64, 64, 4, 3, False), (64, 64, 4, 3, False)),
              (1 << 62, (32, 128, 4, 3, True), (32, 128, 4, 3, False))],
@@ -764,12 +799,12 @@ def wide_fills(m: int, n: int, split_k: int) -> bool:
     return triton.cdiv(m, BLOCK_M) * triton.cdiv(n, 256) * split_k > SMS
 
 
-def kernel_kind(fmt: int, act: bool, group: int) -> str:
-    """Which row of MANY_TOKENS a GEMM takes."""
-    if uses_nibble_kernel(fmt, act, group):
+def kernel_kind(fmt: int, act: bool, group: int, m: int = BLOCK_M + 1) -> str:
+    """Which row of MANY_TOKENS a GEMM of M rows takes."""
+    if uses_nibble_kernel(fmt, act, group, m):
         return "nibble-act" if act else "planes" if fmt == FULL.value else "nibble"
     if fmt == INT4G.value:
-        return "int4g-act" if act else "int4g"
+        return "int4g-act"
     if act:
         return "int8-act"
     return "bf16" if fmt == DENSE.value else "int8"
@@ -781,11 +816,11 @@ def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, n: int
     warp-specialized kernels, which `_run` takes where it can (else these tiles)."""
     if cfg.swap:  # not measured at many tokens
         return cfg
-    for max_m, split_tiles, whole_tiles in MANY_TOKENS[kernel_kind(fmt, act, group)]:
+    for max_m, split_tiles, whole_tiles in MANY_TOKENS[kernel_kind(fmt, act, group, m)]:
         if m <= max_m:
             tiles = split_tiles if cfg.split_k > 1 else whole_tiles
             many = cfg
-            if tiles is None and kernel_kind(fmt, act, group) == "nibble" and cfg.split_k == fewest_pieces(
+            if tiles is None and kernel_kind(fmt, act, group, m) == "nibble" and cfg.split_k == fewest_pieces(
                     triton.cdiv(k, cfg.block_k)) and wide_fills(m, n, cfg.split_k):
                 many = replace(cfg, block_n=256)  # the decode tiles, as wide as this M fills (same bits)
             if tiles is not None:
@@ -818,7 +853,7 @@ SPLIT_BF16_MOST_ROWS = 512
 
 def takes_warp_specialized(fmt: int, act: bool, group: int, split_k: int, m: int) -> bool:
     """Whether a GEMM of M rows is marked for kernels/gluon_linear.py (which `_run` takes on Hopper)."""
-    kind = kernel_kind(fmt, act, group)
+    kind = kernel_kind(fmt, act, group, m)
     if kind not in WARP_SPECIALIZED_ROWS or m < WARP_SPECIALIZED_ROWS[kind]:
         return False
     if kind == "bf16":
@@ -938,7 +973,7 @@ def takes_row_sums(fmt: int, act: bool, group: int, cfg: TileConfig) -> bool:
     tensor cores was the faster (w4a8 and w4a4 at 16 and 32 rows took 1.04-1.19x the time reading sums, 0.77-0.89x
     at 160 and 256; H200, `selfspec bench ab gemm`). Both give the same exact integers, so the same bits. (With
     bf16 activations the nibble kernels dequantize the weight and take no sums.)"""
-    if not act or not uses_nibble_kernel(fmt, act, group) or min(group, 128) % ROW_SUM_COLS.value:
+    if not act or not uses_nibble_kernel(fmt, act, group, cfg.block_m) or min(group, 128) % ROW_SUM_COLS.value:
         return False
     return cfg.block_m > BLOCK_M
 
@@ -963,7 +998,7 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
         sums = sums.contiguous()  # the kernel reads row r's sums at r * K / ROW_SUM_COLS
     w, w2, scale, lo = tensors
     chunk = k_chunk(k, cfg.split_k, cfg.block_k)
-    nibble = uses_nibble_kernel(fmt, act, group)
+    nibble = uses_nibble_kernel(fmt, act, group, cfg.block_m)
     words = reads_words(fmt, act, group, cfg)
     if cfg.warp_specialized and gluon_linear.runs_on(x2.device):  # before this path's output and partials
         if words and nibble and gluon_linear.covers(scale, n):
@@ -1124,15 +1159,14 @@ def takes_scratch(fmt: int, act: bool, group: int, cfg: TileConfig, x2: torch.Te
 
 
 # INT4G with int8 activations from INT_SCALE_ROWS rows, on Hopper: exact int32 sums over all of K, so the decode
-# tiles' bits whatever the kernel. Up to INT_SCALE_SCRATCH_ROWS rows the warp-specialized int8 kernel builds its INT8
-# codes in registers a K tile at a time (gluon_linear.int_scale_gemm) where it takes the K tile (128: quant groups of
-# 128 and more); from there (and where it does not) the codes are built once a GEMM into an int8 scratch for w8a8's
-# int8 GEMM with the channel scale. H200, 8B layers, w4a8, time / cuBLAS BF16 (docs/bench-h200/s27-int4g-paths.json):
-# at 96-128 rows the kernel 1.16-1.72, the scratch 1.50-1.75, the Triton tiles 2.0-4.2 (down: the scratch 1.50
-# against the kernel's 1.70); at 256 the scratch 1.29-1.51, the kernel 1.35-1.99; at 1,024-4,096 the scratch
-# 0.65-1.09, the kernel 0.90-1.26 (each weight tile built again for every 64 or 128 rows); at 64 rows the tiles
-# 1.24-1.85 (the kernel 0.68 on gate/up, 2.05 on o; the scratch's build alone takes ~50 us on gate/up).
-INT_SCALE_ROWS, INT_SCALE_SCRATCH_ROWS = 65, 256
+# tiles' bits whatever the kernel. Below INT_SCALE_SCRATCH_ROWS rows the warp-specialized int8 kernel builds its INT8
+# codes in registers a K tile at a time for 128 rows of x (gluon_linear.int_scale_gemm, K in pieces where its tiles
+# leave SMs idle) where it takes the K tile (128: quant groups of 128 and more); from there (and where it does not)
+# the codes are built once a GEMM into an int8 scratch for w8a8's int8 GEMM with the channel scale. H200, 8B layers,
+# w4a8, time / cuBLAS BF16 (docs/bench-h200/s28-*): at 96-128 rows the kernel 0.76-1.24, the scratch 1.29-1.60; at
+# 256 the kernel 0.97-1.26, the scratch 1.14-1.41; from 288 rows (a third 128-row tile mostly padding) mixed, 1.1-1.8
+# either way; at 512 the scratch 0.86-1.21 against 1.02-1.34, at 1,024-4,096 0.61-1.01 against 0.97-1.26.
+INT_SCALE_ROWS, INT_SCALE_SCRATCH_ROWS = 65, 257
 
 
 def takes_int_scale_kernels(fmt: int, act: bool, x2: torch.Tensor) -> bool:

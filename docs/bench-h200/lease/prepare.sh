@@ -1,10 +1,7 @@
 # Run here, from the repository root, in a checkout that lacks the git-ignored files a lease carries:
 # .whl (the wheels the lent machine lacks: gguf, the GSM8K data), .ab/head (HEAD's selfspec and tests) and the
-# trees of the leads docs/leads/README.md lists (.ab/int4g-pieces: HEAD with docs/leads/int4g-pieces.patch,
-# .ab/int4g-w4a16: with docs/leads/int4g-w4a16-nibbles.patch, .ab/int4g-affine: and int4g-decode-affine.patch on
-# top, .ab/attention-chunk: with
-# docs/leads/attention-chunk-heads.patch; a lead
-# written as a patch adds its line: `tree NAME "A.patch B.patch" PATHS` for .ab/NAME, HEAD's PATHS with
+# trees of the leads docs/leads/README.md lists (.ab/attention-chunk: HEAD with
+# docs/leads/attention-chunk-heads.patch; a lead written as a patch adds its line: `tree NAME "A.patch B.patch" PATHS` for .ab/NAME, HEAD's PATHS with
 # docs/leads/A.patch and B.patch applied).
 # With RAY=1, also .ray/1, .ray/2, ...:
 # ray[serve] 2.60.0 and its wheels for the machine's Python, as a tar cut in 35 MiB pieces, one folder a call's carry
@@ -22,9 +19,6 @@ tree() {  # tree NAME "PATCH..." PATHS...: .ab/NAME holding HEAD's PATHS, with d
 }
 
 tree head "" selfspec tests
-tree int4g-pieces int4g-pieces.patch selfspec tests docs/bench-h200/int4g_paths_probe.py
-tree int4g-w4a16 int4g-w4a16-nibbles.patch selfspec tests
-tree int4g-affine "int4g-w4a16-nibbles.patch int4g-decode-affine.patch" selfspec tests
 tree attention-chunk attention-chunk-heads.patch selfspec tests
 du -sh .whl .ab/*
 if [ "${RAY:-0}" = 1 ]; then
