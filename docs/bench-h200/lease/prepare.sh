@@ -1,8 +1,8 @@
 # Run here, from the repository root, in a checkout that lacks the git-ignored files a lease carries:
 # .whl (the wheels the lent machine lacks: gguf, the GSM8K data), .ab/head (HEAD's selfspec and tests) and the
 # trees of the leads docs/leads/README.md lists (.ab/attention-chunk: HEAD with
-# docs/leads/attention-chunk-heads.patch; a lead written as a patch adds its line: `tree NAME "A.patch B.patch" PATHS` for .ab/NAME, HEAD's PATHS with
-# docs/leads/A.patch and B.patch applied).
+# docs/leads/attention-chunk-heads.patch; a lead written as a patch adds its line: `tree NAME "A.patch B.patch"
+# PATHS` for .ab/NAME, HEAD's PATHS with docs/leads/A.patch and B.patch applied).
 # With RAY=1, also .ray/1, .ray/2, ...:
 # ray[serve] 2.60.0 and its wheels for the machine's Python, as a tar cut in 35 MiB pieces, one folder a call's carry
 # (replicas.sh puts them back together there).
