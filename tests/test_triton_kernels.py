@@ -593,8 +593,9 @@ def test_many_token_tiles_keep_every_rows_bits(storage, mode_name):
     for cfg in (replace(split, in_program=True), replace(split, block_m=32, block_n=32, in_program=True)):
         assert torch.equal(launch(x, weight, mode, cfg), y), cfg
     fmt, act = triton_linear.kernel_format(weight, mode), mode.act_bits is not None
-    retiled = triton_linear.kernel_kind(fmt, act, 64) in triton_linear.MANY_TOKENS and not swap
-    first = triton_linear.MANY_TOKENS.get(triton_linear.kernel_kind(fmt, act, 64), [(64, None, None)])[0]
+    kind = triton_linear.kernel_kind(fmt, act, 64, 40)  # the kind past decode's rows
+    retiled = kind in triton_linear.MANY_TOKENS and not swap
+    first = triton_linear.MANY_TOKENS.get(kind, [(64, None, None)])[0]
     for m in (40, first[0] + 16):  # past decode's BLOCK_M: in the first bucket and past it
         x = torch.randn(m, 256).bfloat16()
         grows = retiled and (m > first[0] or first[1] is not None)

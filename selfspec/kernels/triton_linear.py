@@ -799,7 +799,7 @@ def wide_fills(m: int, n: int, split_k: int) -> bool:
     return triton.cdiv(m, BLOCK_M) * triton.cdiv(n, 256) * split_k > SMS
 
 
-def kernel_kind(fmt: int, act: bool, group: int, m: int = BLOCK_M + 1) -> str:
+def kernel_kind(fmt: int, act: bool, group: int, m: int) -> str:
     """Which row of MANY_TOKENS a GEMM of M rows takes."""
     if uses_nibble_kernel(fmt, act, group, m):
         return "nibble-act" if act else "planes" if fmt == FULL.value else "nibble"
