@@ -27,7 +27,7 @@ from selfspec.quant.modes import MODES, Mode
 
 # Each stored format and the modes measured from it.
 STORAGE_MODES = {"dense": ["bf16"], "int8": ["w8a16", "w8a8"], "int4": ["w4a16", "w4a8", "w4a4"],
-                 "planes": ["upper", "full"]}
+                 "int4g": ["w4a16", "w4a8", "w4a4"], "planes": ["upper", "full"]}
 
 
 @torch.inference_mode()  # a graphed model's persistent cache may have been made under inference mode already
