@@ -87,6 +87,21 @@ def test_nibble_gemms_of_few_tiles_take_64_row_ctas_where_k_is_short(monkeypatch
     assert gluon_linear.nibble_block_m(1024, 576, 576, 64, 16, cpu) == 64  # 80 of them
 
 
+def test_int4g_takes_256_row_ctas_where_its_pieces_of_k_stay_long(monkeypatch):
+    """INT4G's in-register kernel builds each weight tile once for 256 rows of x from INTS_TALL_ROWS rows, unless
+    its pieces of K would then hold fewer than INTS_TALL_TILES K tiles each (an 8B model's o); 128 rows below."""
+    from selfspec.kernels import gluon_linear
+
+    monkeypatch.setattr(gluon_linear, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert gluon_linear.ints_block_m(192, 6144, 4096, 128, cpu) == 128
+    assert gluon_linear.ints_block_m(256, 6144, 4096, 128, cpu) == 256  # qkv: 2 pieces of 16 K tiles
+    assert gluon_linear.ints_block_m(256, 28672, 4096, 128, cpu) == 256  # gate/up: K whole
+    assert gluon_linear.ints_block_m(256, 4096, 14336, 128, cpu) == 256  # down: 4 pieces of 28
+    assert gluon_linear.ints_block_m(256, 4096, 4096, 128, cpu) == 128  # o: 4 pieces of 8
+    assert gluon_linear.fills_sms(28672, cpu) and not gluon_linear.fills_sms(6144, cpu)
+
+
 def test_the_int8_gemm_takes_short_k_tiles_where_each_sm_has_few_tiles(monkeypatch):
     """K tiles of 128 (twice the ring slots) up to 4 tiles a SM, of 256 beyond (the sums are exact either way)."""
     from selfspec.kernels import gluon_linear

@@ -100,7 +100,7 @@ def test_warp_specialized_gemms_compile_on_wgmma_without_spills():
     """The warp-specialized GEMMs (kernels/gluon_linear.py) compile for sm_90 in every nibble format and for w8a16's
     words (and with their K chunks in CTAs of their own, and in 64-row CTAs), for bf16 (K whole and split; on
     w8a16's scratch of codes with their channel scale), for w8a8 (K whole and a piece of it, K tiles of 256 and 128)
-    and for INT4 codes with int8 activations: wgmma that ptxas does not serialize (it does when registers run short:
+    and for INT4 codes with int8 activations (INT4G's in 128- and 256-row CTAs, K whole and a piece of it): wgmma that ptxas does not serialize (it does when registers run short:
     the kernel then ran at the Triton tiles' time), no register spilled at the registers setmaxnreg moves to the
     consumers, within an H100's shared memory."""
     env = compiling_env()
@@ -111,7 +111,9 @@ def test_warp_specialized_gemms_compile_on_wgmma_without_spills():
     assert set(rows) == {"w4a16", "upper", "full", "w8a16", "full chunks apart", "w8a16 chunks apart",
                          "w4a16 64 rows", "full 64 rows", "w8a16 64 rows", "bf16 split 1", "bf16 split 4",
                          "bf16 split 4, 64 columns", "w8a16 scratch, split 4", "w8a8", "w8a8 piece of K",
-                         "w8a8, K tiles of 128", "w4a8 / w4a4, 64 rows", "w4a8 / w4a4, 128 rows"}
+                         "w8a8, K tiles of 128", "w4a8 / w4a4, 64 rows", "w4a8 / w4a4, 128 rows",
+                         "w4a8 / w4a4 on int4g, 128 rows", "w4a8 / w4a4 on int4g, 128 rows, piece of K",
+                         "w4a8 / w4a4 on int4g, 256 rows", "w4a8 / w4a4 on int4g, 256 rows, piece of K"}
     for mode, (_, stages, _, stack, shared, mma, serialized) in rows.items():
         assert (stages == "-" or int(stages) >= 2) and stack == "0" and int(shared) <= 232448 and mma == "wgmma", mode
         assert serialized == "no", mode

@@ -1,9 +1,9 @@
 """INT4G's int8-activation GEMMs (w4a8) by path, per 8B layer and rows: the Triton tiles, the int8 codes' scratch with
-w8a8's int8 GEMM, and the warp-specialized kernel building the codes in registers (gluon_linear.int_scale_gemm,
-`kernel`; `kernel-wide`: 128 rows of x a CTA at any M), each under CUDA graphs cycling through weights past L2,
-against cuBLAS BF16; every path's output checked bit for bit against the Triton tiles' (exact int32 sums: one
-result whatever the path). Session 27:
-    PYTHONPATH=. python docs/bench-h200/int4g_paths_probe.py OUT.json"""
+w8a8's int8 GEMM, and the warp-specialized kernel building the codes in registers (gluon_linear.int_scale_gemm) with
+128 or 256 rows of x a CTA (`kernel-128`, `kernel-256`), each under CUDA graphs cycling through weights past L2, against
+cuBLAS BF16; every path's output checked bit for bit against the Triton tiles' (exact int32 sums: one result whatever
+the path; the tiles themselves are not timed). Sessions 27-29:
+    PYTHONPATH=. python docs/bench-h200/int4g_paths_probe.py OUT.json [ROWS ...]"""
 import json
 import sys
 
@@ -20,7 +20,8 @@ from selfspec.quant.modes import MODES
 
 MODE = MODES["w4a8"]
 takes_tiles = gll.takes_act_tiles
-PATHS = ("tiles", "scratch", "kernel", "kernel-wide")
+PATHS = ("scratch", "kernel-128", "kernel-256")
+ROWS = [int(a) for a in sys.argv[2:]] or [128, 192, 256, 320, 384, 512, 768, 1024, 2048, 4096]
 
 
 def run(path: str, x, w, given):
@@ -28,7 +29,9 @@ def run(path: str, x, w, given):
     tlin.INT_SCALE_ROWS = 1 << 30 if path == "tiles" else 1
     tlin.INT_SCALE_SCRATCH_ROWS = 1 << 30
     gll.takes_act_tiles = takes_tiles if path.startswith("kernel") else (lambda block_k: False)
-    gll.INTS_BLOCK_M = 2 * gll.ACT_BLOCK_M if path == "kernel-wide" else gll.ACT_BLOCK_M
+    if path.startswith("kernel"):
+        rows = int(path.split("-")[1])
+        gll.INTS_BLOCK_M, gll.INTS_TALL_ROWS, gll.INTS_TALL_TILES = 128, (1 if rows > 128 else 1 << 30), 0
     return linear(x, w, MODE, handover=given)
 
 
@@ -37,7 +40,7 @@ for name, n, k in layer_gemms(SHAPES["llama-3-8b"]):
     ws = [quantize_weight(torch.randn(n, k, device="cuda") * 0.02, "int4g", 128)
           for _ in range(copies_past_l2(n * k // 2))]
     dense = [torch.randn(n, k, device="cuda").bfloat16() for _ in range(copies_past_l2(2 * n * k))]
-    for m in (64, 96, 128, 256, 512, 1024, 4096):
+    for m in ROWS:
         x = torch.randn(m, k, device="cuda").bfloat16()
         given = handed_over(name, x, MODE)
         cublas = graph_time_ms([lambda d=d: torch.nn.functional.linear(x, d) for d in dense])

@@ -199,7 +199,8 @@ def compile_act_warp_specialized(block_k: int = 128, group: int = 128, in_progra
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
     consts = dict(GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program and not ints, INTS=ints,
                   PARTIAL=partial,
-                  BLOCK_M=block_m, BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k, STAGES=gll.nibble_act_stages(block_k, block_m))
+                  BLOCK_M=block_m, BLOCK_N=gll.BLOCK_N, BLOCK_K=block_k,
+                  STAGES=gll.nibble_act_stages(block_k, block_m, ints))
     if not ints:
         consts["scale_ptr"] = None
     return _compile_as_launched(gll._nibble_act_ws_kernel, sig, consts)
@@ -367,6 +368,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                         compile_int8_warp_specialized(block_k=gll.INT8_SHORT_BLOCK_K)))
         kernels += [(f"w4a8 / w4a4, {rows} rows", gll.nibble_act_stages(128, rows),
                      compile_act_warp_specialized(block_m=rows)) for rows in (gll.ACT_BLOCK_M, 2 * gll.ACT_BLOCK_M)]
+        kernels += [(f"w4a8 / w4a4 on int4g, {rows} rows{', piece of K' if partial else ''}",
+                     gll.nibble_act_stages(128, rows, ints=True),
+                     compile_act_warp_specialized(block_m=rows, ints=True, partial=partial))
+                    for rows in (gll.INTS_BLOCK_M, 2 * gll.INTS_BLOCK_M) for partial in (False, True)]
         for name, stages, kernel in kernels:
             r = resources(kernel)
             print(f"| {name} | {stages} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} | "

@@ -403,16 +403,18 @@ def _ints_consume(x_bufs, w_bufs, affine_bufs, ready, free, turns, xs_ptr, scale
     K tile from k_begin to k_end each code made s2 q - z s2 in registers (the tile's group integers from the ring),
     the int8 tensor cores' dots summed into one int32 accumulator (exact: the decode tiles' sum whatever the tiles
     and pieces), then x's row scale and the channel scale, bias and residual once, as triton_linear._epilogue; with
-    PARTIAL the int32 sum of this piece of K into y_ptr's [pieces, M, N] instead (sum_chunks adds and scales them)."""
+    PARTIAL the int32 sum of this piece of K into y_ptr's [pieces, M, N] instead (sum_chunks adds and scales them).
+    BLOCK_M of 256 tokens: two accumulators of 128 (int8 wgmma takes at most 128 here), one build of the codes."""
     stages: gl.constexpr = ready.type.shape[0]
     rows: gl.constexpr = WARPGROUP_ROWS
+    width: gl.constexpr = INTS_WIDTH if BLOCK_M > INTS_WIDTH else BLOCK_M
+    two: gl.constexpr = BLOCK_M > INTS_WIDTH
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_M, 32])
+                                                         instr_shape=[16, width, 32])
     codes_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
-    tokens_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    weight_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
     me = row0 // WARPGROUP_ROWS
-    dot = gl.zeros((rows, BLOCK_M), gl.int32, acc_layout)
+    dot = gl.zeros((rows, width), gl.int32, acc_layout)
+    dot2 = gl.zeros((rows, width), gl.int32, acc_layout)  # the second 128 tokens (`two`)
     i = 0
     for k0 in range(k_begin, k_end, BLOCK_K):
         slot = i % stages
@@ -425,13 +427,39 @@ def _ints_consume(x_bufs, w_bufs, affine_bufs, ready, free, turns, xs_ptr, scale
                                           dtype=(gl.int8, gl.int8, gl.int8, gl.int8), is_pure=True, pack=4)
         mbarrier.wait(turns.index(me), (i & 1) ^ (1 - me))  # the two warpgroups' wgmma in turn (_consume)
         for t in gl.static_range(4):
-            dot = warpgroup_mma(codes[t], x_bufs.index(4 * slot + t).permute((1, 0)), dot, is_async=True)
+            dot = warpgroup_mma(codes[t], x_bufs.index(4 * slot + t).slice(0, width).permute((1, 0)), dot,
+                                is_async=True)
+        if two:
+            for t in gl.static_range(4):
+                dot2 = warpgroup_mma(codes[t], x_bufs.index(4 * slot + t).slice(width, width).permute((1, 0)), dot2,
+                                     is_async=True)
         mbarrier.arrive(turns.index(1 - me))
-        dot = warpgroup_mma_wait(0, deps=(dot, ))
+        if two:
+            dot, dot2 = warpgroup_mma_wait(0, deps=(dot, dot2))
+        else:
+            dot = warpgroup_mma_wait(0, deps=(dot, ))
         mbarrier.arrive(free.index(slot))
         i += 1
-    offs_m = m0 + gl.arange(0, BLOCK_M, layout=tokens_layout)
-    offs_n = n0 + row0 + gl.arange(0, rows, layout=weight_rows)
+    _ints_store(dot, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, n0 + row0, m0, M, N, piece, stride_ym, stride_rm,
+                HAS_BIAS, HAS_RES, PARTIAL)
+    if two:
+        _ints_store(dot2, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, n0 + row0, m0 + width, M, N, piece, stride_ym,
+                    stride_rm, HAS_BIAS, HAS_RES, PARTIAL)
+
+
+INTS_WIDTH = gl.constexpr(128)  # tokens of one int32 accumulator of _ints_consume
+
+
+@gluon.jit
+def _ints_store(dot, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, n_first, m0, M, N, piece, stride_ym, stride_rm,
+                HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, PARTIAL: gl.constexpr):
+    """_ints_consume's int32 sums for weight rows n_first.. and tokens m0..: scaled and stored (or, PARTIAL, stored
+    as they are for sum_chunks)."""
+    layout: gl.constexpr = dot.type.layout
+    rows: gl.constexpr = dot.type.shape[0]
+    width: gl.constexpr = dot.type.shape[1]
+    offs_m = m0 + gl.arange(0, width, layout=gl.SliceLayout(0, layout))
+    offs_n = n_first + gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
     n_mask = offs_n < N
     if PARTIAL:
         mask = gl.expand_dims(n_mask, 1) & gl.expand_dims(offs_m < M, 0)
@@ -440,8 +468,8 @@ def _ints_consume(x_bufs, w_bufs, affine_bufs, ready, free, turns, xs_ptr, scale
     else:
         total = dot.to(gl.float32) * gl.expand_dims(gl.load(xs_ptr + offs_m, mask=offs_m < M, other=0), 0)
         total = total * gl.expand_dims(gl.load(scale_ptr + offs_n, mask=n_mask, other=0), 1)
-        _store_transposed(total, offs_n, n_mask, bias_ptr, res_ptr, y_ptr, n0 + row0, m0, M, N, stride_ym,
-                          stride_rm, HAS_BIAS, HAS_RES, rows, BLOCK_M)
+        _store_transposed(total, offs_n, n_mask, bias_ptr, res_ptr, y_ptr, n_first, m0, M, N, stride_ym, stride_rm,
+                          HAS_BIAS, HAS_RES, rows, width)
 
 
 @gluon.jit(do_not_specialize=["M"])
@@ -461,8 +489,6 @@ def _nibble_act_ws_kernel(x_desc, w_desc, scale_desc, lo_desc, sums_desc, xs_ptr
     w_bufs = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, q], w_desc.layout)
     affine_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, BLOCK_N], scale_desc.layout)
     sums_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], sums_desc.layout)
-    total_bufs = gl.allocate_shared_memory(gl.float32, [2, WARPGROUP_ROWS, BLOCK_M],
-                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ready, free = _ring_barriers(STAGES)
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for r in gl.static_range(2):
@@ -484,6 +510,8 @@ def _nibble_act_ws_kernel(x_desc, w_desc, scale_desc, lo_desc, sums_desc, xs_ptr
                        sums_bufs, ready, free, m0, n0, k_begin, k_end, INT4, GROUP, BLOCK_K, False)),
         ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
     else:
+        total_bufs = gl.allocate_shared_memory(gl.float32, [2, WARPGROUP_ROWS, BLOCK_M],
+                                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         gl.warp_specialize([
             (_act_consume, (x_bufs, w_bufs, affine_bufs, sums_bufs, total_bufs, ready, free, turns, xs_ptr, bias_ptr,
                             res_ptr, y_ptr, 0, m0, n0, M, N, 0, K, K_CHUNK, CHUNKS, stride_ym, stride_rm, HAS_BIAS,
@@ -636,10 +664,10 @@ def int_scale_gemm(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, gro
     """y [M, N] = (x2's int8 codes [M, K] with row scales xs) @ W^T * scale (+ bias, + r2) for INT4G (the nibbles
     `packed` [N, K / 2], their group integers [N, K / group] group-major, channel scales `scale`): its INT8 codes
     built in registers a K tile at a time, int32 sums over K (any K tile, any split: the same bits). K goes in
-    `int8_pieces` CTAs of whole K tiles, their int32 sums added and scaled by sum_chunks; INTS_BLOCK_M rows of x a
+    `int8_pieces` CTAs of whole K tiles, their int32 sums added and scaled by sum_chunks; `ints_block_m` rows of x a
     CTA."""
     m, k = x2.shape
-    block_m = INTS_BLOCK_M
+    block_m = ints_block_m(m, n, k, block_k, x2.device)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
     pieces = int8_pieces(grid, k, block_k, x2.device)
@@ -650,7 +678,7 @@ def int_scale_gemm(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, gro
                                                          block_m)
     flags = dict(GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=False, INTS=True,
                  PARTIAL=live > 1, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-                 STAGES=nibble_act_stages(block_k, block_m), num_warps=4, maxnreg=MAX_REGISTERS)
+                 STAGES=nibble_act_stages(block_k, block_m, ints=True), num_warps=4, maxnreg=MAX_REGISTERS)
     if live > 1:
         part = torch.empty((live, m, n), dtype=torch.int32, device=x2.device)
         _nibble_act_ws_kernel[(tiles * live,)](x_desc, w_desc, scale_desc, lo_desc, lo_desc, None, None, None, None,
@@ -685,7 +713,26 @@ ACT_BLOCK_M, ACT_WIDE_ROWS = 64, 1024
 # cost more a tile than INT4's, so building each for 128 tokens paid from 96 rows up (H200, 8B layers, w4a8 against
 # 64 rows a CTA: qkv 1.14-1.17x cuBLAS against 1.31-1.93x at 96-256 rows, gate/up 0.80-1.02 against 1.24-1.54,
 # down 0.76-0.99 against 1.00-1.39; docs/bench-h200/s28-int4g-paths-pieces.json).
-INTS_BLOCK_M = 2 * ACT_BLOCK_M
+# From INTS_TALL_ROWS rows 256 a CTA where each piece of K still holds INTS_TALL_TILES K tiles (pieces of fewer K
+# tiles each stretch the ring's fill and drain over less work and double the pieces' sums through memory): H200, 8B
+# layers at 256 rows, w4a8 time / cuBLAS 128 -> 256 rows a CTA: qkv 1.13 -> 1.09, gate/up 0.99 -> 0.83, down 0.98
+# -> 0.91, o (8 K tiles a piece) 1.35 -> 1.45 (docs/bench-h200/s29-int4g-paths.log).
+INTS_BLOCK_M, INTS_TALL_ROWS, INTS_TALL_TILES = 2 * ACT_BLOCK_M, 193, 16
+
+
+def fills_sms(n: int, device: torch.device) -> bool:
+    """Whether one band of a weight's N tiles fills the SMs."""
+    return triton.cdiv(n, BLOCK_N) >= _sm_count(device)
+
+
+def ints_block_m(m: int, n: int, k: int, block_k: int, device: torch.device) -> int:
+    """Rows of x per CTA of `int_scale_gemm`: INTS_BLOCK_M, or twice that (each weight tile's codes built once for
+    256 tokens, two int32 accumulators of 64 x 128) where the rule above allows."""
+    tall = 2 * INTS_BLOCK_M
+    if m < INTS_TALL_ROWS:
+        return INTS_BLOCK_M
+    pieces = int8_pieces((triton.cdiv(m, tall), triton.cdiv(n, BLOCK_N)), k, block_k, device)
+    return tall if k >= pieces * INTS_TALL_TILES * block_k else INTS_BLOCK_M
 ACT_MMA_K = 32  # K columns of one int8 wgmma
 
 
@@ -706,11 +753,12 @@ def act_block_m(m: int) -> int:
     return 2 * ACT_BLOCK_M if m >= ACT_WIDE_ROWS else ACT_BLOCK_M
 
 
-def nibble_act_stages(block_k: int, block_m: int = BLOCK_M) -> int:
+def nibble_act_stages(block_k: int, block_m: int = BLOCK_M, ints: bool = False) -> int:
     """_nibble_act_ws_kernel's ring: x's int8 quarters, the plane's words, the affine and x's tile sums per slot; at
-    most 4, beside the two consumers' running totals."""
+    most 4, beside the two consumers' running totals (INT4G's: none; its epilogue's bf16 tiles on their way to y)."""
+    reserved = 2 * WARPGROUP_ROWS * min(block_m, INTS_WIDTH.value) * 2 if ints else 2 * WARPGROUP_ROWS * block_m * 4
     return ring_stages(block_m * block_k + BLOCK_N * block_k // 2 + 2 * BLOCK_N * 4 + block_m * 4, most=4,
-                       reserved=2 * WARPGROUP_ROWS * block_m * 4)
+                       reserved=reserved)
 
 
 def nibble_block_m(m: int, n: int, k: int, block_k: int, split_k: int, device: torch.device) -> int:

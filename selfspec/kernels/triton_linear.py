@@ -1160,13 +1160,15 @@ def takes_scratch(fmt: int, act: bool, group: int, cfg: TileConfig, x2: torch.Te
 
 # INT4G with int8 activations from INT_SCALE_ROWS rows, on Hopper: exact int32 sums over all of K, so the decode
 # tiles' bits whatever the kernel. Below INT_SCALE_SCRATCH_ROWS rows the warp-specialized int8 kernel builds its INT8
-# codes in registers a K tile at a time for 128 rows of x (gluon_linear.int_scale_gemm, K in pieces where its tiles
-# leave SMs idle) where it takes the K tile (128: quant groups of 128 and more); from there (and where it does not)
+# codes in registers a K tile at a time for 128 or 256 rows of x (gluon_linear.int_scale_gemm, K in pieces where its
+# tiles leave SMs idle) where it takes the K tile (128: quant groups of 128 and more); so does a weight whose 256-row
+# band of tiles fills the SMs by itself (gate/up's N), up to INT_SCALE_WIDE_ROWS; from there (and where it does not)
 # the codes are built once a GEMM into an int8 scratch for w8a8's int8 GEMM with the channel scale. H200, 8B layers,
-# w4a8, time / cuBLAS BF16 (docs/bench-h200/s28-*): at 96-128 rows the kernel 0.76-1.24, the scratch 1.29-1.60; at
-# 256 the kernel 0.97-1.26, the scratch 1.14-1.41; from 288 rows (a third 128-row tile mostly padding) mixed, 1.1-1.8
-# either way; at 512 the scratch 0.86-1.21 against 1.02-1.34, at 1,024-4,096 0.61-1.01 against 0.97-1.26.
-INT_SCALE_ROWS, INT_SCALE_SCRATCH_ROWS = 65, 257
+# w4a8, time / cuBLAS BF16 (docs/bench-h200/s28-*, s29-int4g-paths.log): at 96-128 rows the kernel 0.74-1.24, the
+# scratch 1.29-1.60; at 256 the kernel (256 rows a CTA) 0.83-1.45, the scratch 1.12-1.51; at 384 mixed, 1.0-1.7
+# either way; at 512 the scratch 0.85-1.19 against 0.90-1.29, at 1,024-4,096 0.64-1.02 against 0.69-1.06, where
+# gate/up's kernel reads 0.91 / 0.78 against 1.02 / 0.82 at 512 / 1,024.
+INT_SCALE_ROWS, INT_SCALE_SCRATCH_ROWS, INT_SCALE_WIDE_ROWS = 65, 257, 1024
 
 
 def takes_int_scale_kernels(fmt: int, act: bool, x2: torch.Tensor) -> bool:
@@ -1179,9 +1181,9 @@ def takes_int_scale_kernels(fmt: int, act: bool, x2: torch.Tensor) -> bool:
 def int_scale_linear(x2: torch.Tensor, xs: torch.Tensor, weight: QuantWeight, cfg: TileConfig,
                      bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
     """y [M, N] (+ r2) of INT4G with x2's int8 codes and row scales xs, on the int8 tensor cores (above)."""
-    (n, k), block_k = weight.shape, cfg.block_k
-    if x2.shape[0] < INT_SCALE_SCRATCH_ROWS and gluon_linear.takes_act_weight(k, n, block_k,
-                                                                            weight.group.view(torch.float32)):
+    (n, k), block_k, m = weight.shape, cfg.block_k, x2.shape[0]
+    in_registers = m < INT_SCALE_SCRATCH_ROWS or (m <= INT_SCALE_WIDE_ROWS and gluon_linear.fills_sms(n, x2.device))
+    if in_registers and gluon_linear.takes_act_weight(k, n, block_k, weight.group.view(torch.float32)):
         return gluon_linear.int_scale_gemm(x2, xs, weight.packed, weight.group, weight.scale, n, weight.group_size,
                                            block_k, bias, r2)
     codes = dequantize(weight, INT4G.value, codes=True, dtype=torch.int8)
