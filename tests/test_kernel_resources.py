@@ -100,9 +100,9 @@ def test_warp_specialized_gemms_compile_on_wgmma_without_spills():
     """The warp-specialized GEMMs (kernels/gluon_linear.py) compile for sm_90 in every nibble format and for w8a16's
     words (and with their K chunks in CTAs of their own, and in 64-row CTAs), for bf16 (K whole and split; on
     w8a16's scratch of codes with their channel scale), for w8a8 (K whole and a piece of it, K tiles of 256 and 128)
-    and for INT4 codes with int8 activations (INT4G's in 128- and 256-row CTAs, K whole and a piece of it): wgmma that ptxas does not serialize (it does when registers run short:
-    the kernel then ran at the Triton tiles' time), no register spilled at the registers setmaxnreg moves to the
-    consumers, within an H100's shared memory."""
+    and for INT4 codes with int8 activations (INT4G's in 128- and 256-row CTAs, K whole and a piece of it): wgmma
+    that ptxas does not serialize (it does when registers run short: the kernel then ran at the Triton tiles' time),
+    no register spilled at the registers setmaxnreg moves to the consumers, within an H100's shared memory."""
     env = compiling_env()
     out = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--warp-specialized"], env=env,
                          capture_output=True, text=True, check=True).stdout

@@ -3,8 +3,9 @@ w8a8's int8 GEMM, and the warp-specialized kernel building the codes in register
 128 or 256 rows of x a CTA (`kernel-128`, `kernel-256`), each under CUDA graphs cycling through weights past L2, against
 cuBLAS BF16; every path's output checked bit for bit against the Triton tiles' (exact int32 sums: one result whatever
 the path; the tiles themselves are not timed). Sessions 27-29:
-    PYTHONPATH=. python docs/bench-h200/int4g_paths_probe.py OUT.json [ROWS ...]"""
+    [PATHS="scratch kernel-128"] PYTHONPATH=. python docs/bench-h200/int4g_paths_probe.py OUT.json [ROWS ...]"""
 import json
+import os
 import sys
 
 import torch
@@ -20,7 +21,7 @@ from selfspec.quant.modes import MODES
 
 MODE = MODES["w4a8"]
 takes_tiles = gll.takes_act_tiles
-PATHS = ("scratch", "kernel-128", "kernel-256")
+PATHS = tuple(os.environ.get("PATHS", "scratch kernel-128 kernel-256").split())
 ROWS = [int(a) for a in sys.argv[2:]] or [128, 192, 256, 320, 384, 512, 768, 1024, 2048, 4096]
 
 

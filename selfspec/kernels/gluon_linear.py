@@ -709,7 +709,7 @@ def tile_sums(sums: torch.Tensor, block_k: int) -> torch.Tensor:
 # in shared memory: with the total in registers too, 128 rows spilled 296 bytes (`selfspec.bench.kernel_resources
 # --warp-specialized`). The rows a CTA takes do not change a row's products or their order: the same bits.
 ACT_BLOCK_M, ACT_WIDE_ROWS = 64, 1024
-# INT4G's kernel (`int_scale_gemm`) takes 128 rows a CTA at any M: its codes, built from nibbles and group integers,
+# INT4G's kernel (`int_scale_gemm`) takes 128 rows a CTA, not 64: its codes, built from nibbles and group integers,
 # cost more a tile than INT4's, so building each for 128 tokens paid from 96 rows up (H200, 8B layers, w4a8 against
 # 64 rows a CTA: qkv 1.14-1.17x cuBLAS against 1.31-1.93x at 96-256 rows, gate/up 0.80-1.02 against 1.24-1.54,
 # down 0.76-0.99 against 1.00-1.39; docs/bench-h200/s28-int4g-paths-pieces.json).

@@ -48,7 +48,7 @@ from selfspec.kernels.reference import linear as reference_linear
 from selfspec.kernels.reference import rotate as reference_rotate
 from selfspec.kernels.semaphores import group_counts, last_to_arrive
 from selfspec.kernels.ops import Handover
-from selfspec.kernels.triton_small import ROW_SUM_COLS, qmax, row_codes, row_scale, store_row_sums
+from selfspec.kernels.triton_small import ROW_SUM_COLS, qmax, row_warps, store_row_codes
 from selfspec.quant.formats import STORAGES, DenseWeight, QuantWeight
 from selfspec.quant.modes import MODES, Mode
 
@@ -69,25 +69,19 @@ SMS = 132  # streaming multiprocessors of an H100 SXM (and an H200): programs pe
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, sums_ptr, K, stride_xm, QMAX: tl.constexpr, BLOCK: tl.constexpr,
                       SUMS: tl.constexpr, PDL: tl.constexpr):
-    """One row: scale = max|x| / QMAX, q = round(x / scale) (quant/act.py, exactly); with SUMS the codes' sums
-    per ROW_SUM_COLS columns too (exact integers in fp32, whatever order they are added in)."""
+    """One row, read once and held whole: scale = max|x| / QMAX, q = round(x / scale) (quant/act.py, exactly), with
+    SUMS the codes' sums per ROW_SUM_COLS columns too (store_row_codes, as the norms hand them over)."""
     wait(PDL)
     row = tl.program_id(0)
-    x_row = x_ptr + row * stride_xm
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < K, other=0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = row_scale(tl.max(amax, axis=0), QMAX)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < K, other=0).to(tl.float32)
-        q = row_codes(x, scale, QMAX)
-        tl.store(q_ptr + row * K + offs, q.to(tl.int8), mask=offs < K)
-        if SUMS:
-            store_row_sums(q, sums_ptr + row * (K // ROW_SUM_COLS), k0 // ROW_SUM_COLS, K // ROW_SUM_COLS)
-    tl.store(s_ptr + row, scale)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0)
+    store_row_codes(x, q_ptr, s_ptr, sums_ptr, row, K, offs, mask, QMAX, SUMS)
+
+
+# At most 8 warps a row: K = 4,096 at 256-4,096 rows took 2.8 / 18.2 us against 16 warps' 2.9 / 22.4 (2.8 TB/s),
+# 1.7 against 1.5 us at one row (H200, docs/bench-h200/s29-act-quant-warps.log).
+ACT_QUANT_WARPS = 8
 
 
 def act_quant(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,12 +95,13 @@ def _act_quant(x: torch.Tensor, bits: int, sums: bool) -> tuple[torch.Tensor, to
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    block = min(triton.next_power_of_2(k), 1024)
+    block = triton.next_power_of_2(k)
     row_sums = None
     if sums and k % ROW_SUM_COLS.value == 0 and block >= ROW_SUM_COLS.value:
         row_sums = torch.empty((m, k // ROW_SUM_COLS.value), dtype=torch.float32, device=x.device)
     _act_quant_kernel[(m,)](x, q, scale, row_sums, k, x.stride(0), QMAX=qmax(bits), BLOCK=block,
-                            SUMS=row_sums is not None, **launch_options())
+                            SUMS=row_sums is not None, num_warps=min(row_warps(block), ACT_QUANT_WARPS),
+                            **launch_options())
     return q, scale, row_sums
 
 

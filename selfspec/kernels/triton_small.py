@@ -17,7 +17,7 @@ from selfspec.kernels.reference import rope_and_store as reference_rope_and_stor
 ROW_SUM_COLS = tl.constexpr(ops.ROW_SUM_COLS)
 
 
-def _warps(block: int) -> int:
+def row_warps(block: int) -> int:
     return min(max(block // 256, 1), 16)
 
 
@@ -114,7 +114,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = _handover_buffers(x2.shape[0], d, x, act_bits)
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, out.sums, out.codes, out.scale, d, x2.stride(0), eps,
                                     QMAX=qmax(act_bits), BLOCK=block, SUMS=out.sums is not None,
-                                    QUANT=out.codes is not None, num_warps=_warps(block), **launch_options())
+                                    QUANT=out.codes is not None, num_warps=row_warps(block), **launch_options())
     return y.view(x.shape), _given(out)
 
 
@@ -203,7 +203,7 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     _rope_and_store_kernel[(b * t,)](
         q, k, v, cos, sin, slots, q_out, k_pool, v_pool, t, hq, hkv, k_pool.shape[2], *q.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3], HALF=d // 2, BLOCK=block,
-        BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(hkv), num_warps=_warps(block_hq * block),
+        BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(hkv), num_warps=row_warps(block_hq * block),
         enable_fp_fusion=False, **launch_options(),
     )
     return q_out
@@ -257,7 +257,7 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor,
         block = triton.next_power_of_2(h)
         _swiglu_codes_kernel[(g2.shape[0],)](g2, u2, y, out.codes, out.scale, out.sums, h, g2.stride(0),
                                              u2.stride(0), QMAX=qmax(act_bits), BLOCK=block,
-                                             SUMS=out.sums is not None, num_warps=_warps(block), **launch_options())
+                                             SUMS=out.sums is not None, num_warps=row_warps(block), **launch_options())
     else:
         _swiglu_kernel[(g2.shape[0], triton.cdiv(h, 1024))](g2, u2, y, h, g2.stride(0), u2.stride(0), BLOCK=1024,
                                                             num_warps=4, **launch_options())
