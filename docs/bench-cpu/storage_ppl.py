@@ -1,7 +1,7 @@
-"""Perplexity of SmolLM2-135M on Paul Graham's essays (`selfspec eval`'s ppl task: windows of 512 tokens, each from
-an empty cache) per stored format and mode, on the CPU: the formats `eval` does not pick by recipe (`int4g`) beside
-the ones it does. Session 27:
-    python docs/bench-cpu/storage_ppl.py [WINDOWS]"""
+"""Perplexity of a named model (SmolLM2-135M unless named) on Paul Graham's essays (`selfspec eval`'s ppl task:
+windows of 512 tokens, each from an empty cache) per stored format and mode, on the CPU: the formats `eval` does not
+pick by recipe (`int4g`) beside the ones it does. Sessions 27 and 29:
+    python docs/bench-cpu/storage_ppl.py [WINDOWS] [MODEL]"""
 import math
 import sys
 import time
@@ -14,7 +14,7 @@ from selfspec.quant.modes import MODES
 
 RUNS = (("dense", ["fp32"]), ("int4", ["w4a16", "w4a8"]), ("int4g", ["w4a16", "w4a8"]))
 
-cfg, state_dict, tokenizer, _ = resolve(DEFAULT_MODEL)
+cfg, state_dict, tokenizer, _ = resolve(sys.argv[2] if len(sys.argv) > 2 else DEFAULT_MODEL)
 windows = load_windows(tokenizer, None, int(sys.argv[1]) if len(sys.argv) > 1 else 8)
 for storage, modes in RUNS:
     start = time.time()
