@@ -733,6 +733,8 @@ def ints_block_m(m: int, n: int, k: int, block_k: int, device: torch.device) -> 
         return INTS_BLOCK_M
     pieces = int8_pieces((triton.cdiv(m, tall), triton.cdiv(n, BLOCK_N)), k, block_k, device)
     return tall if k >= pieces * INTS_TALL_TILES * block_k else INTS_BLOCK_M
+
+
 ACT_MMA_K = 32  # K columns of one int8 wgmma
 
 
