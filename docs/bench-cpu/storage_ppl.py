@@ -1,7 +1,7 @@
 """Perplexity of a named model (SmolLM2-135M unless named) on Paul Graham's essays (`selfspec eval`'s ppl task:
 windows of 512 tokens, each from an empty cache) per stored format and mode, on the CPU: the formats `eval` does not
 pick by recipe (`int4g`) beside the ones it does. Sessions 27 and 29:
-    python docs/bench-cpu/storage_ppl.py [WINDOWS] [MODEL]"""
+    python docs/bench-cpu/storage_ppl.py [WINDOWS] [MODEL]    (Qwen2.5-Coder-1.5B: ~20 GB of memory)"""
 import math
 import sys
 import time
@@ -14,11 +14,14 @@ from selfspec.quant.modes import MODES
 
 RUNS = (("dense", ["fp32"]), ("int4", ["w4a16", "w4a8"]), ("int4g", ["w4a16", "w4a8"]))
 
-cfg, state_dict, tokenizer, _ = resolve(sys.argv[2] if len(sys.argv) > 2 else DEFAULT_MODEL)
-windows = load_windows(tokenizer, None, int(sys.argv[1]) if len(sys.argv) > 1 else 8)
+name = sys.argv[2] if len(sys.argv) > 2 else DEFAULT_MODEL
+windows = None
 for storage, modes in RUNS:
     start = time.time()
-    model = build_model(cfg, {k: v.clone() for k, v in state_dict.items()}, storage, 128, tokenizer=tokenizer)
+    cfg, state_dict, tokenizer, _ = resolve(name)  # loaded again for each storage: one copy in memory at a time
+    windows = windows or load_windows(tokenizer, None, int(sys.argv[1]) if len(sys.argv) > 1 else 8)
+    model = build_model(cfg, state_dict, storage, 128, tokenizer=tokenizer)
+    del state_dict
     for mode in modes:
         nll, tokens = map(sum, zip(*(window_nll(model, w.prompt, MODES[mode]) for w in windows)))
         print(f"{storage:6s} {mode:6s} perplexity {math.exp(nll / tokens):.2f} ({time.time() - start:.0f} s)",
