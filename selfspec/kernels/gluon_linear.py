@@ -133,16 +133,7 @@ def _tile_weights(w_bufs, w2_bufs, affine_bufs, slot, row0, layout: gl.constexpr
             s = (g & 255).to(gl.float32)
             lo = ((g >> 8) & 255).to(gl.float32) / s
             sixteen = gl.expand_dims(gl.full(lo.shape, 16, gl.bfloat16, lo.type.layout), 1)
-            shift = gl.expand_dims((-16 - lo).to(gl.bfloat16), 1)
-            c0, c1, c2, c3 = codes
-            codes = (gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c0, sixteen, shift], dtype=gl.bfloat16,
-                                               is_pure=True, pack=2),
-                     gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c1, sixteen, shift], dtype=gl.bfloat16,
-                                               is_pure=True, pack=2),
-                     gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c2, sixteen, shift], dtype=gl.bfloat16,
-                                               is_pure=True, pack=2),
-                     gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c3, sixteen, shift], dtype=gl.bfloat16,
-                                               is_pure=True, pack=2))
+            codes = _affine(codes, sixteen, gl.expand_dims((-16 - lo).to(gl.bfloat16), 1))
             lo = s * 0
         if FMT == UPPER:  # triton_linear._group_affine
             lo = (lo + s * 7.5).to(gl.bfloat16).to(gl.float32)
@@ -153,14 +144,18 @@ def _tile_weights(w_bufs, w2_bufs, affine_bufs, slot, row0, layout: gl.constexpr
         elif FMT != INT4G:  # the codes are 1 + q / 16: 16 s times them, plus lo - 16 s
             lo = lo - s * 16
             s = s * 16
-        s = gl.expand_dims(s.to(gl.bfloat16), 1)
-        lo = gl.expand_dims(lo.to(gl.bfloat16), 1)
-        c0, c1, c2, c3 = codes
-        weights = (gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c0, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
-                   gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c1, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
-                   gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c2, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
-                   gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c3, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2))
+        weights = _affine(codes, gl.expand_dims(s.to(gl.bfloat16), 1), gl.expand_dims(lo.to(gl.bfloat16), 1))
     return weights
+
+
+@gluon.jit
+def _affine(codes, s, lo):
+    """s c + lo for each of a tile's four bf16 code quarters c, one bf16 fused multiply-add each (ptx.AFFINE)."""
+    c0, c1, c2, c3 = codes
+    return (gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c0, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
+            gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c1, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
+            gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c2, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2),
+            gl.inline_asm_elementwise(_AFFINE, "=r,r,r,r", [c3, s, lo], dtype=gl.bfloat16, is_pure=True, pack=2))
 
 
 @gluon.jit
@@ -668,11 +663,9 @@ def int_scale_gemm(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, gro
     CTA."""
     m, k = x2.shape
     block_m = ints_block_m(m, n, k, block_k, x2.device)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
-    pieces = int8_pieces(grid, k, block_k, x2.device)
-    piece = triton.cdiv(triton.cdiv(k, pieces), block_k) * block_k
-    live = triton.cdiv(k, piece)
+    tiles = grid[0] * grid[1]
+    piece, live = k_pieces(k, int8_pieces(grid, k, block_k, x2.device), block_k)
     ints = group_ints.view(torch.float32)  # TMA copies the bits; the consumers read them back as integers
     x_desc, w_desc, _, scale_desc, lo_desc = descriptors(quartered(x2, block_k), packed, None, ints, ints, block_k,
                                                          block_m)
@@ -1057,8 +1050,7 @@ def int8_gemm(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, INT8_BLOCK_N))
     block_k = int8_block_k(grid[0] * grid[1], xq.device) if block_k is None else block_k
     pieces = int8_pieces(grid, k, block_k, xq.device) if pieces is None else pieces
-    piece = triton.cdiv(triton.cdiv(k, pieces), block_k) * block_k
-    live = triton.cdiv(k, piece)
+    piece, live = k_pieces(k, pieces, block_k)
     flags = dict(HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=BLOCK_M, BLOCK_N=INT8_BLOCK_N,
                  BLOCK_K=block_k, STAGES=int8_stages(block_k), num_warps=4, maxnreg=MAX_REGISTERS)
     ctas = (int8_ctas(grid[0] * grid[1] * live, m, xq.device),)
@@ -1089,6 +1081,12 @@ def int8_block_k(tiles: int, device: torch.device) -> int:
     and 0.91-0.97x on qkv, o and down at 1024 (1.9-2.9 tiles a SM), but 1.07x on gate/up at 1024 (13.6 a SM) and
     1.02-1.08x at 4096 rows (7.8-54)."""
     return INT8_SHORT_BLOCK_K if tiles <= 4 * _sm_count(device) else INT8_BLOCK_K
+
+
+def k_pieces(k: int, pieces: int, block_k: int) -> tuple[int, int]:
+    """K in `pieces` pieces of whole K tiles: the columns of each, and how many hold columns."""
+    piece = triton.cdiv(triton.cdiv(k, pieces), block_k) * block_k
+    return piece, triton.cdiv(k, piece)
 
 
 def int8_pieces(grid: tuple[int, int], k: int, block_k: int, device: torch.device) -> int:

@@ -452,12 +452,19 @@ def _weight(c, s, lo, ASM: tl.constexpr):
 
 
 @triton.jit
+def _group_ints(lo_ptr, offs_n, g, N, stride_sn, stride_sg):
+    """INT4G's integers of quant group g for weight rows offs_n, stored as s2 | z s2 << 8: (s2, z s2), int32 (rows
+    past N: 1 and 0)."""
+    ints = tl.load(lo_ptr + offs_n * stride_sn + g * stride_sg, mask=offs_n < N, other=1)
+    return ints & 255, ints >> 8
+
+
+@triton.jit
 def _act_affine(scale_ptr, lo_ptr, offs_n, g, N, stride_sn, stride_sg, FMT: tl.constexpr):
     """The affine of quant group g that follows a K tile's int32 dot of the codes 0..15 with int8 activations: the
     affine formats' (scale, lo) in fp32 (`_group_affine`); INT4G's integers (s2, z s2), int32."""
     if FMT == INT4G:
-        ints = tl.load(lo_ptr + offs_n * stride_sn + g * stride_sg, mask=offs_n < N, other=0)
-        s, lo = ints & 255, ints >> 8
+        s, lo = _group_ints(lo_ptr, offs_n, g, N, stride_sn, stride_sg)
     else:
         s, lo = _group_affine(scale_ptr, lo_ptr, offs_n, g, N, stride_sn, stride_sg, FMT)
     return s, lo
@@ -525,9 +532,9 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
                 acc += d.to(tl.float32) * s[None, :] + x_sum * lo[None, :]
         else:
             if FMT == INT4G:  # the group's integers s2 and z: [BLOCK_N, 1] each
-                g = tl.load(lo_ptr + rows * stride_sn + (k0 // GROUP) * stride_sg, mask=rows < N, other=1)
-                s = (g & 255).to(tl.float32)
-                lo = ((g >> 8) & 255).to(tl.float32) / s
+                s, lo = _group_ints(lo_ptr, rows, k0 // GROUP, N, stride_sn, stride_sg)
+                s = s.to(tl.float32)
+                lo = lo.to(tl.float32) / s
             else:
                 s, lo = _group_affine(scale_ptr, lo_ptr, rows, k0 // GROUP, N, stride_sn, stride_sg, FMT)
             if FMT == FULL:  # the builds give q8 - 128: the offset is the weight of code 128 (a bf16 value)
