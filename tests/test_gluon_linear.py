@@ -82,9 +82,29 @@ def test_nibble_gemms_of_few_tiles_take_64_row_ctas_where_k_is_short(monkeypatch
     assert gluon_linear.nibble_block_m(288, 4096, 4096, 128, 8, cpu) == 128  # 64-row CTAs: 160, past one wave
     assert gluon_linear.nibble_block_m(256, 4096, 14336, 128, 8, cpu) == 128  # down: 112 K tiles
     assert gluon_linear.nibble_block_m(256, 6144, 4096, 128, 8, cpu) == 128  # qkv: 96 CTAs of 128 rows
-    assert gluon_linear.nibble_block_m(256, 4096, 4096, 128, 1, cpu) == 128  # K whole: no chunks to keep apart
+    assert gluon_linear.nibble_block_m(256, 4096, 4096, 128, 1, cpu) == 64  # K one chain: 128 CTAs, not 64
+    assert gluon_linear.nibble_block_m(256, 4096, 14336, 128, 1, cpu) == 64  # whatever K
+    assert gluon_linear.nibble_block_m(256, 6144, 4096, 128, 1, cpu) == 128  # qkv: 96 CTAs of 128 rows
     assert gluon_linear.nibble_block_m(256, 576, 576, 64, 16, cpu) == 128  # SmolLM2's o: 20 CTAs of 64 rows
     assert gluon_linear.nibble_block_m(1024, 576, 576, 64, 16, cpu) == 64  # 80 of them
+
+
+def test_int4_nibbles_with_k_in_one_chain_take_256_row_ctas_where_their_waves_cost_less(monkeypatch):
+    """w4a16 and `upper` with no K split (prompt tokens) take 256 rows a CTA where the grid's waves of them cost
+    less than those of 128-row CTAs, a wide tile counted as 0.8 of two; with a split, or in `full` / w8a16, never."""
+    from selfspec.kernels import gluon_linear
+
+    monkeypatch.setattr(gluon_linear, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    int4, upper = gluon_linear.INT4.value, gluon_linear.UPPER.value
+    assert gluon_linear.wide_tiles(4096, 6144, int4, 1, cpu)  # qkv: 6 waves of wide tiles against 12
+    assert not gluon_linear.wide_tiles(1024, 6144, int4, 1, cpu)  # 2 waves (192 CTAs) against 3
+    assert gluon_linear.wide_tiles(1024, 4096, upper, 1, cpu)  # o, down: 1 wave against 2
+    assert gluon_linear.wide_tiles(256, 28672, int4, 1, cpu)  # gate/up: 2 waves against 4
+    assert not gluon_linear.wide_tiles(128, 28672, int4, 1, cpu)  # one M tile: 2 waves either way
+    assert not gluon_linear.wide_tiles(4096, 6144, int4, 8, cpu)  # a split: the total takes a second accumulator
+    assert not gluon_linear.wide_tiles(4096, 6144, gluon_linear.FULL.value, 1, cpu)
+    assert not gluon_linear.wide_tiles(4096, 6144, gluon_linear.INT8.value, 1, cpu)
 
 
 def test_int4g_takes_256_row_ctas_where_its_pieces_of_k_stay_long(monkeypatch):

@@ -64,6 +64,17 @@ def test_int4g_tiles_compile_for_sm_90():
     assert run_code(code).split() == ["0", "False", "0", "False"]  # the warp-specialized nibble kernel's INT4G
 
 
+def test_prompt_kernel_tiles_compile_without_spills():
+    """The nibble kernel with K as one chain (w4a16 / `upper` prompt tokens) in each of its CTA heights, 256 rows
+    included (one accumulator a consumer): no spills, wgmma not serialized."""
+    code = ("from selfspec.bench import kernel_resources as kr\n"
+            "for mode in ('w4a16', 'upper'):\n"
+            "    for block_m in (64, 128, 256):\n"
+            "        k = kr.compile_warp_specialized(mode, in_program=False, block_m=block_m)\n"
+            "        print(kr.resources(k).stack_bytes, kr.wgmma_serialized(k))\n")
+    assert run_code(code).split() == ["0", "False"] * 6
+
+
 def test_bad_tiles_say_what_to_write():
     env = compiling_env()
     run = subprocess.run([sys.executable, "-m", "selfspec.bench.kernel_resources", "--tiles", "64x128"], env=env,

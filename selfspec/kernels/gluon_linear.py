@@ -569,20 +569,29 @@ def descriptors(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, scale
     lo): x's and the 32-bit words' alone, the words' standing in for the rest (the kernel does not read them)."""
     q = block_k // 4
     x_type = gl.int8 if x.dtype == torch.int8 else gl.bfloat16  # int8 activations' codes (nibble_act_gemm)
-    x_desc = TensorDescriptor.from_tensor(x, [block_m, q], gl.NVMMASharedLayout.get_default_for([block_m, q], x_type))
+    x_desc = tma_descriptor(x, [block_m, q], x_type)
     if lo is None:
-        words = w.view(torch.int32)
-        w_desc = TensorDescriptor.from_tensor(words, [BLOCK_N, q], gl.NVMMASharedLayout.get_default_for([BLOCK_N, q],
-                                                                                                     gl.int32))
+        w_desc = tma_descriptor(w.view(torch.int32), [BLOCK_N, q], gl.int32)
         return x_desc, w_desc, w_desc, w_desc, w_desc
-    w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, q], gl.int16)
-    w_desc, w2_desc = (None if t is None else TensorDescriptor.from_tensor(t.view(torch.int16), [BLOCK_N, q], w_layout)
+    w_desc, w2_desc = (None if t is None else tma_descriptor(t.view(torch.int16), [BLOCK_N, q], gl.int16)
                        for t in (w, w2))
     scale_desc, lo_desc = (TensorDescriptor.from_tensor(t.t(), [1, BLOCK_N], ROW_LAYOUT) for t in (scale, lo))
     return x_desc, w_desc, w2_desc if w2_desc is not None else w_desc, scale_desc, lo_desc
 
 
 ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # one row of fp32, as is
+
+
+def tma_descriptor(t: torch.Tensor, block: list[int], dtype: gl.dtype) -> TensorDescriptor:
+    """A TMA descriptor of t in boxes of `block`, in the wgmma's default shared layout for `dtype`."""
+    return TensorDescriptor.from_tensor(t, block, shared_layout(tuple(block), dtype))
+
+
+@functools.cache
+def shared_layout(block: tuple[int, ...], dtype: gl.dtype) -> gl.NVMMASharedLayout:
+    """The default NVMMA shared layout of a `block` tile: built once, as it costs the host ~4 us a call (eager
+    prompt passes issue a GEMM a projection and layer)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
 
 
 def covers(scale: torch.Tensor, n: int) -> bool:
@@ -609,7 +618,8 @@ def nibble_gemm(x2: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, 
     added in order (as the split's partial sums are)."""
     m, k = x2.shape
     w, w2, scale, lo = tensors
-    block_m = nibble_block_m(m, n, k, block_k, split_k, x2.device)
+    wide = wide_tiles(m, n, fmt, split_k, x2.device)
+    block_m = 2 * BLOCK_M if wide else nibble_block_m(m, n, k, block_k, split_k, x2.device)
     affine = (lo.view(torch.float32),) * 2 if fmt == INT4G.value else (scale, lo)  # INT4G: its group integers
     descs = descriptors(quartered(x2, block_k), w, w2, *affine, block_k, block_m)
     channel = scale if fmt in (INT8.value, INT4G.value) else None
@@ -762,15 +772,41 @@ def nibble_block_m(m: int, n: int, k: int, block_k: int, split_k: int, device: t
     no more than one wave, and K is at most HALF_HEIGHT_K_TILES K tiles: each CTA then walks all of K and no
     chunk's fp32 sums go through memory. The wgmma's width leaves each output's adds as they are. H200, 8B layers
     (docs/bench-h200/s22-ab-gemm-64-rows.json): o (32 K tiles) at 160 / 256 rows 0.72 / 0.63x the time of its
-    chunks apart in w4a16, 0.84 / 0.74x in `full`, 0.77 / 0.67x in w8a16; down (112) 1.00x, 1.17-1.20x, 1.09x."""
+    chunks apart in w4a16, 0.84 / 0.74x in `full`, 0.77 / 0.67x in w8a16; down (112) 1.00x, 1.17-1.20x, 1.09x.
+    With K as one chain (no split: prompt tokens), half-height CTAs wherever BLOCK_M-row ones fill half the SMs or
+    fewer and they fill more than half and no more than one wave, whatever K: the alternative is only fewer CTAs
+    walking the same K. H100, w4a16 / `upper` at 256 rows (docs/bench-h100/s31-prompt-half-height.log): o 0.84-0.85x
+    the time of 128-row CTAs, down 0.83-0.91x."""
     halves = triton.cdiv(m, BLOCK_M // 2) * triton.cdiv(n, BLOCK_N)
     fill_one_wave = _sm_count(device) < 2 * halves <= 2 * _sm_count(device)
-    few = chunks_apart((triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)), split_k, device)
-    short = triton.cdiv(k, block_k) <= HALF_HEIGHT_K_TILES
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    if split_k == 1:
+        few, short = half_wave_or_less(grid, device), True
+    else:
+        few, short = chunks_apart(grid, split_k, device), triton.cdiv(k, block_k) <= HALF_HEIGHT_K_TILES
     return BLOCK_M // 2 if few and fill_one_wave and short else BLOCK_M
 
 
 HALF_HEIGHT_K_TILES = 32  # nibble_block_m: the most K tiles a half-height CTA walks
+
+# Where K is one chain (no split: one accumulator a consumer) the INT4 nibbles' kernel (w4a16, `upper`) takes
+# 2 * BLOCK_M rows of x a CTA, each weight tile built once for twice the tokens, where the grid's waves of them cost
+# less than those of BLOCK_M-row tiles, a wide tile taking WIDE_COST the time of two. H200, 8B layers, K as one chain
+# at 1,024 / 4,096 rows (docs/bench-h200/s30-wide-tile-ceiling.log): wide / narrow 0.72-0.88x on o, gate/up and
+# down, qkv 0.80-0.89x at 4,096 but 1.06-1.08x at 1,024 (192 wide tiles: two waves for 132 SMs against three of
+# narrow ones), as the rule says; `full` and w8a16 0.94-1.32x (their ring two slots deep at that width). With a split
+# the chunks' total takes a second accumulator, and 256 tokens of both do not fit in registers (in memory they cost
+# more than they win: docs/gpu.md, session 30).
+WIDE_FORMATS, WIDE_COST = (INT4.value, UPPER.value), 0.8
+
+
+def wide_tiles(m: int, n: int, fmt: int, split_k: int, device: torch.device) -> bool:
+    """Whether the nibble kernel takes 2 * BLOCK_M rows of x a CTA (above)."""
+    if split_k > 1 or fmt not in WIDE_FORMATS:
+        return False
+    waves = [triton.cdiv(triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N), _sm_count(device))
+             for block_m in (BLOCK_M, 2 * BLOCK_M)]
+    return 2 * WIDE_COST * waves[1] < waves[0]
 
 
 def narrows(grid: tuple[int, int], device: torch.device) -> bool:
@@ -943,10 +979,8 @@ def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, chunk: int, spli
     n = w.shape[0]
     block_n = dense_block_n(split_k, m, n, x2.device)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
-    x_desc = TensorDescriptor.from_tensor(x2, [BLOCK_M, block_k],
-                                          gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gl.bfloat16))
-    w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k],
-                                          gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16))
+    x_desc = tma_descriptor(x2, [BLOCK_M, block_k], gl.bfloat16)
+    w_desc = tma_descriptor(w, [block_n, block_k], gl.bfloat16)
     _dense_ws_kernel[(triton.cdiv(m, BLOCK_M) * triton.cdiv(n, block_n),)](
         x_desc, w_desc, scale, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0),
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1,
@@ -1043,10 +1077,8 @@ def int8_gemm(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.
     m, k = xq.shape
     n = q.shape[0]
     box = INT8_BOX.value
-    x_desc = TensorDescriptor.from_tensor(xq, [BLOCK_M, box], gl.NVMMASharedLayout.get_default_for([BLOCK_M, box],
-                                                                                                  gl.int8))
-    w_desc = TensorDescriptor.from_tensor(q, [INT8_BLOCK_N, box],
-                                          gl.NVMMASharedLayout.get_default_for([INT8_BLOCK_N, box], gl.int8))
+    x_desc = tma_descriptor(xq, [BLOCK_M, box], gl.int8)
+    w_desc = tma_descriptor(q, [INT8_BLOCK_N, box], gl.int8)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, INT8_BLOCK_N))
     block_k = int8_block_k(grid[0] * grid[1], xq.device) if block_k is None else block_k
     pieces = int8_pieces(grid, k, block_k, xq.device) if pieces is None else pieces

@@ -1127,10 +1127,38 @@ def dequantize(weight: QuantWeight, fmt: int, quartered: bool = False, codes: bo
 
 def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.Tensor | None,
                   r2: torch.Tensor | None) -> torch.Tensor:
-    """y [M, N] (+ r2 [M, N]) of prompt tokens x2 [M, K]: the weight dequantized to bf16, then the bf16 GEMM."""
+    """y [M, N] (+ r2 [M, N]) of prompt tokens x2 [M, K]: the weight dequantized to bf16, then the bf16 GEMM; or
+    where `takes_prompt_kernel`, the nibble kernel over all of K in one chain."""
     n, k = weight.shape
+    if takes_prompt_kernel(weight, fmt, x2):
+        block_k = dequantize_block_k(fmt, weight.group_size)
+        return gluon_linear.nibble_gemm(x2, fmt, _tensors(weight, fmt), n, weight.group_size, block_k, k, 1, bias, r2)
     cfg = tile_config(DENSE.value, False, n, k, 0, x2.shape[0])
     return _run(x2, None, (dequantize(weight, fmt), None, None, None), n, 0, DENSE.value, False, bias, cfg, r2)
+
+
+# On Hopper the INT4 nibbles (w4a16, `upper`) take their prompt tokens through the warp-specialized nibble kernel
+# instead: the weight built in registers (no dequantize pass over all of it), x quartered, K walked in one chain of
+# K tiles from zero (no split, so one accumulator a consumer and tiles of 256 tokens: `gluon_linear.wide_tiles`).
+# Its products and adds are the bf16 GEMM's over x's and the dequantized weight's quartered columns, at any M (tests/
+# gpu). H200, 8B layers, w4a16 / `upper`, time over the dequantize pass and bf16 GEMM at 256 / 1,024 / 4,096 rows
+# (docs/bench-h200/s30-ab-gemm-prompt-kernel.log): qkv 0.63-0.65 / 0.81-0.83 / 0.89-0.90, o 1.03-1.06 / 0.72-0.74 /
+# 0.87, gate/up 0.54-0.56 / 0.80-0.86 / 0.96-0.97, down 0.97-0.99 / 0.80 / 0.93-0.97 (o and down at 256 rows before
+# their 64-row CTAs). H100, a w4a16 8B prefill of 1 x 512 under the profiler: 13.8 ms of GPU time against 20.9
+# (docs/bench-h100/s31-prompt-kernel-probe.log); eager prefill 1.07-1.11x the tokens/s at 1 x 2048 and 8 x 512, but
+# 0.84-0.91x at 1 x 512, where the eager pass waits on the host (~170 us to issue a prompt GEMM either way; the
+# engine replays its prompt passes from CUDA graphs: `bench serve` qspec at batch 32 1.02-1.04x).
+PROMPT_KERNEL_FORMATS = (INT4.value, UPPER.value)
+
+
+def takes_prompt_kernel(weight: QuantWeight, fmt: int, x2: torch.Tensor) -> bool:
+    """Whether prompt tokens take the nibble kernel (above): an INT4 nibble format on Hopper, K whole K tiles of
+    `dequantize_block_k` (x is quartered by them) of 64 columns or more (each quarter a dot of K >= 16, as
+    `reads_words`), its affine rows TMA reads."""
+    if fmt not in PROMPT_KERNEL_FORMATS or not gluon_linear.runs_on(x2.device):
+        return False
+    (n, k), block_k = weight.shape, dequantize_block_k(fmt, weight.group_size)
+    return block_k >= 64 and k % block_k == 0 and gluon_linear.covers(weight.scale, n)
 
 
 # ---------------------------------------------------------------- generated tokens at many rows

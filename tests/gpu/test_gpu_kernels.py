@@ -125,8 +125,11 @@ def test_linear_many_tokens_keeps_each_rows_bits(storage, mode_name, n, k, hando
                                                ("planes", "full"), ("int4g", "w4a16")])
 def test_prompt_tokens_keep_each_rows_bits_at_any_m(storage, mode_name):
     """Mode.prompt on the GPU: the weight dequantized exactly as the reference rounds it (no FMA), then the bf16
-    GEMM: a row alone, among 16 and among up to 8192 rows gets the same bits, and those of the bf16 GEMM on the
-    reference's dequantized weight."""
+    GEMM (the INT4 nibbles on Hopper: the nibble kernel over all of K, the same products and adds as the bf16 GEMM
+    over the quartered columns of x and of that weight, K as one chain): a row alone, among 16 and among up to 8192
+    rows gets the same bits, and those of the bf16 GEMM on the reference's dequantized weight."""
+    from selfspec.kernels import gluon_linear
+
     torch.manual_seed(5)
     mode = MODES[mode_name]
     prompt = replace(mode, prompt=True)
@@ -136,7 +139,13 @@ def test_prompt_tokens_keep_each_rows_bits_at_any_m(storage, mode_name):
     assert torch.equal(triton_linear.dequantize(weight, fmt), dense)
     x = torch.randn(MANY_ROWS[-1], 4096, device=DEV).bfloat16()
     y = triton_linear.linear(x, weight, prompt, None)
-    assert torch.equal(y, triton_linear.linear(x, DenseWeight(dense), MODES["bf16"], None))
+    if triton_linear.takes_prompt_kernel(weight, fmt, x):
+        block_k = triton_linear.dequantize_block_k(fmt, 128)
+        quartered = triton_linear.dequantize(weight, fmt, quartered=True)
+        assert torch.equal(y, gluon_linear.dense_gemm(gluon_linear.quartered(x, block_k), quartered, 64, 4096, 1,
+                                                      None, None, None))
+    else:
+        assert torch.equal(y, triton_linear.linear(x, DenseWeight(dense), MODES["bf16"], None))
     for m in (1, 16) + tuple(MANY_ROWS[:-1]):
         assert torch.equal(triton_linear.linear(x[:m], weight, prompt, None), y[:m]), f"M={m}"
     for i in (0, 100, 8191):
