@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-import time
 
 import torch
+from prompt_kernel_probe import KERNEL, PATHS, host_ms  # its sibling in this folder (the script's own path)
 
 import selfspec.kernels.gluon_linear as glin
 import selfspec.kernels.triton_linear as tlin
@@ -18,19 +18,9 @@ from selfspec.kernels import linear
 from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES, prompt_mode
 
-KERNEL = tlin.takes_prompt_kernel
-PATHS = {"dequantize": lambda weight, fmt, x2: False, "kernel": KERNEL}
 
-
-def host_us(fn, calls: int = 200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+def host_us(fn) -> float:
+    return host_ms(fn, calls=200) * 1e3
 
 
 def main() -> None:
