@@ -1142,3 +1142,15 @@ def test_tree_attention_gives_each_node_its_branch_rows_bits(tiles):
         out = triton_attention.tree_attention(q, k, v, table, pos, tree, tiles)
         assert torch.equal(out[b, :, t], rows[b, :, t])
     assert rel_err(out[b, :, t].float(), reference.attention(q, k, v, table, pos, tails=layout.tails)[b, :, t]) < TOL
+
+
+def test_host_grid_helpers_give_tritons_values():
+    """launch.cdiv and launch.next_power_of_2 (plain Python for the host's grids: triton's are constexpr functions,
+    slow to call from Python) equal triton's."""
+    import triton
+
+    from selfspec.kernels.launch import cdiv, next_power_of_2
+
+    assert [next_power_of_2(n) for n in range(1, 5000)] == [triton.next_power_of_2(n) for n in range(1, 5000)]
+    pairs = [(a, b) for a in range(0, 700, 7) for b in (1, 3, 16, 64, 100, 128, 256)]
+    assert [cdiv(a, b) for a, b in pairs] == [triton.cdiv(a, b) for a, b in pairs]

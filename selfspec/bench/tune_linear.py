@@ -12,11 +12,11 @@ import json
 from dataclasses import replace
 
 import torch
-import triton
 
 from selfspec.bench.device import copies_past_l2, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import triton_linear as tlin
+from selfspec.kernels.launch import cdiv
 from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES
 
@@ -67,9 +67,9 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
             results = []
             nibble = tlin.uses_nibble_kernel(fmt, act, getattr(weight, "group_size", 0))
             for cfg in candidates(fmt >= tlin.INT4.value, nibble):
-                if cfg.split_k > triton.cdiv(k, cfg.block_k):
+                if cfg.split_k > cdiv(k, cfg.block_k):
                     continue
-                if nibble and not act and triton.cdiv(k, cfg.split_k * cfg.block_k) > tlin.MAX_TILES_PER_PROGRAM:
+                if nibble and not act and cdiv(k, cfg.split_k * cfg.block_k) > tlin.MAX_TILES_PER_PROGRAM:
                     continue
                 results.append((cost(cfg), cfg))
             results.sort(key=lambda r: r[0])

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from selfspec.kernels import ptx
-from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY, launch_options, wait
+from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY, cdiv, launch_options, wait
 from selfspec.kernels.ops import ROW_SUM_COLS
 from selfspec.kernels.triton_small import sum_chunks
 
@@ -541,7 +541,7 @@ def quartered(x2: torch.Tensor, block_k: int) -> torch.Tensor:
     m, k = x2.shape
     xq = torch.empty_like(x2)
     per_program = 8
-    _quartered_kernel[(m, triton.cdiv(k // block_k, per_program))](x2, xq, k, BLOCK_K=block_k, TILES=per_program,
+    _quartered_kernel[(m, cdiv(k // block_k, per_program))](x2, xq, k, BLOCK_K=block_k, TILES=per_program,
                                                                     num_warps=4, **launch_options())
     return xq
 
@@ -623,12 +623,12 @@ def nibble_gemm(x2: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, 
     affine = (lo.view(torch.float32),) * 2 if fmt == INT4G.value else (scale, lo)  # INT4G: its group integers
     descs = descriptors(quartered(x2, block_k), w, w2, *affine, block_k, block_m)
     channel = scale if fmt in (INT8.value, INT4G.value) else None
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))  # the tiles; launched as one dimension of them
+    grid = (cdiv(m, block_m), cdiv(n, BLOCK_N))  # the tiles; launched as one dimension of them
     flags = dict(FMT=fmt, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=block_m,
                  BLOCK_N=BLOCK_N, BLOCK_K=block_k, STAGES=nibble_stages(fmt, block_k, block_m), num_warps=4,
                  maxnreg=MAX_REGISTERS)
     if chunks_apart(grid, split_k, x2.device):
-        live = triton.cdiv(k, chunk)  # the split's chunks that hold columns (the decode split may run past K)
+        live = cdiv(k, chunk)  # the split's chunks that hold columns (the decode split may run past K)
         part = torch.empty((live, m, n), dtype=torch.float32, device=x2.device)
         _nibble_ws_kernel[(grid[0] * grid[1], 1, live)](*descs, None, None, None, part, m, n, k, chunk, 1, n, 0,
                                                         IN_PROGRAM=False, PARTIAL=True, NARROWS=True,
@@ -655,7 +655,7 @@ def nibble_act_gemm(x2: torch.Tensor, xs: torch.Tensor, sums: torch.Tensor, tens
                                                          block_m)
     sums_desc = TensorDescriptor.from_tensor(tile_sums(sums, block_k), [1, block_m], ROW_LAYOUT)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
-    _nibble_act_ws_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N),)](
+    _nibble_act_ws_kernel[(cdiv(m, block_m) * cdiv(n, BLOCK_N),)](
         x_desc, w_desc, scale_desc, lo_desc, sums_desc, xs, None, bias, r2, y, m, n, k, chunk, split_k, y.stride(0),
         0 if r2 is None else r2.stride(0), GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None,
         IN_PROGRAM=split_k > 1, INTS=False, PARTIAL=False, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
@@ -673,7 +673,7 @@ def int_scale_gemm(x2: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, gro
     CTA."""
     m, k = x2.shape
     block_m = ints_block_m(m, n, k, block_k, x2.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
+    grid = (cdiv(m, block_m), cdiv(n, BLOCK_N))
     tiles = grid[0] * grid[1]
     piece, live = k_pieces(k, int8_pieces(grid, k, block_k, x2.device), block_k)
     ints = group_ints.view(torch.float32)  # TMA copies the bits; the consumers read them back as integers
@@ -701,7 +701,7 @@ def tile_sums(sums: torch.Tensor, block_k: int) -> torch.Tensor:
     m, pieces = sums.shape
     per = block_k // ROW_SUM_COLS
     per_tile = sums.reshape(m, pieces // per, per).sum(-1, dtype=torch.int32)
-    out = torch.zeros((per_tile.shape[1], triton.cdiv(m, 4) * 4), dtype=torch.float32, device=sums.device)
+    out = torch.zeros((per_tile.shape[1], cdiv(m, 4) * 4), dtype=torch.float32, device=sums.device)
     out[:, :m] = per_tile.t()
     return out
 
@@ -725,7 +725,7 @@ INTS_BLOCK_M, INTS_TALL_ROWS, INTS_TALL_TILES = 2 * ACT_BLOCK_M, 193, 16
 
 def fills_sms(n: int, device: torch.device) -> bool:
     """Whether one band of a weight's N tiles fills the SMs."""
-    return triton.cdiv(n, BLOCK_N) >= _sm_count(device)
+    return cdiv(n, BLOCK_N) >= _sm_count(device)
 
 
 def ints_block_m(m: int, n: int, k: int, block_k: int, device: torch.device) -> int:
@@ -734,7 +734,7 @@ def ints_block_m(m: int, n: int, k: int, block_k: int, device: torch.device) -> 
     tall = 2 * INTS_BLOCK_M
     if m < INTS_TALL_ROWS:
         return INTS_BLOCK_M
-    pieces = int8_pieces((triton.cdiv(m, tall), triton.cdiv(n, BLOCK_N)), k, block_k, device)
+    pieces = int8_pieces((cdiv(m, tall), cdiv(n, BLOCK_N)), k, block_k, device)
     return tall if k >= pieces * INTS_TALL_TILES * block_k else INTS_BLOCK_M
 
 
@@ -777,13 +777,13 @@ def nibble_block_m(m: int, n: int, k: int, block_k: int, split_k: int, device: t
     fewer and they fill more than half and no more than one wave, whatever K: the alternative is only fewer CTAs
     walking the same K. H100, w4a16 / `upper` at 256 rows (docs/bench-h100/s31-prompt-half-height.log): o 0.84-0.85x
     the time of 128-row CTAs, down 0.83-0.91x."""
-    halves = triton.cdiv(m, BLOCK_M // 2) * triton.cdiv(n, BLOCK_N)
+    halves = cdiv(m, BLOCK_M // 2) * cdiv(n, BLOCK_N)
     fill_one_wave = _sm_count(device) < 2 * halves <= 2 * _sm_count(device)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    grid = (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N))
     if split_k == 1:
         few, short = half_wave_or_less(grid, device), True
     else:
-        few, short = chunks_apart(grid, split_k, device), triton.cdiv(k, block_k) <= HALF_HEIGHT_K_TILES
+        few, short = chunks_apart(grid, split_k, device), cdiv(k, block_k) <= HALF_HEIGHT_K_TILES
     return BLOCK_M // 2 if few and fill_one_wave and short else BLOCK_M
 
 
@@ -804,7 +804,7 @@ def wide_tiles(m: int, n: int, fmt: int, split_k: int, device: torch.device) -> 
     """Whether the nibble kernel takes 2 * BLOCK_M rows of x a CTA (above)."""
     if split_k > 1 or fmt not in WIDE_FORMATS:
         return False
-    waves = [triton.cdiv(triton.cdiv(m, block_m) * triton.cdiv(n, BLOCK_N), _sm_count(device))
+    waves = [cdiv(cdiv(m, block_m) * cdiv(n, BLOCK_N), _sm_count(device))
              for block_m in (BLOCK_M, 2 * BLOCK_M)]
     return 2 * WIDE_COST * waves[1] < waves[0]
 
@@ -960,7 +960,7 @@ def dense_block_n(split_k: int, m: int = 0, n: int = 0, device: torch.device | N
     tile partly past M) 1.10x and 1.35x slower, so those keep 128."""
     if split_k == 1:
         return 256
-    if device is not None and m % BLOCK_M == 0 and half_wave_or_less((m // BLOCK_M, triton.cdiv(n, 128)), device):
+    if device is not None and m % BLOCK_M == 0 and half_wave_or_less((m // BLOCK_M, cdiv(n, 128)), device):
         return 64
     return 128
 
@@ -981,7 +981,7 @@ def dense_gemm(x2: torch.Tensor, w: torch.Tensor, block_k: int, chunk: int, spli
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     x_desc = tma_descriptor(x2, [BLOCK_M, block_k], gl.bfloat16)
     w_desc = tma_descriptor(w, [block_n, block_k], gl.bfloat16)
-    _dense_ws_kernel[(triton.cdiv(m, BLOCK_M) * triton.cdiv(n, block_n),)](
+    _dense_ws_kernel[(cdiv(m, BLOCK_M) * cdiv(n, block_n),)](
         x_desc, w_desc, scale, bias, r2, y, m, n, k, chunk, split_k, y.stride(0), 0 if r2 is None else r2.stride(0),
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, IN_PROGRAM=split_k > 1,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=dense_stages(block_k, block_n), num_warps=4,
@@ -1079,7 +1079,7 @@ def int8_gemm(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.
     box = INT8_BOX.value
     x_desc = tma_descriptor(xq, [BLOCK_M, box], gl.int8)
     w_desc = tma_descriptor(q, [INT8_BLOCK_N, box], gl.int8)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, INT8_BLOCK_N))
+    grid = (cdiv(m, BLOCK_M), cdiv(n, INT8_BLOCK_N))
     block_k = int8_block_k(grid[0] * grid[1], xq.device) if block_k is None else block_k
     pieces = int8_pieces(grid, k, block_k, xq.device) if pieces is None else pieces
     piece, live = k_pieces(k, pieces, block_k)
@@ -1117,8 +1117,8 @@ def int8_block_k(tiles: int, device: torch.device) -> int:
 
 def k_pieces(k: int, pieces: int, block_k: int) -> tuple[int, int]:
     """K in `pieces` pieces of whole K tiles: the columns of each, and how many hold columns."""
-    piece = triton.cdiv(triton.cdiv(k, pieces), block_k) * block_k
-    return piece, triton.cdiv(k, piece)
+    piece = cdiv(cdiv(k, pieces), block_k) * block_k
+    return piece, cdiv(k, piece)
 
 
 def int8_pieces(grid: tuple[int, int], k: int, block_k: int, device: torch.device) -> int:

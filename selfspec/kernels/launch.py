@@ -23,6 +23,18 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 SHARED_MEMORY = 232448  # bytes of shared memory a program may use on an H100 or H200
 
 
+# The host's grids and block sizes: triton.cdiv and triton.next_power_of_2 are constexpr functions, whose calls from
+# Python cost ~1.5 us each (ten and more a GEMM launch, which an eager prompt pass waits on).
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
 @functools.cache
 def pdl_enabled() -> bool:
     if INTERPRETING or os.environ.get("SELFSPEC_PDL", "1") == "0" or not torch.cuda.is_available():

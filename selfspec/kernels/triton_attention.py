@@ -43,7 +43,7 @@ import triton.language as tl
 from selfspec.cache.paged import KEY_TILE, check_block_size
 from selfspec.errors import SelfspecError
 from selfspec.kernels import register
-from selfspec.kernels.launch import launch_options, wait
+from selfspec.kernels.launch import cdiv, launch_options, next_power_of_2, wait
 from selfspec.kernels.reference import attention as reference_attention
 
 if TYPE_CHECKING:
@@ -418,11 +418,11 @@ def _attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
     strides = (math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3])
     if tails is not None and tails.shape != pos.shape:
         raise SelfspecError(f"tails {tuple(tails.shape)} must match the queries' positions {tuple(pos.shape)}")
-    consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_T=tiles.block_t, BLOCK_S=BLOCK_S, CHUNK=CHUNK,
+    consts = dict(D=d, BLOCK_D=next_power_of_2(d), BLOCK_T=tiles.block_t, BLOCK_S=BLOCK_S, CHUNK=CHUNK,
                   TILE_IN_BLOCK=bs % BLOCK_S == 0, TAILS=tails is not None, num_warps=tiles.warps, num_stages=2,
                   **launch_options())
     tails = pos if tails is None else tails.contiguous()  # (not read without TAILS)
-    n_tiles = triton.cdiv(t * (h // hkv), tiles.block_t)
+    n_tiles = cdiv(t * (h // hkv), tiles.block_t)
     if tiles.in_program:
         _attention_in_program_kernel[(n_tiles, b * hkv)](
             q, k_pool, v_pool, table, tails, pos, out, *args, *strides, *out.stride()[:3], **consts)
@@ -451,8 +451,8 @@ def _chunk_states(out: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor
     """The split path's partials for output out [B, H, T, D] over s keys: each (query, head)'s chunk states, max
     and sum [B * H, N_CHUNKS, T] and acc [B * H, N_CHUNKS, T, BLOCK_D] (fp32)."""
     b, h, t, d = out.shape
-    m = torch.empty((b * h, triton.cdiv(s, CHUNK), t), dtype=torch.float32, device=out.device)
-    acc = torch.empty((*m.shape, triton.next_power_of_2(d)), dtype=torch.float32, device=out.device)
+    m = torch.empty((b * h, cdiv(s, CHUNK), t), dtype=torch.float32, device=out.device)
+    acc = torch.empty((*m.shape, next_power_of_2(d)), dtype=torch.float32, device=out.device)
     return m, torch.empty_like(m), acc
 
 
@@ -460,7 +460,7 @@ def _merge_chunks(pos: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torc
                   s: int) -> torch.Tensor:
     """out with each query's chunk states merged in chunk order (`_attention_merge_kernel`)."""
     _, h, t, d = out.shape
-    _attention_merge_kernel[(triton.cdiv(t, MERGE_BLOCK_T), m.shape[0])](
+    _attention_merge_kernel[(cdiv(t, MERGE_BLOCK_T), m.shape[0])](
         pos, m, l, acc, out, t, s, h, m.shape[1], *out.stride()[:3],
         D=d, BLOCK_D=acc.shape[-1], BLOCK_T=MERGE_BLOCK_T, CHUNK=CHUNK, num_warps=4, **launch_options(),
     )
@@ -493,7 +493,7 @@ def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     m, l, acc = _chunk_states(out, s)
     n_seq = len(tree.starts) - 1
     # Enough programs for every sequence's tiles: a sequence's last tile is the only one not full.
-    n_tiles = triton.cdiv(len(tree.first), tiles.block_t // n_rep) + n_seq
+    n_tiles = cdiv(len(tree.first), tiles.block_t // n_rep) + n_seq
     _tree_chunk_kernel[(n_tiles, hkv, m.shape[1])](
         q, k_pool, v_pool, table, tree.tails.contiguous(), pos, tree.first, tree.starts, m, l, acc, t, s, bs, w, hkv,
         n_rep, m.shape[1], n_seq, math.log2(math.e) / math.sqrt(d), *q.stride()[:3], *k_pool.stride()[:3],

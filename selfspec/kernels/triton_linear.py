@@ -43,7 +43,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from selfspec.kernels import gluon_linear, ptx, register
-from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY, launch_options, wait
+from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY, cdiv, launch_options, next_power_of_2, wait
 from selfspec.kernels.reference import linear as reference_linear
 from selfspec.kernels.reference import rotate as reference_rotate
 from selfspec.kernels.semaphores import group_counts, last_to_arrive
@@ -95,7 +95,7 @@ def _act_quant(x: torch.Tensor, bits: int, sums: bool) -> tuple[torch.Tensor, to
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(k)
+    block = next_power_of_2(k)
     row_sums = None
     if sums and k % ROW_SUM_COLS.value == 0 and block >= ROW_SUM_COLS.value:
         row_sums = torch.empty((m, k // ROW_SUM_COLS.value), dtype=torch.float32, device=x.device)
@@ -691,14 +691,14 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int, m: int = 1) -
     N tiles of 64 and as many K pieces (a power of two) as keep the programs within 512."""
     if uses_nibble_kernel(fmt, act, group, m):
         block_k = min(group, 128)
-        k_tiles = triton.cdiv(k, block_k)
+        k_tiles = cdiv(k, block_k)
         if act:
-            split_k = 1 << max(0, (512 // triton.cdiv(n, 64)).bit_length() - 1)  # the power of two <= 512 / N tiles
+            split_k = 1 << max(0, (512 // cdiv(n, 64)).bit_length() - 1)  # the power of two <= 512 / N tiles
             return TileConfig(64, block_k, max(1, min(k_tiles, 16, split_k)))
         fewest = fewest_pieces(k_tiles)
         if fmt != FULL.value and wide_fills(1, n, fewest):
             return TileConfig(256, block_k, fewest)  # long programs over wide tiles fill more than a wave
-        n_tiles = triton.cdiv(n, 128)  # the split counts programs of 128 columns whatever the N tile
+        n_tiles = cdiv(n, 128)  # the split counts programs of 128 columns whatever the N tile
         split_k = 1 << max(0, (k_tiles // 8).bit_length() - 1)  # the power of two <= k_tiles / 8
         while split_k < k_tiles and (k_tiles > split_k * MAX_TILES_PER_PROGRAM
                                      or (n_tiles * split_k < 256 and split_k < 16)):
@@ -711,9 +711,9 @@ def decode_config(fmt: int, act: bool, n: int, k: int, group: int, m: int = 1) -
     if fmt >= INT4.value:  # a K tile in one quant group
         block_k = min(group, 128)
     else:
-        block_k = max(min(triton.next_power_of_2(k), 256 if fmt == INT8.value else 128), 32 if act else 16)
+        block_k = max(min(next_power_of_2(k), 256 if fmt == INT8.value else 128), 32 if act else 16)
     # Enough programs to stream W at memory speed at M = 1 (about 4 per SM), splitting K where N is narrow.
-    n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    n_tiles, k_tiles = cdiv(n, block_n), cdiv(k, block_k)
     if int4_act:
         split_k = max(4, 512 // n_tiles)
     else:
@@ -730,8 +730,8 @@ def int8_words_config(n: int, k: int) -> TileConfig:
     their time; the bytes' own tiles (N 32, K 256) read as words took 1.19-1.35x. A-B'd alone
     (docs/bench-h200/ab-gemm-w8a16-words.json): 0.95-1.06x at M = 1, 1.04-1.10x at M = 16."""
     block_k = 128 if k > 64 else 64
-    split_k = 1 << max(0, (1024 // triton.cdiv(n, 128)).bit_length() - 1)
-    return TileConfig(128, block_k, max(1, min(triton.cdiv(k, block_k), 8, split_k)))
+    split_k = 1 << max(0, (1024 // cdiv(n, 128)).bit_length() - 1)
+    return TileConfig(128, block_k, max(1, min(cdiv(k, block_k), 8, split_k)))
 
 
 # Tiles for many tokens, per kernel kind and M bucket: (largest M of the bucket, tiles of a GEMM whose K is split,
@@ -791,14 +791,14 @@ MANY_TOKENS: dict[str, list[tuple[int, tuple | None, tuple | None]]] = {
 
 def fewest_pieces(k_tiles: int) -> int:
     """The fewest K pieces (a power of two) of at most MAX_TILES_PER_PROGRAM K tiles each."""
-    return 1 << (triton.cdiv(k_tiles, MAX_TILES_PER_PROGRAM) - 1).bit_length()
+    return 1 << (cdiv(k_tiles, MAX_TILES_PER_PROGRAM) - 1).bit_length()
 
 
 def wide_fills(m: int, n: int, split_k: int) -> bool:
     """Whether 256-wide N tiles of one nibble plane, over M rows in 16-row tiles and split_k K pieces, make more
     than a wave of programs: then they beat 128-wide ones (an 8B model's down: 0.87x at 1 row in 128-wide tiles,
     whose 128 programs were one wave; at 32 rows the 256-wide ones, 256 programs, are the faster)."""
-    return triton.cdiv(m, BLOCK_M) * triton.cdiv(n, 256) * split_k > SMS
+    return cdiv(m, BLOCK_M) * cdiv(n, 256) * split_k > SMS
 
 
 def kernel_kind(fmt: int, act: bool, group: int, m: int) -> str:
@@ -823,7 +823,7 @@ def many_tokens(cfg: TileConfig, fmt: int, act: bool, group: int, m: int, n: int
             tiles = split_tiles if cfg.split_k > 1 else whole_tiles
             many = cfg
             if tiles is None and kernel_kind(fmt, act, group, m) == "nibble" and cfg.split_k == fewest_pieces(
-                    triton.cdiv(k, cfg.block_k)) and wide_fills(m, n, cfg.split_k):
+                    cdiv(k, cfg.block_k)) and wide_fills(m, n, cfg.split_k):
                 many = replace(cfg, block_n=256)  # the decode tiles, as wide as this M fills (same bits)
             if tiles is not None:
                 fitting = [c for c in (retile(cfg, t, k) for t in (tiles if isinstance(tiles, list) else [tiles]))
@@ -888,14 +888,14 @@ def fullest_wave(configs: list[TileConfig], m: int, n: int) -> TileConfig:
     """Of several tile configs, the one whose last wave of programs is fullest (the first, the largest, on a tie):
     a half-empty last wave leaves SMs idle for a whole tile's time."""
     def fill(c: TileConfig) -> float:
-        programs = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
-        return programs / (triton.cdiv(programs, SMS) * SMS)
+        programs = cdiv(m, c.block_m) * cdiv(n, c.block_n)
+        return programs / (cdiv(programs, SMS) * SMS)
     return max(configs, key=fill)  # max keeps the first of equals
 
 
 def k_chunk(k: int, split_k: int, block_k: int) -> int:
     """Columns of each of the split's K chunks (whole K tiles; the last one may be shorter)."""
-    return triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    return cdiv(cdiv(k, split_k), block_k) * block_k
 
 
 def _shift(fmt: int) -> int:
@@ -1019,7 +1019,7 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
                                                 bias, r2)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     grid_split = 1 if cfg.in_program else cfg.split_k
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), grid_split)
+    grid = (cdiv(m, cfg.block_m), cdiv(n, cfg.block_n), grid_split)
     part = counts = None
     if grid_split > 1:
         exact = fmt in (INT8.value, INT4G.value) and act  # int32 partial sums (`_zeros`)
@@ -1118,7 +1118,7 @@ def dequantize(weight: QuantWeight, fmt: int, quartered: bool = False, codes: bo
     block = [block_n, block_k // 2 if fmt >= INT4.value else block_k]
     descs = [None if t is None else TensorDescriptor.from_tensor(t, block) for t in (w, w2)]
     stride_sn, stride_sg = (0, 0) if lo is None else lo.stride()
-    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+    _dequantize_kernel[(cdiv(n, block_n), cdiv(k, block_k))](
         *descs, scale, lo, out, n, k, stride_sn, stride_sg, FMT=fmt, GROUP=group, BLOCK_N=block_n,
         BLOCK_K=block_k, QUARTERED=quartered, CODES=codes, ASM=not INTERPRETING, enable_fp_fusion=False,
         **launch_options())

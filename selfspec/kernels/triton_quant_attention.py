@@ -39,7 +39,7 @@ from selfspec.cache.kv import LayerKV
 from selfspec.cache.quant_kv import quantized_below
 from selfspec.errors import SelfspecError
 from selfspec.kernels import ptx, register
-from selfspec.kernels.launch import INTERPRETING
+from selfspec.kernels.launch import INTERPRETING, cdiv, next_power_of_2
 from selfspec.kernels.reference import quantized_attention as reference_quantized_attention
 
 CHUNK_KEYS = 1024  # quantized keys per program (rounded to whole groups)
@@ -70,7 +70,7 @@ def row_slices(rows: int) -> int:
 def chunk_constants(group: int, dim: int, hier: bool, upper: bool) -> dict:
     """The chunk kernel's compile-time constants for KV groups of `group` and heads of `dim` channels."""
     return dict(D=dim, G=group, CHUNK=max(group, CHUNK_KEYS // group * group), FMT_HIER=hier, UPPER=upper,
-                BLOCK=min(BLOCK_N, group), BLOCK_R=TILE_ROWS, HALF=triton.next_power_of_2(dim) // 2,
+                BLOCK=min(BLOCK_N, group), BLOCK_R=TILE_ROWS, HALF=next_power_of_2(dim) // 2,
                 ASM=not INTERPRETING)
 
 
@@ -319,8 +319,8 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
         **consts, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}))
     out = torch.empty(b, t, hq, dim, dtype=torch.float32, device=q.device)
-    block_d = min(MERGE_CHANNELS, triton.next_power_of_2(dim))
-    _merge_chunks[(b * t * hq, triton.cdiv(dim, block_d))](m, l, acc, out, n_chunks + 1, dim, BLOCK_S=MERGE_STATES,
+    block_d = min(MERGE_CHANNELS, next_power_of_2(dim))
+    _merge_chunks[(b * t * hq, cdiv(dim, block_d))](m, l, acc, out, n_chunks + 1, dim, BLOCK_S=MERGE_STATES,
                                                            BLOCK_D=block_d)
     return out.transpose(1, 2).to(q.dtype)
 

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from selfspec.errors import SelfspecError
 from selfspec.kernels import ops, register
-from selfspec.kernels.launch import launch_options, wait
+from selfspec.kernels.launch import cdiv, launch_options, next_power_of_2, wait
 from selfspec.kernels.reference import rope_and_store as reference_rope_and_store
 
 # The producers of a GEMM's input (rms_norm, swiglu) can also write its int8 codes and their row sums per this many
@@ -110,7 +110,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    block = triton.next_power_of_2(d)
+    block = next_power_of_2(d)
     out = _handover_buffers(x2.shape[0], d, x, act_bits)
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, out.sums, out.codes, out.scale, d, x2.stride(0), eps,
                                     QMAX=qmax(act_bits), BLOCK=block, SUMS=out.sums is not None,
@@ -197,13 +197,13 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     cos, sin, slots = cos.float().contiguous(), sin.float().contiguous(), slots.contiguous()
     q_out = torch.empty((b, hq, t, d), dtype=q.dtype, device=q.device)
-    block = triton.next_power_of_2(d // 2)
-    block_hq = triton.next_power_of_2(hq)
+    block = next_power_of_2(d // 2)
+    block_hq = next_power_of_2(hq)
     # No mul + add fused into an fma: the reference rounds each product, and the bits must match it.
     _rope_and_store_kernel[(b * t,)](
         q, k, v, cos, sin, slots, q_out, k_pool, v_pool, t, hq, hkv, k_pool.shape[2], *q.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], *k_pool.stride()[:3], *v_pool.stride()[:3], HALF=d // 2, BLOCK=block,
-        BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(hkv), num_warps=row_warps(block_hq * block),
+        BLOCK_HQ=block_hq, BLOCK_HKV=next_power_of_2(hkv), num_warps=row_warps(block_hq * block),
         enable_fp_fusion=False, **launch_options(),
     )
     return q_out
@@ -254,12 +254,12 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor,
         act_bits = None
     out = _handover_buffers(g2.shape[0], h, gate, act_bits)
     if out.codes is not None:
-        block = triton.next_power_of_2(h)
+        block = next_power_of_2(h)
         _swiglu_codes_kernel[(g2.shape[0],)](g2, u2, y, out.codes, out.scale, out.sums, h, g2.stride(0),
                                              u2.stride(0), QMAX=qmax(act_bits), BLOCK=block,
                                              SUMS=out.sums is not None, num_warps=row_warps(block), **launch_options())
     else:
-        _swiglu_kernel[(g2.shape[0], triton.cdiv(h, 1024))](g2, u2, y, h, g2.stride(0), u2.stride(0), BLOCK=1024,
+        _swiglu_kernel[(g2.shape[0], cdiv(h, 1024))](g2, u2, y, h, g2.stride(0), u2.stride(0), BLOCK=1024,
                                                             num_warps=4, **launch_options())
     return y.view(gate.shape), _given(out)
 
@@ -319,7 +319,7 @@ def sum_chunks(part: torch.Tensor, split: int, bias: torch.Tensor | None, r2: to
     y = torch.empty((m, n), dtype=torch.bfloat16, device=part.device)
     xs, scale = scales if scales is not None else (None, channel)
     block = 1024
-    _sum_chunks_kernel[(triton.cdiv(m * n, block),)](part, xs, scale, bias, r2, y, m, n,
+    _sum_chunks_kernel[(cdiv(m * n, block),)](part, xs, scale, bias, r2, y, m, n,
                                                      0 if r2 is None else r2.stride(0), SPLIT=split, LIVE=live,
                                                      SCALES=scales is not None, CHANNEL=channel is not None,
                                                      HAS_BIAS=bias is not None,
