@@ -542,7 +542,7 @@ def quartered(x2: torch.Tensor, block_k: int) -> torch.Tensor:
     xq = torch.empty_like(x2)
     per_program = 8
     _quartered_kernel[(m, cdiv(k // block_k, per_program))](x2, xq, k, BLOCK_K=block_k, TILES=per_program,
-                                                                    num_warps=4, **launch_options())
+                                                             num_warps=4, **launch_options())
     return xq
 
 
@@ -779,11 +779,8 @@ def nibble_block_m(m: int, n: int, k: int, block_k: int, split_k: int, device: t
     the time of 128-row CTAs, down 0.83-0.91x."""
     halves = cdiv(m, BLOCK_M // 2) * cdiv(n, BLOCK_N)
     fill_one_wave = _sm_count(device) < 2 * halves <= 2 * _sm_count(device)
-    grid = (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N))
-    if split_k == 1:
-        few, short = half_wave_or_less(grid, device), True
-    else:
-        few, short = chunks_apart(grid, split_k, device), cdiv(k, block_k) <= HALF_HEIGHT_K_TILES
+    few = half_wave_or_less((cdiv(m, BLOCK_M), cdiv(n, BLOCK_N)), device)  # with a split: where `chunks_apart`
+    short = split_k == 1 or cdiv(k, block_k) <= HALF_HEIGHT_K_TILES
     return BLOCK_M // 2 if few and fill_one_wave and short else BLOCK_M
 
 

@@ -321,7 +321,7 @@ def quantized_attention(q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, upper
     out = torch.empty(b, t, hq, dim, dtype=torch.float32, device=q.device)
     block_d = min(MERGE_CHANNELS, next_power_of_2(dim))
     _merge_chunks[(b * t * hq, cdiv(dim, block_d))](m, l, acc, out, n_chunks + 1, dim, BLOCK_S=MERGE_STATES,
-                                                           BLOCK_D=block_d)
+                                                    BLOCK_D=block_d)
     return out.transpose(1, 2).to(q.dtype)
 
 

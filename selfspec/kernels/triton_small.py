@@ -260,7 +260,7 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor,
                                              SUMS=out.sums is not None, num_warps=row_warps(block), **launch_options())
     else:
         _swiglu_kernel[(g2.shape[0], cdiv(h, 1024))](g2, u2, y, h, g2.stride(0), u2.stride(0), BLOCK=1024,
-                                                            num_warps=4, **launch_options())
+                                                     num_warps=4, **launch_options())
     return y.view(gate.shape), _given(out)
 
 
@@ -320,9 +320,9 @@ def sum_chunks(part: torch.Tensor, split: int, bias: torch.Tensor | None, r2: to
     xs, scale = scales if scales is not None else (None, channel)
     block = 1024
     _sum_chunks_kernel[(cdiv(m * n, block),)](part, xs, scale, bias, r2, y, m, n,
-                                                     0 if r2 is None else r2.stride(0), SPLIT=split, LIVE=live,
-                                                     SCALES=scales is not None, CHANNEL=channel is not None,
-                                                     HAS_BIAS=bias is not None,
-                                                     HAS_RES=r2 is not None, BLOCK=block, num_warps=4,
-                                                     **launch_options())
+                                             0 if r2 is None else r2.stride(0), SPLIT=split, LIVE=live,
+                                             SCALES=scales is not None, CHANNEL=channel is not None,
+                                             HAS_BIAS=bias is not None,
+                                             HAS_RES=r2 is not None, BLOCK=block, num_warps=4,
+                                             **launch_options())
     return y
