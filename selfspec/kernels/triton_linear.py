@@ -1131,8 +1131,12 @@ def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.T
     where `takes_prompt_kernel`, the nibble kernel over all of K in one chain."""
     n, k = weight.shape
     if takes_prompt_kernel(weight, fmt, x2):
-        block_k = dequantize_block_k(fmt, weight.group_size)
-        return gluon_linear.nibble_gemm(x2, fmt, _tensors(weight, fmt), n, weight.group_size, block_k, k, 1, bias, r2)
+        group = getattr(weight, "group_size", 0)
+        block_k = dequantize_block_k(fmt, group)
+        if x2.shape[0] >= PROMPT_SCRATCH_ROWS.get(fmt, 1 << 62):  # the same sums from the quartered scratch
+            w, scale = quartered_scratch(weight, fmt)
+            return gluon_linear.dense_gemm(gluon_linear.quartered(x2, block_k), w, 64, k, 1, bias, r2, scale)
+        return gluon_linear.nibble_gemm(x2, fmt, _tensors(weight, fmt), n, group, block_k, k, 1, bias, r2)
     cfg = tile_config(DENSE.value, False, n, k, 0, x2.shape[0])
     return _run(x2, None, (dequantize(weight, fmt), None, None, None), n, 0, DENSE.value, False, bias, cfg, r2)
 
@@ -1148,16 +1152,23 @@ def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.T
 # (docs/bench-h100/s31-prompt-kernel-probe.log); eager prefill 1.07-1.11x the tokens/s at 1 x 2048 and 8 x 512, but
 # 0.84-0.91x at 1 x 512, where the eager pass waits on the host (~170 us to issue a prompt GEMM either way; the
 # engine replays its prompt passes from CUDA graphs: `bench serve` qspec at batch 32 1.02-1.04x).
-PROMPT_KERNEL_FORMATS = (INT4.value, UPPER.value)
+# `full`, w8a16 and `int4g`'s w4a16 too, the last two of their codes with the channel scale after the sum (the kernel's
+# epilogue, as their generated rows). From PROMPT_SCRATCH_ROWS rows a format takes the same products and adds from the
+# dequantize scratch, quartered, in the bf16 GEMM with K as one chain (one dequantization a weight instead of one a
+# band of rows): bit for bit the kernel's (tests/gpu), so the row count may choose. H100, 8B layers, time of the
+# kernel over the scratch (docs/bench-h100/s32-prompt-formats-probe.log): 0.40-0.62 at 256 rows, 0.49-0.85 at 512,
+# 0.72-0.98 at 1,024, 0.97-1.18 at 2,048, 1.05-1.22 at 4,096 (`full`'s ring is two slots deep at 128 rows).
+PROMPT_KERNEL_FORMATS = (INT4.value, UPPER.value, FULL.value, INT8.value, INT4G.value)
+PROMPT_SCRATCH_ROWS = {FULL.value: 2048, INT8.value: 2048, INT4G.value: 2048}
 
 
 def takes_prompt_kernel(weight: QuantWeight, fmt: int, x2: torch.Tensor) -> bool:
-    """Whether prompt tokens take the nibble kernel (above): an INT4 nibble format on Hopper, K whole K tiles of
+    """Whether prompt tokens take the nibble kernel's sums (above): a format it reads, on Hopper, K whole K tiles of
     `dequantize_block_k` (x is quartered by them) of 64 columns or more (each quarter a dot of K >= 16, as
     `reads_words`), its affine rows TMA reads."""
     if fmt not in PROMPT_KERNEL_FORMATS or not gluon_linear.runs_on(x2.device):
         return False
-    (n, k), block_k = weight.shape, dequantize_block_k(fmt, weight.group_size)
+    (n, k), block_k = weight.shape, dequantize_block_k(fmt, getattr(weight, "group_size", 0))
     return block_k >= 64 and k % block_k == 0 and gluon_linear.covers(weight.scale, n)
 
 
@@ -1229,11 +1240,17 @@ def scratch_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.
     dense = replace(decode_config(DENSE.value, False, n, k, 0), block_k=cfg.block_k, split_k=cfg.split_k)
     dense = many_tokens(dense, DENSE.value, False, 0, m, n, k)
     dense = replace(dense, warp_specialized=True)  # Gluon's: the chunks' total in registers (Triton's tiles spill)
-    codes = fmt == INT8.value  # their channel scale after the sum, in the kernel's epilogue
-    w = dequantize(weight, fmt, quartered=True, codes=codes)
-    scale = _tensors(weight, fmt)[2] if codes else None
+    w, scale = quartered_scratch(weight, fmt)
     return _run(gluon_linear.quartered(x2, cfg.block_k), None, (w, None, scale, None), n, 0, DENSE.value, False, bias,
                 dense, r2)
+
+
+def quartered_scratch(weight: QuantWeight, fmt: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight dequantized into the scratch, its K tiles' columns quartered, and the channel scale the bf16 GEMM
+    applies after the sum: INT8's and INT4G's, whose scratch holds their codes (exact in bf16), as their kernels
+    apply it; None for the affine formats."""
+    codes = fmt in (INT8.value, INT4G.value)
+    return dequantize(weight, fmt, quartered=True, codes=codes), weight.scale if codes else None
 
 
 for _storage in STORAGES:

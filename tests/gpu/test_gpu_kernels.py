@@ -123,11 +123,12 @@ def test_linear_many_tokens_keeps_each_rows_bits(storage, mode_name, n, k, hando
 
 @pytest.mark.parametrize("storage,mode_name", [("int8", "w8a16"), ("int4", "w4a16"), ("planes", "upper"),
                                                ("planes", "full"), ("int4g", "w4a16")])
-def test_prompt_tokens_keep_each_rows_bits_at_any_m(storage, mode_name):
+def test_prompt_tokens_keep_each_rows_bits_at_any_m(storage, mode_name, monkeypatch):
     """Mode.prompt on the GPU: the weight dequantized exactly as the reference rounds it (no FMA), then the bf16
-    GEMM (the INT4 nibbles on Hopper: the nibble kernel over all of K, the same products and adds as the bf16 GEMM
-    over the quartered columns of x and of that weight, K as one chain): a row alone, among 16 and among up to 8192
-    rows gets the same bits, and those of the bf16 GEMM on the reference's dequantized weight."""
+    GEMM (on Hopper: the nibble kernel over all of K, the same products and adds as the bf16 GEMM over the
+    quartered columns of x and of that weight, K as one chain; INT8 and INT4G: of their codes, the channel scale
+    after the sum; from PROMPT_SCRATCH_ROWS that GEMM itself): a row alone, among 16 and among up to 8192 rows gets
+    the same bits, and those of the bf16 GEMM on the reference's dequantized weight."""
     from selfspec.kernels import gluon_linear
 
     torch.manual_seed(5)
@@ -141,9 +142,14 @@ def test_prompt_tokens_keep_each_rows_bits_at_any_m(storage, mode_name):
     y = triton_linear.linear(x, weight, prompt, None)
     if triton_linear.takes_prompt_kernel(weight, fmt, x):
         block_k = triton_linear.dequantize_block_k(fmt, 128)
-        quartered = triton_linear.dequantize(weight, fmt, quartered=True)
+        channel = storage in ("int8", "int4g")  # their channel scale after the sum
+        quartered = triton_linear.dequantize(weight, fmt, quartered=True, codes=channel)
         assert torch.equal(y, gluon_linear.dense_gemm(gluon_linear.quartered(x, block_k), quartered, 64, 4096, 1,
-                                                      None, None, None))
+                                                      None, None, weight.scale if channel else None))
+        monkeypatch.setitem(triton_linear.PROMPT_SCRATCH_ROWS, fmt, 0)  # every row count from the scratch
+        assert torch.equal(triton_linear.linear(x, weight, prompt, None), y)
+        assert torch.equal(triton_linear.linear(x[:16], weight, prompt, None), y[:16])
+        monkeypatch.undo()
     else:
         assert torch.equal(y, triton_linear.linear(x, DenseWeight(dense), MODES["bf16"], None))
     for m in (1, 16) + tuple(MANY_ROWS[:-1]):
