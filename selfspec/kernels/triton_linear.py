@@ -1157,7 +1157,11 @@ def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.T
 # dequantize scratch, quartered, in the bf16 GEMM with K as one chain (one dequantization a weight instead of one a
 # band of rows): bit for bit the kernel's (tests/gpu), so the row count may choose. H100, 8B layers, time of the
 # kernel over the scratch (docs/bench-h100/s32-prompt-formats-probe.log): 0.40-0.62 at 256 rows, 0.49-0.85 at 512,
-# 0.72-0.98 at 1,024, 0.97-1.18 at 2,048, 1.05-1.22 at 4,096 (`full`'s ring is two slots deep at 128 rows).
+# 0.72-0.98 at 1,024, 0.97-1.18 at 2,048, 1.05-1.22 at 4,096 (`full`'s ring is two slots deep at 128 rows); the
+# chosen path over the plain dequantize pass and bf16 GEMM it replaced: 0.52-0.92 at 256 rows, 0.82-0.97 at 1,024,
+# 0.96-1.08 at 4,096, where the scratch's GEMM is 0.87-0.95x the plain one's but x's quartering costs 26-88 us
+# (`prompt_scratch_probe.py`). `bench serve` with `planes` (its prompt passes `full`): TTFT of one 512-token prompt
+# 38 ms against 44, batch 8 and 32 even.
 PROMPT_KERNEL_FORMATS = (INT4.value, UPPER.value, FULL.value, INT8.value, INT4G.value)
 PROMPT_SCRATCH_ROWS = {FULL.value: 2048, INT8.value: 2048, INT4G.value: 2048}
 
