@@ -1128,7 +1128,8 @@ def dequantize(weight: QuantWeight, fmt: int, quartered: bool = False, codes: bo
 def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.Tensor | None,
                   r2: torch.Tensor | None) -> torch.Tensor:
     """y [M, N] (+ r2 [M, N]) of prompt tokens x2 [M, K]: the weight dequantized to bf16, then the bf16 GEMM; or
-    where `takes_prompt_kernel`, the nibble kernel over all of K in one chain."""
+    where `takes_prompt_kernel`, the nibble kernel over all of K in one chain (from PROMPT_SCRATCH_ROWS rows, its
+    sums from the quartered scratch)."""
     n, k = weight.shape
     if takes_prompt_kernel(weight, fmt, x2):
         group = getattr(weight, "group_size", 0)
@@ -1141,27 +1142,15 @@ def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.T
     return _run(x2, None, (dequantize(weight, fmt), None, None, None), n, 0, DENSE.value, False, bias, cfg, r2)
 
 
-# On Hopper the INT4 nibbles (w4a16, `upper`) take their prompt tokens through the warp-specialized nibble kernel
-# instead: the weight built in registers (no dequantize pass over all of it), x quartered, K walked in one chain of
-# K tiles from zero (no split, so one accumulator a consumer and tiles of 256 tokens: `gluon_linear.wide_tiles`).
-# Its products and adds are the bf16 GEMM's over x's and the dequantized weight's quartered columns, at any M (tests/
-# gpu). H200, 8B layers, w4a16 / `upper`, time over the dequantize pass and bf16 GEMM at 256 / 1,024 / 4,096 rows
-# (docs/bench-h200/s30-ab-gemm-prompt-kernel.log): qkv 0.63-0.65 / 0.81-0.83 / 0.89-0.90, o 1.03-1.06 / 0.72-0.74 /
-# 0.87, gate/up 0.54-0.56 / 0.80-0.86 / 0.96-0.97, down 0.97-0.99 / 0.80 / 0.93-0.97 (o and down at 256 rows before
-# their 64-row CTAs). H100, a w4a16 8B prefill of 1 x 512 under the profiler: 13.8 ms of GPU time against 20.9
-# (docs/bench-h100/s31-prompt-kernel-probe.log); eager prefill 1.07-1.11x the tokens/s at 1 x 2048 and 8 x 512, but
-# 0.84-0.91x at 1 x 512, where the eager pass waits on the host (~170 us to issue a prompt GEMM either way; the
-# engine replays its prompt passes from CUDA graphs: `bench serve` qspec at batch 32 1.02-1.04x).
-# `full`, w8a16 and `int4g`'s w4a16 too, the last two of their codes with the channel scale after the sum (the kernel's
-# epilogue, as their generated rows). From PROMPT_SCRATCH_ROWS rows a format takes the same products and adds from the
-# dequantize scratch, quartered, in the bf16 GEMM with K as one chain (one dequantization a weight instead of one a
-# band of rows): bit for bit the kernel's (tests/gpu), so the row count may choose. H100, 8B layers, time of the
-# kernel over the scratch (docs/bench-h100/s32-prompt-formats-probe.log): 0.40-0.62 at 256 rows, 0.49-0.85 at 512,
-# 0.72-0.98 at 1,024, 0.97-1.18 at 2,048, 1.05-1.22 at 4,096 (`full`'s ring is two slots deep at 128 rows); the
-# chosen path over the plain dequantize pass and bf16 GEMM it replaced: 0.52-0.92 at 256 rows, 0.82-0.97 at 1,024,
-# 0.96-1.08 at 4,096, where the scratch's GEMM is 0.87-0.95x the plain one's but x's quartering costs 26-88 us
-# (`prompt_scratch_probe.py`). `bench serve` with `planes` (its prompt passes `full`): TTFT of one 512-token prompt
-# 38 ms against 44, batch 8 and 32 even.
+# Prompt tokens on Hopper (`takes_prompt_kernel`) take the warp-specialized nibble kernel with K as one chain of K
+# tiles from zero: the weight built in registers (no dequantize pass), x quartered, one accumulator a consumer (256
+# tokens a CTA where the waves favour it: `gluon_linear.wide_tiles`); INT8 and INT4G sum their codes and apply the
+# channel scale after the sum. Its adds are the bf16 GEMM's over the quartered columns of x and of the dequantized
+# weight, so from PROMPT_SCRATCH_ROWS rows, where building the weight once a band of rows costs more than one
+# dequantize pass, a format runs that GEMM on the quartered scratch: the same bits (tests/gpu), so the row count may
+# choose. The INT4 nibbles keep the kernel at every row count. H100, 8B layers (docs/gpu.md, sessions 30-32): the
+# kernel 0.40-0.62x the scratch's time at 256 rows, 1.05-1.22x at 4,096; the engine's TTFT for one 512-token
+# `planes` prompt 0.87x.
 PROMPT_KERNEL_FORMATS = (INT4.value, UPPER.value, FULL.value, INT8.value, INT4G.value)
 PROMPT_SCRATCH_ROWS = {FULL.value: 2048, INT8.value: 2048, INT4G.value: 2048}
 
