@@ -1136,7 +1136,8 @@ def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.T
         block_k = dequantize_block_k(fmt, group)
         if x2.shape[0] >= PROMPT_SCRATCH_ROWS.get(fmt, 1 << 62):  # the same sums from the quartered scratch
             w, scale = quartered_scratch(weight, fmt)
-            return gluon_linear.dense_gemm(gluon_linear.quartered(x2, block_k), w, 64, k, 1, bias, r2, scale)
+            return gluon_linear.dense_gemm(gluon_linear.quartered(x2, block_k), w, PROMPT_SCRATCH_BLOCK_K, k, 1, bias,
+                                           r2, scale)
         return gluon_linear.nibble_gemm(x2, fmt, _tensors(weight, fmt), n, group, block_k, k, 1, bias, r2)
     cfg = tile_config(DENSE.value, False, n, k, 0, x2.shape[0])
     return _run(x2, None, (dequantize(weight, fmt), None, None, None), n, 0, DENSE.value, False, bias, cfg, r2)
@@ -1153,6 +1154,9 @@ def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.T
 # `planes` prompt 0.87x.
 PROMPT_KERNEL_FORMATS = (INT4.value, UPPER.value, FULL.value, INT8.value, INT4G.value)
 PROMPT_SCRATCH_ROWS = {FULL.value: 2048, INT8.value: 2048, INT4G.value: 2048}
+# The scratch's bf16 GEMM in K tiles of 64: 128 gives the same bits but ran 1.4x slower (H100,
+# docs/bench-h100/s32-prompt-scratch-probe.log).
+PROMPT_SCRATCH_BLOCK_K = 64
 
 
 def takes_prompt_kernel(weight: QuantWeight, fmt: int, x2: torch.Tensor) -> bool:
