@@ -175,6 +175,21 @@ def test_the_k_loop_of_a_decode_tile_issues_its_mma_instructions():
     assert len(rows) == 4 and all(int(r[7].split()[0]) > 0 for r in rows)
 
 
+def test_nibble_tiles_keep_their_shared_tiles_swizzled():
+    """The nibble kernel's tiles, decode's and the 64-row ones, stage x and the weights in swizzled shared memory: a
+    buffer with no swizzle (x loaded whole and permuted in registers, as docs/leads/quarter-order.patch first did)
+    made the decode tiles 1.3-2.3x slower on an H100 with as many instructions."""
+    code = ("from selfspec.bench import kernel_resources as kr\n"
+            "from selfspec.kernels import triton_linear as tlin\n"
+            "for mode in ('w4a16', 'upper', 'full', 'w4a8'):\n"
+            "    for m in (1, 96):\n"
+            "        cfg = tlin.tile_config(kr.FORMATS[mode], mode == 'w4a8', 6144, 4096, 128, m)\n"
+            "        print(mode, m, cfg.block_m, kr.unswizzled_tiles(kr.compile_linear(mode, cfg)))\n")
+    rows = run_code(code).splitlines()
+    assert len(rows) == 8 and {r.split()[2] for r in rows} == {"16", "64"}, rows
+    assert all(r.endswith(" []") for r in rows), rows
+
+
 def test_int8_activation_tiles_the_gate_admits_are_the_ones_that_compile():
     """w4a8 / w4a4 reach the warp-specialized kernel only in K tiles it compiles for: tiles of 64 (quant groups of
     64, SmolLM2's 576 columns) failed in Triton's compile pipeline on the GPU, and take the Triton tiles instead."""

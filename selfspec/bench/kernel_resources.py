@@ -91,7 +91,12 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
         consts.update(SHIFT=tlin._shift(fmt) if act else 0, SWAP=cfg.swap, WORDS=words, ASM=True)
         kernel = tlin._linear_kernel
     sig.update(dict.fromkeys(consts, "constexpr"))
-    return triton.compile(ASTSource(kernel, sig, consts), target=H100,
+    # As launched: the pointers, the sizes and x's and y's strides of a model's layers are 16-divisible, and Triton
+    # specializes on it (vector loads, the shared buffers' swizzles).
+    aligned = [i for i, name in enumerate(kernel.arg_names) if sig.get(name, "constexpr") in ("i32", "*bf16",
+               "*fp32", "*i32", "*i8") and name not in ("M", "CHUNKS", "stride_sn", "stride_sg")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    return triton.compile(ASTSource(kernel, sig, consts, attrs), target=H100,
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
@@ -387,6 +392,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                               in_program=block_m > tlin.BLOCK_M and args.split > 1)
         r = resources(compile_linear(args.mode, cfg, args.k))
         print(f"| {block_m} x {block_n} x {warps} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} |")
+
+
+def unswizzled_tiles(kernel: triton.compiler.CompiledKernel) -> list[str]:
+    """The kernel's shared-memory tiles (both dims over 1) laid out with no swizzle: rows that start on the same bank,
+    so reading them in the tensor cores' operand layout conflicts. A load whose value feeds a register permute, not
+    a dot, gets such a buffer from Triton's pipeliner (the decode tiles' x in quarter order: 1.3-2.3x their time on
+    an H100, docs/gpu.md session 33)."""
+    ir = kernel.asm["ttgir"]
+    plain = set(re.findall(r"^(#shared\d*) = #ttg\.swizzled_shared<\{vec = 1, perPhase = 1, maxPhase = 1,", ir, re.M))
+    tiles = re.findall(r"memdesc<((?:\d+x)+)\w+, (#shared\d*),", ir)
+    return sorted({dims.rstrip("x") for dims, layout in tiles
+                   if layout in plain and all(int(d) > 1 for d in dims.rstrip("x").split("x")[-2:])})
 
 
 def shape_table(shape: str, modes: list[str], ms: list[int], group: int) -> None:
