@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections import Counter
+from collections.abc import Iterable
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -93,10 +94,9 @@ def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 
     sig.update(dict.fromkeys(consts, "constexpr"))
     # As launched: the pointers, the sizes and x's and y's strides of a model's layers are 16-divisible, and Triton
     # specializes on it (vector loads, the shared buffers' swizzles).
-    aligned = [i for i, name in enumerate(kernel.arg_names) if sig.get(name, "constexpr") in ("i32", "*bf16",
-               "*fp32", "*i32", "*i8") and name not in ("M", "CHUNKS", "stride_sn", "stride_sg")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-    return triton.compile(ASTSource(kernel, sig, consts, attrs), target=H100,
+    aligned = [name for name in kernel.arg_names if sig.get(name) in ("i32", "*bf16", "*fp32", "*i32", "*i8")
+               and name not in ("M", "CHUNKS", "stride_sn", "stride_sg")]
+    return triton.compile(ASTSource(kernel, sig, consts, _divisible_by_16(kernel, aligned)), target=H100,
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
@@ -135,14 +135,17 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in
     return _compile_as_launched(gll._nibble_ws_kernel, sig, consts)
 
 
+def _divisible_by_16(kernel: triton.JITFunction, names: Iterable[str]) -> dict:
+    """Triton's attributes marking the kernel's arguments `names` 16-divisible, as a launch specializes them."""
+    return {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in names}
+
+
 def _compile_as_launched(kernel, sig: dict, consts: dict) -> triton.compiler.CompiledKernel:
     """A warp-specialized nibble GEMM for sm_90 with consts as constexprs and the pointers and sizes 16-aligned, as
     launched on an 8B layer."""
     sig.update(dict.fromkeys(consts, "constexpr"))
-    names = kernel.arg_names
     aligned = ("bias_ptr", "res_ptr", "y_ptr", "N", "K", "stride_ym", "stride_rm")
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    return triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=H100,
+    return triton.compile(GluonASTSource(kernel, sig, consts, _divisible_by_16(kernel, aligned)), target=H100,
                           options=dict(num_warps=4, maxnreg=gll.MAX_REGISTERS))
 
 
@@ -256,8 +259,7 @@ def compile_quant_attention(fmt: str, upper: bool, block_r: int, warps: int, dim
     sig.update(dict.fromkeys(consts, "constexpr"))
     # As a launch specializes them: tensors 16-byte aligned, block sizes (whole KV groups) multiples of 16.
     aligned = [name for name, kind in sig.items() if kind.startswith("*")] + ["QBS", "BS"]
-    names = tqa._quant_attention_chunks.arg_names
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    attrs = _divisible_by_16(tqa._quant_attention_chunks, aligned)
     return triton.compile(ASTSource(tqa._quant_attention_chunks, sig, consts, attrs), target=H100,
                           options=dict(num_warps=warps, num_stages=tqa.NUM_STAGES, maxnreg=max_registers))
 
@@ -401,9 +403,8 @@ def unswizzled_tiles(kernel: triton.compiler.CompiledKernel) -> list[str]:
     an H100, docs/gpu.md session 33)."""
     ir = kernel.asm["ttgir"]
     plain = set(re.findall(r"^(#shared\d*) = #ttg\.swizzled_shared<\{vec = 1, perPhase = 1, maxPhase = 1,", ir, re.M))
-    tiles = re.findall(r"memdesc<((?:\d+x)+)\w+, (#shared\d*),", ir)
-    return sorted({dims.rstrip("x") for dims, layout in tiles
-                   if layout in plain and all(int(d) > 1 for d in dims.rstrip("x").split("x")[-2:])})
+    tiles = re.findall(r"memdesc<(\d+(?:x\d+)*)x[a-z]\w*, (#shared\d*),", ir)  # shape, then element type
+    return sorted({dims for dims, layout in tiles if layout in plain and all(int(d) > 1 for d in dims.split("x")[-2:])})
 
 
 def shape_table(shape: str, modes: list[str], ms: list[int], group: int) -> None:
