@@ -2,8 +2,8 @@
 # then `selfspec.bench.ab` of the GEMM bench with .ab/head as the old side and the tree as the new one. Logs and JSON
 # under $OUT. Carry [".whl", ".ab/head", ".ab/TREE"].
 #   bash docs/bench-h200/lease/ab_tree.sh TREE
-#   env: K (pytest -k), TESTS=0 (no tests), TEST_TIMEOUT (s, default 420: a hung kernel ends the tests, not the
-#   call), M (rows), MODES, ROUNDS (default 2), SWAP=1 (the tree as the old side
+#   env: K (pytest -k), TESTS=0 (no tests), AB=0 (no A/B), TEST_TIMEOUT (s, default 420: a hung kernel ends the
+#   tests, not the call), M (rows), MODES, ROUNDS (default 2), SWAP=1 (the tree as the old side
 #   and HEAD as the new: a row slower on whichever side is new is the harness's, not the change's)
 set -u
 source "$(dirname "$0")/common.sh"
@@ -19,6 +19,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '$tests', '-k', '''$K''', '-p', 'no:cac
     > "$OUT/gpu-tests-$tree.log" 2>&1
   echo "tests rc=$?"; tail -3 "$OUT/gpu-tests-$tree.log"
 fi
+[ "${AB:-1}" = 1 ] || exit 0
 old=.ab/head new=$T
 [ "${SWAP:-0}" = 1 ] && { old=$T; new=.ab/head; }
 python3 -m selfspec.bench.ab --old "$old" --new "$new" --rounds "${ROUNDS:-2}" --json "$OUT/ab-gemm-$tree.json" -- \
