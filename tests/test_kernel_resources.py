@@ -204,3 +204,38 @@ def test_int8_activation_tiles_the_gate_admits_are_the_ones_that_compile():
             "    print(block_k, compiled, gll.takes_act_tiles(block_k))\n")
     rows = [line.split() for line in run_code(code).splitlines()]
     assert rows == [["64", "False", "False"], ["128", "True", "True"]]
+
+
+# The int8 decode tile's weight tile [64 rows, 64 bytes] under the 64-byte swizzle, read 8 bytes a thread in two
+# lane layouts Triton gave docs/leads/quarter-order.patch (session 34): lanes 4-31 on rows 1, 2, 4, then on rows 1,
+# 4, 2 (`_bank_rows`). Nsight Compute saw the first one's conflicts on an H100; the second's ran without them.
+LINEAR = ("#ttg.linear<{register = [[0, 1], [0, 2], [0, 4], [0, 32], [32, 0]], lane = [[0, 8], [0, 16], %s], "
+          "warp = [[8, 0], [16, 0]], block = []}>")
+WEIGHT_READS = "\n".join([
+    "#shared = #ttg.nvmma_shared<{swizzlingByteWidth = 64, transposed = false, elementBitWidth = 8}>",
+    "#rows124 = " + LINEAR % "[1, 0], [2, 0], [4, 0]",
+    "#rows142 = " + LINEAR % "[1, 0], [4, 0], [2, 0]",
+    "%a = ttg.local_load %w : !ttg.memdesc<64x64xi8, #shared, #smem, mutable> -> tensor<64x64xi8, #rows124> loc(#l)",
+    "%b = ttg.local_load %w : !ttg.memdesc<64x64xi8, #shared, #smem, mutable> -> tensor<64x64xi8, #rows142> loc(#l)",
+])
+
+
+def test_shared_load_model_finds_the_bank_conflicts_seen_on_the_gpu():
+    """Rows n and n + 2 of a 64-byte-swizzled tile share banks, so a half-warp reading 32 bytes of rows n .. n + 3
+    takes two wavefronts where one would do; rows n, n + 1, n + 4, n + 5 do not conflict."""
+    from selfspec.bench.kernel_resources import SharedLoad, shared_loads_of
+    assert shared_loads_of(WEIGHT_READS) == [SharedLoad("64x64xi8", 8, 4, 16, 8), SharedLoad("64x64xi8", 8, 4, 8, 8)]
+
+
+def test_nibble_decode_tiles_read_shared_memory_without_bank_conflicts():
+    """Every modelled read of a shared tile in the nibble kernel's decode tiles (16 rows) takes its least
+    wavefronts: x's tile and the weight's, for the bf16-activation builds and the int8 ones."""
+    code = ("from selfspec.bench import kernel_resources as kr\n"
+            "from selfspec.kernels import triton_linear as tlin\n"
+            "for mode in ('w4a16', 'upper', 'full', 'w4a8'):\n"
+            "    cfg = tlin.tile_config(kr.FORMATS[mode], mode == 'w4a8', 6144, 4096, 128, 16)\n"
+            "    loads = kr.shared_loads(kr.compile_linear(mode, cfg))\n"
+            "    print(mode, len(loads), all(r.wavefronts == r.least for r in loads))\n")
+    rows = [line.split() for line in run_code(code).splitlines()]
+    assert [r[0] for r in rows] == ["w4a16", "upper", "full", "w4a8"] and all(int(r[1]) >= 1 for r in rows), rows
+    assert all(r[2] == "True" for r in rows), rows

@@ -11,14 +11,15 @@ python -m selfspec.bench.kernel_resources --warp-specialized  (kernels/gluon_lin
 python -m selfspec.bench.kernel_resources --shape llama-3-8b --modes full w4a16 --m 1 32 160   (the tiles `linear`
     picks for each layer GEMM of the shape at each M, as the model runs them, and the instructions their K loop
     issues: a decode tile streaming its weights at an H200's 4.8 TB/s has ~3.5 lane-instructions a weight to spend
-    on half-byte codes, ~7 on bytes)
+    on half-byte codes, ~7 on bytes; and the bank wavefronts its reads of shared tiles take against the least they
+    could)
 """
 from __future__ import annotations
 
 import argparse
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -407,12 +408,110 @@ def unswizzled_tiles(kernel: triton.compiler.CompiledKernel) -> list[str]:
     return sorted({dims for dims, layout in tiles if layout in plain and all(int(d) > 1 for d in dims.split("x")[-2:])})
 
 
+@dataclass(frozen=True)
+class SharedLoad:
+    tile: str  # e.g. "64x64xi8"
+    load_bytes: int  # what a thread reads at once
+    loads: int  # a warp's loads of the tile
+    wavefronts: int  # what they take on the banks
+    least: int  # what they would take without bank conflicts
+
+
+def shared_loads(kernel: triton.compiler.CompiledKernel) -> list[SharedLoad]:
+    """Each read of a 2-D shared-memory tile into registers of a linear layout (`ttg.local_load`), as one warp makes
+    it: each thread's contiguous bytes a load (up to 16), and the wavefronts the loads take on the 32 banks of 4
+    bytes, 8-byte loads served a half-warp at a time and 16-byte loads a quarter. A model from the Triton IR (the
+    buffer's swizzle and the lanes' layout), not a measurement: it gives the 2-way conflicts Nsight Compute saw in
+    the w4a8 decode tiles of docs/leads/quarter-order.patch (H100, docs/gpu.md session 34). Reads straight into a
+    dot operand (ldmatrix) are not modelled."""
+    return shared_loads_of(kernel.asm["ttgir"])
+
+
+def shared_loads_of(ir: str) -> list[SharedLoad]:
+    """`shared_loads` of Triton IR text."""
+    layouts = dict(re.findall(r"^(#\w+) = (.*)$", ir, re.M))
+    reads = re.findall(r"ttg\.local_load [^:]*: !ttg\.memdesc<(\d+)x(\d+)x([a-z]+)(\d+), (#\w+),[^>]*> -> "
+                       r"tensor<[^,]+, (#\w+)>", ir)
+    out = []
+    for rows, cols, kind, bits, buffer, dest in reads:
+        rows, cols, elem = int(rows), int(cols), int(bits) // 8
+        offset = _shared_offset(layouts[buffer], rows, cols, elem)
+        if offset is None or min(rows, cols) < 2 or not layouts.get(dest, "").startswith("#ttg.linear"):
+            continue
+        register, lane = _linear_bases(layouts[dest], "register"), _linear_bases(layouts[dest], "lane")
+        vec = 0  # the leading register bases that step along a row: one thread's contiguous elements
+        while vec < len(register) and register[vec] == (0, 1 << vec) and (2 << vec) * elem <= 16:
+            vec += 1
+        load = (1 << vec) * elem
+        per_phase = 32 if load <= 4 else 128 // load  # lanes the banks serve at once
+        wavefronts = 0
+        rest = register[vec:]
+        for r in range(1 << len(rest)):
+            base = _combine(rest, r)
+            words = [offset(*_xor(base, _combine(lane, ln))) // 4 for ln in range(32)]
+            for p in range(0, 32, per_phase):
+                banks: dict[int, set[int]] = {}
+                for w in words[p:p + per_phase]:
+                    for word in range(w, w + max(1, load // 4)):
+                        banks.setdefault(word % 32, set()).add(word)
+                wavefronts += max(len(ws) for ws in banks.values())
+        loads = 1 << len(rest)
+        out.append(SharedLoad(f"{rows}x{cols}x{kind}{bits}", load, loads, wavefronts,
+                              loads * max(1, 32 * load // 128)))
+    return out
+
+
+def _linear_bases(layout: str, name: str) -> list[tuple[int, int]]:
+    """A #ttg.linear layout's bases of one kind (register, lane): the (row, column) each bit of its index adds."""
+    found = re.search(name + r" = \[((?:\[-?\d+, -?\d+\](?:, )?)*)\]", layout)
+    return [(int(a), int(b)) for a, b in re.findall(r"\[(-?\d+), (-?\d+)\]", found.group(1))] if found else []
+
+
+def _combine(bases: list[tuple[int, int]], index: int) -> tuple[int, int]:
+    """The (row, column) of a linear layout's index: the XOR of the bases its set bits name."""
+    at = (0, 0)
+    for i, b in enumerate(bases):
+        if index >> i & 1:
+            at = _xor(at, b)
+    return at
+
+
+def _xor(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return a[0] ^ b[0], a[1] ^ b[1]
+
+
+def _shared_offset(encoding: str, rows: int, cols: int, elem: int) -> Callable[[int, int], int] | None:
+    """(row, column) -> byte offset in a [rows, cols] buffer of this shared encoding, or None where it is not
+    modelled: the NVMMA swizzle (rows of at most the swizzle's width, wider tiles stored as column blocks of it;
+    16-byte chunks XORed with the index of their 128-byte line) and Triton's swizzled_shared, row-major."""
+    nvmma = re.search(r"nvmma_shared<\{swizzlingByteWidth = (\d+), transposed = false", encoding)
+    plain = re.search(r"swizzled_shared<\{vec = (\d+), perPhase = (\d+), maxPhase = (\d+), order = \[1, 0\]",
+                      encoding)
+    if nvmma:
+        width = int(nvmma.group(1)) or cols * elem
+        mask = max(width // 16 - 1, 0)
+
+        def offset(r: int, c: int) -> int:
+            block, within = divmod(c * elem, width)
+            o = (block * rows + r) * width + within
+            return o ^ ((o >> 7 & mask) << 4)
+        return offset
+    if plain:
+        vec, per, most = map(int, plain.groups())
+
+        def offset(r: int, c: int) -> int:
+            return r * cols * elem + ((c // vec ^ r // per % most) * vec + c % vec) * elem
+        return offset
+    return None
+
+
 def shape_table(shape: str, modes: list[str], ms: list[int], group: int) -> None:
     """Registers and spills of the tile config `linear` picks (triton_linear.tile_config) per layer GEMM, mode and M."""
     print(f"{shape}: the tiles linear picks, quantization group {group}, sm_90")
     print("| GEMM (N x K) | mode | M | tiles (M x N x warps, K tile, split, chunks in a program) | registers | "
-          "stack bytes | MMA | K loop: instructions a warp (lane-instructions a weight) |\n"
-          "|---|---|---|---|---|---|---|---|")
+          "stack bytes | MMA | K loop: instructions a warp (lane-instructions a weight) | shared reads: wavefronts "
+          "/ least, a warp (`shared_loads`) |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for name, n, k in layer_gemms(SHAPES[shape]):
         for mode in modes:
             fmt, act = FORMATS[mode], MODES[mode].act_bits is not None
@@ -423,8 +522,9 @@ def shape_table(shape: str, modes: list[str], ms: list[int], group: int) -> None
                 tiles = (f"{cfg.block_m} x {cfg.block_n} x {cfg.num_warps}, {cfg.block_k}, {cfg.split_k}, "
                          f"{'yes' if cfg.in_program else 'no'}")
                 per_weight = loop.instructions * cfg.num_warps * 32 / (cfg.block_n * cfg.block_k)
+                reads = ", ".join(f"{t.tile} {t.wavefronts} / {t.least}" for t in shared_loads(kernel)) or "-"
                 print(f"| {name} ({n} x {k}) | {mode} | {m} | {tiles} | {r.registers} | {r.stack_bytes} | {r.mma} | "
-                      f"{loop.instructions} ({per_weight:.2f}) |")
+                      f"{loop.instructions} ({per_weight:.2f}) | {reads} |")
 
 
 def attention_table(warps: list[int], max_registers: list[int | None]) -> None:
