@@ -229,13 +229,26 @@ def test_shared_load_model_finds_the_bank_conflicts_seen_on_the_gpu():
 
 def test_nibble_decode_tiles_read_shared_memory_without_bank_conflicts():
     """Every modelled read of a shared tile in the nibble kernel's decode tiles (16 rows) takes its least
-    wavefronts: x's tile and the weight's, for the bf16-activation builds and the int8 ones."""
+    wavefronts: x's tile and the weight's, for the bf16-activation builds and the int8 ones, and w8a16's words."""
     code = ("from selfspec.bench import kernel_resources as kr\n"
             "from selfspec.kernels import triton_linear as tlin\n"
-            "for mode in ('w4a16', 'upper', 'full', 'w4a8'):\n"
+            "for mode in ('w4a16', 'upper', 'full', 'w4a8', 'w8a16'):\n"
             "    cfg = tlin.tile_config(kr.FORMATS[mode], mode == 'w4a8', 6144, 4096, 128, 16)\n"
             "    loads = kr.shared_loads(kr.compile_linear(mode, cfg))\n"
             "    print(mode, len(loads), all(r.wavefronts == r.least for r in loads))\n")
     rows = [line.split() for line in run_code(code).splitlines()]
-    assert [r[0] for r in rows] == ["w4a16", "upper", "full", "w4a8"] and all(int(r[1]) >= 1 for r in rows), rows
+    assert [r[0] for r in rows] == ["w4a16", "upper", "full", "w4a8", "w8a16"], rows
+    assert all(int(r[1]) >= 1 for r in rows), rows
     assert all(r[2] == "True" for r in rows), rows
+
+
+def test_64_row_nibble_tiles_read_x_without_bank_conflicts():
+    """The 64-row tiles of `full` and w4a8 (x by TMA) read x's box at its least wavefronts: its rows in bank order."""
+    code = ("from selfspec.bench import kernel_resources as kr\n"
+            "from selfspec.kernels import triton_linear as tlin\n"
+            "for mode in ('full', 'w4a8'):\n"
+            "    cfg = tlin.tile_config(kr.FORMATS[mode], mode == 'w4a8', 6144, 4096, 128, 96)\n"
+            "    loads = kr.shared_loads(kr.compile_linear(mode, cfg))\n"
+            "    print(mode, cfg.block_m, len(loads), all(r.wavefronts == r.least for r in loads))\n")
+    assert [line.split() for line in run_code(code).splitlines()] == [["full", "64", "1", "True"],
+                                                                      ["w4a8", "64", "1", "True"]]

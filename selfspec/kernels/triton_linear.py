@@ -243,6 +243,20 @@ def _linear_chunk(x_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, offs_n, n0,
 
 
 @triton.jit
+def _rows_by_bits(t, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    """t [R, X] with its rows 8i + 4a + 2b + c taken in a new order: the rows of the permute (0, A, B, C, 4) of
+    [R / 8, 2, 2, 2, X]. Tiles whose shared-memory reads would meet the same banks take their rows in an order that
+    meets different ones (`kernel_resources.shared_loads` says which), the accumulator's rows or columns put back
+    after:
+    - w8a16's word tiles [N, 32 words] read 8 bytes a thread, a half-warp rows n .. n + 3 at 32 bytes each; under the
+      128-byte swizzle rows n and n + 1 share banks (Nsight Compute on an H100: 2-way conflicts), rows n, n + 2,
+      n + 4, n + 6 do not: (3, 1, 2), put back by (2, 3, 1);
+    - the 64-row tiles read x's TMA box (128-byte swizzle) 16 or 8 bytes a thread, a quarter- or half-warp 64 bytes
+      of rows m and m + 1, which share banks; rows m and m + 4 do not: (3, 2, 1), its own inverse."""
+    return tl.reshape(tl.permute(tl.reshape(t, (t.shape[0] // 8, 2, 2, 2, t.shape[1])), (0, A, B, C, 4)), t.shape)
+
+
+@triton.jit
 def _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg,
               FMT: tl.constexpr, ACT: tl.constexpr, SHIFT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
               SWAP: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
@@ -250,6 +264,8 @@ def _tile_dot(x, acc, w_desc, w2_desc, scale_ptr, lo_ptr, offs_n, n0, k0, N, str
     WORDS INT8 codes as 32-bit words of four."""
     if WORDS:
         q = w_desc.load([n0, k0 // 4])
+        if FMT == INT8 and not ACT and not SWAP:
+            q = _rows_by_bits(q, 3, 1, 2)
     else:
         q = _weight_codes(w_desc, w2_desc, lo_ptr, offs_n, n0, k0, N, stride_sn, stride_sg, FMT, GROUP, BLOCK_K, ASM)
     if FMT >= INT4 and FMT <= FULL:  # BLOCK_K divides GROUP, so the tile lies in one group
@@ -326,6 +342,8 @@ def _linear_kernel(
                             stride_sg, FMT, ACT, SHIFT, GROUP, BLOCK_K, SWAP, WORDS, ASM)
         if SWAP:
             acc = tl.trans(acc)
+    if WORDS and FMT == INT8 and not ACT and not SWAP:  # the columns back in the weight's order
+        acc = tl.trans(_rows_by_bits(tl.trans(acc), 2, 3, 1))
     _finish(acc, part_ptr, count_ptr, xs_ptr, scale_ptr, bias_ptr, res_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
             stride_rm, FMT, ACT, HAS_BIAS, HAS_RES, SPLIT_K)
 
@@ -489,7 +507,9 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
     """One K chunk [k_start, k_end) of a [BLOCK_M, BLOCK_N] tile of _nibble_kernel, from a zero accumulator. X_DESC:
     x_ptr is x's tensor descriptor (x's tiles by TMA, rows past M zeros), not a pointer."""
     # K is a multiple of GROUP and BLOCK_K divides GROUP: no K mask.
-    if not X_DESC:
+    if X_DESC:  # x's rows in bank order (_rows_by_bits), the row sums and the accumulator's rows with them
+        offs_m = tl.reshape(_rows_by_bits(offs_m[:, None], 3, 2, 1), (BLOCK_M,))
+    else:
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_start + tl.arange(0, BLOCK_K)[None, :]
         x_mask = (offs_m < M)[:, None]
     if ROW_SUMS:  # act_quant's sums of the codes per ROW_SUM_COLS columns [M, K / ROW_SUM_COLS]
@@ -509,7 +529,7 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
     rows = (n0 + tl.arange(0, BLOCK_N))[:, None]
     for k0 in range(k_start, k_end, BLOCK_K):  # this program's K range, in order
         if X_DESC:  # one TMA copy a tile (`x_by_tma`): no per-thread addresses, which a 64-row tile spilled
-            x = x_ptr.load([tl.min(offs_m, axis=0), k0])
+            x = _rows_by_bits(x_ptr.load([tl.min(offs_m, axis=0), k0]), 3, 2, 1)
         else:
             x = tl.load(x_ptrs, mask=x_mask, other=0)
         if ACT:  # int8 codes 0..15 on int8 tensor cores, exact int32 sums per tile, then the group's affine
@@ -564,6 +584,8 @@ def _nibble_chunk(x_ptr, sums_ptr, w_desc, w2_desc, scale_ptr, lo_ptr, offs_m, o
                 acc = tl.dot(xo, tl.trans(_code_weight(odd, s, lo, FMT, ASM)), acc)
         if not X_DESC:
             x_ptrs += BLOCK_K
+    if X_DESC:
+        acc = _rows_by_bits(acc, 3, 2, 1)
     return acc
 
 
