@@ -19,7 +19,8 @@ from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
 from selfspec.host import long_tensor
 from selfspec.kernels import (Handover, attention, linear, packed_attention, quantized_attention, quantizes_input,
-                              rms_norm, rms_norm_handover, rope_and_store, swiglu_handover, tree_attention)
+                              quarters_input, rms_norm, rms_norm_handover, rope_and_store, swiglu_handover,
+                              tree_attention)
 from selfspec.parallel import SOLO, TensorParallel
 from selfspec.quant.formats import DenseWeight, QuantWeight, quantize_weight
 from selfspec.quant.kv import check_kv_format
@@ -175,6 +176,11 @@ class Linear(nn.Module):
         """The bits to which this linear quantizes its input in `mode`, which the op writing it may do for it."""
         return quantizes_input(self.weight, mode)
 
+    def quartered(self, mode: Mode, device: torch.device) -> int:
+        """The K tile by which this linear quarters its input's columns in `mode` on `device` (0: none), which the op
+        writing it may do for it."""
+        return quarters_input(self.weight, mode, device)
+
 
 class RowParallelLinear(Linear):
     """A linear whose input features are split across the tensor-parallel ranks: each rank's partial product, then
@@ -211,7 +217,7 @@ class RMSNorm(nn.Module):
 
     def handover(self, x: torch.Tensor, reader: Linear, mode: Mode) -> tuple[torch.Tensor, Handover | None]:
         """The norm, and what it hands the linear that reads it in `mode` (kernels.Handover)."""
-        return rms_norm_handover(x, self.weight, self.eps, reader.act_bits(mode))
+        return rms_norm_handover(x, self.weight, self.eps, reader.act_bits(mode), reader.quartered(mode, x.device))
 
 
 class Attention(nn.Module):
@@ -269,7 +275,7 @@ class FeedForward(nn.Module):
         """residual + feed_forward(x), the residual added by the down projection. handover: what the norm computed
         of x for gate_up; swiglu hands the down projection its own (kernels.Handover)."""
         gate, up = self.gate_up(x, mode, handover=handover).chunk(2, dim=-1)
-        h, h_handover = swiglu_handover(gate, up, self.down.act_bits(mode))
+        h, h_handover = swiglu_handover(gate, up, self.down.act_bits(mode), self.down.quartered(mode, gate.device))
         return self.down(h, mode, residual, handover=h_handover)
 
 

@@ -369,6 +369,40 @@ def test_producers_hand_bf16_activations_nothing():
     assert given is None and torch.equal(y, triton_small.swiglu(gate, up))
 
 
+def quartered_oracle(y: torch.Tensor, block_k: int) -> torch.Tensor:
+    """y [..., K] with each block_k-column tile's column 4j + t moved to t * block_k / 4 + j."""
+    k = y.shape[-1]
+    return y.reshape(*y.shape[:-1], k // block_k, block_k // 4, 4).transpose(-1, -2).reshape(y.shape)
+
+
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_producers_write_bf16_activations_quartered_when_asked(block_k):
+    """Asked for a linear that quarters its input (`quarters_input`), the norm and swiglu write their outputs with
+    each K tile's columns quartered, the values bit for bit their plain outputs', and say so (Handover.quartered);
+    a row length that is not whole tiles is written plainly, with nothing handed over."""
+    torch.manual_seed(7)
+    x, w = torch.randn(2, 3, 384).bfloat16(), torch.randn(384).bfloat16()
+    y, given = triton_small.rms_norm_handover(x, w, 1e-6, quartered=block_k)
+    assert given.quartered == block_k and given.codes is None
+    assert torch.equal(y, quartered_oracle(triton_small.rms_norm(x, w, 1e-6), block_k))
+    gate, up = (torch.randn(3, 2, 2176).bfloat16() * 3 for _ in range(2))  # 17 tiles of 128: a partial BLOCK
+    y, given = triton_small.swiglu_handover(gate, up, quartered=block_k)
+    assert given.quartered == block_k
+    assert torch.equal(y, quartered_oracle(triton_small.swiglu(gate, up), block_k))
+    y, given = triton_small.rms_norm_handover(x[..., :96], w[:96], 1e-6, quartered=block_k)
+    assert given is None and torch.equal(y, triton_small.rms_norm(x[..., :96], w[:96], 1e-6))
+
+
+def test_a_linear_refuses_x_quartered_for_another_path():
+    """x handed over quartered to a linear that would not quarter it (here: the interpreter's, which quarters
+    nothing) is refused, not read in the wrong order."""
+    x = torch.randn(4, 256).bfloat16()
+    weight = quantize_weight(torch.randn(128, 256) * 0.02, "int4", 128)
+    prompt = replace(MODES["w4a16"], prompt=True)
+    with pytest.raises(ValueError, match="quartered"):
+        triton_linear.linear(x, weight, prompt, None, handover=Handover(quartered=128))
+
+
 def assert_act_quant_codes(y: torch.Tensor, given, bits: int) -> None:
     """A producer's handed-over codes of its output y [..., K] are act_quant's and the reference's, bit for bit,
     with the codes' exact sums where K is a multiple of ROW_SUM_COLS."""

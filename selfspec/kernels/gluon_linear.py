@@ -18,7 +18,8 @@ the tiles walked in groups of M tiles: _grouped_tile):
 
 The same bits as the decode tiles: _nibble_kernel reads a word's four codes (as weights) as four dots, over
 the columns k = 4j + t of x for t = 0..3, K tile by K tile, chunk by chunk. Here x comes with each K tile's columns
-already in that order (`quartered`: column t * BLOCK_K / 4 + j of a tile holds its column 4j + t), so the quarters
+already in that order (`quartered`: column t * BLOCK_K / 4 + j of a tile holds its column 4j + t; a prompt's norms
+and swiglu write it so as they write it, `ops.quarters_input`), so the quarters
 are four TMA boxes and the four dots the same wgmma instructions in the same order; each output's products and adds
 are the decode tiles' (the GPU tests compare every row's bits). The K tile, the chunks of the decode config's split
 and the order of every add are the decode config's; only the tiles differ.
@@ -610,18 +611,19 @@ MAX_REGISTERS = 65536 // (3 * 128) // 8 * 8
 
 
 def nibble_gemm(x2: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, block_k: int, chunk: int,
-                split_k: int, bias: torch.Tensor | None, r2: torch.Tensor | None) -> torch.Tensor:
+                split_k: int, bias: torch.Tensor | None, r2: torch.Tensor | None,
+                x_quartered: bool = False) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ W^T (+ bias, + r2) for a nibble format with bf16 activations (INT4G: lo its group
     integers, scale its channel scales), or for INT8 codes (as 32-bit words, lo None; K a multiple of block_k), in
     the K tile and the K split of the decode config (block_k;
     split_k chunks of `chunk` columns, triton_linear.k_chunk): the chunks are walked in order, each from zero, and
-    added in order (as the split's partial sums are)."""
+    added in order (as the split's partial sums are). x_quartered: x2 comes quartered by block_k already."""
     m, k = x2.shape
     w, w2, scale, lo = tensors
     wide = wide_tiles(m, n, fmt, split_k, x2.device)
     block_m = 2 * BLOCK_M if wide else nibble_block_m(m, n, k, block_k, split_k, x2.device)
     affine = (lo.view(torch.float32),) * 2 if fmt == INT4G.value else (scale, lo)  # INT4G: its group integers
-    descs = descriptors(quartered(x2, block_k), w, w2, *affine, block_k, block_m)
+    descs = descriptors(x2 if x_quartered else quartered(x2, block_k), w, w2, *affine, block_k, block_m)
     channel = scale if fmt in (INT8.value, INT4G.value) else None
     grid = (cdiv(m, block_m), cdiv(n, BLOCK_N))  # the tiles; launched as one dimension of them
     flags = dict(FMT=fmt, GROUP=group, HAS_BIAS=bias is not None, HAS_RES=r2 is not None, BLOCK_M=block_m,

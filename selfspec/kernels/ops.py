@@ -24,11 +24,14 @@ class Handover:
     that the linear does not compute it again: for a mode that quantizes activations to `bits`, `codes` (int8
     [rows, K]) and `scale` (fp32 [rows, 1]): x quantized per token exactly as the linear would quantize it
     (quant/act.py), and in `sums` the codes' sums per ROW_SUM_COLS columns [rows, K / ROW_SUM_COLS] (exact integers)
-    or None. The same values either way, so they may come on some calls and not on others."""
+    or None. The same values either way, so they may come on some calls and not on others. With `quartered` (a K
+    tile, the linear's `quarters_input`), x itself was written with each tile's columns quartered, in the order the
+    nibble kernels read it (gluon_linear.quartered): the linear reads it as it is instead of quartering it."""
     sums: torch.Tensor | None = None
     codes: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     bits: int | None = None
+    quartered: int = 0
 
     def codes_for(self, bits: int | None) -> bool:
         """Whether this carries x's codes at `bits` (a mode's act_bits)."""
@@ -40,6 +43,8 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     """x @ W^T (+ bias), W read as `mode` says; + residual, when given, in the same pass over the output. handover:
     what the op that wrote x computed of it for this linear (`Handover`), which a device's GEMM may use."""
     weight = weight.for_mode(mode)  # a format with a copy per mode (dense+int4) hands over the one `mode` reads
+    if handover is not None and handover.quartered and weight.rotation is not None:
+        raise ValueError("x came quartered for a linear that rotates it: `quarters_input` gives 0 for rotated weights")
     if weight.rotation is not None:  # stored as W H: (x H)(W H)^T = x W^T, with outliers spread before act quant
         x, handover = rotate(x, weight.rotation.matrix), None  # it was x's, not x H's
     return kernels.lookup("linear", weight.storage, x.device.type)(x, weight, mode, bias, residual, handover)
@@ -51,6 +56,14 @@ def quantizes_input(weight: QuantWeight, mode: Mode) -> int | None:
     return None if weight.for_mode(mode).rotation is not None else mode.act_bits
 
 
+def quarters_input(weight: QuantWeight, mode: Mode, device: torch.device) -> int:
+    """The K tile by which `linear` quarters x's columns on `device` in `mode` (0: it does not), which the op writing
+    x may do for it as it writes (`rms_norm_handover`, `swiglu_handover`, Handover.quartered)."""
+    if weight.for_mode(mode).rotation is not None:
+        return 0
+    return kernels.lookup("quarters_input", "", device.type)(weight, mode, device)
+
+
 def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """x @ blockdiag(h, ..., h) along the last dim: the Hadamard rotation of activations (quant/rotation.py)."""
     return kernels.lookup("rotate", "", x.device.type)(x, h)
@@ -60,11 +73,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return kernels.lookup("rms_norm", "", x.device.type)(x, weight, eps)
 
 
-def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                      act_bits: int | None = None) -> tuple[torch.Tensor, Handover | None]:
+def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float, act_bits: int | None = None,
+                      quartered: int = 0) -> tuple[torch.Tensor, Handover | None]:
     """rms_norm, and what it hands the linear that reads its output where the device's GEMMs take it (`Handover`):
-    with act_bits (the linear's `quantizes_input`) its codes. None where the device takes none."""
-    return kernels.lookup("rms_norm_handover", "", x.device.type)(x, weight, eps, act_bits)
+    with act_bits (the linear's `quantizes_input`) its codes; with `quartered` (the linear's `quarters_input`) the
+    output itself in that order, where the device writes it so (Handover.quartered says). None where the device
+    takes none."""
+    return kernels.lookup("rms_norm_handover", "", x.device.type)(x, weight, eps, act_bits, quartered)
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -81,10 +96,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return kernels.lookup("swiglu", "", gate.device.type)(gate, up)
 
 
-def swiglu_handover(gate: torch.Tensor, up: torch.Tensor,
-                    act_bits: int | None = None) -> tuple[torch.Tensor, Handover | None]:
+def swiglu_handover(gate: torch.Tensor, up: torch.Tensor, act_bits: int | None = None,
+                    quartered: int = 0) -> tuple[torch.Tensor, Handover | None]:
     """swiglu, and what it hands the linear that reads its output (as `rms_norm_handover`)."""
-    return kernels.lookup("swiglu_handover", "", gate.device.type)(gate, up, act_bits)
+    return kernels.lookup("swiglu_handover", "", gate.device.type)(gate, up, act_bits, quartered)
 
 
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

@@ -80,13 +80,19 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 # The references' GEMMs sum and quantize x themselves: no handover (kernels/ops.py says what it is for).
 @register("rms_norm_handover")
-def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float, act_bits: int | None = None) -> tuple:
+def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float, act_bits: int | None = None,
+                      quartered: int = 0) -> tuple:
     return rms_norm(x, weight, eps), None
 
 
 @register("swiglu_handover")
-def swiglu_handover(gate: torch.Tensor, up: torch.Tensor, act_bits: int | None = None) -> tuple:
+def swiglu_handover(gate: torch.Tensor, up: torch.Tensor, act_bits: int | None = None, quartered: int = 0) -> tuple:
     return swiglu(gate, up), None
+
+
+@register("quarters_input")
+def quarters_input(weight: QuantWeight, mode: Mode, device: torch.device) -> int:
+    return 0  # the references read x in order
 
 
 def row_keys(pool: torch.Tensor, table: torch.Tensor, q_pos: torch.Tensor,

@@ -955,8 +955,12 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
     if r2 is not None and r2.stride(-1) != 1:
         r2 = r2.contiguous()
     act = mode.act_bits is not None
+    quartered = 0 if handover is None else handover.quartered
+    if quartered and quartered != prompt_quarters(weight, mode, x2.device):  # x would be read in the wrong order
+        raise ValueError(f"x came quartered by K tiles of {quartered} for a linear that does not quarter it so "
+                         "(`quarters_input`)")
     if mode.prompt and fmt != DENSE.value and not act:
-        return prompt_linear(x2, weight, fmt, bias, r2).view(*x.shape[:-1], n)
+        return prompt_linear(x2, weight, fmt, bias, r2, quartered > 0).view(*x.shape[:-1], n)
     group = getattr(weight, "group_size", 0)
     cfg = tile_config(fmt, act, n, k, group, x2.shape[0])
     if takes_scratch(fmt, act, group, cfg, x2):
@@ -1148,19 +1152,20 @@ def dequantize(weight: QuantWeight, fmt: int, quartered: bool = False, codes: bo
 
 
 def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.Tensor | None,
-                  r2: torch.Tensor | None) -> torch.Tensor:
+                  r2: torch.Tensor | None, quartered: bool = False) -> torch.Tensor:
     """y [M, N] (+ r2 [M, N]) of prompt tokens x2 [M, K]: the weight dequantized to bf16, then the bf16 GEMM; or
     where `takes_prompt_kernel`, the nibble kernel over all of K in one chain (from PROMPT_SCRATCH_ROWS rows, its
-    sums from the quartered scratch)."""
+    sums from the quartered scratch). quartered: x2 came quartered by the kernel's K tile (`prompt_quarters`)."""
     n, k = weight.shape
-    if takes_prompt_kernel(weight, fmt, x2):
+    if takes_prompt_kernel(weight, fmt, x2.device):
         group = getattr(weight, "group_size", 0)
         block_k = dequantize_block_k(fmt, group)
+        xq = x2 if quartered else gluon_linear.quartered(x2, block_k)
         if x2.shape[0] >= PROMPT_SCRATCH_ROWS.get(fmt, 1 << 62):  # the same sums from the quartered scratch
             w, scale = quartered_scratch(weight, fmt)
-            return gluon_linear.dense_gemm(gluon_linear.quartered(x2, block_k), w, PROMPT_SCRATCH_BLOCK_K, k, 1, bias,
-                                           r2, scale)
-        return gluon_linear.nibble_gemm(x2, fmt, _tensors(weight, fmt), n, group, block_k, k, 1, bias, r2)
+            return gluon_linear.dense_gemm(xq, w, PROMPT_SCRATCH_BLOCK_K, k, 1, bias, r2, scale)
+        return gluon_linear.nibble_gemm(xq, fmt, _tensors(weight, fmt), n, group, block_k, k, 1, bias, r2,
+                                        x_quartered=True)
     cfg = tile_config(DENSE.value, False, n, k, 0, x2.shape[0])
     return _run(x2, None, (dequantize(weight, fmt), None, None, None), n, 0, DENSE.value, False, bias, cfg, r2)
 
@@ -1181,14 +1186,28 @@ PROMPT_SCRATCH_ROWS = {FULL.value: 2048, INT8.value: 2048, INT4G.value: 2048}
 PROMPT_SCRATCH_BLOCK_K = 64
 
 
-def takes_prompt_kernel(weight: QuantWeight, fmt: int, x2: torch.Tensor) -> bool:
+def takes_prompt_kernel(weight: QuantWeight, fmt: int, device: torch.device) -> bool:
     """Whether prompt tokens take the nibble kernel's sums (above): a format it reads, on Hopper, K whole K tiles of
     `dequantize_block_k` (x is quartered by them) of 64 columns or more (each quarter a dot of K >= 16, as
     `reads_words`), its affine rows TMA reads."""
-    if fmt not in PROMPT_KERNEL_FORMATS or not gluon_linear.runs_on(x2.device):
+    if fmt not in PROMPT_KERNEL_FORMATS or not gluon_linear.runs_on(device):
         return False
     (n, k), block_k = weight.shape, dequantize_block_k(fmt, getattr(weight, "group_size", 0))
     return block_k >= 64 and k % block_k == 0 and gluon_linear.covers(weight.scale, n)
+
+
+@register("quarters_input", "", "cuda")
+def prompt_quarters(weight: QuantWeight, mode: Mode, device: torch.device) -> int:
+    """The K tile by which `linear` quarters x in `mode` (0: none), which the op writing x may do for it: prompt
+    tokens with bf16 activations through the nibble kernel (`takes_prompt_kernel`) or its scratch, at any row
+    count. Generated tokens' paths quarter x too at some row counts (`takes_scratch`, the warp-specialized nibble
+    kernel), but their producers do not know the rows' path: not handed over."""
+    fmt = kernel_format(weight, mode)
+    if fmt is None or fmt == DENSE.value or not mode.prompt or mode.act_bits is not None:
+        return 0
+    if not takes_prompt_kernel(weight, fmt, device):
+        return 0
+    return dequantize_block_k(fmt, getattr(weight, "group_size", 0))
 
 
 # ---------------------------------------------------------------- generated tokens at many rows

@@ -65,9 +65,21 @@ def store_row_codes(y, q_ptr, s_ptr, sums_ptr, row, D, offs, mask, QMAX: tl.cons
 
 
 @triton.jit
+def quartered_columns(offs, QUARTERED: tl.constexpr):
+    """Where column offs of a row goes with each QUARTERED-column K tile's columns quartered (column 4j + t of a tile
+    at t * QUARTERED / 4 + j: gluon_linear.quartered's order); 0: where it is."""
+    if QUARTERED:
+        r = offs % QUARTERED
+        return offs - r + (r % 4) * (QUARTERED // 4) + r // 4
+    return offs
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, sums_ptr, q_ptr, s_ptr, D, stride_x, eps, QMAX: tl.constexpr,
-                     BLOCK: tl.constexpr, SUMS: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
-    """One row's norm; with QUANT its per-token codes and scale too (and with SUMS the codes' sums)."""
+                     BLOCK: tl.constexpr, SUMS: tl.constexpr, QUANT: tl.constexpr, QUARTERED: tl.constexpr,
+                     PDL: tl.constexpr):
+    """One row's norm; with QUANT its per-token codes and scale too (and with SUMS the codes' sums); with QUARTERED
+    its columns stored quartered (`quartered_columns`)."""
     wait(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -76,7 +88,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, sums_ptr, q_ptr, s_ptr, D, stride_x, e
     w = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.float32)
     r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     y = (x * r * w).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * D + offs, y, mask=mask)
+    tl.store(y_ptr + row * D + quartered_columns(offs, QUARTERED), y, mask=mask)
     if QUANT:
         store_row_codes(y, q_ptr, s_ptr, sums_ptr, row, D, offs, mask, QMAX, SUMS)
 
@@ -88,11 +100,13 @@ def _sums_buffer(rows: int, d: int, like: torch.Tensor) -> torch.Tensor | None:
     return torch.empty((rows, d // ROW_SUM_COLS.value), dtype=torch.float32, device=like.device)
 
 
-def _handover_buffers(rows: int, d: int, like: torch.Tensor, act_bits: int | None) -> ops.Handover:
+def _handover_buffers(rows: int, d: int, like: torch.Tensor, act_bits: int | None,
+                      quartered: int = 0) -> ops.Handover:
     """Empty buffers for what a producer of x [rows, d] hands its linear: with act_bits its codes, their scales and
-    the codes' sums; nothing for bf16 activations."""
+    the codes' sums; for bf16 activations at most x quartered (which only the linear's prompt path asks for, and
+    which takes no codes: `quarters_input`)."""
     if act_bits is None:
-        return ops.Handover()
+        return ops.Handover(quartered=quartered if quartered and d % quartered == 0 else 0)
     return ops.Handover(sums=_sums_buffer(rows, d, like),
                         codes=torch.empty((rows, d), dtype=torch.int8, device=like.device),
                         scale=torch.empty((rows, 1), dtype=torch.float32, device=like.device), bits=act_bits)
@@ -103,24 +117,25 @@ def qmax(act_bits: int | None) -> float:
     return 2.0 ** (act_bits - 1) - 1 if act_bits else 0.0
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-              act_bits: int | None = None) -> tuple[torch.Tensor, ops.Handover | None]:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, act_bits: int | None = None,
+              quartered: int = 0) -> tuple[torch.Tensor, ops.Handover | None]:
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block = next_power_of_2(d)
-    out = _handover_buffers(x2.shape[0], d, x, act_bits)
+    out = _handover_buffers(x2.shape[0], d, x, act_bits, quartered)
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, out.sums, out.codes, out.scale, d, x2.stride(0), eps,
                                     QMAX=qmax(act_bits), BLOCK=block, SUMS=out.sums is not None,
-                                    QUANT=out.codes is not None, num_warps=row_warps(block), **launch_options())
+                                    QUANT=out.codes is not None, QUARTERED=out.quartered,
+                                    num_warps=row_warps(block), **launch_options())
     return y.view(x.shape), _given(out)
 
 
 def _given(out: ops.Handover) -> ops.Handover | None:
     """The handover, or None where it carries nothing."""
-    return None if out.sums is None and out.codes is None else out
+    return None if out.sums is None and out.codes is None and not out.quartered else out
 
 
 @register("rms_norm", "", "cuda")
@@ -129,11 +144,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @register("rms_norm_handover", "", "cuda")
-def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                      act_bits: int | None = None) -> tuple[torch.Tensor, ops.Handover | None]:
+def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float, act_bits: int | None = None,
+                      quartered: int = 0) -> tuple[torch.Tensor, ops.Handover | None]:
     """rms_norm, and (kernels/ops.py `Handover`) with act_bits its output's per-token codes, scales and the codes'
-    sums per ROW_SUM_COLS columns (sums None where D is not a multiple of it); None without act_bits."""
-    return _rms_norm(x, weight, eps, act_bits)
+    sums per ROW_SUM_COLS columns (sums None where D is not a multiple of it); without them, with `quartered` the
+    output written quartered (where D is whole tiles of it); else None."""
+    return _rms_norm(x, weight, eps, act_bits, quartered)
 
 
 @triton.jit
@@ -218,13 +234,16 @@ def _swiglu_values(g_ptr, u_ptr, offs, mask, dtype: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, y_ptr, H, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _swiglu_kernel(g_ptr, u_ptr, y_ptr, H, stride_g, stride_u, BLOCK: tl.constexpr, QUARTERED: tl.constexpr,
+                   PDL: tl.constexpr):
+    """A BLOCK of one row's swiglu, its columns stored quartered with QUARTERED (`quartered_columns`: BLOCK holds
+    whole tiles)."""
     wait(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
     y = _swiglu_values(g_ptr + row * stride_g, u_ptr + row * stride_u, offs, mask, y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * H + offs, y, mask=mask)
+    tl.store(y_ptr + row * H + quartered_columns(offs, QUARTERED), y, mask=mask)
 
 
 @triton.jit
@@ -244,15 +263,15 @@ def _swiglu_codes_kernel(g_ptr, u_ptr, y_ptr, q_ptr, s_ptr, sums_ptr, H, stride_
 CODES_MAX_COLS = 32768
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor,
-            act_bits: int | None = None) -> tuple[torch.Tensor, ops.Handover | None]:
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, act_bits: int | None = None,
+            quartered: int = 0) -> tuple[torch.Tensor, ops.Handover | None]:
     h = gate.shape[-1]
     g2, u2 = (z.reshape(-1, h) for z in (gate, up))
     g2, u2 = (z if z.stride(-1) == 1 else z.contiguous() for z in (g2, u2))
     y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     if act_bits is not None and h > CODES_MAX_COLS:
         act_bits = None
-    out = _handover_buffers(g2.shape[0], h, gate, act_bits)
+    out = _handover_buffers(g2.shape[0], h, gate, act_bits, quartered)
     if out.codes is not None:
         block = next_power_of_2(h)
         _swiglu_codes_kernel[(g2.shape[0],)](g2, u2, y, out.codes, out.scale, out.sums, h, g2.stride(0),
@@ -260,7 +279,7 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor,
                                              SUMS=out.sums is not None, num_warps=row_warps(block), **launch_options())
     else:
         _swiglu_kernel[(g2.shape[0], cdiv(h, 1024))](g2, u2, y, h, g2.stride(0), u2.stride(0), BLOCK=1024,
-                                                     num_warps=4, **launch_options())
+                                                     QUARTERED=out.quartered, num_warps=4, **launch_options())
     return y.view(gate.shape), _given(out)
 
 
@@ -271,10 +290,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @register("swiglu_handover", "", "cuda")
-def swiglu_handover(gate: torch.Tensor, up: torch.Tensor,
-                    act_bits: int | None = None) -> tuple[torch.Tensor, ops.Handover | None]:
+def swiglu_handover(gate: torch.Tensor, up: torch.Tensor, act_bits: int | None = None,
+                    quartered: int = 0) -> tuple[torch.Tensor, ops.Handover | None]:
     """swiglu, and what it hands its linear (as `rms_norm_handover`)."""
-    return _swiglu(gate, up, act_bits)
+    return _swiglu(gate, up, act_bits, quartered)
 
 
 @triton.jit

@@ -129,7 +129,7 @@ def test_prompt_tokens_keep_each_rows_bits_at_any_m(storage, mode_name, monkeypa
     quartered columns of x and of that weight, K as one chain; INT8 and INT4G: of their codes, the channel scale
     after the sum; from PROMPT_SCRATCH_ROWS that GEMM itself): a row alone, among 16 and among up to 8192 rows gets
     the same bits, and those of the bf16 GEMM on the reference's dequantized weight."""
-    from selfspec.kernels import gluon_linear
+    from selfspec.kernels import gluon_linear, ops
 
     torch.manual_seed(5)
     mode = MODES[mode_name]
@@ -140,15 +140,22 @@ def test_prompt_tokens_keep_each_rows_bits_at_any_m(storage, mode_name, monkeypa
     assert torch.equal(triton_linear.dequantize(weight, fmt), dense)
     x = torch.randn(MANY_ROWS[-1], 4096, device=DEV).bfloat16()
     y = triton_linear.linear(x, weight, prompt, None)
-    if triton_linear.takes_prompt_kernel(weight, fmt, x):
+    if triton_linear.takes_prompt_kernel(weight, fmt, x.device):
         block_k = triton_linear.dequantize_block_k(fmt, 128)
         channel = storage in ("int8", "int4g")  # their channel scale after the sum
         quartered = triton_linear.dequantize(weight, fmt, quartered=True, codes=channel)
         assert torch.equal(y, gluon_linear.dense_gemm(gluon_linear.quartered(x, block_k), quartered, 64, 4096, 1,
                                                       None, None, weight.scale if channel else None))
+        # x written quartered by its producer (Handover.quartered) reads as x quartered here
+        assert ops.quarters_input(weight, prompt, x.device) == block_k
+        handed = Handover(quartered=block_k)
+        assert torch.equal(triton_linear.linear(gluon_linear.quartered(x, block_k), weight, prompt, None,
+                                                handover=handed), y)
         monkeypatch.setitem(triton_linear.PROMPT_SCRATCH_ROWS, fmt, 0)  # every row count from the scratch
         assert torch.equal(triton_linear.linear(x, weight, prompt, None), y)
         assert torch.equal(triton_linear.linear(x[:16], weight, prompt, None), y[:16])
+        assert torch.equal(triton_linear.linear(gluon_linear.quartered(x[:16], block_k), weight, prompt, None,
+                                                handover=handed), y[:16])
         monkeypatch.undo()
     else:
         assert torch.equal(y, triton_linear.linear(x, DenseWeight(dense), MODES["bf16"], None))
@@ -603,3 +610,41 @@ def test_int8_sums_are_exact_so_any_split_of_k_keeps_each_rows_bits(m, n, k):
     for pieces, block_k in [(1, 256), (2, 256), (7, 256), (1, 128), (4, 128)]:
         got = gluon_linear.int8_gemm(xq, xs, weight.q, weight.scale, bias, r, pieces, block_k)
         assert torch.equal(got, y), f"{pieces} pieces, K tiles of {block_k}"
+
+
+@pytest.mark.parametrize("storage,mode_name", [("int4", "w4a16"), ("planes", "full")])
+def test_prompt_pass_with_producers_quartering_x_keeps_its_bits(storage, mode_name, monkeypatch):
+    """A prompt pass whose norms and swiglu write the nibble kernels' x quartered (`quarters_input`) gives the
+    logits and the KV cache of the pass whose linears quarter x themselves."""
+    from selfspec import kernels
+    from selfspec.bench.synthetic import synthetic_model
+    from selfspec.kernels import ops
+
+    model = synthetic_model("qwen2.5-1.5b", storage, max_seq_len=1024)
+    prompt = replace(MODES[mode_name], prompt=True)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 300), device=DEV)
+    pos = torch.arange(300, device=DEV).expand(2, -1)
+    weight = model.layers[0].feed_forward.down.weight
+    assert ops.quarters_input(weight, prompt, tokens.device) > 0
+
+    def run():
+        cache = model.new_cache(1024, batch=2)
+        return model.forward(tokens, pos, cache, prompt), cache.layer(3).k.clone()
+
+    logits, k = run()
+    monkeypatch.setitem(kernels._TABLE, ("quarters_input", "", "cuda"), lambda weight, mode, device: 0)
+    plain_logits, plain_k = run()
+    assert torch.equal(logits, plain_logits) and torch.equal(k, plain_k)
+
+
+def test_producers_write_x_quartered_on_the_gpu():
+    """The compiled norm and swiglu write x quartered as gluon_linear.quartered quarters their plain outputs."""
+    from selfspec.kernels import gluon_linear
+
+    torch.manual_seed(8)
+    x, w = torch.randn(37, 4096, device=DEV).bfloat16(), torch.randn(4096, device=DEV).bfloat16()
+    y, given = triton_small.rms_norm_handover(x, w, 1e-6, quartered=128)
+    assert given.quartered == 128 and torch.equal(y, gluon_linear.quartered(triton_small.rms_norm(x, w, 1e-6), 128))
+    gate, up = (torch.randn(37, 14336, device=DEV).bfloat16() for _ in range(2))
+    y, given = triton_small.swiglu_handover(gate, up, quartered=64)
+    assert given.quartered == 64 and torch.equal(y, gluon_linear.quartered(triton_small.swiglu(gate, up), 64))
