@@ -177,7 +177,7 @@ def test_the_k_loop_of_a_decode_tile_issues_its_mma_instructions():
 
 def test_nibble_tiles_keep_their_shared_tiles_swizzled():
     """The nibble kernel's tiles, decode's and the 64-row ones, stage x and the weights in swizzled shared memory: a
-    buffer with no swizzle (x loaded whole and permuted in registers, as docs/leads/quarter-order.patch first did)
+    buffer with no swizzle (x loaded whole and permuted in registers, as session 33's quarter-order patch first did)
     made the decode tiles 1.3-2.3x slower on an H100 with as many instructions."""
     code = ("from selfspec.bench import kernel_resources as kr\n"
             "from selfspec.kernels import triton_linear as tlin\n"
@@ -207,8 +207,8 @@ def test_int8_activation_tiles_the_gate_admits_are_the_ones_that_compile():
 
 
 # The int8 decode tile's weight tile [64 rows, 64 bytes] under the 64-byte swizzle, read 8 bytes a thread in two
-# lane layouts Triton gave docs/leads/quarter-order.patch (session 34): lanes 4-31 on rows 1, 2, 4, then on rows 1,
-# 4, 2 (`_bank_rows`). Nsight Compute saw the first one's conflicts on an H100; the second's ran without them.
+# lane layouts Triton gave session 34's quarter-order patch: lanes 4-31 on rows 1, 2, 4, then on rows 1, 4, 2 (its
+# rows in bank order). Nsight Compute saw the first one's conflicts on an H100; the second's ran without them.
 LINEAR = ("#ttg.linear<{register = [[0, 1], [0, 2], [0, 4], [0, 32], [32, 0]], lane = [[0, 8], [0, 16], %s], "
           "warp = [[8, 0], [16, 0]], block = []}>")
 WEIGHT_READS = "\n".join([
