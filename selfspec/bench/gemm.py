@@ -1,9 +1,10 @@
 """Per-layer GEMM time vs M for every mode, on the GPU: our op table vs cuBLAS BF16 (and torch._int_mm, cuBLAS's
 int8 GEMM, for the int8-activation modes), and the bandwidth reached. "(prompt)" rows: the same weights read as
-prompt tokens read them (Mode.prompt: dequantized to bf16, then the bf16 GEMM), past 16 rows. Each GEMM gets what
-the model hands it with its input (kernels.Handover, from the norm, swiglu or attention that wrote x, not timed
-here): x's row sums, which the nibble formats with bf16 activations read instead of summing x themselves, or with
-int8 activations x's codes, which spare the GEMM its act_quant (not o's: attention writes no codes).
+prompt tokens read them (Mode.prompt: K as one chain), past 16 rows. Each GEMM gets x as the model hands it, with
+what comes with it (kernels.Handover, from the norm or swiglu that wrote x, not timed here): with int8 activations
+x's codes and their row sums, which spare the GEMM its act_quant; with bf16 activations x quartered where the GEMM
+would quarter it (`kernels.quarters_input`: the nibble kernels' prompt tokens), as the norm and swiglu write it.
+Not o's: attention writes neither.
 
 python -m selfspec.bench.gemm [--shape llama-3-8b] [--m 1 16 64 256 1024 4096]
 """
@@ -16,10 +17,10 @@ import torch
 
 from selfspec.bench.device import copies_past_l2, copy_bandwidth, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
-from selfspec.kernels import Handover, linear
+from selfspec.kernels import Handover, linear, quarters_input
 from selfspec.kernels.ops import ROW_SUM_COLS
 from selfspec.quant.act import quantize_per_token
-from selfspec.quant.formats import quantize_weight, storage_supports
+from selfspec.quant.formats import QuantWeight, quantize_weight, storage_supports
 from selfspec.quant.modes import MODES, Mode, prompt_mode
 
 # (storage, mode) pairs measured: each mode from the cheapest storage that runs it, plus the plane views and the
@@ -30,15 +31,23 @@ PAIRS = [("dense", "bf16"), ("int8", "w8a16"), ("int8", "w8a8"), ("int4", "w4a16
 FIRST_STORAGE = {m: s for s, m in reversed(PAIRS)}  # a mode's row is named by the mode alone on this storage
 
 
-def handed_over(gemm: str, x: torch.Tensor, mode: Mode) -> Handover | None:
-    """What the model's block hands this GEMM with its input x (model.py): with int8 activations x's codes (as
-    act_quant makes them) and their sums per ROW_SUM_COLS columns, from the norm or swiglu that wrote x (attention
-    writes none: a token's scale needs all its heads, so o quantizes its input itself); nothing for bf16 x."""
-    if mode.act_bits is None or gemm == "o":
-        return None
+def handed_over(gemm: str, x: torch.Tensor, weight: QuantWeight, mode: Mode) -> tuple[torch.Tensor, Handover | None]:
+    """x as the model's block hands it to this GEMM, and what comes with it (model.py), from the norm or swiglu
+    that wrote x: with int8 activations x's codes (as act_quant makes them) and their sums per ROW_SUM_COLS columns;
+    with bf16 activations x quartered where the GEMM would quarter it (`quarters_input`). Attention hands o nothing:
+    a token's scale needs all its heads, so o quantizes (and quarters) its input itself."""
+    if gemm == "o":
+        return x, None
+    if mode.act_bits is None:
+        block_k = quarters_input(weight, mode, x.device)
+        if not block_k:
+            return x, None
+        m, k = x.shape  # column 4j + t of each K tile at t * block_k / 4 + j, as gluon_linear.quartered
+        quartered = x.view(m, k // block_k, block_k // 4, 4).transpose(-1, -2).reshape(m, k)
+        return quartered, Handover(quartered=block_k)
     codes, scale = quantize_per_token(x, mode.act_bits)
     sums = codes.float().view(codes.shape[0], -1, ROW_SUM_COLS).sum(-1)
-    return Handover(sums=sums, codes=codes, scale=scale, bits=mode.act_bits)
+    return x, Handover(sums=sums, codes=codes, scale=scale, bits=mode.act_bits)
 
 
 def measure(shape: str, ms: list[int], group_size: int = 128, modes: list[str] | None = None) -> list[dict]:
@@ -55,13 +64,15 @@ def measure(shape: str, ms: list[int], group_size: int = 128, modes: list[str] |
             weights = [quantize_weight(w.bfloat16() if storage == "dense" else w, storage, group_size) for w in ws]
             nbytes = weights[0].nbytes_read(mode)
             for m in ms:
-                given = handed_over(name, xs[m], mode)
-                t = graph_time_ms([lambda w=w, m=m: linear(xs[m], w, mode, handover=given) for w in weights])
+                x, given = handed_over(name, xs[m], weights[0], mode)
+                t = graph_time_ms([lambda w=w, x=x: linear(x, w, mode, handover=given) for w in weights])
                 rows.append({"gemm": name, "n": n, "k": k, "storage": storage, "mode": mode_name, "m": m,
                              "ms": t, "gb_per_s": nbytes / t / 1e6})
-            if storage != "dense" and mode.act_bits is None:  # prompt tokens: dequantized, then the bf16 GEMM
+            if storage != "dense" and mode.act_bits is None:  # prompt tokens: their own kernels' paths
+                prompt = prompt_mode(mode)
                 for m in (m for m in ms if m > 16):
-                    t = graph_time_ms([lambda w=w, m=m: linear(xs[m], w, prompt_mode(mode)) for w in weights])
+                    x, given = handed_over(name, xs[m], weights[0], prompt)
+                    t = graph_time_ms([lambda w=w, x=x: linear(x, w, prompt, handover=given) for w in weights])
                     rows.append({"gemm": name, "n": n, "k": k, "storage": storage, "mode": f"{mode_name} (prompt)",
                                  "m": m, "ms": t, "gb_per_s": nbytes / t / 1e6})
             del weights
