@@ -1,9 +1,10 @@
 # Run here, from the repository root, in a checkout that lacks the git-ignored files a lease carries:
 # .whl (the wheels the lent machine lacks: gguf, the GSM8K and HumanEval data), .ab/head (HEAD's selfspec and
 # tests) and the trees of the leads docs/leads/README.md lists (.ab/x-quartered-generated: HEAD with
-# docs/leads/x-quartered-generated.patch); a lead written as a patch adds its line: `tree NAME "A.patch B.patch"
-# PATHS` for .ab/NAME, HEAD's PATHS with docs/leads/A.patch and B.patch applied; a patch that no longer applies
-# stops this script, so drop its line when the lead waits for a rebase).
+# docs/leads/x-quartered-generated.patch; .ab/x-quartered-attention: with x-quartered-attention.patch on top); a
+# lead written as a patch adds its line: `tree NAME "A.patch B.patch" PATHS` for .ab/NAME, HEAD's PATHS with
+# docs/leads/A.patch and B.patch applied; a patch that no longer applies stops this script, so drop its line when
+# the lead waits for a rebase).
 # With RAY=1, also .ray/1, .ray/2, ...:
 # ray[serve] 2.60.0 and its wheels for the machine's Python, as a tar cut in 35 MiB pieces, one folder a call's carry
 # (replicas.sh puts them back together there).
@@ -23,6 +24,7 @@ tree() {  # tree NAME "PATCH..." PATHS...: .ab/NAME holding HEAD's PATHS, with d
 
 tree head "" selfspec tests
 tree x-quartered-generated x-quartered-generated.patch selfspec tests
+tree x-quartered-attention "x-quartered-generated.patch x-quartered-attention.patch" selfspec tests
 du -sh .whl .ab/*
 if [ "${RAY:-0}" = 1 ]; then
   rm -rf .ray && mkdir -p .ray/wheels
