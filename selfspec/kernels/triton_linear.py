@@ -1201,7 +1201,7 @@ def prompt_quarters(weight: QuantWeight, mode: Mode, device: torch.device) -> in
     """The K tile by which `linear` quarters x in `mode` (0: none), which the op writing x may do for it: prompt
     tokens with bf16 activations through the nibble kernel (`takes_prompt_kernel`) or its scratch, at any row
     count. Generated tokens' paths quarter x too at some row counts (`takes_scratch`, the warp-specialized nibble
-    kernel), but their producers do not know the rows' path: not handed over."""
+    kernel); the answer then depends on the rows, and those GEMMs quarter x themselves."""
     fmt = kernel_format(weight, mode)
     if fmt is None or fmt == DENSE.value or not mode.prompt or mode.act_bits is not None:
         return 0
