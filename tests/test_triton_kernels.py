@@ -369,10 +369,11 @@ def test_producers_hand_bf16_activations_nothing():
     assert given is None and torch.equal(y, triton_small.swiglu(gate, up))
 
 
-def quartered_oracle(y: torch.Tensor, block_k: int) -> torch.Tensor:
-    """y [..., K] with each block_k-column tile's column 4j + t moved to t * block_k / 4 + j."""
-    k = y.shape[-1]
-    return y.reshape(*y.shape[:-1], k // block_k, block_k // 4, 4).transpose(-1, -2).reshape(y.shape)
+def quartered_rows(y: torch.Tensor, block_k: int) -> torch.Tensor:
+    """y [..., K] as the linear would quarter it (gluon_linear.quartered, its order checked column by column by
+    test_quartered_puts_each_k_tiles_columns_in_the_dots_order)."""
+    from selfspec.kernels import gluon_linear
+    return gluon_linear.quartered(y.reshape(-1, y.shape[-1]).contiguous(), block_k).view(y.shape)
 
 
 @pytest.mark.parametrize("block_k", [64, 128])
@@ -384,11 +385,11 @@ def test_producers_write_bf16_activations_quartered_when_asked(block_k):
     x, w = torch.randn(2, 3, 384).bfloat16(), torch.randn(384).bfloat16()
     y, given = triton_small.rms_norm_handover(x, w, 1e-6, quartered=block_k)
     assert given.quartered == block_k and given.codes is None
-    assert torch.equal(y, quartered_oracle(triton_small.rms_norm(x, w, 1e-6), block_k))
+    assert torch.equal(y, quartered_rows(triton_small.rms_norm(x, w, 1e-6), block_k))
     gate, up = (torch.randn(3, 2, 2176).bfloat16() * 3 for _ in range(2))  # 17 tiles of 128: a partial BLOCK
     y, given = triton_small.swiglu_handover(gate, up, quartered=block_k)
     assert given.quartered == block_k
-    assert torch.equal(y, quartered_oracle(triton_small.swiglu(gate, up), block_k))
+    assert torch.equal(y, quartered_rows(triton_small.swiglu(gate, up), block_k))
     y, given = triton_small.rms_norm_handover(x[..., :96], w[:96], 1e-6, quartered=block_k)
     assert given is None and torch.equal(y, triton_small.rms_norm(x[..., :96], w[:96], 1e-6))
 

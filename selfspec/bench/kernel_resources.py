@@ -422,7 +422,7 @@ def shared_loads(kernel: triton.compiler.CompiledKernel) -> list[SharedLoad]:
     it: each thread's contiguous bytes a load (up to 16), and the wavefronts the loads take on the 32 banks of 4
     bytes, 8-byte loads served a half-warp at a time and 16-byte loads a quarter. A model from the Triton IR (the
     buffer's swizzle and the lanes' layout), not a measurement: it gives the 2-way conflicts Nsight Compute saw in
-    the w4a8 decode tiles of docs/leads/quarter-order.patch (H100, docs/gpu.md session 34). Reads straight into a
+    the w4a8 decode tiles of session 34's quarter-order patch (H100, docs/gpu.md session 34). Reads straight into a
     dot operand (ldmatrix) are not modelled."""
     return shared_loads_of(kernel.asm["ttgir"])
 

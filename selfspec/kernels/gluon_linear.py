@@ -19,10 +19,10 @@ the tiles walked in groups of M tiles: _grouped_tile):
 The same bits as the decode tiles: _nibble_kernel reads a word's four codes (as weights) as four dots, over
 the columns k = 4j + t of x for t = 0..3, K tile by K tile, chunk by chunk. Here x comes with each K tile's columns
 already in that order (`quartered`: column t * BLOCK_K / 4 + j of a tile holds its column 4j + t; a prompt's norms
-and swiglu write it so as they write it, `ops.quarters_input`), so the quarters
-are four TMA boxes and the four dots the same wgmma instructions in the same order; each output's products and adds
-are the decode tiles' (the GPU tests compare every row's bits). The K tile, the chunks of the decode config's split
-and the order of every add are the decode config's; only the tiles differ.
+and swiglu write it so as they write it, `ops.quarters_input`), so the quarters are four TMA boxes and the four dots
+the same wgmma instructions in the same order; each output's products and adds are the decode tiles' (the GPU tests
+compare every row's bits). The K tile, the chunks of the decode config's split and the order of every add are the
+decode config's; only the tiles differ.
 """
 from __future__ import annotations
 
