@@ -176,10 +176,10 @@ class Linear(nn.Module):
         """The bits to which this linear quantizes its input in `mode`, which the op writing it may do for it."""
         return quantizes_input(self.weight, mode)
 
-    def quartered(self, mode: Mode, device: torch.device) -> int:
-        """The K tile by which this linear quarters its input's columns in `mode` on `device` (0: none), which the op
-        writing it may do for it."""
-        return quarters_input(self.weight, mode, device)
+    def quartered(self, mode: Mode, x: torch.Tensor) -> int:
+        """The K tile by which this linear quarters the columns of its input x (its rows, its device) in `mode` (0:
+        none), which the op writing x may do for it."""
+        return quarters_input(self.weight, mode, x.numel() // x.shape[-1], x.device)
 
 
 class RowParallelLinear(Linear):
@@ -217,7 +217,7 @@ class RMSNorm(nn.Module):
 
     def handover(self, x: torch.Tensor, reader: Linear, mode: Mode) -> tuple[torch.Tensor, Handover | None]:
         """The norm, and what it hands the linear that reads it in `mode` (kernels.Handover)."""
-        return rms_norm_handover(x, self.weight, self.eps, reader.act_bits(mode), reader.quartered(mode, x.device))
+        return rms_norm_handover(x, self.weight, self.eps, reader.act_bits(mode), reader.quartered(mode, x))
 
 
 class Attention(nn.Module):
@@ -275,7 +275,7 @@ class FeedForward(nn.Module):
         """residual + feed_forward(x), the residual added by the down projection. handover: what the norm computed
         of x for gate_up; swiglu hands the down projection its own (kernels.Handover)."""
         gate, up = self.gate_up(x, mode, handover=handover).chunk(2, dim=-1)
-        h, h_handover = swiglu_handover(gate, up, self.down.act_bits(mode), self.down.quartered(mode, gate.device))
+        h, h_handover = swiglu_handover(gate, up, self.down.act_bits(mode), self.down.quartered(mode, gate))
         return self.down(h, mode, residual, handover=h_handover)
 
 

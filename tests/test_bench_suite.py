@@ -99,7 +99,7 @@ def test_gemm_bench_hands_each_gemm_x_as_the_model_does(monkeypatch):
     from selfspec.quant.formats import quantize_weight
     from selfspec.quant.modes import MODES, prompt_mode
 
-    monkeypatch.setitem(kernels._TABLE, ("quarters_input", "", "cpu"), lambda weight, mode, device: 64)
+    monkeypatch.setitem(kernels._TABLE, ("quarters_input", "", "cpu"), lambda weight, mode, rows, device: 64)
     torch.manual_seed(3)
     x = torch.randn(5, 256).bfloat16()
     weight = quantize_weight(torch.randn(32, 256) * 0.02, "int4", 64)

@@ -966,7 +966,7 @@ def test_int8_scratch_holds_the_codes_quartered():
             for j in (0, 7, 31):
                 assert torch.equal(codes[:, tile * 128 + t * 32 + j].float(), q[:, tile * 128 + 4 * j + t])
     assert not triton_linear.takes_scratch(fmt, False, 0, triton_linear.tile_config(fmt, False, 40, 256, 0, 4096),
-                                           torch.empty(4096, 256))  # on a CPU: the Triton tiles
+                                           (4096, 256), torch.device("cpu"))  # on a CPU: the Triton tiles
 
 
 # --- attention over a quantized KV cache

@@ -3,8 +3,8 @@ int8 GEMM, for the int8-activation modes), and the bandwidth reached. "(prompt)"
 prompt tokens read them (Mode.prompt: K as one chain), past 16 rows. Each GEMM gets x as the model hands it, with
 what comes with it (kernels.Handover, from the norm or swiglu that wrote x, not timed here): with int8 activations
 x's codes and their row sums, which spare the GEMM its act_quant; with bf16 activations x quartered where the GEMM
-would quarter it (`kernels.quarters_input`: the nibble kernels' prompt tokens), as the norm and swiglu write it.
-Not o's: attention writes neither.
+would quarter it (`kernels.quarters_input`: the nibble kernels' prompt tokens, and generated ones from 129 rows, 65
+for w8a16), as the norm and swiglu write it. Not o's: attention writes neither.
 
 python -m selfspec.bench.gemm [--shape llama-3-8b] [--m 1 16 64 256 1024 4096]
 """
@@ -39,7 +39,7 @@ def handed_over(gemm: str, x: torch.Tensor, weight: QuantWeight, mode: Mode) -> 
     if gemm == "o":
         return x, None
     if mode.act_bits is None:
-        block_k = quarters_input(weight, mode, x.device)
+        block_k = quarters_input(weight, mode, x.shape[0], x.device)
         if not block_k:
             return x, None
         m, k = x.shape  # column 4j + t of each K tile at t * block_k / 4 + j, as gluon_linear.quartered

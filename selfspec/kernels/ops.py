@@ -56,12 +56,12 @@ def quantizes_input(weight: QuantWeight, mode: Mode) -> int | None:
     return None if weight.for_mode(mode).rotation is not None else mode.act_bits
 
 
-def quarters_input(weight: QuantWeight, mode: Mode, device: torch.device) -> int:
-    """The K tile by which `linear` quarters x's columns on `device` in `mode` (0: it does not), which the op writing
-    x may do for it as it writes (`rms_norm_handover`, `swiglu_handover`, Handover.quartered)."""
+def quarters_input(weight: QuantWeight, mode: Mode, rows: int, device: torch.device) -> int:
+    """The K tile by which `linear` quarters the columns of x [rows, K] on `device` in `mode` (0: it does not), which
+    the op writing x may do for it as it writes (`rms_norm_handover`, `swiglu_handover`, Handover.quartered)."""
     if weight.for_mode(mode).rotation is not None:
         return 0
-    return kernels.lookup("quarters_input", "", device.type)(weight, mode, device)
+    return kernels.lookup("quarters_input", "", device.type)(weight, mode, rows, device)
 
 
 def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,7 @@ def swiglu_handover(gate: torch.Tensor, up: torch.Tensor, act_bits: int | None =
 
 
 @register("quarters_input")
-def quarters_input(weight: QuantWeight, mode: Mode, device: torch.device) -> int:
+def quarters_input(weight: QuantWeight, mode: Mode, rows: int, device: torch.device) -> int:
     return 0  # the references read x in order
 
 

@@ -956,19 +956,19 @@ def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor 
         r2 = r2.contiguous()
     act = mode.act_bits is not None
     quartered = 0 if handover is None else handover.quartered
-    if quartered and quartered != prompt_quarters(weight, mode, x2.device):  # x would be read in the wrong order
+    if quartered and quartered != quarters_x(weight, mode, x2.shape[0], x2.device):  # else read in the wrong order
         raise ValueError(f"x came quartered by K tiles of {quartered} for a linear that does not quarter it so "
                          "(`quarters_input`)")
     if mode.prompt and fmt != DENSE.value and not act:
         return prompt_linear(x2, weight, fmt, bias, r2, quartered > 0).view(*x.shape[:-1], n)
     group = getattr(weight, "group_size", 0)
     cfg = tile_config(fmt, act, n, k, group, x2.shape[0])
-    if takes_scratch(fmt, act, group, cfg, x2):
-        return scratch_linear(x2, weight, fmt, bias, r2, cfg).view(*x.shape[:-1], n)
+    if takes_scratch(fmt, act, group, cfg, x2.shape, x2.device):
+        return scratch_linear(x2, weight, fmt, bias, r2, cfg, quartered > 0).view(*x.shape[:-1], n)
     x2, xs, sums = kernel_inputs(x2, mode, fmt, group, cfg, handover)
     if takes_int_scale_kernels(fmt, act, x2):
         return int_scale_linear(x2, xs, weight, cfg, bias, r2).view(*x.shape[:-1], n)
-    return _launch(x2, xs, weight, fmt, act, bias, cfg, r2, sums).view(*x.shape[:-1], n)
+    return _launch(x2, xs, weight, fmt, act, bias, cfg, r2, sums, quartered > 0).view(*x.shape[:-1], n)
 
 
 def kernel_inputs(x2: torch.Tensor, mode: Mode, fmt: int, group: int, cfg: TileConfig,
@@ -1008,15 +1008,27 @@ def takes_row_sums(fmt: int, act: bool, group: int, cfg: TileConfig) -> bool:
 
 def _launch(x2: torch.Tensor, xs: torch.Tensor | None, weight: QuantWeight, fmt: int, act: bool,
             bias: torch.Tensor | None, cfg: TileConfig, r2: torch.Tensor | None = None,
-            sums: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, N] = x2 [M, K] @ W^T (+ r2 [M, N]) under one tile config (the benchmark's tuner calls this)."""
+            sums: torch.Tensor | None = None, x_quartered: bool = False) -> torch.Tensor:
+    """y [M, N] = x2 [M, K] @ W^T (+ r2 [M, N]) under one tile config (the benchmark's tuner calls this).
+    x_quartered: x2 comes quartered by cfg's K tile, where `quarters_in_run` says the run quarters it."""
     return _run(x2, xs, _tensors(weight, fmt), weight.shape[0], getattr(weight, "group_size", 0), fmt, act, bias,
-                cfg, r2, sums)
+                cfg, r2, sums, x_quartered)
+
+
+def quarters_in_run(fmt: int, act: bool, group: int, cfg: TileConfig, scale: torch.Tensor | None, n: int, k: int,
+                    device: torch.device) -> bool:
+    """Whether `_run` quarters x (by cfg's K tile) for the warp-specialized nibble kernel: a nibble format's planes
+    as words, or INT8's words over whole K tiles."""
+    if not (cfg.warp_specialized and gluon_linear.runs_on(device) and reads_words(fmt, act, group, cfg)):
+        return False
+    if uses_nibble_kernel(fmt, act, group, cfg.block_m):
+        return gluon_linear.covers(scale, n)
+    return fmt == INT8.value and k % cfg.block_k == 0  # the quartered x holds whole K tiles
 
 
 def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, group: int, fmt: int, act: bool,
          bias: torch.Tensor | None, cfg: TileConfig, r2: torch.Tensor | None,
-         sums: torch.Tensor | None = None) -> torch.Tensor:
+         sums: torch.Tensor | None = None, x_quartered: bool = False) -> torch.Tensor:
     """_launch on the tensors the kernel reads: (w, w2, scale, lo) of a weight of N rows in quant groups of `group`."""
     m, k = x2.shape
     if sums is not None:
@@ -1028,13 +1040,13 @@ def _run(x2: torch.Tensor, xs: torch.Tensor | None, tensors: tuple, n: int, grou
     chunk = k_chunk(k, cfg.split_k, cfg.block_k)
     nibble = uses_nibble_kernel(fmt, act, group, cfg.block_m)
     words = reads_words(fmt, act, group, cfg)
+    if quarters_in_run(fmt, act, group, cfg, scale, n, k, x2.device):  # INT8's words: no planes, no affine
+        return gluon_linear.nibble_gemm(x2, fmt, (w, w2, scale, lo) if nibble else (w, None, scale, None), n,
+                                        group if nibble else 0, cfg.block_k, chunk, cfg.split_k, bias, r2,
+                                        x_quartered=x_quartered)
+    if x_quartered:
+        raise ValueError("x came quartered for a run that does not quarter it")
     if cfg.warp_specialized and gluon_linear.runs_on(x2.device):  # before this path's output and partials
-        if words and nibble and gluon_linear.covers(scale, n):
-            return gluon_linear.nibble_gemm(x2, fmt, (w, w2, scale, lo), n, group, cfg.block_k, chunk, cfg.split_k,
-                                            bias, r2)
-        if words and fmt == INT8.value and k % cfg.block_k == 0:  # the quartered x holds whole K tiles
-            return gluon_linear.nibble_gemm(x2, fmt, (w, None, scale, None), n, 0, cfg.block_k, chunk, cfg.split_k,
-                                            bias, r2)
         if fmt == DENSE.value and w.dtype == torch.bfloat16:  # with a scale: INT8 codes (`scratch_linear`)
             return gluon_linear.dense_gemm(x2, w, cfg.block_k, chunk, cfg.split_k, bias, r2, scale)
         if fmt == INT8.value and act:
@@ -1155,7 +1167,7 @@ def prompt_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.T
                   r2: torch.Tensor | None, quartered: bool = False) -> torch.Tensor:
     """y [M, N] (+ r2 [M, N]) of prompt tokens x2 [M, K]: the weight dequantized to bf16, then the bf16 GEMM; or
     where `takes_prompt_kernel`, the nibble kernel over all of K in one chain (from PROMPT_SCRATCH_ROWS rows, its
-    sums from the quartered scratch). quartered: x2 came quartered by the kernel's K tile (`prompt_quarters`)."""
+    sums from the quartered scratch). quartered: x2 came quartered by the kernel's K tile (`quarters_x`)."""
     n, k = weight.shape
     if takes_prompt_kernel(weight, fmt, x2.device):
         group = getattr(weight, "group_size", 0)
@@ -1197,17 +1209,20 @@ def takes_prompt_kernel(weight: QuantWeight, fmt: int, device: torch.device) -> 
 
 
 @register("quarters_input", "", "cuda")
-def prompt_quarters(weight: QuantWeight, mode: Mode, device: torch.device) -> int:
-    """The K tile by which `linear` quarters x in `mode` (0: none), which the op writing x may do for it: prompt
-    tokens with bf16 activations through the nibble kernel (`takes_prompt_kernel`) or its scratch, at any row
-    count. Generated tokens' paths quarter x too at some row counts (`takes_scratch`, the warp-specialized nibble
-    kernel); the answer then depends on the rows, and those GEMMs quarter x themselves."""
+def quarters_x(weight: QuantWeight, mode: Mode, rows: int, device: torch.device) -> int:
+    """The K tile by which `linear` quarters x of `rows` rows in `mode` (0: none), which the op writing x may do for
+    it: bf16 activations read by the nibble kernels, prompt tokens (`takes_prompt_kernel`, any row count) or
+    generated ones (past SCRATCH_ROWS `scratch_linear`, else where `_run` takes the warp-specialized kernel)."""
     fmt = kernel_format(weight, mode)
-    if fmt is None or fmt == DENSE.value or not mode.prompt or mode.act_bits is not None:
+    if fmt is None or fmt == DENSE.value or mode.act_bits is not None:
         return 0
-    if not takes_prompt_kernel(weight, fmt, device):
-        return 0
-    return dequantize_block_k(fmt, getattr(weight, "group_size", 0))
+    group = getattr(weight, "group_size", 0)
+    if mode.prompt:
+        return dequantize_block_k(fmt, group) if takes_prompt_kernel(weight, fmt, device) else 0
+    (n, k), cfg = weight.shape, tile_config(fmt, False, weight.shape[0], weight.shape[1], group, rows)
+    if takes_scratch(fmt, False, group, cfg, (rows, k), device):
+        return cfg.block_k
+    return cfg.block_k if quarters_in_run(fmt, False, group, cfg, weight.scale, n, k, device) else 0
 
 
 # ---------------------------------------------------------------- generated tokens at many rows
@@ -1226,13 +1241,14 @@ def prompt_quarters(weight: QuantWeight, mode: Mode, device: torch.device) -> in
 SCRATCH_ROWS = {FULL.value: 2048, INT8.value: 2048}
 
 
-def takes_scratch(fmt: int, act: bool, group: int, cfg: TileConfig, x2: torch.Tensor) -> bool:
+def takes_scratch(fmt: int, act: bool, group: int, cfg: TileConfig, shape: tuple[int, int],
+                  device: torch.device) -> bool:
     """Whether a GEMM of generated tokens goes through the quartered scratch (`scratch_linear`): a nibble format
     with bf16 activations, or INT8 codes on Hopper (their scale needs the warp-specialized bf16 kernel's epilogue),
     past its SCRATCH_ROWS, its K whole K tiles (x is quartered by whole tiles) of the size `dequantize` quarters the
     scratch by (every decode config of the shapes we know)."""
-    m, k = x2.shape
-    kernel = uses_nibble_kernel(fmt, act, group) or (fmt == INT8.value and gluon_linear.runs_on(x2.device))
+    m, k = shape
+    kernel = uses_nibble_kernel(fmt, act, group) or (fmt == INT8.value and gluon_linear.runs_on(device))
     return (not act and kernel and m >= SCRATCH_ROWS.get(fmt, 1 << 62) and k % cfg.block_k == 0
             and cfg.block_k == dequantize_block_k(fmt, group))
 
@@ -1270,7 +1286,7 @@ def int_scale_linear(x2: torch.Tensor, xs: torch.Tensor, weight: QuantWeight, cf
 
 
 def scratch_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.Tensor | None,
-                   r2: torch.Tensor | None, cfg: TileConfig) -> torch.Tensor:
+                   r2: torch.Tensor | None, cfg: TileConfig, x_quartered: bool = False) -> torch.Tensor:
     """y [M, N] (+ r2) of generated tokens: the weight dequantized (INT8: its codes, the channel scale applied after
     the sum), columns quartered, times quartered x in the bf16 GEMM's tiles for M rows, with cfg's (the weight's
     decode config's) K tile and split."""
@@ -1279,7 +1295,8 @@ def scratch_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.
     dense = many_tokens(dense, DENSE.value, False, 0, m, n, k)
     dense = replace(dense, warp_specialized=True)  # Gluon's: the chunks' total in registers (Triton's tiles spill)
     w, scale = quartered_scratch(weight, fmt)
-    return _run(gluon_linear.quartered(x2, cfg.block_k), None, (w, None, scale, None), n, 0, DENSE.value, False, bias,
+    xq = x2 if x_quartered else gluon_linear.quartered(x2, cfg.block_k)
+    return _run(xq, None, (w, None, scale, None), n, 0, DENSE.value, False, bias,
                 dense, r2)
 
 

@@ -147,7 +147,7 @@ def test_prompt_tokens_keep_each_rows_bits_at_any_m(storage, mode_name, monkeypa
         assert torch.equal(y, gluon_linear.dense_gemm(gluon_linear.quartered(x, block_k), quartered, 64, 4096, 1,
                                                       None, None, weight.scale if channel else None))
         # x written quartered by its producer (Handover.quartered) reads as x quartered here
-        assert ops.quarters_input(weight, prompt, x.device) == block_k
+        assert ops.quarters_input(weight, prompt, len(x), x.device) == block_k
         handed = Handover(quartered=block_k)
         assert torch.equal(triton_linear.linear(gluon_linear.quartered(x, block_k), weight, prompt, None,
                                                 handover=handed), y)
@@ -581,7 +581,7 @@ def test_generated_rows_through_the_scratch_keep_each_rows_bits(storage, mode_na
         y16 = triton_linear.linear(x[:16], weight, mode, bias, r[:16])
         monkeypatch.setitem(triton_linear.SCRATCH_ROWS, fmt, 17)
         cfg = triton_linear.tile_config(fmt, False, n, k, 128, 300)
-        assert triton_linear.takes_scratch(fmt, False, 128, cfg, x)
+        assert triton_linear.takes_scratch(fmt, False, 128, cfg, x.shape, x.device)
         y = triton_linear.linear(x, weight, mode, bias, r)
         assert torch.equal(y[:16], y16), f"{n} x {k}"
         for i in (0, 17, 299):
@@ -612,27 +612,30 @@ def test_int8_sums_are_exact_so_any_split_of_k_keeps_each_rows_bits(m, n, k):
         assert torch.equal(got, y), f"{pieces} pieces, K tiles of {block_k}"
 
 
-@pytest.mark.parametrize("storage,mode_name", [("int4", "w4a16"), ("planes", "full")])
-def test_prompt_pass_with_producers_quartering_x_keeps_its_bits(storage, mode_name, monkeypatch):
-    """A prompt pass whose norms and swiglu write the nibble kernels' x quartered (`quarters_input`) gives the
-    logits and the KV cache of the pass whose linears quarter x themselves."""
+@pytest.mark.parametrize("storage,mode_name,prompt,tokens",
+                         [("int4", "w4a16", True, 300), ("planes", "full", True, 300), ("int4", "w4a16", False, 80),
+                          ("planes", "full", False, 80), ("int8", "w8a16", False, 40)])
+def test_passes_with_producers_quartering_x_keep_their_bits(storage, mode_name, prompt, tokens, monkeypatch):
+    """A pass of 2 rows whose norms and swiglu write the nibble kernels' x quartered (`quarters_input`) gives the
+    logits and the KV cache of the pass whose linears quarter x themselves: prompt tokens, and generated ones at
+    row counts the warp-specialized kernels take (160 rows; w8a16's from 65)."""
     from selfspec import kernels
     from selfspec.bench.synthetic import synthetic_model
     from selfspec.kernels import ops
 
     model = synthetic_model("qwen2.5-1.5b", storage, max_seq_len=1024)
-    prompt = replace(MODES[mode_name], prompt=True)
-    tokens = torch.randint(0, model.cfg.vocab_size, (2, 300), device=DEV)
-    pos = torch.arange(300, device=DEV).expand(2, -1)
+    mode = replace(MODES[mode_name], prompt=prompt)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, tokens), device=DEV)
+    pos = torch.arange(tokens, device=DEV).expand(2, -1)
     weight = model.layers[0].feed_forward.down.weight
-    assert ops.quarters_input(weight, prompt, tokens.device) > 0
+    assert ops.quarters_input(weight, mode, ids.numel(), ids.device) > 0
 
     def run():
         cache = model.new_cache(1024, batch=2)
-        return model.forward(tokens, pos, cache, prompt), cache.layer(3).k.clone()
+        return model.forward(ids, pos, cache, mode), cache.layer(3).k.clone()
 
     logits, k = run()
-    monkeypatch.setitem(kernels._TABLE, ("quarters_input", "", "cuda"), lambda weight, mode, device: 0)
+    monkeypatch.setitem(kernels._TABLE, ("quarters_input", "", "cuda"), lambda weight, mode, rows, device: 0)
     plain_logits, plain_k = run()
     assert torch.equal(logits, plain_logits) and torch.equal(k, plain_k)
 
@@ -648,3 +651,29 @@ def test_producers_write_x_quartered_on_the_gpu():
     gate, up = (torch.randn(37, 14336, device=DEV).bfloat16() for _ in range(2))
     y, given = triton_small.swiglu_handover(gate, up, quartered=64)
     assert given.quartered == 64 and torch.equal(y, gluon_linear.quartered(triton_small.swiglu(gate, up), 64))
+
+
+@pytest.mark.parametrize("storage,mode_name", [("int4", "w4a16"), ("planes", "upper"), ("planes", "full"),
+                                               ("int8", "w8a16"), ("int4g", "w4a16")])
+def test_generated_rows_read_x_quartered_by_its_writer(storage, mode_name):
+    """Generated tokens at the row counts whose GEMM quarters x (`quarters_x`: the warp-specialized nibble kernel,
+    past SCRATCH_ROWS the scratch) give the same bits from x quartered by its writer; elsewhere x quartered is
+    refused."""
+    from selfspec.kernels import gluon_linear
+
+    torch.manual_seed(9)
+    mode = MODES[mode_name]
+    weight = quantize_weight(torch.randn(4096, 4096, device=DEV) * 0.02, storage, 128)
+    x = torch.randn(2048, 4096, device=DEV).bfloat16()
+    quartered = 0
+    for m in (16, 96, 160, 512, 2048):
+        block_k = triton_linear.quarters_x(weight, mode, m, x.device)
+        if not block_k:
+            with pytest.raises(ValueError, match="quartered"):
+                triton_linear.linear(x[:m], weight, mode, None, handover=Handover(quartered=128))
+            continue
+        quartered += 1
+        handed = triton_linear.linear(gluon_linear.quartered(x[:m], block_k), weight, mode, None,
+                                      handover=Handover(quartered=block_k))
+        assert torch.equal(handed, triton_linear.linear(x[:m], weight, mode, None)), f"M={m}"
+    assert quartered >= 2, "no row count quartered x"
