@@ -18,8 +18,8 @@ from selfspec.cache.quant_kv import QuantKVCache
 from selfspec.config import ModelConfig
 from selfspec.errors import SelfspecError
 from selfspec.host import long_tensor
-from selfspec.kernels import (Handover, attention, linear, packed_attention, quantized_attention, quantizes_input,
-                              quarters_input, rms_norm, rms_norm_handover, rope_and_store, swiglu_handover,
+from selfspec.kernels import (Handover, HandoverRequest, attention, handover_request, linear, packed_attention,
+                              quantized_attention, rms_norm, rms_norm_handover, rope_and_store, swiglu_handover,
                               tree_attention)
 from selfspec.parallel import SOLO, TensorParallel
 from selfspec.quant.formats import DenseWeight, QuantWeight, quantize_weight
@@ -172,14 +172,9 @@ class Linear(nn.Module):
                 handover: Handover | None = None) -> torch.Tensor:
         return linear(x, self.weight, mode, self.bias, residual, handover)
 
-    def act_bits(self, mode: Mode) -> int | None:
-        """The bits to which this linear quantizes its input in `mode`, which the op writing it may do for it."""
-        return quantizes_input(self.weight, mode)
-
-    def quartered(self, mode: Mode, x: torch.Tensor) -> int:
-        """The K tile by which this linear quarters the columns of its input x (its rows, its device) in `mode` (0:
-        none), which the op writing x may do for it."""
-        return quarters_input(self.weight, mode, x.numel() // x.shape[-1], x.device)
+    def request(self, mode: Mode, rows: int, device: torch.device) -> HandoverRequest:
+        """What this linear asks in `mode` of the op writing its input of `rows` rows on `device` (kernels.Handover)."""
+        return handover_request(self.weight, mode, rows, device)
 
 
 class RowParallelLinear(Linear):
@@ -217,7 +212,7 @@ class RMSNorm(nn.Module):
 
     def handover(self, x: torch.Tensor, reader: Linear, mode: Mode) -> tuple[torch.Tensor, Handover | None]:
         """The norm, and what it hands the linear that reads it in `mode` (kernels.Handover)."""
-        return rms_norm_handover(x, self.weight, self.eps, reader.act_bits(mode), reader.quartered(mode, x))
+        return rms_norm_handover(x, self.weight, self.eps, reader.request(mode, x.numel() // x.shape[-1], x.device))
 
 
 class Attention(nn.Module):
@@ -275,7 +270,8 @@ class FeedForward(nn.Module):
         """residual + feed_forward(x), the residual added by the down projection. handover: what the norm computed
         of x for gate_up; swiglu hands the down projection its own (kernels.Handover)."""
         gate, up = self.gate_up(x, mode, handover=handover).chunk(2, dim=-1)
-        h, h_handover = swiglu_handover(gate, up, self.down.act_bits(mode), self.down.quartered(mode, gate))
+        request = self.down.request(mode, gate.numel() // gate.shape[-1], gate.device)
+        h, h_handover = swiglu_handover(gate, up, request)
         return self.down(h, mode, residual, handover=h_handover)
 
 

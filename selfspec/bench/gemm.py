@@ -3,7 +3,7 @@ int8 GEMM, for the int8-activation modes), and the bandwidth reached. "(prompt)"
 prompt tokens read them (Mode.prompt: K as one chain), past 16 rows. Each GEMM gets x as the model hands it, with
 what comes with it (kernels.Handover, from the norm or swiglu that wrote x, not timed here): with int8 activations
 x's codes and their row sums, which spare the GEMM its act_quant; with bf16 activations x quartered where the GEMM
-would quarter it (`kernels.quarters_input`: the nibble kernels' prompt tokens, and generated ones from 129 rows, 65
+would quarter it (`kernels.handover_request`: the nibble kernels' prompt tokens, and generated ones from 129 rows, 65
 for w8a16), as the norm and swiglu write it. Not o's: attention writes neither.
 
 python -m selfspec.bench.gemm [--shape llama-3-8b] [--m 1 16 64 256 1024 4096]
@@ -17,7 +17,7 @@ import torch
 
 from selfspec.bench.device import copies_past_l2, copy_bandwidth, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
-from selfspec.kernels import Handover, linear, quarters_input
+from selfspec.kernels import Handover, handover_request, linear
 from selfspec.kernels.ops import ROW_SUM_COLS
 from selfspec.quant.act import quantize_per_token
 from selfspec.quant.formats import QuantWeight, quantize_weight, storage_supports
@@ -34,20 +34,20 @@ FIRST_STORAGE = {m: s for s, m in reversed(PAIRS)}  # a mode's row is named by t
 def handed_over(gemm: str, x: torch.Tensor, weight: QuantWeight, mode: Mode) -> tuple[torch.Tensor, Handover | None]:
     """x as the model's block hands it to this GEMM, and what comes with it (model.py), from the norm or swiglu
     that wrote x: with int8 activations x's codes (as act_quant makes them) and their sums per ROW_SUM_COLS columns;
-    with bf16 activations x quartered where the GEMM would quarter it (`quarters_input`). Attention hands o nothing:
+    with bf16 activations x quartered where the GEMM would quarter it (`handover_request`). Attention hands o nothing:
     a token's scale needs all its heads, so o quantizes (and quarters) its input itself."""
     if gemm == "o":
         return x, None
-    if mode.act_bits is None:
-        block_k = quarters_input(weight, mode, x.shape[0], x.device)
-        if not block_k:
-            return x, None
-        m, k = x.shape  # column 4j + t of each K tile at t * block_k / 4 + j, as gluon_linear.quartered
-        quartered = x.view(m, k // block_k, block_k // 4, 4).transpose(-1, -2).reshape(m, k)
-        return quartered, Handover(quartered=block_k)
-    codes, scale = quantize_per_token(x, mode.act_bits)
-    sums = codes.float().view(codes.shape[0], -1, ROW_SUM_COLS).sum(-1)
-    return x, Handover(sums=sums, codes=codes, scale=scale, bits=mode.act_bits)
+    request = handover_request(weight, mode, x.shape[0], x.device)
+    if request.act_bits is not None:
+        codes, scale = quantize_per_token(x, request.act_bits)
+        sums = codes.float().view(codes.shape[0], -1, ROW_SUM_COLS).sum(-1)
+        return x, Handover(sums=sums, codes=codes, scale=scale, bits=request.act_bits)
+    if not request.quartered:
+        return x, None
+    (m, k), block_k = x.shape, request.quartered  # column 4j + t of each K tile at t * block_k / 4 + j
+    quartered = x.view(m, k // block_k, block_k // 4, 4).transpose(-1, -2).reshape(m, k)
+    return quartered, Handover(quartered=block_k)
 
 
 def measure(shape: str, ms: list[int], group_size: int = 128, modes: list[str] | None = None) -> list[dict]:

@@ -34,10 +34,11 @@ def reference_op(op: str, variant: str = "") -> Callable:
 import selfspec.kernels.reference  # noqa: E402,F401  (registers the references)
 import selfspec.kernels.cpu  # noqa: E402,F401  (registers the CPU kernels of the integer formats)
 import selfspec.kernels.gpu  # noqa: E402,F401  (registers the Triton kernels where Triton can run)
-from selfspec.kernels.ops import (Handover, attention, linear, packed_attention, quantized_attention,  # noqa: E402
-                                  quantizes_input, quarters_input, rms_norm, rms_norm_handover, rope_and_store,
-                                  swiglu, swiglu_handover, tree_attention)
+from selfspec.kernels.ops import (Handover, HandoverRequest, attention, handover_request, linear,  # noqa: E402
+                                  packed_attention, quantized_attention, quantizes_input, quarters_input, rms_norm,
+                                  rms_norm_handover, rope_and_store, swiglu, swiglu_handover, tree_attention)
 
-__all__ = ["register", "lookup", "reference_op", "Handover", "linear", "quantizes_input", "quarters_input",
+__all__ = ["register", "lookup", "reference_op", "Handover", "HandoverRequest", "handover_request", "linear",
+           "quantizes_input", "quarters_input",
            "rms_norm", "rms_norm_handover", "rope_and_store", "attention", "packed_attention", "quantized_attention",
            "swiglu", "swiglu_handover", "tree_attention"]

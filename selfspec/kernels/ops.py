@@ -38,6 +38,15 @@ class Handover:
         return bits is not None and self.codes is not None and self.bits == bits
 
 
+@dataclass(frozen=True)
+class HandoverRequest:
+    """What a linear asks of the op that writes its input x (`handover_request`), which that op does in its one pass
+    over x where its device can, and reports in the `Handover` it returns: x's codes at `act_bits` (None: none), x
+    written with each K tile of `quartered` columns quartered (0: in order)."""
+    act_bits: int | None = None
+    quartered: int = 0
+
+
 def linear(x: torch.Tensor, weight: QuantWeight, mode: Mode, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, handover: Handover | None = None) -> torch.Tensor:
     """x @ W^T (+ bias), W read as `mode` says; + residual, when given, in the same pass over the output. handover:
@@ -64,6 +73,12 @@ def quarters_input(weight: QuantWeight, mode: Mode, rows: int, device: torch.dev
     return kernels.lookup("quarters_input", "", device.type)(weight, mode, rows, device)
 
 
+def handover_request(weight: QuantWeight, mode: Mode, rows: int, device: torch.device) -> HandoverRequest:
+    """What `linear` of x [rows, K] on `device` in `mode` asks of the op writing x (`quantizes_input`,
+    `quarters_input`)."""
+    return HandoverRequest(quantizes_input(weight, mode), quarters_input(weight, mode, rows, device))
+
+
 def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """x @ blockdiag(h, ..., h) along the last dim: the Hadamard rotation of activations (quant/rotation.py)."""
     return kernels.lookup("rotate", "", x.device.type)(x, h)
@@ -73,13 +88,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return kernels.lookup("rms_norm", "", x.device.type)(x, weight, eps)
 
 
-def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float, act_bits: int | None = None,
-                      quartered: int = 0) -> tuple[torch.Tensor, Handover | None]:
-    """rms_norm, and what it hands the linear that reads its output where the device's GEMMs take it (`Handover`):
-    with act_bits (the linear's `quantizes_input`) its codes; with `quartered` (the linear's `quarters_input`) the
-    output itself in that order, where the device writes it so (Handover.quartered says). None where the device
-    takes none."""
-    return kernels.lookup("rms_norm_handover", "", x.device.type)(x, weight, eps, act_bits, quartered)
+def rms_norm_handover(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      request: HandoverRequest = HandoverRequest()) -> tuple[torch.Tensor, Handover | None]:
+    """rms_norm, and what it hands the linear that reads its output where the device's GEMMs take it (`Handover`),
+    as that linear's `request` asks: its codes; the output itself quartered, where the device writes it so
+    (Handover.quartered says). None where the device takes none."""
+    return kernels.lookup("rms_norm_handover", "", x.device.type)(x, weight, eps, request.act_bits,
+                                                                  request.quartered)
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -96,10 +111,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return kernels.lookup("swiglu", "", gate.device.type)(gate, up)
 
 
-def swiglu_handover(gate: torch.Tensor, up: torch.Tensor, act_bits: int | None = None,
-                    quartered: int = 0) -> tuple[torch.Tensor, Handover | None]:
+def swiglu_handover(gate: torch.Tensor, up: torch.Tensor,
+                    request: HandoverRequest = HandoverRequest()) -> tuple[torch.Tensor, Handover | None]:
     """swiglu, and what it hands the linear that reads its output (as `rms_norm_handover`)."""
-    return kernels.lookup("swiglu_handover", "", gate.device.type)(gate, up, act_bits, quartered)
+    return kernels.lookup("swiglu_handover", "", gate.device.type)(gate, up, request.act_bits, request.quartered)
 
 
 def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
