@@ -89,25 +89,3 @@ def test_the_draft_model_peer_part_reports_each_recipes_mean_and_a_figure(tmp_pa
     assert "| ngram (recycle-tree -> full) | 5 | 2 | 800.0 | 1.60x |" in text
     assert "| draft-model (full -> full) | 5 | 2 | 420.0 | 0.88x |" in text
     assert (tmp_path / "self_drafts_vs_draft_model.png").stat().st_size > 10_000
-
-
-def test_gemm_bench_hands_each_gemm_x_as_the_model_does(monkeypatch):
-    """The GEMM bench gives each GEMM x as the model's norm and swiglu write it: quartered where the GEMM would quarter
-    it (here a device that quarters by 64), codes with int8 activations, and o (written by attention) x as it is."""
-    from selfspec import kernels
-    from selfspec.bench import gemm
-    from selfspec.quant.formats import quantize_weight
-    from selfspec.quant.modes import MODES, prompt_mode
-
-    monkeypatch.setitem(kernels._TABLE, ("quarters_input", "", "cpu"), lambda weight, mode, rows, device: 64)
-    torch.manual_seed(3)
-    x = torch.randn(5, 256).bfloat16()
-    weight = quantize_weight(torch.randn(32, 256) * 0.02, "int4", 64)
-    given_x, given = gemm.handed_over("qkv", x, weight, prompt_mode(MODES["w4a16"]))
-    assert given.quartered == 64 and given.codes is None
-    assert torch.equal(given_x[:, 2 * 64 + 3 * 16 + 5], x[:, 2 * 64 + 4 * 5 + 3])  # tile 2, quarter 3, column 5
-    assert torch.equal(given_x.sort(dim=1).values, x.sort(dim=1).values)
-    o_x, o_given = gemm.handed_over("o", x, weight, prompt_mode(MODES["w4a16"]))
-    assert o_x is x and o_given is None
-    act_x, act_given = gemm.handed_over("down", x, weight, MODES["w4a8"])
-    assert act_x is x and act_given.bits == 8 and not act_given.quartered and act_given.codes.shape == x.shape

@@ -1096,6 +1096,32 @@ def test_quantized_attention_reads_paged_blocks(fmt, upper, monkeypatch):
     assert torch.equal(alone, out[1:, :, 2:])
 
 
+def test_gemm_bench_hands_each_gemm_x_as_the_model_does(monkeypatch):
+    """The GEMM bench gives each GEMM x as the model's norm and swiglu write it, through the device's own norm: x
+    quartered where the GEMM would quarter it (here a device that quarters by 64), codes with int8 activations, and
+    o (written by attention) x as it is."""
+    from selfspec import kernels
+    from selfspec.bench import gemm
+    from selfspec.kernels import gluon_linear
+    from selfspec.quant.modes import prompt_mode
+
+    monkeypatch.setattr(kernels, "_TABLE", {**kernels._TABLE, **{
+        (op, variant, "cpu"): fn for (op, variant, device), fn in kernels._TABLE.items() if device == "cuda"}})
+    monkeypatch.setitem(kernels._TABLE, ("quarters_input", "", "cpu"), lambda weight, mode, rows, device: 64)
+    torch.manual_seed(3)
+    x = torch.randn(5, 256).bfloat16()
+    normed = triton_small.rms_norm(x, torch.ones(256, dtype=x.dtype), 1e-6)
+    weight = quantize_weight(torch.randn(32, 256) * 0.02, "int4", 64)
+    given_x, given = gemm.handed_over("qkv", x, weight, prompt_mode(MODES["w4a16"]))
+    assert given.quartered == 64 and given.codes is None
+    assert torch.equal(given_x, gluon_linear.quartered(normed, 64))
+    o_x, o_given = gemm.handed_over("o", x, weight, prompt_mode(MODES["w4a16"]))
+    assert o_x is x and o_given is None
+    act_x, act_given = gemm.handed_over("down", x, weight, MODES["w4a8"])
+    assert torch.equal(act_x, normed) and act_given.bits == 8 and not act_given.quartered
+    assert act_given.codes.shape == x.shape and act_given.sums is not None
+
+
 # --- the model on the Triton kernels
 
 

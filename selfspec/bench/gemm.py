@@ -17,9 +17,7 @@ import torch
 
 from selfspec.bench.device import copies_past_l2, copy_bandwidth, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
-from selfspec.kernels import Handover, handover_request, linear
-from selfspec.kernels.ops import ROW_SUM_COLS
-from selfspec.quant.act import quantize_per_token
+from selfspec.kernels import Handover, handover_request, linear, rms_norm_handover
 from selfspec.quant.formats import QuantWeight, quantize_weight, storage_supports
 from selfspec.quant.modes import MODES, Mode, prompt_mode
 
@@ -32,22 +30,15 @@ FIRST_STORAGE = {m: s for s, m in reversed(PAIRS)}  # a mode's row is named by t
 
 
 def handed_over(gemm: str, x: torch.Tensor, weight: QuantWeight, mode: Mode) -> tuple[torch.Tensor, Handover | None]:
-    """x as the model's block hands it to this GEMM, and what comes with it (model.py), from the norm or swiglu
-    that wrote x: with int8 activations x's codes (as act_quant makes them) and their sums per ROW_SUM_COLS columns;
-    with bf16 activations x quartered where the GEMM would quarter it (`handover_request`). Attention hands o nothing:
-    a token's scale needs all its heads, so o quantizes (and quarters) its input itself."""
+    """x as the model's block hands it to this GEMM, and what comes with it: x through the device's norm (unit
+    weight), which does for the GEMM what its `handover_request` asks of the op writing x, as the model's norms and
+    swiglu do (model.py): with int8 activations x's codes and their row sums, with bf16 activations x quartered
+    where the GEMM would quarter it. Attention hands o nothing: a token's scale needs all its heads, so o quantizes
+    (and quarters) its input itself."""
     if gemm == "o":
         return x, None
     request = handover_request(weight, mode, x.shape[0], x.device)
-    if request.act_bits is not None:
-        codes, scale = quantize_per_token(x, request.act_bits)
-        sums = codes.float().view(codes.shape[0], -1, ROW_SUM_COLS).sum(-1)
-        return x, Handover(sums=sums, codes=codes, scale=scale, bits=request.act_bits)
-    if not request.quartered:
-        return x, None
-    (m, k), block_k = x.shape, request.quartered  # column 4j + t of each K tile at t * block_k / 4 + j
-    quartered = x.view(m, k // block_k, block_k // 4, 4).transpose(-1, -2).reshape(m, k)
-    return quartered, Handover(quartered=block_k)
+    return rms_norm_handover(x, torch.ones(x.shape[-1], dtype=x.dtype, device=x.device), 1e-6, request)
 
 
 def measure(shape: str, ms: list[int], group_size: int = 128, modes: list[str] | None = None) -> list[dict]:
