@@ -1296,8 +1296,7 @@ def scratch_linear(x2: torch.Tensor, weight: QuantWeight, fmt: int, bias: torch.
     dense = replace(dense, warp_specialized=True)  # Gluon's: the chunks' total in registers (Triton's tiles spill)
     w, scale = quartered_scratch(weight, fmt)
     xq = x2 if x_quartered else gluon_linear.quartered(x2, cfg.block_k)
-    return _run(xq, None, (w, None, scale, None), n, 0, DENSE.value, False, bias,
-                dense, r2)
+    return _run(xq, None, (w, None, scale, None), n, 0, DENSE.value, False, bias, dense, r2)
 
 
 def quartered_scratch(weight: QuantWeight, fmt: int) -> tuple[torch.Tensor, torch.Tensor | None]:
