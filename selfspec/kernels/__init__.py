@@ -39,6 +39,5 @@ from selfspec.kernels.ops import (Handover, HandoverRequest, attention, handover
                                   rms_norm_handover, rope_and_store, swiglu, swiglu_handover, tree_attention)
 
 __all__ = ["register", "lookup", "reference_op", "Handover", "HandoverRequest", "handover_request", "linear",
-           "quantizes_input", "quarters_input",
-           "rms_norm", "rms_norm_handover", "rope_and_store", "attention", "packed_attention", "quantized_attention",
-           "swiglu", "swiglu_handover", "tree_attention"]
+           "quantizes_input", "quarters_input", "rms_norm", "rms_norm_handover", "rope_and_store", "attention",
+           "packed_attention", "quantized_attention", "swiglu", "swiglu_handover", "tree_attention"]

@@ -1219,7 +1219,8 @@ def quarters_x(weight: QuantWeight, mode: Mode, rows: int, device: torch.device)
     group = getattr(weight, "group_size", 0)
     if mode.prompt:
         return dequantize_block_k(fmt, group) if takes_prompt_kernel(weight, fmt, device) else 0
-    (n, k), cfg = weight.shape, tile_config(fmt, False, weight.shape[0], weight.shape[1], group, rows)
+    n, k = weight.shape
+    cfg = tile_config(fmt, False, n, k, group, rows)
     if takes_scratch(fmt, False, group, cfg, (rows, k), device):
         return cfg.block_k
     return cfg.block_k if quarters_in_run(fmt, False, group, cfg, weight.scale, n, k, device) else 0

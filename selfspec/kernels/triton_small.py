@@ -103,8 +103,8 @@ def _sums_buffer(rows: int, d: int, like: torch.Tensor) -> torch.Tensor | None:
 def _handover_buffers(rows: int, d: int, like: torch.Tensor, act_bits: int | None,
                       quartered: int = 0) -> ops.Handover:
     """Empty buffers for what a producer of x [rows, d] hands its linear: with act_bits its codes, their scales and
-    the codes' sums; for bf16 activations at most x quartered (which only the linear's prompt path asks for, and
-    which takes no codes: `quarters_input`)."""
+    the codes' sums; for bf16 activations x quartered where asked (`quarters_input`, prompt or generated rows) and
+    d is whole tiles of it."""
     if act_bits is None:
         return ops.Handover(quartered=quartered if quartered and d % quartered == 0 else 0)
     return ops.Handover(sums=_sums_buffer(rows, d, like),
