@@ -12,30 +12,30 @@ pytest.importorskip("triton")
 
 
 def test_many_tokens_of_nibble_formats_with_bf16_activations_take_it():
-    from selfspec.kernels import triton_linear
-    fmt = {name: getattr(triton_linear, name).value for name in ("DENSE", "INT8", "INT4", "UPPER", "FULL")}
-    rows = triton_linear.WARP_SPECIALIZED_ROWS["nibble"]
+    from selfspec.kernels import linear_tiles
+    fmt = {name: getattr(linear_tiles, name).value for name in ("DENSE", "INT8", "INT4", "UPPER", "FULL")}
+    rows = linear_tiles.WARP_SPECIALIZED_ROWS["nibble"]
     for f in ("INT4", "UPPER", "FULL"):
-        assert triton_linear.tile_config(fmt[f], False, 4096, 4096, 128, rows).warp_specialized
-        assert not triton_linear.tile_config(fmt[f], False, 4096, 4096, 128, rows - 1).warp_specialized
-    act = triton_linear.WARP_SPECIALIZED_ROWS["nibble-act"]  # w4a8, w4a4: INT4 codes on the int8 tensor cores
-    assert triton_linear.tile_config(fmt["INT4"], True, 4096, 4096, 128, act).warp_specialized
-    assert not triton_linear.tile_config(fmt["INT4"], True, 4096, 4096, 128, act - 1).warp_specialized
-    int8 = triton_linear.WARP_SPECIALIZED_ROWS["int8"]  # w8a16: INT8 codes as 32-bit words, as the decode tiles
-    assert triton_linear.tile_config(fmt["INT8"], False, 4096, 4096, 0, int8).warp_specialized
-    assert not triton_linear.tile_config(fmt["INT8"], False, 4096, 4096, 0, int8 - 1).warp_specialized
-    cfg = triton_linear.tile_config(fmt["INT8"], False, 4096, 4096, 0, 1)
-    assert cfg.block_k == 128 and triton_linear.reads_words(fmt["INT8"], False, 0, cfg)
-    assert not triton_linear.reads_words(fmt["INT8"], True, 0, cfg)  # w8a8: int8 dots, exact
-    assert triton_linear.tile_config(fmt["INT8"], True, 4096, 4096, 0, 1024).warp_specialized  # w8a8
-    assert not triton_linear.tile_config(fmt["INT8"], True, 4096, 4096, 0, 192).warp_specialized
-    assert not triton_linear.tile_config(fmt["FULL"], True, 4096, 4096, 128, 1024).warp_specialized  # planes, int8
+        assert linear_tiles.tile_config(fmt[f], False, 4096, 4096, 128, rows).warp_specialized
+        assert not linear_tiles.tile_config(fmt[f], False, 4096, 4096, 128, rows - 1).warp_specialized
+    act = linear_tiles.WARP_SPECIALIZED_ROWS["nibble-act"]  # w4a8, w4a4: INT4 codes on the int8 tensor cores
+    assert linear_tiles.tile_config(fmt["INT4"], True, 4096, 4096, 128, act).warp_specialized
+    assert not linear_tiles.tile_config(fmt["INT4"], True, 4096, 4096, 128, act - 1).warp_specialized
+    int8 = linear_tiles.WARP_SPECIALIZED_ROWS["int8"]  # w8a16: INT8 codes as 32-bit words, as the decode tiles
+    assert linear_tiles.tile_config(fmt["INT8"], False, 4096, 4096, 0, int8).warp_specialized
+    assert not linear_tiles.tile_config(fmt["INT8"], False, 4096, 4096, 0, int8 - 1).warp_specialized
+    cfg = linear_tiles.tile_config(fmt["INT8"], False, 4096, 4096, 0, 1)
+    assert cfg.block_k == 128 and linear_tiles.reads_words(fmt["INT8"], False, 0, cfg)
+    assert not linear_tiles.reads_words(fmt["INT8"], True, 0, cfg)  # w8a8: int8 dots, exact
+    assert linear_tiles.tile_config(fmt["INT8"], True, 4096, 4096, 0, 1024).warp_specialized  # w8a8
+    assert not linear_tiles.tile_config(fmt["INT8"], True, 4096, 4096, 0, 192).warp_specialized
+    assert not linear_tiles.tile_config(fmt["FULL"], True, 4096, 4096, 128, 1024).warp_specialized  # planes, int8
     # bf16: past 192 rows where K is walked whole (gate/up: one chunk); up to 512 rows where it is split (o: four)
-    dense = triton_linear.WARP_SPECIALIZED_ROWS["bf16"]
-    assert triton_linear.tile_config(fmt["DENSE"], False, 28672, 4096, 0, 4096).warp_specialized
-    assert not triton_linear.tile_config(fmt["DENSE"], False, 28672, 4096, 0, dense - 1).warp_specialized
-    assert triton_linear.tile_config(fmt["DENSE"], False, 4096, 4096, 0, 512).warp_specialized
-    assert not triton_linear.tile_config(fmt["DENSE"], False, 4096, 4096, 0, 513).warp_specialized
+    dense = linear_tiles.WARP_SPECIALIZED_ROWS["bf16"]
+    assert linear_tiles.tile_config(fmt["DENSE"], False, 28672, 4096, 0, 4096).warp_specialized
+    assert not linear_tiles.tile_config(fmt["DENSE"], False, 28672, 4096, 0, dense - 1).warp_specialized
+    assert linear_tiles.tile_config(fmt["DENSE"], False, 4096, 4096, 0, 512).warp_specialized
+    assert not linear_tiles.tile_config(fmt["DENSE"], False, 4096, 4096, 0, 513).warp_specialized
 
 
 def test_it_needs_hopper_and_group_major_affines():

@@ -44,12 +44,12 @@ def test_int4g_tiles_compile_for_sm_90():
     activations in the nibble kernel's tiles and its warp-specialized kernel (no spills, wgmma not serialized)."""
     code = ("from dataclasses import replace\n"
             "from selfspec.bench import kernel_resources as kr\n"
-            "from selfspec.kernels import triton_linear as tlin\n"
-            "fmt = tlin.INT4G.value\n"
+            "from selfspec.kernels import linear_tiles\n"
+            "fmt = linear_tiles.INT4G.value\n"
             "for mode, m, n in (('w4a8', 1, 6144), ('w4a8', 1, 28672), ('w4a4', 64, 4096), ('w4a16', 1, 6144),\n"
             "                   ('w4a16', 300, 4096)):\n"
             "    act = mode != 'w4a16'\n"
-            "    cfg = tlin.tile_config(fmt, act, n, 4096, 128, m)\n"
+            "    cfg = linear_tiles.tile_config(fmt, act, n, 4096, 128, m)\n"
             "    r = kr.resources(kr.compile_linear(mode, cfg, fmt=fmt))\n"
             "    print(mode, m, cfg.split_k, r.stack_bytes, r.mma)\n")
     rows = [line.split() for line in run_code(code).splitlines()]
@@ -57,9 +57,10 @@ def test_int4g_tiles_compile_for_sm_90():
     # tile at many rows, which spills as int4's own (912 bytes a thread; past 128 rows int4 runs warp-specialized)
     assert [r[4] for r in rows] == ["mma.sync", "mma.sync", "wgmma", "mma.sync", "wgmma"]
     code = ("from selfspec.bench import kernel_resources as kr\n"
-            "from selfspec.kernels import triton_linear as tlin\n"
+            "from selfspec.kernels import linear_tiles\n"
             "for ip, partial in ((True, False), (False, True)):\n"
-            "    k = kr.compile_warp_specialized('w4a16', in_program=ip, partial=partial, fmt=tlin.INT4G.value)\n"
+            "    k = kr.compile_warp_specialized('w4a16', in_program=ip, partial=partial,\n"
+            "                                    fmt=linear_tiles.INT4G.value)\n"
             "    print(kr.resources(k).stack_bytes, kr.wgmma_serialized(k))\n")
     assert run_code(code).split() == ["0", "False", "0", "False"]  # the warp-specialized nibble kernel's INT4G
 
@@ -158,9 +159,9 @@ def test_the_k_loop_of_a_decode_tile_issues_its_mma_instructions():
     K tile (BLOCK_M 16 x BLOCK_N x BLOCK_K over 16 x 8 x 16), among the instructions that build the weights; the
     --shape report gives the count."""
     code = ("from selfspec.bench import kernel_resources as kr\n"
-            "from selfspec.kernels import triton_linear as tlin\n"
+            "from selfspec.kernels import linear_tiles\n"
             "for mode, n in (('full', 28672), ('upper', 6144), ('w4a16', 28672)):\n"
-            "    cfg = tlin.decode_config(kr.FORMATS[mode], False, n, 4096, 128)\n"
+            "    cfg = linear_tiles.decode_config(kr.FORMATS[mode], False, n, 4096, 128)\n"
             "    loop = kr.mma_loop(kr.compile_linear(mode, cfg))\n"
             "    share = (cfg.block_n // 8) * (cfg.block_k // 16) // cfg.num_warps\n"
             "    print(loop.ops['HMMA'], share, loop.instructions, loop.ops.get('HFMA2', 0))\n")
@@ -180,10 +181,10 @@ def test_nibble_tiles_keep_their_shared_tiles_swizzled():
     buffer with no swizzle (x loaded whole and permuted in registers, as session 33's quarter-order patch first did)
     made the decode tiles 1.3-2.3x slower on an H100 with as many instructions."""
     code = ("from selfspec.bench import kernel_resources as kr\n"
-            "from selfspec.kernels import triton_linear as tlin\n"
+            "from selfspec.kernels import linear_tiles\n"
             "for mode in ('w4a16', 'upper', 'full', 'w4a8'):\n"
             "    for m in (1, 96):\n"
-            "        cfg = tlin.tile_config(kr.FORMATS[mode], mode == 'w4a8', 6144, 4096, 128, m)\n"
+            "        cfg = linear_tiles.tile_config(kr.FORMATS[mode], mode == 'w4a8', 6144, 4096, 128, m)\n"
             "        print(mode, m, cfg.block_m, kr.unswizzled_tiles(kr.compile_linear(mode, cfg)))\n")
     rows = run_code(code).splitlines()
     assert len(rows) == 8 and {r.split()[2] for r in rows} == {"16", "64"}, rows
@@ -231,9 +232,9 @@ def test_nibble_decode_tiles_read_shared_memory_without_bank_conflicts():
     """Every modelled read of a shared tile in the nibble kernel's decode tiles (16 rows) takes its least
     wavefronts: x's tile and the weight's, for the bf16-activation builds and the int8 ones, and w8a16's words."""
     code = ("from selfspec.bench import kernel_resources as kr\n"
-            "from selfspec.kernels import triton_linear as tlin\n"
+            "from selfspec.kernels import linear_tiles\n"
             "for mode in ('w4a16', 'upper', 'full', 'w4a8', 'w8a16'):\n"
-            "    cfg = tlin.tile_config(kr.FORMATS[mode], mode == 'w4a8', 6144, 4096, 128, 16)\n"
+            "    cfg = linear_tiles.tile_config(kr.FORMATS[mode], mode == 'w4a8', 6144, 4096, 128, 16)\n"
             "    loads = kr.shared_loads(kr.compile_linear(mode, cfg))\n"
             "    print(mode, len(loads), all(r.wavefronts == r.least for r in loads))\n")
     rows = [line.split() for line in run_code(code).splitlines()]
@@ -245,9 +246,9 @@ def test_nibble_decode_tiles_read_shared_memory_without_bank_conflicts():
 def test_64_row_nibble_tiles_read_x_without_bank_conflicts():
     """The 64-row tiles of `full` and w4a8 (x by TMA) read x's box at its least wavefronts: its rows in bank order."""
     code = ("from selfspec.bench import kernel_resources as kr\n"
-            "from selfspec.kernels import triton_linear as tlin\n"
+            "from selfspec.kernels import linear_tiles\n"
             "for mode in ('full', 'w4a8'):\n"
-            "    cfg = tlin.tile_config(kr.FORMATS[mode], mode == 'w4a8', 6144, 4096, 128, 96)\n"
+            "    cfg = linear_tiles.tile_config(kr.FORMATS[mode], mode == 'w4a8', 6144, 4096, 128, 96)\n"
             "    loads = kr.shared_loads(kr.compile_linear(mode, cfg))\n"
             "    print(mode, cfg.block_m, len(loads), all(r.wavefronts == r.least for r in loads))\n")
     assert [line.split() for line in run_code(code).splitlines()] == [["full", "64", "1", "True"],

@@ -25,6 +25,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from selfspec.errors import SelfspecError  # noqa: E402
 from selfspec.kernels import Handover, reference, reference_op, semaphores, triton_attention  # noqa: E402
 from selfspec.kernels import triton_linear, triton_quant_attention, triton_small  # noqa: E402
+from selfspec.kernels import linear_tiles
 from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
@@ -581,14 +582,14 @@ def test_int8_activations_in_groups_of_32(storage, mode_name):
     torch.manual_seed(12)
     mode = MODES[mode_name]
     weight = quantize_weight(torch.randn(40, 96), storage, 32)
-    assert not triton_linear.uses_nibble_kernel(triton_linear.kernel_format(weight, mode), True, 32)
+    assert not linear_tiles.uses_nibble_kernel(triton_linear.kernel_format(weight, mode), True, 32)
     x = torch.randn(5, 96).bfloat16()
     y = triton_linear.linear(x, weight, mode, None)
     assert rel_err(y, linear_oracle(x, weight, mode, None)) < TOL
     assert torch.equal(triton_linear.linear(x[2:3], weight, mode, None), y[2:3])
 
 
-def launch(x: torch.Tensor, weight, mode, cfg: triton_linear.TileConfig) -> torch.Tensor:
+def launch(x: torch.Tensor, weight, mode, cfg: linear_tiles.TileConfig) -> torch.Tensor:
     """The kernel under one tile config, with the activation quantization `linear` does first."""
     fmt, act = triton_linear.kernel_format(weight, mode), mode.act_bits is not None
     xq, xs = triton_linear.act_quant(x, mode.act_bits) if act else (x, None)
@@ -606,7 +607,7 @@ def test_tile_configs_compute_the_same_linear(storage, mode_name):
     x = torch.randn(3, 256).bfloat16()
     oracle = linear_oracle(x, weight, mode, None)
     for split, swap in ((1, False), (3, True), (8, False), (1, True)):  # 3 leaves the last split a shorter K range
-        y = launch(x, weight, mode, triton_linear.TileConfig(block_n=16, block_k=64, split_k=split, swap=swap))
+        y = launch(x, weight, mode, linear_tiles.TileConfig(block_n=16, block_k=64, split_k=split, swap=swap))
         assert rel_err(y, oracle) < TOL, f"split {split} swap {swap}"
     assert not semaphores._COUNTS[x.device].any()  # every split launch left its tile counts at zero
 
@@ -623,24 +624,24 @@ def test_many_token_tiles_keep_every_rows_bits(storage, mode_name):
                              storage, 64)
     x = torch.randn(20, 256).bfloat16()
     swap = storage == "planes" and mode.act_bits is not None
-    split = triton_linear.TileConfig(block_n=16, block_k=64, split_k=3, swap=swap)
+    split = linear_tiles.TileConfig(block_n=16, block_k=64, split_k=3, swap=swap)
     y = launch(x, weight, mode, split)
     for cfg in (replace(split, in_program=True), replace(split, block_m=32, block_n=32, in_program=True)):
         assert torch.equal(launch(x, weight, mode, cfg), y), cfg
     fmt, act = triton_linear.kernel_format(weight, mode), mode.act_bits is not None
-    kind = triton_linear.kernel_kind(fmt, act, 64, 40)  # the kind past decode's rows
-    retiled = kind in triton_linear.MANY_TOKENS and not swap
-    first = triton_linear.MANY_TOKENS.get(kind, [(64, None, None)])[0]
+    kind = linear_tiles.kernel_kind(fmt, act, 64, 40)  # the kind past decode's rows
+    retiled = kind in linear_tiles.MANY_TOKENS and not swap
+    first = linear_tiles.MANY_TOKENS.get(kind, [(64, None, None)])[0]
     for m in (40, first[0] + 16):  # past decode's BLOCK_M: in the first bucket and past it
         x = torch.randn(m, 256).bfloat16()
         grows = retiled and (m > first[0] or first[1] is not None)
-        assert (triton_linear.tile_config(fmt, act, 40, 256, 64, m).block_m > triton_linear.BLOCK_M) == grows
+        assert (linear_tiles.tile_config(fmt, act, 40, 256, 64, m).block_m > linear_tiles.BLOCK_M) == grows
         y = triton_linear.linear(x, weight, mode, None)
         for i in (0, m - 1):
             assert torch.equal(y[i], triton_linear.linear(x[i:i + 1], weight, mode, None)[0])
     if storage == "dense":  # past 256 rows: the last bucket's wider tiles and K tiles of 64
         x = torch.randn(300, 256).bfloat16()
-        assert triton_linear.tile_config(fmt, act, 40, 256, 64, 300).block_k == 64
+        assert linear_tiles.tile_config(fmt, act, 40, 256, 64, 300).block_k == 64
         y = triton_linear.linear(x, weight, mode, None)
         for i in (0, 299):
             assert torch.equal(y[i], triton_linear.linear(x[i:i + 1], weight, mode, None)[0])
@@ -657,11 +658,11 @@ def test_nibble_linear_dequantizes_the_reference_weight(storage, mode_name, grou
     mode = MODES[mode_name]
     weight = quantize_weight(torch.randn(40, 256), storage, group)
     fmt = triton_linear.kernel_format(weight, mode)
-    assert not triton_linear.takes_row_sums(fmt, False, group, triton_linear.decode_config(fmt, False, 40, 256, group))
+    assert not linear_tiles.takes_row_sums(fmt, False, group, linear_tiles.decode_config(fmt, False, 40, 256, group))
     w = weight.dequantize(mode).bfloat16().float()
     x = torch.randn(200, 256).bfloat16()
     y = triton_linear.linear(x, weight, mode, None)
-    assert triton_linear.tile_config(fmt, False, 40, 256, group, 200).block_m > triton_linear.BLOCK_M
+    assert linear_tiles.tile_config(fmt, False, 40, 256, group, 200).block_m > linear_tiles.BLOCK_M
     product = (x.float() @ w.t()).bfloat16().float()
     last_bit = torch.exp2(torch.floor(torch.log2(product.abs().clamp_min(1e-30))) - 7)
     assert ((y.float() - product).abs() <= last_bit).all()
@@ -683,7 +684,7 @@ def test_int8_activations_take_their_codes_row_sums_from_act_quant(mode_name, gr
     xq, xs, sums = triton_linear._act_quant(x, mode.act_bits, sums=True)
     assert torch.equal(sums.double(), row_sums_oracle(xq))
     assert torch.equal(xq, triton_linear.act_quant(x, mode.act_bits)[0])
-    cfg = triton_linear.tile_config(fmt, True, 40, 256, group, 20)
+    cfg = linear_tiles.tile_config(fmt, True, 40, 256, group, 20)
     with_dot = triton_linear._launch(xq, xs, weight, fmt, True, None, cfg)
     assert torch.equal(triton_linear._launch(xq, xs, weight, fmt, True, None, cfg, sums=sums), with_dot)
     assert torch.equal(triton_linear.linear(x, weight, mode, None), with_dot)
@@ -717,8 +718,8 @@ def test_nibble_codes_by_bytes_in_groups_of_32(storage, mode_name):
     mode = MODES[mode_name]
     weight = quantize_weight(torch.randn(40, 192), storage, 32)
     fmt = triton_linear.kernel_format(weight, mode)
-    cfg = triton_linear.tile_config(fmt, False, 40, 192, 32, 5)
-    assert cfg.block_k == 32 and not triton_linear.reads_words(fmt, False, 32, cfg)
+    cfg = linear_tiles.tile_config(fmt, False, 40, 192, 32, 5)
+    assert cfg.block_k == 32 and not linear_tiles.reads_words(fmt, False, 32, cfg)
     x = torch.randn(5, 192).bfloat16()
     y = triton_linear.linear(x, weight, mode, None)
     assert rel_err(y, linear_oracle(x, weight, mode, None)) < TOL
@@ -745,8 +746,8 @@ def test_x_by_tma_in_64_row_tiles_reads_rows_past_m_as_zeros(storage, mode_name)
     torch.manual_seed(13)
     mode = MODES[mode_name]
     weight = quantize_weight(torch.randn(32, 256), storage, 128)
-    cfg = triton_linear.TileConfig(block_n=16, block_k=64, split_k=2, block_m=64)
-    assert triton_linear.x_by_tma(triton_linear.kernel_format(weight, mode), mode.act_bits is not None, cfg)
+    cfg = linear_tiles.TileConfig(block_n=16, block_k=64, split_k=2, block_m=64)
+    assert linear_tiles.x_by_tma(triton_linear.kernel_format(weight, mode), mode.act_bits is not None, cfg)
     x = torch.randn(70, 256).bfloat16()
     y = launch(x, weight, mode, cfg)
     assert rel_err(y, linear_oracle(x, weight, mode, None)) < TOL
@@ -763,7 +764,7 @@ def test_group_affine_in_any_layout_and_groups_over_several_tiles(storage, mode_
     weight = quantize_weight(torch.randn(48, 512), storage, 256)
     assert weight.scale.stride() == weight.lo.stride() == (1, 48)
     x = torch.randn(5, 512).bfloat16()
-    cfg = triton_linear.TileConfig(block_n=16, block_k=64, split_k=1)
+    cfg = linear_tiles.TileConfig(block_n=16, block_k=64, split_k=1)
     y = launch(x, weight, mode, cfg)
     assert rel_err(y, linear_oracle(x, weight, mode, None)) < TOL
     weight.scale, weight.lo = weight.scale.contiguous(), weight.lo.contiguous()
@@ -798,7 +799,7 @@ def test_group_affine_loads_stay_inside_their_tensors():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(interpreter.InterpreterBuilder, "create_masked_load", record_masked)
         mp.setattr(interpreter.InterpreterBuilder, "create_load", record)
-        y = launch(x, weight, MODES["w4a16"], triton_linear.TileConfig(block_n=16, block_k=64, split_k=8))
+        y = launch(x, weight, MODES["w4a16"], linear_tiles.TileConfig(block_n=16, block_k=64, split_k=8))
     assert rel_err(y, oracle) < TOL
     scale_start = weight.scale.data_ptr()
     assert any(scale_start <= a < scale_start + weight.scale.nbytes for a in touched)  # the loads were seen
@@ -811,9 +812,9 @@ def test_nibble_tiles_per_program_stay_bounded():
     more than MAX_TILES_PER_PROGRAM tiles, at any model's shapes."""
     for n, k, group in [(n, k, g) for n in (64, 896, 4096, 28672, 151936) for k in (192, 896, 4096, 4864, 14336, 18944)
                         for g in (32, 64, 128) if k % g == 0]:
-        cfg = triton_linear.tile_config(triton_linear.INT4.value, False, n, k, group)
+        cfg = linear_tiles.tile_config(linear_tiles.INT4.value, False, n, k, group)
         tiles = -(-k // cfg.block_k)
-        assert -(-tiles // cfg.split_k) <= triton_linear.MAX_TILES_PER_PROGRAM, (n, k, group, cfg)
+        assert -(-tiles // cfg.split_k) <= linear_tiles.MAX_TILES_PER_PROGRAM, (n, k, group, cfg)
         assert cfg.split_k & (cfg.split_k - 1) == 0 and cfg.block_k <= group
 
 
@@ -845,10 +846,10 @@ def test_rotate_matches_reference_and_is_batch_invariant():
 
 def test_many_token_tiles_fill_the_last_wave():
     """Of the tiles a bucket offers, the one whose last wave of programs is fullest; the larger on a tie."""
-    wide, narrow = (triton_linear.TileConfig(n, 64, 1, 8, 3, block_m=128) for n in (256, 128))
-    assert triton_linear.fullest_wave([wide, narrow], 1024, 6144) == narrow  # 192 programs (1.45 waves) vs 384
-    assert triton_linear.fullest_wave([wide, narrow], 4096, 6144) == wide  # 768 vs 1536 programs: both 97% full
-    assert triton_linear.tile_config(triton_linear.DENSE.value, False, 6144, 4096, 0, 1024).block_n == 128
+    wide, narrow = (linear_tiles.TileConfig(n, 64, 1, 8, 3, block_m=128) for n in (256, 128))
+    assert linear_tiles.fullest_wave([wide, narrow], 1024, 6144) == narrow  # 192 programs (1.45 waves) vs 384
+    assert linear_tiles.fullest_wave([wide, narrow], 4096, 6144) == wide  # 768 vs 1536 programs: both 97% full
+    assert linear_tiles.tile_config(linear_tiles.DENSE.value, False, 6144, 4096, 0, 1024).block_n == 128
 
 
 @pytest.mark.parametrize("n,k", [(576, 1536), (960, 576), (3072, 576), (6144, 4096), (4096, 14336)])
@@ -857,33 +858,33 @@ def test_many_token_tiles_fit_in_shared_memory(n, k, m):
     """A bf16 tile offered with K tiles of 64 keeps the decode K tile where the split's chunks do not start at
     multiples of 64 (SmolLM2's down: K = 1536 in 8 chunks of 192): 128 x 256 x 128 over 3 stages would need 288 KB
     of shared memory, so the bucket's other tile is taken."""
-    cfg = triton_linear.tile_config(triton_linear.DENSE.value, False, n, k, 0, m)
-    assert triton_linear.fits_shared(cfg, triton_linear.DENSE.value, False)
-    assert triton_linear.k_chunk(k, cfg.split_k, cfg.block_k) == triton_linear.k_chunk(
-        k, cfg.split_k, triton_linear.decode_config(triton_linear.DENSE.value, False, n, k, 0).block_k)
-    big = triton_linear.TileConfig(256, 128, 8, 8, 3, block_m=128)
-    assert not triton_linear.fits_shared(big, triton_linear.DENSE.value, False)
-    assert triton_linear.fits_shared(big, triton_linear.INT8.value, True)  # int8 x and W: half the bytes
+    cfg = linear_tiles.tile_config(linear_tiles.DENSE.value, False, n, k, 0, m)
+    assert linear_tiles.fits_shared(cfg, linear_tiles.DENSE.value, False)
+    assert linear_tiles.k_chunk(k, cfg.split_k, cfg.block_k) == linear_tiles.k_chunk(
+        k, cfg.split_k, linear_tiles.decode_config(linear_tiles.DENSE.value, False, n, k, 0).block_k)
+    big = linear_tiles.TileConfig(256, 128, 8, 8, 3, block_m=128)
+    assert not linear_tiles.fits_shared(big, linear_tiles.DENSE.value, False)
+    assert linear_tiles.fits_shared(big, linear_tiles.INT8.value, True)  # int8 x and W: half the bytes
 
 
 def test_nibble_tiles_past_256_rows_are_wgmma_tiles_even_from_wide_decode_tiles():
     """w4a16's gate/up decodes over N tiles of 256; past 256 rows it takes the 64 x 128 tiles (bits kept on the
     GPU, tests/gpu), with the decode tiles' K split."""
-    fmt = triton_linear.INT4.value
-    decode = triton_linear.decode_config(fmt, False, 28672, 4096, 128)
+    fmt = linear_tiles.INT4.value
+    decode = linear_tiles.decode_config(fmt, False, 28672, 4096, 128)
     assert decode.block_n == 256
-    many = triton_linear.tile_config(fmt, False, 28672, 4096, 128, 1024)
+    many = linear_tiles.tile_config(fmt, False, 28672, 4096, 128, 1024)
     assert (many.block_m, many.block_n, many.split_k, many.block_k) == (64, 128, decode.split_k, decode.block_k)
 
 
 def test_one_plane_decode_tiles_widen_where_the_rows_fill_more_than_a_wave():
     """An 8B down of one nibble plane: 128-wide N tiles at up to 16 rows (256-wide ones were one wave of 128
     programs), 256-wide from 17 rows (two M tiles: 256 programs); the same K split at every M, so the same bits."""
-    fmt = triton_linear.UPPER.value
-    few = triton_linear.tile_config(fmt, False, 4096, 14336, 128, 16)
-    more = triton_linear.tile_config(fmt, False, 4096, 14336, 128, 32)
+    fmt = linear_tiles.UPPER.value
+    few = linear_tiles.tile_config(fmt, False, 4096, 14336, 128, 16)
+    more = linear_tiles.tile_config(fmt, False, 4096, 14336, 128, 32)
     assert (few.block_n, more.block_n) == (128, 256) and few.split_k == more.split_k == 8
-    qkv = triton_linear.tile_config(fmt, False, 6144, 4096, 128, 32)  # short K pieces: stays 128-wide
+    qkv = linear_tiles.tile_config(fmt, False, 6144, 4096, 128, 32)  # short K pieces: stays 128-wide
     assert qkv.block_n == 128
 
 
@@ -945,7 +946,7 @@ def test_int4g_codes_scratch_holds_its_int8_codes():
     Triton tiles run at any M."""
     torch.manual_seed(16)
     weight = quantize_weight(torch.randn(40, 256), "int4g", 64)
-    fmt = triton_linear.INT4G.value
+    fmt = linear_tiles.INT4G.value
     codes = triton_linear.dequantize(weight, fmt, codes=True, dtype=torch.int8)
     assert codes.dtype == torch.int8 and torch.equal(codes.float(), weight.int8_codes())
     assert torch.equal(triton_linear.dequantize(weight, fmt, codes=True).float(), weight.int8_codes())  # bf16
@@ -958,14 +959,14 @@ def test_int8_scratch_holds_the_codes_quartered():
     columns quartered, no scale; the GPU tests compare the product's bits with the decode tiles'."""
     torch.manual_seed(15)
     weight = quantize_weight(torch.randn(40, 256), "int8", 64)
-    fmt = triton_linear.INT8.value
+    fmt = linear_tiles.INT8.value
     codes = triton_linear.dequantize(weight, fmt, quartered=True, codes=True)
     q = weight.q.float()
     for tile in range(2):  # K tiles of 128: quarters of 32 columns
         for t in range(4):
             for j in (0, 7, 31):
                 assert torch.equal(codes[:, tile * 128 + t * 32 + j].float(), q[:, tile * 128 + 4 * j + t])
-    assert not triton_linear.takes_scratch(fmt, False, 0, triton_linear.tile_config(fmt, False, 40, 256, 0, 4096),
+    assert not triton_linear.takes_scratch(fmt, False, 0, linear_tiles.tile_config(fmt, False, 40, 256, 0, 4096),
                                            (4096, 256), torch.device("cpu"))  # on a CPU: the Triton tiles
 
 

@@ -19,6 +19,7 @@ import triton.language as tl
 from selfspec.bench.device import copies_past_l2, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import triton_linear as tlin
+from selfspec.kernels import linear_tiles as tiles
 from selfspec.kernels.reference import row_sums
 from selfspec.kernels.semaphores import group_counts, last_to_arrive
 from selfspec.quant.formats import quantize_weight
@@ -119,7 +120,7 @@ def run(x: torch.Tensor, w: Weight, cfg: tuple, split: int) -> torch.Tensor:
     m, k = x.shape
     n = w.n
     block_k = 128
-    chunk = tlin.k_chunk(k, split, block_k)
+    chunk = tiles.k_chunk(k, split, block_k)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     desc = tlin.TensorDescriptor.from_tensor(w.words, [block_n, block_k // 4])
     grid_split = 1 if in_program else split
@@ -148,7 +149,7 @@ def main() -> None:
     mode = MODES["w4a16"]
     rows = []
     for gemm, n, k in layer_gemms(SHAPES[args.shape]):
-        base = tlin.decode_config(tlin.INT4.value, False, n, k, 128)
+        base = tiles.decode_config(tiles.INT4.value, False, n, k, 128)
         split = base.split_k
         copies = copies_past_l2(n * k // 2)
         ws = [Weight(torch.randn(n, k, device=dev) * 0.02) for _ in range(copies)]

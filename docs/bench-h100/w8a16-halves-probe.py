@@ -6,6 +6,7 @@ import os
 import torch
 from selfspec.kernels import gluon_linear as gll
 from selfspec.kernels import triton_linear as tl_
+from selfspec.kernels import linear_tiles as tiles
 from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES
 
@@ -28,10 +29,10 @@ for name, n, k in [("qkv", 6144, 4096), ("o", 4096, 4096), ("down", 4096, 14336)
     codes = w.q.float().bfloat16()
     for m in (16, 1024):
         y_tr = tl_.linear(x[:m], w, MODES["w8a16"], None)
-        cfg = tl_.tile_config(tl_.INT8.value, False, n, k, 0, m)
+        cfg = tiles.tile_config(tiles.INT8.value, False, n, k, 0, m)
         row = {"gemm": name, "m": m, "split": cfg.split_k, "outputs": y_tr.numel()}
         for label, order in (("kwidth4_halves", kw4), ("natural_halves", nat)):
-            chunk = tl_.k_chunk(2 * k, cfg.split_k, 64)  # K doubled: each 16-k step in two
+            chunk = tiles.k_chunk(2 * k, cfg.split_k, 64)  # K doubled: each 16-k step in two
             y = gll.dense_gemm(halves(x[:m], order), halves(codes, order), 64, chunk, cfg.split_k, None, None)
             row[label] = int((y != y_tr).sum())
         out.append(row)

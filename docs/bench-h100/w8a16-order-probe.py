@@ -6,6 +6,7 @@ import os
 import torch
 from selfspec.kernels import gluon_linear as gll
 from selfspec.kernels import triton_linear as tl_
+from selfspec.kernels import linear_tiles as tiles
 from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES
 
@@ -21,9 +22,9 @@ for name, n, k in [("qkv", 6144, 4096), ("o", 4096, 4096), ("down", 4096, 14336)
     x = torch.randn(1024, k, device="cuda").bfloat16()
     for m in (16, 256, 1024):
         y_tr = tl_.linear(x[:m], w, MODES["w8a16"], None)
-        cfg = tl_.tile_config(tl_.INT8.value, False, n, k, 0, m)
+        cfg = tiles.tile_config(tiles.INT8.value, False, n, k, 0, m)
         codes = w.q.float().bfloat16()
-        chunk = tl_.k_chunk(k, cfg.split_k, 64)
+        chunk = tiles.k_chunk(k, cfg.split_k, 64)
         y_perm = gll.dense_gemm(perm16(x[:m]), perm16(codes), 64, chunk, cfg.split_k, None, None)
         y_nat = gll.dense_gemm(x[:m].contiguous(), codes.contiguous(), 64, chunk, cfg.split_k, None, None)
         row = {"gemm": name, "m": m, "split": cfg.split_k, "block_k": cfg.block_k, "block_m": cfg.block_m,

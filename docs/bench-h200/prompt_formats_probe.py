@@ -12,6 +12,7 @@ import argparse
 import torch
 
 import selfspec.kernels.triton_linear as tlin
+from selfspec.kernels import linear_tiles as tiles
 from selfspec.bench.device import copies_past_l2, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import linear
@@ -19,7 +20,7 @@ from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES, prompt_mode
 
 KERNEL, ROWS = tlin.takes_prompt_kernel, tlin.PROMPT_SCRATCH_ROWS
-NEVER = {tlin.FULL.value: 1 << 62, tlin.INT8.value: 1 << 62, tlin.INT4G.value: 1 << 62}
+NEVER = {tiles.FULL.value: 1 << 62, tiles.INT8.value: 1 << 62, tiles.INT4G.value: 1 << 62}
 ALWAYS = dict.fromkeys(NEVER, 0)
 PATHS = {"kernel": (KERNEL, NEVER), "scratch": (KERNEL, ALWAYS), "dequantize": (lambda weight, fmt, x2: False, NEVER)}
 CASES = [("full", "planes", 1), ("w8a16", "int8", 1), ("w4a16", "int4g", 2)]  # mode, storage, bytes / 2 a weight

@@ -12,6 +12,7 @@ import torch
 
 import selfspec.kernels.gluon_linear as glin
 import selfspec.kernels.triton_linear as tlin
+from selfspec.kernels import linear_tiles as tiles
 from selfspec.bench.device import graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import linear
@@ -38,7 +39,7 @@ def main() -> None:
             for m in args.m:
                 x = torch.randn(m, k, device="cuda").bfloat16()
                 xq = glin.quartered(x, block_k)
-                cfg = tlin.tile_config(tlin.DENSE.value, False, n, k, 0, m)
+                cfg = tiles.tile_config(tiles.DENSE.value, False, n, k, 0, m)
 
                 def whole(scratch: bool) -> None:
                     tlin.takes_prompt_kernel = kernel if scratch else (lambda weight, fmt, x2: False)
@@ -51,7 +52,7 @@ def main() -> None:
                     "plain dequantize": lambda: tlin.dequantize(weight, fmt),
                     "quartered dequantize": lambda: tlin.quartered_scratch(weight, fmt),
                     "x quartered": lambda: glin.quartered(x, block_k),
-                    "plain gemm": lambda: tlin._run(x, None, (plain, None, None, None), n, 0, tlin.DENSE.value,
+                    "plain gemm": lambda: tlin._run(x, None, (plain, None, None, None), n, 0, tiles.DENSE.value,
                                                     False, None, cfg, None),
                     "quartered gemm (k 64)": lambda: glin.dense_gemm(xq, wq, 64, k, 1, None, None, scale),
                     "quartered gemm (k 128)": lambda: glin.dense_gemm(xq, wq, 128, k, 1, None, None, scale),

@@ -14,26 +14,27 @@ import triton
 from selfspec.bench.device import copies_past_l2, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import triton_linear as tlin
+from selfspec.kernels import linear_tiles as tiles
 from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES
 
 mode = MODES["w8a16"]
-words_rule = tlin.reads_words
+words_rule = tiles.reads_words
 rows = []
 for gemm, n, k in layer_gemms(SHAPES["llama-3-8b"]):
     weights = [quantize_weight(torch.randn(n, k, device="cuda") * 0.02, "int8", 128)
                for _ in range(copies_past_l2(n * k))]
     xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in (1, 16)}
-    base = tlin.decode_config(tlin.INT8.value, False, n, k, 0)
+    base = tiles.decode_config(tiles.INT8.value, False, n, k, 0)
 
     def cost(cfg, words: bool) -> float:
-        tlin.reads_words = words_rule if words else (lambda *a: False)
+        tiles.reads_words = words_rule if words else (lambda *a: False)
         try:
-            return sum(1000 * graph_time_ms([lambda w=w, m=m: tlin._launch(xs[m], None, w, tlin.INT8.value, False,
+            return sum(1000 * graph_time_ms([lambda w=w, m=m: tlin._launch(xs[m], None, w, tiles.INT8.value, False,
                                                                            None, cfg) for w in weights])
                        for m in (1, 16)) / 2
         finally:
-            tlin.reads_words = words_rule
+            tiles.reads_words = words_rule
 
     old = replace(base, block_k=256, split_k=max(1, min(triton.cdiv(k, 256), 8, 528 // triton.cdiv(n, 32))))
     row = {"gemm": gemm, "n": n, "k": k, "bytes_256_us": cost(old, False), "bytes_128_us": cost(base, False),

@@ -12,9 +12,10 @@ import triton
 from selfspec.bench.device import copies_past_l2, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import triton_linear as tlin
+from selfspec.kernels import linear_tiles as tiles
 from selfspec.quant.formats import quantize_weight
 
-words_rule = tlin.reads_words
+words_rule = tiles.reads_words
 rows = []
 for gemm, n, k in layer_gemms(SHAPES["llama-3-8b"]):
     weights = [quantize_weight(torch.randn(n, k, device="cuda") * 0.02, "int8", 128)
@@ -23,15 +24,15 @@ for gemm, n, k in layer_gemms(SHAPES["llama-3-8b"]):
     xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in (1, 16, 256, 1024, 4096)}
 
     def us(cfg, m: int, words: bool = True) -> float:
-        tlin.reads_words = words_rule if words else (lambda *a: False)
+        tiles.reads_words = words_rule if words else (lambda *a: False)
         try:
-            return 1000 * graph_time_ms([lambda w=w: tlin._launch(xs[m], None, w, tlin.INT8.value, False, None, cfg)
+            return 1000 * graph_time_ms([lambda w=w: tlin._launch(xs[m], None, w, tiles.INT8.value, False, None, cfg)
                                          for w in weights])
         finally:
-            tlin.reads_words = words_rule
+            tiles.reads_words = words_rule
 
-    base = tlin.decode_config(tlin.INT8.value, False, n, k, 0)
-    old = tlin.TileConfig(32, 256, max(1, min(triton.cdiv(k, 256), 8, 528 // triton.cdiv(n, 32))))
+    base = tiles.decode_config(tiles.INT8.value, False, n, k, 0)
+    old = tiles.TileConfig(32, 256, max(1, min(triton.cdiv(k, 256), 8, 528 // triton.cdiv(n, 32))))
     row = {"gemm": gemm, "bytes_us": {m: us(old, m, False) for m in (1, 16)},
            "cublas_us": {m: 1000 * graph_time_ms([lambda: torch.nn.functional.linear(xs[m], dense)])
                          for m in (256, 1024, 4096)}, "splits": []}

@@ -35,13 +35,15 @@ from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import gluon_linear as gll
 from selfspec.kernels import triton_attention as ta
 from selfspec.kernels import triton_linear as tlin
+from selfspec.kernels import linear_tiles
 from selfspec.kernels import triton_quant_attention as tqa
 from selfspec.quant.modes import MODES
 
 H100 = GPUTarget("cuda", 90, 32)
 # The stored format each weight-only or activation-quantized mode reads, as the kernels see it.
-FORMATS = {"bf16": tlin.DENSE.value, "w8a16": tlin.INT8.value, "w8a8": tlin.INT8.value, "w4a16": tlin.INT4.value,
-           "w4a8": tlin.INT4.value, "w4a4": tlin.INT4.value, "upper": tlin.UPPER.value, "full": tlin.FULL.value}
+FORMATS = {"bf16": linear_tiles.DENSE.value, "w8a16": linear_tiles.INT8.value, "w8a8": linear_tiles.INT8.value,
+           "w4a16": linear_tiles.INT4.value, "w4a8": linear_tiles.INT4.value, "w4a4": linear_tiles.INT4.value,
+           "upper": linear_tiles.UPPER.value, "full": linear_tiles.FULL.value}
 
 
 @dataclass(frozen=True)
@@ -52,39 +54,40 @@ class Resources:
     mma: str  # "wgmma", "mma.sync" or "none"
 
 
-def compile_linear(mode: str, cfg: tlin.TileConfig, k: int = 4096, group: int = 128,
+def compile_linear(mode: str, cfg: linear_tiles.TileConfig, k: int = 4096, group: int = 128,
                    fmt: int | None = None) -> triton.compiler.CompiledKernel:
     """The kernel `_launch` would run for `mode` under `cfg` (K = k), compiled for sm_90 (no launch, no GPU); with
     its int8 codes' row sums where the kernel takes them. `fmt`: the weight's format where not the mode's FORMATS
     one (INT4G)."""
     fmt, act = FORMATS[mode] if fmt is None else fmt, MODES[mode].act_bits is not None
-    nibble = tlin.uses_nibble_kernel(fmt, act, group, cfg.block_m)
-    words = tlin.reads_words(fmt, act, group, cfg)
-    word_type = "i32" if fmt == tlin.INT8.value else "i16"
-    w_type = word_type if words else {tlin.DENSE.value: "bf16", tlin.INT8.value: "i8"}.get(fmt, "u8")
+    nibble = linear_tiles.uses_nibble_kernel(fmt, act, group, cfg.block_m)
+    words = linear_tiles.reads_words(fmt, act, group, cfg)
+    word_type = "i32" if fmt == linear_tiles.INT8.value else "i16"
+    w_type = word_type if words else {linear_tiles.DENSE.value: "bf16", linear_tiles.INT8.value: "i8"}.get(fmt, "u8")
     if words:
         w_cols = cfg.block_k // 4
     else:
-        w_cols = cfg.block_k // 2 if fmt >= tlin.INT4.value else cfg.block_k
+        w_cols = cfg.block_k // 2 if fmt >= linear_tiles.INT4.value else cfg.block_k
     desc = f"tensordesc<{w_type}[{cfg.block_n}, {w_cols}]>"
     sig = {"x_ptr": "*i8" if act else "*bf16", "xs_ptr": "*fp32", "w_desc": desc,
-           "w2_desc": desc if fmt == tlin.FULL.value else "constexpr", "scale_ptr": "*fp32",
-           "lo_ptr": "*i32" if fmt == tlin.INT4G.value else "*fp32",
+           "w2_desc": desc if fmt == linear_tiles.FULL.value else "constexpr", "scale_ptr": "*fp32",
+           "lo_ptr": "*i32" if fmt == linear_tiles.INT4G.value else "*fp32",
            "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16",
-           "part_ptr": "*i32" if act and fmt in (tlin.INT8.value, tlin.INT4G.value) else "*fp32", "count_ptr": "*i32"}
+           "part_ptr": "*i32" if act and fmt in (linear_tiles.INT8.value, linear_tiles.INT4G.value) else "*fp32",
+           "count_ptr": "*i32"}
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_xm", "stride_sn", "stride_sg",
                               "stride_ym", "stride_rm"), "i32"))
-    consts = dict(FMT=fmt, ACT=act, GROUP=group if fmt >= tlin.INT4.value else 0, HAS_BIAS=False, HAS_RES=False,
+    consts = dict(FMT=fmt, ACT=act, GROUP=group if fmt >= linear_tiles.INT4.value else 0, HAS_BIAS=False, HAS_RES=False,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=1 if cfg.in_program
                   else cfg.split_k, IN_PROGRAM=cfg.in_program, PDL=False)
-    if fmt != tlin.FULL.value:
+    if fmt != linear_tiles.FULL.value:
         consts["w2_desc"] = None
     if nibble:  # as the model runs it: with its codes' row sums where the kernel takes them, x by TMA where it is
-        row_sums = tlin.takes_row_sums(fmt, act, group, cfg)
+        row_sums = linear_tiles.takes_row_sums(fmt, act, group, cfg)
         sig["sums_ptr"] = "*fp32" if row_sums else "constexpr"
         if not row_sums:
             consts["sums_ptr"] = None
-        x_desc = tlin.x_by_tma(fmt, act, cfg)
+        x_desc = linear_tiles.x_by_tma(fmt, act, cfg)
         if x_desc:
             sig["x_ptr"] = f"tensordesc<{'i8' if act else 'bf16'}[{cfg.block_m}, {cfg.block_k}]>"
         consts.update(ROW_SUMS=row_sums, WORDS=words, ASM=True, X_DESC=x_desc)
@@ -115,19 +118,19 @@ def compile_warp_specialized(mode: str, block_k: int = 128, group: int = 128, in
     def desc(dtype: str, shape: list[int], layout: object) -> str:
         return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
 
-    word, word_name = (gl.int32, "i32") if fmt == tlin.INT8.value else (gl.int16, "i16")
+    word, word_name = (gl.int32, "i32") if fmt == linear_tiles.INT8.value else (gl.int16, "i16")
     words = desc(word_name, [gll.BLOCK_N, q], gl.NVMMASharedLayout.get_default_for([gll.BLOCK_N, q], word))
     row_n = desc("fp32", [1, gll.BLOCK_N], gll.ROW_LAYOUT)
     sig = {"x_desc": desc("bf16", [block_m, q], gl.NVMMASharedLayout.get_default_for([block_m, q], gl.bfloat16)),
            "w_desc": words, "w2_desc": words, "scale_desc": row_n, "lo_desc": row_n,
            "scale_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*fp32" if partial else "*bf16"}
-    if fmt == tlin.INT8.value:  # the words' descriptor stands in for the ones it does not read
+    if fmt == linear_tiles.INT8.value:  # the words' descriptor stands in for the ones it does not read
         sig.update(w2_desc=words, scale_desc=words, lo_desc=words)
-    elif fmt != tlin.INT4G.value:  # INT4G: its channel scales after the sum
+    elif fmt != linear_tiles.INT4G.value:  # INT4G: its channel scales after the sum
         sig["scale_ptr"] = "constexpr"
     sig.update(dict.fromkeys(("M", "N", "K", "K_CHUNK", "CHUNKS", "stride_ym", "stride_rm"), "i32"))
     consts = dict(CHUNKS=1) if partial else {}  # a launch's 1 is specialized as a constant
-    if fmt not in (tlin.INT8.value, tlin.INT4G.value) or partial:
+    if fmt not in (linear_tiles.INT8.value, linear_tiles.INT4G.value) or partial:
         consts["scale_ptr"] = None
     consts |= dict(FMT=fmt, GROUP=group, HAS_BIAS=False, HAS_RES=False, IN_PROGRAM=in_program and not partial,
                    PARTIAL=partial, NARROWS=True,
@@ -391,8 +394,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     print(f"{args.mode}, K {args.k} in tiles of {args.block_k}, split {args.split}, {args.stages} stages, sm_90")
     print("| tiles (M x N x warps) | registers | stack bytes | shared bytes | MMA |\n|---|---|---|---|---|")
     for block_m, block_n, warps in args.tiles:
-        cfg = tlin.TileConfig(block_n, args.block_k, args.split, warps, args.stages, args.swap, block_m,
-                              in_program=block_m > tlin.BLOCK_M and args.split > 1)
+        cfg = linear_tiles.TileConfig(block_n, args.block_k, args.split, warps, args.stages, args.swap, block_m,
+                              in_program=block_m > linear_tiles.BLOCK_M and args.split > 1)
         r = resources(compile_linear(args.mode, cfg, args.k))
         print(f"| {block_m} x {block_n} x {warps} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} |")
 
@@ -506,7 +509,7 @@ def _shared_offset(encoding: str, rows: int, cols: int, elem: int) -> Callable[[
 
 
 def shape_table(shape: str, modes: list[str], ms: list[int], group: int) -> None:
-    """Registers and spills of the tile config `linear` picks (triton_linear.tile_config) per layer GEMM, mode and M."""
+    """Registers and spills of the tile config `linear` picks (linear_tiles.tile_config) per layer GEMM, mode and M."""
     print(f"{shape}: the tiles linear picks, quantization group {group}, sm_90")
     print("| GEMM (N x K) | mode | M | tiles (M x N x warps, K tile, split, chunks in a program) | registers | "
           "stack bytes | MMA | K loop: instructions a warp (lane-instructions a weight) | shared reads: wavefronts "
@@ -516,7 +519,7 @@ def shape_table(shape: str, modes: list[str], ms: list[int], group: int) -> None
         for mode in modes:
             fmt, act = FORMATS[mode], MODES[mode].act_bits is not None
             for m in ms:
-                cfg = tlin.tile_config(fmt, act, n, k, group if fmt >= tlin.INT4.value else 0, m)
+                cfg = linear_tiles.tile_config(fmt, act, n, k, group if fmt >= linear_tiles.INT4.value else 0, m)
                 kernel = compile_linear(mode, cfg, k, group)
                 r, loop = resources(kernel), mma_loop(kernel)
                 tiles = (f"{cfg.block_m} x {cfg.block_n} x {cfg.num_warps}, {cfg.block_k}, {cfg.split_k}, "

@@ -16,6 +16,7 @@ import torch
 from selfspec.bench.device import copies_past_l2, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import triton_linear as tlin
+from selfspec.kernels import linear_tiles
 from selfspec.kernels.launch import cdiv
 from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES
@@ -29,16 +30,16 @@ def kernel_inputs(x: torch.Tensor, mode, fmt: int, group: int, n: int) -> tuple:
     """What the kernel reads for activations x (a GEMM of N outputs), as `linear` does for x's rows: x or its int8
     codes, their row scales, and the codes' row sums where the kernel reads them (act_quant's)."""
     m, k = x.shape
-    cfg = tlin.tile_config(fmt, mode.act_bits is not None, n, k, group, m)
+    cfg = linear_tiles.tile_config(fmt, mode.act_bits is not None, n, k, group, m)
     return tlin.kernel_inputs(x, mode, fmt, group, cfg, None)
 
 
-def candidates(group_fmt: bool, nibble_kernel: bool) -> list[tlin.TileConfig]:
+def candidates(group_fmt: bool, nibble_kernel: bool) -> list[linear_tiles.TileConfig]:
     if nibble_kernel:  # _nibble_kernel: wider N tiles, never swapped, one group (128) per K tile
-        return [tlin.TileConfig(n, 128, s, 4, stages)
+        return [linear_tiles.TileConfig(n, 128, s, 4, stages)
                 for n, s, stages in itertools.product((64, 128, 256), (1, 2, 4, 8, 16), (2, 3))]
     ks = (64, 128) if group_fmt else (128, 256)
-    return [tlin.TileConfig(n, k, s, 4, 3, swap) for n, k, s, swap
+    return [linear_tiles.TileConfig(n, k, s, 4, 3, swap) for n, k, s, swap
             in itertools.product((32, 64, 128), ks, (1, 2, 4, 8, 16), (False, True))]
 
 
@@ -57,25 +58,25 @@ def tune(shape: str, ms: tuple[int, ...], kernels: list[str]) -> list[dict]:
             group = getattr(weight, "group_size", 0)
             xs = {m: kernel_inputs(torch.randn(m, k, device="cuda").bfloat16(), mode, fmt, group, n) for m in ms}
 
-            def cost(cfg: tlin.TileConfig) -> float:
+            def cost(cfg: linear_tiles.TileConfig) -> float:
                 return sum(graph_time_ms([lambda w=w, m=m: tlin._launch(*xs[m][:2], w, fmt, act, None, cfg,
                                                                         sums=xs[m][2])
                                           for w in weights])
                            for m in ms)
 
-            current = tlin.tile_config(fmt, act, n, k, getattr(weight, "group_size", 0))
+            current = linear_tiles.tile_config(fmt, act, n, k, getattr(weight, "group_size", 0))
             results = []
-            nibble = tlin.uses_nibble_kernel(fmt, act, getattr(weight, "group_size", 0))
-            for cfg in candidates(fmt >= tlin.INT4.value, nibble):
+            nibble = linear_tiles.uses_nibble_kernel(fmt, act, getattr(weight, "group_size", 0))
+            for cfg in candidates(fmt >= linear_tiles.INT4.value, nibble):
                 if cfg.split_k > cdiv(k, cfg.block_k):
                     continue
-                if nibble and not act and cdiv(k, cfg.split_k * cfg.block_k) > tlin.MAX_TILES_PER_PROGRAM:
+                if nibble and not act and cdiv(k, cfg.split_k * cfg.block_k) > linear_tiles.MAX_TILES_PER_PROGRAM:
                     continue
                 results.append((cost(cfg), cfg))
             results.sort(key=lambda r: r[0])
             for warps, stages in ((8, 3), (4, 4), (4, 2), (8, 4)):  # refine the best tile shape
                 c = results[0][1]
-                cfg = tlin.TileConfig(c.block_n, c.block_k, c.split_k, warps, stages, c.swap)
+                cfg = linear_tiles.TileConfig(c.block_n, c.block_k, c.split_k, warps, stages, c.swap)
                 results.append((cost(cfg), cfg))
             results.sort(key=lambda r: r[0])
             best_t, best = results[0]
@@ -119,14 +120,14 @@ def tune_many(shape: str, ms: tuple[int, ...], kernels: list[str], save: str | N
             weight = quantize_weight(w.bfloat16() if storage == "dense" else w, storage, 128)
             group = getattr(weight, "group_size", 0)
             fmt, act = tlin.kernel_format(weight, mode), mode.act_bits is not None
-            base = tlin.decode_config(fmt, act, n, k, group, max(ms))
-            kind = tlin.kernel_kind(fmt, act, group, max(ms))
+            base = linear_tiles.decode_config(fmt, act, n, k, group, max(ms))
+            kind = linear_tiles.kernel_kind(fmt, act, group, max(ms))
             dense = w.bfloat16()
             for m in ms:
                 x = torch.randn(m, k, device="cuda").bfloat16()
                 xq, xs, sums = kernel_inputs(x, mode, fmt, group, n)
 
-                def launch(cfg: tlin.TileConfig) -> torch.Tensor:
+                def launch(cfg: linear_tiles.TileConfig) -> torch.Tensor:
                     return tlin._launch(xq, xs, weight, fmt, act, None, cfg, sums=sums)
 
                 ref = launch(base)

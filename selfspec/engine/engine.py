@@ -110,7 +110,7 @@ def in_step(dues: list[int]) -> bool:
 
 
 def prefill_warm_sizes(max_tokens: int) -> list[int]:
-    """Token counts of the prefill passes warm_up runs: one in each tile bucket of the GEMMs (kernels'
+    """Token counts of the prefill passes warm_up runs: one in each tile bucket of the GEMMs (kernels/linear_tiles.py
     MANY_TOKENS: up to 16, 64, 256 rows, then tile shapes chosen per size) up to max_tokens, and max_tokens."""
     return sorted({min(t, max_tokens) for t in (1, 17, 65, 257, 512, 1024, 2048, max_tokens)})
 

@@ -38,13 +38,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from selfspec.kernels import ptx
 from selfspec.kernels.launch import INTERPRETING, SHARED_MEMORY, cdiv, launch_options, wait
+from selfspec.kernels.linear_tiles import FULL, INT4, INT4G, INT8, UPPER
 from selfspec.kernels.ops import ROW_SUM_COLS
 from selfspec.kernels.triton_small import sum_chunks
 
-# The formats, as kernels/triton_linear.py numbers them: INT8 codes (per-channel scale), the nibble formats and INT4G
-# (nibbles with integer group scales over a channel scale).
-INT8, INT4, UPPER, FULL = gl.constexpr(1), gl.constexpr(2), gl.constexpr(3), gl.constexpr(4)
-INT4G = gl.constexpr(5)
 BLOCK_N = 128  # weight rows per CTA: two consumer warpgroups of WARPGROUP_ROWS
 BLOCK_M = 128  # rows of x per CTA
 NARROW = gl.constexpr(32)  # the fewest columns of x a CTA's product takes (M's last tile: 32, 64 or BLOCK_M)
@@ -616,7 +613,7 @@ def nibble_gemm(x2: torch.Tensor, fmt: int, tensors: tuple, n: int, group: int, 
     """y [M, N] = x2 [M, K] @ W^T (+ bias, + r2) for a nibble format with bf16 activations (INT4G: lo its group
     integers, scale its channel scales), or for INT8 codes (as 32-bit words, lo None; K a multiple of block_k), in
     the K tile and the K split of the decode config (block_k;
-    split_k chunks of `chunk` columns, triton_linear.k_chunk): the chunks are walked in order, each from zero, and
+    split_k chunks of `chunk` columns, linear_tiles.k_chunk): the chunks are walked in order, each from zero, and
     added in order (as the split's partial sums are). x_quartered: x2 comes quartered by block_k already."""
     m, k = x2.shape
     w, w2, scale, lo = tensors

@@ -15,6 +15,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from selfspec.errors import SelfspecError  # noqa: E402
 from selfspec.kernels import Handover, lookup, reference_op, semaphores, triton_attention  # noqa: E402
 from selfspec.kernels import triton_linear, triton_small  # noqa: E402
+from selfspec.kernels import linear_tiles  # noqa: E402
 from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, DenseWeight, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402
@@ -255,7 +256,7 @@ def test_int8_activations_row_sums_give_the_dot_with_ones_bits(mode_name, m):
     weight = quantize_weight(torch.randn(4096, 4096, device=DEV) * 0.02, "int4", 128)
     fmt = triton_linear.kernel_format(weight, mode)
     xq, xs, sums = triton_linear._act_quant(torch.randn(m, 4096, device=DEV).bfloat16(), mode.act_bits, sums=True)
-    cfg = triton_linear.tile_config(fmt, True, 4096, 4096, 128, m)
+    cfg = linear_tiles.tile_config(fmt, True, 4096, 4096, 128, m)
     assert torch.equal(triton_linear._launch(xq, xs, weight, fmt, True, None, cfg, sums=sums),
                        triton_linear._launch(xq, xs, weight, fmt, True, None, cfg))
 
@@ -550,7 +551,7 @@ def test_nibble_gemms_of_few_tiles_keep_each_rows_bits(storage, mode_name, m, n,
     mode = MODES[mode_name]
     weight = quantize_weight(torch.randn(n, k, device=DEV) * 0.02, storage, group)
     fmt = triton_linear.kernel_format(weight, mode)
-    cfg = triton_linear.tile_config(fmt, False, n, k, group, m)
+    cfg = linear_tiles.tile_config(fmt, False, n, k, group, m)
     assert cfg.warp_specialized and gluon_linear.chunks_apart(((m + 127) // 128, (n + 127) // 128), cfg.split_k, DEV)
     half_height = (n, k) == (4096, 4096)
     assert gluon_linear.nibble_block_m(m, n, k, cfg.block_k, cfg.split_k, DEV) == (64 if half_height else 128)
@@ -580,7 +581,7 @@ def test_generated_rows_through_the_scratch_keep_each_rows_bits(storage, mode_na
         bias, r = torch.randn(n, device=DEV).bfloat16(), torch.randn(300, n, device=DEV).bfloat16()
         y16 = triton_linear.linear(x[:16], weight, mode, bias, r[:16])
         monkeypatch.setitem(triton_linear.SCRATCH_ROWS, fmt, 17)
-        cfg = triton_linear.tile_config(fmt, False, n, k, 128, 300)
+        cfg = linear_tiles.tile_config(fmt, False, n, k, 128, 300)
         assert triton_linear.takes_scratch(fmt, False, 128, cfg, x.shape, x.device)
         y = triton_linear.linear(x, weight, mode, bias, r)
         assert torch.equal(y[:16], y16), f"{n} x {k}"
