@@ -50,6 +50,8 @@ def main() -> None:
             for q in widths:
                 consts = dict(D=dim, BLOCK_D=dim, BLOCK_T=tile.block_t, BLOCK_S=ta.BLOCK_S, CHUNK=ta.CHUNK,
                               TILE_IN_BLOCK=True, PDL=False, TAILS=False)
+                if "ONE_CHAIN" in ta._attention_in_program_kernel.arg_names:  # prompt tokens' one chain of keys
+                    consts["ONE_CHAIN"] = tile is ta.PROMPT_TILES
                 if q is not None:
                     consts["QUARTERED"] = q
                 name = f"in-program, {label} ({tile.block_t} rows, {tile.warps} warps), D {dim}, quartered {q}"
