@@ -1,7 +1,8 @@
 # Run here, from the repository root, in a checkout that lacks the git-ignored files a lease carries:
 # .whl (the wheels the lent machine lacks: gguf, the GSM8K and HumanEval data), .ab/head (HEAD's selfspec and
 # tests) and the trees of the leads docs/leads/README.md lists (.ab/x-quartered-attention: HEAD with
-# docs/leads/x-quartered-attention.patch; .ab/prompt-one-chain, with prompt-attention-one-chain.patch;
+# docs/leads/x-quartered-attention.patch; .ab/unmasked-tiles, with attention-unmasked-tiles.patch;
+# .ab/prompt-one-chain, with that and prompt-attention-one-chain.patch;
 # .ab/attention-chunk, with attention-chunk-heads.patch); a
 # lead written as a patch adds its line: `tree NAME "A.patch B.patch" PATHS` for .ab/NAME, HEAD's PATHS with
 # docs/leads/A.patch and B.patch applied; a patch that no longer applies stops this script, so drop its line when
@@ -25,7 +26,8 @@ tree() {  # tree NAME "PATCH..." PATHS...: .ab/NAME holding HEAD's PATHS, with d
 
 tree head "" selfspec tests
 tree x-quartered-attention x-quartered-attention.patch selfspec tests
-tree prompt-one-chain prompt-attention-one-chain.patch selfspec tests
+tree unmasked-tiles attention-unmasked-tiles.patch selfspec tests
+tree prompt-one-chain "attention-unmasked-tiles.patch prompt-attention-one-chain.patch" selfspec tests
 tree attention-chunk attention-chunk-heads.patch selfspec tests
 du -sh .whl .ab/*
 if [ "${RAY:-0}" = 1 ]; then
