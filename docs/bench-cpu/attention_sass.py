@@ -1,7 +1,7 @@
-"""The bf16 attention kernels compiled for sm_90 on the CPU, as a launch on 8B heads specializes them (pointers,
-strides and the block size 16-divisible; without those attributes every store reads as a 2-byte STG.E.U16 and the
-spills are not the launch's): registers, spilled bytes, the output stores, and each loop over key tiles (the
-innermost loops issuing MMA: SASS instructions a warp issues a key tile, and spill loads and stores in them).
+"""The bf16 attention kernels compiled for sm_90 on the CPU as a launch on 8B heads specializes them
+(`selfspec.bench.kernel_resources.compile_bf16_attention`): registers, spilled bytes, the output stores, and each
+loop over key tiles (the innermost loops issuing MMA: SASS instructions a warp issues a key tile, and spill loads and
+stores in them).
 
 python docs/bench-cpu/attention_sass.py                           (this tree)
 PYTHONPATH=.ab/TREE python docs/bench-cpu/attention_sass.py       (a tree of docs/bench-h200/lease/prepare.sh)
@@ -11,30 +11,12 @@ from __future__ import annotations
 import re
 
 import triton
-from triton.compiler import ASTSource
 
 from selfspec.bench import kernel_resources as kr
 from selfspec.kernels import triton_attention as ta
 
-INDEX_POINTERS = ("table_ptr", "tails_ptr", "pos_ptr")
-BF16_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "o_ptr")
 STORES = ("STG.E.128", "STG.E.64", "STG.E.U16")
 MMA = ("HMMA", "HGMMA")
-
-
-def compile_as_launched(kernel: triton.JITFunction, consts: dict, warps: int) -> triton.compiler.CompiledKernel:
-    sig = {}
-    for name in kernel.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = "*i64" if name in INDEX_POINTERS else "*bf16" if name in BF16_POINTERS else "*fp32"
-        else:
-            sig[name] = "fp32" if name == "qk_scale" else "i32"
-    aligned = [n for n in kernel.arg_names
-               if n not in consts and (n.endswith("_ptr") or n.startswith("stride") or n == "BS")]
-    return triton.compile(ASTSource(kernel, sig, consts, kr._divisible_by_16(kernel, aligned)), target=kr.H100,
-                          options=dict(num_warps=warps, num_stages=2))
 
 
 def key_tile_loops(sass: str) -> list[tuple[int, int]]:
@@ -86,19 +68,18 @@ def main() -> None:
         for dim in (64, 128):
             for in_block in (True, False):
                 for q in widths if tile.in_program else (None,):
-                    consts = dict(D=dim, BLOCK_D=dim, BLOCK_T=tile.block_t, BLOCK_S=ta.BLOCK_S, CHUNK=ta.CHUNK,
-                                  TILE_IN_BLOCK=in_block, PDL=False, TAILS=False, **flags(kernel, tile, q))
+                    consts = dict(TILE_IN_BLOCK=in_block, TAILS=False, **flags(kernel, tile, q))
                     name = (f"{label} ({tile.block_t} rows, {tile.warps} warps), D {dim}, "
                             f"{'tiles in a block' if in_block else 'blocks of 16'}"
                             + ("" if q is None else f", quartered {q}"))
-                    print(row(name, compile_as_launched(kernel, consts, tile.warps)), flush=True)
+                    print(row(name, kr.compile_bf16_attention(kernel, consts, tile.block_t, tile.warps, dim)),
+                          flush=True)
     for dim in (64, 128):
         for q in widths:
-            consts = dict(D=dim, BLOCK_D=dim, BLOCK_T=ta.MERGE_BLOCK_T, CHUNK=ta.CHUNK, PDL=False)
-            if q is not None:
-                consts["QUARTERED"] = q
+            consts = {} if q is None else dict(QUARTERED=q)
             name = f"merge, D {dim}" + ("" if q is None else f", quartered {q}")
-            print(row(name, compile_as_launched(ta._attention_merge_kernel, consts, 4)), flush=True)
+            print(row(name, kr.compile_bf16_attention(ta._attention_merge_kernel, consts, ta.MERGE_BLOCK_T, 4, dim)),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -223,17 +223,23 @@ def compile_attention(in_program: bool, tails: bool, block_t: int = 16, warps: i
     """The bf16 attention's chunk kernel (or its in-program kernel), with or without tails (a tree's branch rows
     over one sequence's row), compiled for sm_90 (no launch, no GPU)."""
     kernel = ta._attention_in_program_kernel if in_program else ta._attention_chunk_kernel
-    return _compile_bf16_attention(kernel, dict(TAILS=tails), block_t, warps, dim)
+    return compile_bf16_attention(kernel, dict(TAILS=tails), block_t, warps, dim)
 
 
 def compile_tree_attention(block_t: int = 16, warps: int = 4, dim: int = 128) -> triton.compiler.CompiledKernel:
     """The tree attention's chunk kernel (each node's query once), compiled for sm_90 (no launch, no GPU)."""
-    return _compile_bf16_attention(ta._tree_chunk_kernel, {}, block_t, warps, dim)
+    return compile_bf16_attention(ta._tree_chunk_kernel, {}, block_t, warps, dim)
 
 
-def _compile_bf16_attention(kernel, flags: dict, block_t: int, warps: int, dim: int) -> triton.compiler.CompiledKernel:
+def compile_bf16_attention(kernel: triton.JITFunction, flags: dict, block_t: int, warps: int,
+                           dim: int) -> triton.compiler.CompiledKernel:
+    """A bf16 attention kernel (the merge kernel too) for sm_90 with its tiles, flags (constexprs: TAILS, TILE_IN_BLOCK
+    (default: key tiles within a block), ...) and the pointers, strides and block size 16-divisible, as a launch
+    on heads of `dim` specializes them: compiled without that, every store reads as 2-byte and the registers are
+    not the launch's."""
     consts = dict(D=dim, BLOCK_D=dim, BLOCK_T=block_t, BLOCK_S=ta.BLOCK_S, CHUNK=ta.CHUNK, TILE_IN_BLOCK=True,
-                  PDL=False, **flags)
+                  PDL=False)
+    consts = {name: value for name, value in {**consts, **flags}.items() if name in kernel.arg_names}
     sig = {}
     for name in kernel.arg_names:
         if name in consts:
@@ -243,7 +249,10 @@ def _compile_bf16_attention(kernel, flags: dict, block_t: int, warps: int, dim: 
                 "*bf16" if name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr") else "*fp32")
         else:
             sig[name] = "fp32" if name == "qk_scale" else "i32"
-    return triton.compile(ASTSource(kernel, sig, consts), target=H100, options=dict(num_warps=warps, num_stages=2))
+    aligned = [name for name in kernel.arg_names
+               if name not in consts and (name.endswith("_ptr") or name.startswith("stride") or name == "BS")]
+    return triton.compile(ASTSource(kernel, sig, consts, _divisible_by_16(kernel, aligned)), target=H100,
+                          options=dict(num_warps=warps, num_stages=2))
 
 
 def compile_quant_attention(fmt: str, upper: bool, block_r: int, warps: int, dim: int = 128, group: int = 128,
