@@ -8,41 +8,21 @@ PYTHONPATH=.ab/TREE python docs/bench-cpu/attention_sass.py       (a tree of doc
 """
 from __future__ import annotations
 
-import re
-
 import triton
 
 from selfspec.bench import kernel_resources as kr
 from selfspec.kernels import triton_attention as ta
 
 STORES = ("STG.E.128", "STG.E.64", "STG.E.U16")
-MMA = ("HMMA", "HGMMA")
-
-
-def key_tile_loops(sass: str) -> list[tuple[int, int]]:
-    """Each innermost loop (a backward branch holding no shorter one) that issues MMA: (instructions, spill loads
-    and stores), shortest first."""
-    code = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
-            for m in [re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)] if m]
-    spans = []
-    for at, op, line in code:
-        target = re.search(r"BRA (0x[0-9a-f]+)", line)
-        if op == "BRA" and target is not None and int(target.group(1), 16) < at:
-            spans.append((int(target.group(1), 16), at))
-    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
-    loops = []
-    for lo, hi in inner:
-        body = [o for a, o, _ in code if lo <= a <= hi]
-        if any(o in MMA for o in body):
-            loops.append((len(body), sum(o in ("STL", "LDL") for o in body)))
-    return sorted(loops)
 
 
 def row(name: str, kernel: triton.compiler.CompiledKernel) -> str:
     r = kr.resources(kernel)
     sass = kr.cuobjdump(kernel, "-sass")
     stores = ", ".join(f"{sass.count(op)} {op}" for op in STORES if sass.count(op))
-    loops = ", ".join(f"{n} ({s} spill)" if s else str(n) for n, s in key_tile_loops(sass))
+    loops = ", ".join(f"{loop.instructions}" + (f" ({spill} spill)" if spill else "")
+                      for loop in kr.mma_loops(kernel)
+                      for spill in [loop.ops.get("STL", 0) + loop.ops.get("LDL", 0)])
     return f"| {name} | {r.registers} | {r.stack_bytes} | {stores} | {loops} |"
 
 

@@ -305,20 +305,29 @@ def mma_loop(kernel: triton.compiler.CompiledKernel) -> Loop:
     """The innermost loop of the kernel's SASS that issues tensor-core instructions (a GEMM's K loop): the shortest
     backward branch whose body holds an MMA. What a decode tile issues per K tile, against what the SMs can issue
     while the weights stream (docs/gpu.md, session 13)."""
+    loops = mma_loops(kernel)
+    if not loops:
+        raise ValueError("the kernel has no loop that issues MMA instructions")
+    return loops[0]
+
+
+def mma_loops(kernel: triton.compiler.CompiledKernel) -> list[Loop]:
+    """Every loop of the kernel's SASS (a backward branch) whose body issues tensor-core instructions and holds no
+    other such loop, shortest first: a GEMM's K loop; an attention kernel's loops over key tiles."""
     sass = cuobjdump(kernel, "-sass")
     code = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
             for m in [re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)] if m]
-    best = None
+    spans = []
     for at, op, line in code:
         target = re.search(r"BRA (0x[0-9a-f]+)", line)
         if op != "BRA" or target is None or int(target.group(1), 16) >= at:
             continue
         body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= at]
-        if any(o in ("HMMA", "HGMMA", "IMMA", "IGMMA") for o in body) and (best is None or len(body) < len(best)):
-            best = body
-    if best is None:
-        raise ValueError("the kernel has no loop that issues MMA instructions")
-    return Loop(len(best), dict(Counter(best)))
+        if any(o in ("HMMA", "HGMMA", "IMMA", "IGMMA") for o in body):
+            spans.append(((int(target.group(1), 16), at), body))
+    inner = [body for span, body in spans
+             if not any(o != span and span[0] <= o[0] and o[1] <= span[1] for o, _ in spans)]
+    return sorted((Loop(len(body), dict(Counter(body))) for body in inner), key=lambda loop: loop.instructions)
 
 
 def wgmma_serialized(kernel: triton.compiler.CompiledKernel) -> bool:
