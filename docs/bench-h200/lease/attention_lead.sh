@@ -2,8 +2,9 @@
 # prefill against .ab/head (1 x 2,048, 1 x 8,192 and 8 x 512, where attention weighs most), and the decode and verify
 # steps at batch 1 and 32 against .ab/head. Logs under $OUT. Carry [".whl", ".ab/head", ".ab/TREE"].
 #   bash docs/bench-h200/lease/attention_lead.sh TREE
-#   env: K (pytest -k, default the attention, prompt, prefill and whole-pass tests), TEST_TIMEOUT (s, default 300),
-#   PREFILL=0 / STEPS=0 (skip a part)
+#   env: K (pytest -k, default the attention, prompt, prefill and whole-pass tests: 47 of the GPU kernel module),
+#   TEST_TIMEOUT (s, default 300), TESTS=0 / PREFILL=0 / STEPS=0 (skip a part: a call near its 10 minutes splits in
+#   two)
 set -u
 dir=$(dirname "$0")
 tree=$1
