@@ -24,8 +24,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from selfspec.errors import SelfspecError  # noqa: E402
 from selfspec.kernels import Handover, reference, reference_op, semaphores, triton_attention  # noqa: E402
-from selfspec.kernels import triton_linear, triton_quant_attention, triton_small  # noqa: E402
-from selfspec.kernels import linear_tiles
+from selfspec.kernels import linear_tiles, triton_linear, triton_quant_attention, triton_small  # noqa: E402
 from selfspec.quant.act import quantize_per_token  # noqa: E402
 from selfspec.quant.formats import STORAGES, quantize_weight, storage_supports  # noqa: E402
 from selfspec.quant.modes import MODES  # noqa: E402

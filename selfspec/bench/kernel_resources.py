@@ -33,9 +33,9 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from selfspec.bench.shapes import SHAPES, layer_gemms
 from selfspec.kernels import gluon_linear as gll
+from selfspec.kernels import linear_tiles
 from selfspec.kernels import triton_attention as ta
 from selfspec.kernels import triton_linear as tlin
-from selfspec.kernels import linear_tiles
 from selfspec.kernels import triton_quant_attention as tqa
 from selfspec.quant.modes import MODES
 
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     print("| tiles (M x N x warps) | registers | stack bytes | shared bytes | MMA |\n|---|---|---|---|---|")
     for block_m, block_n, warps in args.tiles:
         cfg = linear_tiles.TileConfig(block_n, args.block_k, args.split, warps, args.stages, args.swap, block_m,
-                              in_program=block_m > linear_tiles.BLOCK_M and args.split > 1)
+                                      in_program=block_m > linear_tiles.BLOCK_M and args.split > 1)
         r = resources(compile_linear(args.mode, cfg, args.k))
         print(f"| {block_m} x {block_n} x {warps} | {r.registers} | {r.stack_bytes} | {r.shared_bytes} | {r.mma} |")
 

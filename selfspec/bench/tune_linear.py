@@ -15,8 +15,8 @@ import torch
 
 from selfspec.bench.device import copies_past_l2, graph_time_ms
 from selfspec.bench.shapes import SHAPES, layer_gemms
-from selfspec.kernels import triton_linear as tlin
 from selfspec.kernels import linear_tiles
+from selfspec.kernels import triton_linear as tlin
 from selfspec.kernels.launch import cdiv
 from selfspec.quant.formats import quantize_weight
 from selfspec.quant.modes import MODES

@@ -20,14 +20,13 @@ Both kernels read their weight tiles by TMA (tensor descriptors, zeros past the 
 more bytes in flight per SM than per-thread loads do.
 
 Batch invariance (a row's output never depends on M): what orders a row's adds (BLOCK_K, the number of K splits, the
-swap) is a function of (format, mode, N, K) only (kernels/linear_tiles.py, which picks every GEMM's tiles), each
-program walks its K range in order, and the SPLIT_K partial sums of a tile are added in split order by whichever of
-its programs finishes last (kernels/semaphores.py; the sum never depends on who adds it). Splitting K is what lets a
-decode GEMM (M = 1..64) put enough programs on the GPU to stream the weight at memory speed; adding the partials in
-the GEMM itself saves a second launch per linear. Past 16 rows (`linear_tiles.many_tokens`) the M and N tiles, warps
-and stages may grow where the GPU gives each row the same bits (measured: `linear_tiles.MANY_TOKENS`), and one
-program may walk all K chunks of the split in turn, each from zero, adding them in split order as the partials are:
-the same sum without the partials' trip through memory.
+swap) is a function of (format, mode, N, K) only, and the tiles that may follow M keep every row's bits
+(kernels/linear_tiles.py picks both); each program walks its K range in order, and the SPLIT_K partial sums of a
+tile are added in split order by whichever of its programs finishes last (kernels/semaphores.py; the sum never
+depends on who adds it). Splitting K is what lets a decode GEMM (M = 1..64) put enough programs on the GPU to stream
+the weight at memory speed; adding the partials in the GEMM itself saves a second launch per linear. Past 16 rows
+one program may walk all K chunks of the split in turn (IN_PROGRAM), each from zero, adding them in split order as
+the partials are: the same sum without the partials' trip through memory.
 
 The epilogue can add a residual (y = x @ W^T + r, rounded as the bf16 product and then the bf16 sum would be),
 which saves the separate add after each block's output projection.
